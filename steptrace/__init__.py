@@ -1,0 +1,223 @@
+"""steptrace: device-true step, checkpoint and microbatch timings for training loops.
+
+::
+
+    import steptrace
+    steptrace.init()
+    for n, batch in enumerate(loader):
+        with steptrace.step(n, tokens=batch_tokens) as s:
+            state, loss = train_step(state, batch)
+            s.wait_for(loss)
+        if n % 100 == 0:
+            with steptrace.checkpoint(n):
+                manager.save(n, state)
+
+Importing steptrace imports no framework and no exporter library. Until
+``init()`` is called (and after ``init(enabled=False)``) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import warnings
+from typing import Any, Iterable
+
+from steptrace._config import Config, resolve_config
+from steptrace._errors import SteptraceWarning
+from steptrace._runtime import NULL_CHECKPOINT, NULL_MICROBATCH, NULL_SPAN, NULL_STEP, Runtime
+
+__all__ = [
+    "Config",
+    "SteptraceWarning",
+    "checkpoint",
+    "config",
+    "enabled",
+    "flush",
+    "init",
+    "microbatch",
+    "shutdown",
+    "span",
+    "stats",
+    "step",
+]
+
+__version__ = "0.1.0"
+
+
+class _Disabled:
+    """The runtime before init() and when disabled: every call returns a shared no-op."""
+
+    def __init__(self, warn_uninitialised: bool):
+        self._warn = warn_uninitialised
+
+    def _noop(self) -> None:
+        if self._warn:
+            self._warn = False
+            warnings.warn("steptrace.step() called before steptrace.init(): nothing is recorded. "
+                          "Call steptrace.init() once at start-up", SteptraceWarning, stacklevel=4)
+
+    def step(self, n: Any, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
+        if self._warn:
+            self._noop()
+        return NULL_STEP
+
+    def span(self, name: Any, **attrs: Any) -> Any:
+        return NULL_SPAN
+
+    def checkpoint(self, step: Any, async_save: bool = False) -> Any:
+        return NULL_CHECKPOINT
+
+    def microbatch(self, index: Any, stage: Any = None, chunk: Any = None, kind: str = "forward") -> Any:
+        return NULL_MICROBATCH
+
+    def flush(self, timeout_s: float | None) -> bool:
+        return True
+
+    def shutdown(self, timeout_s: float) -> bool:
+        return True
+
+
+_runtime: Any = _Disabled(warn_uninitialised=True)
+_config: Config | None = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
+    """Start steptrace in this process and return the resolved configuration.
+
+    Settings (all optional; code wins over ``STEPTRACE_*`` environment
+    variables, which win over launcher variables such as ``RANK``):
+    ``enabled``, ``run_dir``, ``run_id``, ``rank``, ``world_size``,
+    ``local_rank``, ``backend`` (``"auto"``, ``"host"``, ``"jax"``,
+    ``"torch"`` or a device object such as ``testing.SimulatedDevice``),
+    ``peak_tflops`` (for MFU), ``strict`` (misuse raises instead of warning),
+    ``annotate`` (profiler annotations), ``max_queue``, ``shutdown_timeout_s``,
+    ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on).
+    ``sinks`` adds sink objects (``export``/``force_flush``/``shutdown``).
+
+    Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
+    shuts the previous run down first.
+    """
+    global _runtime, _config, _atexit_registered
+    config = resolve_config(**settings)
+    sinks = list(sinks)
+    for sink in sinks:
+        if not all(callable(getattr(sink, m, None)) for m in ("export", "force_flush", "shutdown")):
+            raise ValueError(f"sinks: {sink!r} must have export(records), force_flush(timeout_s) "
+                             "and shutdown(timeout_s)")
+    with _lock:
+        if isinstance(_runtime, Runtime):
+            _runtime.shutdown(_runtime.config.shutdown_timeout_s)
+        _config = config
+        if not config.enabled:
+            _runtime = _Disabled(warn_uninitialised=False)
+            return config
+        forced_value, stream, auto = _choose_backend(config.backend)
+        if config.jsonl:
+            from steptrace._sinks import JsonlSink
+
+            path = os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")
+            sinks.insert(0, JsonlSink(path))
+        from steptrace._resolver import Resolver
+
+        _runtime = Runtime(config, Resolver(config, sinks),
+                           forced_value_device=forced_value, stream_device=stream, auto=auto)
+        if not _atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True
+    return config
+
+
+def _choose_backend(backend: Any) -> tuple[Any, Any, bool]:
+    """(device forced for wait_for values, stream device, decide-at-first-step)."""
+    if not isinstance(backend, str):
+        if getattr(backend, "uses_events", False):
+            return None, backend, False
+        return backend, None, False
+    if backend == "auto":
+        return None, None, True
+    if backend == "host":
+        from steptrace._devices import HOST
+
+        return HOST, None, False
+    if backend == "jax":
+        from steptrace.adapters.jax import JaxDevice
+
+        return JaxDevice(), None, False
+    # "torch": CUDA events when CUDA is there; CPU torch runs synchronously (host timing is exact).
+    from steptrace.adapters.torch import TorchCudaDevice, require_torch
+
+    torch = require_torch()
+    return None, (TorchCudaDevice() if torch.cuda.is_available() else None), False
+
+
+def step(n: int, *, tokens: int | float | None = None, flops: int | float | None = None,
+         samples: int | float | None = None, **attrs: Any) -> Any:
+    """Time training step ``n`` (a context manager). Step numbers must increase.
+
+    ``tokens``/``samples`` processed and ``flops`` executed by this rank's
+    device in the step give tokens/s (from the interval) and TFLOP/s (from
+    device compute time). Extra keyword arguments are recorded as ``attrs``.
+    Inside the block call ``s.wait_for(outputs)`` with the step's device outputs.
+    """
+    return _runtime.step(n, tokens, flops, samples, **attrs)
+
+
+def span(name: str, **attrs: Any) -> Any:
+    """Time a host span (``"data"``, ``"eval"``, ...). Idle device time it covers is charged to ``name``."""
+    return _runtime.span(name, **attrs)
+
+
+def checkpoint(step: int, *, async_save: bool = False) -> Any:
+    """Time a checkpoint save of ``step``; its ``blocking_seconds`` is the host time after that step's
+    device work finished. With ``async_save=True`` call ``.async_done()`` when the background commit ends."""
+    return _runtime.checkpoint(step, async_save)
+
+
+def microbatch(index: int, *, stage: int | None = None, chunk: int | None = None, kind: str = "forward") -> Any:
+    """Time one pipeline microbatch (``kind`` is ``"forward"`` or ``"backward"``) inside the current step."""
+    return _runtime.microbatch(index, stage, chunk, kind)
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Block until everything recorded so far is finalized and exported. False on timeout."""
+    return _runtime.flush(timeout_s)
+
+
+def shutdown(timeout_s: float | None = None) -> bool:
+    """Finalize, export and stop. Returns within ``timeout_s`` (default from config); False if
+    something could not be finished in time (it is counted as dropped). Later calls are no-ops."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, _Disabled(warn_uninitialised=False)
+    if timeout_s is None:
+        timeout_s = runtime.config.shutdown_timeout_s if isinstance(runtime, Runtime) else 0.0
+    return runtime.shutdown(timeout_s)
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:
+        pass
+
+
+def enabled() -> bool:
+    """True when steptrace is initialised and recording."""
+    return isinstance(_runtime, Runtime)
+
+
+def config() -> Config | None:
+    """The configuration of the current run (None before ``init()``)."""
+    return _config
+
+
+def stats() -> dict[str, Any]:
+    """Counters of the current run: steps resolved, records emitted, records dropped by reason."""
+    if not isinstance(_runtime, Runtime):
+        return {"steps": 0, "records": 0, "dropped": {}}
+    resolver = _runtime.resolver
+    return {"steps": resolver.steps_resolved, "records": resolver.records_emitted, "dropped": dict(resolver.dropped)}

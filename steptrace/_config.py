@@ -1,0 +1,209 @@
+"""Configuration: one validated dataclass, filled from code, then ``STEPTRACE_*``, then launchers.
+
+Every environment variable steptrace reads is a documented constant here, so the
+README and the code cannot drift apart. Validation happens in
+:func:`resolve_config`, at ``init()``: bad configuration fails loudly there
+(``ValueError`` naming the field), never inside the training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+#: Set to ``1``/``true`` to turn every steptrace call into a no-op.
+ENV_DISABLED = "STEPTRACE_DISABLED"
+#: Directory that holds one sub-directory per run (default ``steptrace-runs``).
+ENV_RUN_DIR = "STEPTRACE_RUN_DIR"
+#: Identifier shared by every rank of one run.
+ENV_RUN_ID = "STEPTRACE_RUN_ID"
+#: This process's rank (falls back to ``RANK``, then the JAX process index).
+ENV_RANK = "STEPTRACE_RANK"
+#: Number of ranks (falls back to ``WORLD_SIZE``, then the JAX process count).
+ENV_WORLD_SIZE = "STEPTRACE_WORLD_SIZE"
+#: Rank on this host, used to pick per-rank ports (falls back to ``LOCAL_RANK``).
+ENV_LOCAL_RANK = "STEPTRACE_LOCAL_RANK"
+#: Device backend: ``auto``, ``host``, ``jax`` or ``torch``.
+ENV_BACKEND = "STEPTRACE_BACKEND"
+#: Peak dense TFLOP/s of one device, for MFU.
+ENV_PEAK_TFLOPS = "STEPTRACE_PEAK_TFLOPS"
+#: ``1`` makes misuse inside the loop raise instead of warn (for tests and CI).
+ENV_STRICT = "STEPTRACE_STRICT"
+#: ``0`` turns off profiler annotations (XProf ``StepTraceAnnotation``, torch ``record_function``).
+ENV_ANNOTATE = "STEPTRACE_ANNOTATE"
+#: Records that may wait for the resolver or a sink before new ones are dropped.
+ENV_MAX_QUEUE = "STEPTRACE_MAX_QUEUE"
+#: Seconds ``shutdown()`` may take to resolve and export what is pending.
+ENV_SHUTDOWN_TIMEOUT_S = "STEPTRACE_SHUTDOWN_TIMEOUT_S"
+
+BACKENDS = ("auto", "host", "jax", "torch")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Resolved, validated settings of one process. Built by :func:`resolve_config`."""
+
+    enabled: bool = True
+    run_dir: str = "steptrace-runs"
+    run_id: str = ""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: Any = "auto"  # a name from BACKENDS, or a backend object (e.g. testing.SimulatedDevice)
+    peak_tflops: float | None = None
+    strict: bool = False
+    annotate: bool = True
+    max_queue: int = 65536
+    shutdown_timeout_s: float = 10.0
+    jsonl: bool = True
+
+
+def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
+    raw = environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _env_int(name: str, environ: dict[str, str]) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
+def _env_float(name: str, environ: dict[str, str]) -> float | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
+
+
+def _jax_process(attr: str) -> int | None:
+    """JAX's process id/count once ``jax.distributed`` is initialised; never imports jax.
+
+    Calling ``jax.process_index()`` would initialise the backends, which breaks a later
+    ``jax.distributed.initialize()``; the distributed global state is read instead.
+    """
+    if "jax" not in sys.modules:
+        return None
+    try:
+        from jax._src import distributed  # private, hence the broad except below
+
+        state = distributed.global_state
+        if state.client is None:
+            return None
+        return int(getattr(state, attr))
+    except Exception:
+        return None
+
+
+def _first(*values: Any) -> Any:
+    for value in values:
+        if value is not None:
+            return value
+    return None
+
+
+def generate_run_id() -> str:
+    """A sortable, collision-resistant id: UTC time plus random hex."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config:
+    """Merge code arguments (winning), ``STEPTRACE_*`` variables and launcher variables.
+
+    Raises ``ValueError`` naming the offending argument or variable.
+    """
+    env = dict(os.environ if environ is None else environ)
+    unknown = set(code) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise ValueError(f"init() got unknown argument(s): {', '.join(sorted(unknown))}")
+
+    disabled = _env_bool(ENV_DISABLED, env)
+    enabled = _first(code.get("enabled"), None if disabled is None else not disabled, True)
+
+    rank = _first(code.get("rank"), _env_int(ENV_RANK, env), _env_int("RANK", env),
+                  _jax_process("process_id"), 0)
+    world_size = _first(code.get("world_size"), _env_int(ENV_WORLD_SIZE, env),
+                        _env_int("WORLD_SIZE", env), _jax_process("num_processes"), 1)
+    local_rank = _first(code.get("local_rank"), _env_int(ENV_LOCAL_RANK, env),
+                        _env_int("LOCAL_RANK", env), rank if world_size == 1 else None, 0)
+    run_id = _first(code.get("run_id"), env.get(ENV_RUN_ID) or None, env.get("TORCHELASTIC_RUN_ID") or None)
+    if run_id is None:
+        run_id = generate_run_id()
+        if world_size > 1:
+            # Ranks cannot agree on a random id without talking to each other.
+            import warnings
+
+            from steptrace._errors import SteptraceWarning
+
+            warnings.warn(
+                f"world_size={world_size} but no run_id was given: each rank generated its own "
+                f"({run_id}). Pass init(run_id=...) or set {ENV_RUN_ID} so ranks share one trace.",
+                SteptraceWarning,
+                stacklevel=3,
+            )
+
+    config = Config(
+        enabled=bool(enabled),
+        run_dir=str(_first(code.get("run_dir"), env.get(ENV_RUN_DIR) or None, "steptrace-runs")),
+        run_id=str(run_id),
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        backend=_first(code.get("backend"), env.get(ENV_BACKEND) or None, "auto"),
+        peak_tflops=_first(code.get("peak_tflops"), _env_float(ENV_PEAK_TFLOPS, env)),
+        strict=bool(_first(code.get("strict"), _env_bool(ENV_STRICT, env), False)),
+        annotate=bool(_first(code.get("annotate"), _env_bool(ENV_ANNOTATE, env), True)),
+        max_queue=_first(code.get("max_queue"), _env_int(ENV_MAX_QUEUE, env), 65536),
+        shutdown_timeout_s=_first(code.get("shutdown_timeout_s"), _env_float(ENV_SHUTDOWN_TIMEOUT_S, env), 10.0),
+        jsonl=bool(_first(code.get("jsonl"), True)),
+    )
+    _validate(config)
+    return config
+
+
+def _validate(config: Config) -> None:
+    def need_int(field: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{field} must be an integer, got {value!r}")
+
+    for field in ("rank", "world_size", "local_rank", "max_queue"):
+        need_int(field, getattr(config, field))
+    if config.world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {config.world_size}")
+    if not 0 <= config.rank < config.world_size:
+        raise ValueError(
+            f"rank must be in [0, world_size={config.world_size}), got {config.rank}; "
+            f"check {ENV_RANK}/RANK and {ENV_WORLD_SIZE}/WORLD_SIZE"
+        )
+    if config.local_rank < 0:
+        raise ValueError(f"local_rank must be >= 0, got {config.local_rank}")
+    if config.max_queue < 16:
+        raise ValueError(f"max_queue must be >= 16, got {config.max_queue}")
+    if not config.run_id or "/" in config.run_id or config.run_id in (".", ".."):
+        raise ValueError(f"run_id must be a non-empty name without '/', got {config.run_id!r}")
+    if isinstance(config.backend, str) and config.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or a backend object, got {config.backend!r}")
+    if config.peak_tflops is not None and not config.peak_tflops > 0:
+        raise ValueError(f"peak_tflops must be > 0, got {config.peak_tflops!r}")
+    if not config.shutdown_timeout_s >= 0:
+        raise ValueError(f"shutdown_timeout_s must be >= 0, got {config.shutdown_timeout_s!r}")

@@ -1,0 +1,450 @@
+"""The training-thread side: step/span/checkpoint/microbatch handles.
+
+Everything here runs on the user's training thread, so it only reads clocks,
+records device markers and appends to the resolver's queue. Waiting, the
+timing model and export happen on background threads (``_resolver``,
+``_sinks``). Misuse is reported through :func:`steptrace._errors.misuse` and
+never raises into the loop unless ``strict`` is on.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from steptrace._config import Config
+from steptrace._devices import HOST, Device, DeviceChooser, torch_cuda_in_use
+from steptrace._errors import misuse
+from steptrace._resolver import Resolver
+
+_perf = time.perf_counter
+MICROBATCH_KINDS = ("forward", "backward")
+
+
+class ClosedSpan:
+    """A host span that has ended; the resolver charges idle time to it."""
+
+    __slots__ = ("name", "start", "end", "step", "attrs", "emit")
+
+    def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True):
+        self.name = name
+        self.start = start
+        self.end = end
+        self.step = step
+        self.attrs = attrs
+        self.emit = emit  # False when another record (a checkpoint) already describes it
+
+
+class TimedUnit:
+    """Fields shared by steps and microbatches: host times and device markers."""
+
+    __slots__ = ("host_start", "host_end", "dispatch", "values", "device", "start_event", "end_event")
+
+    def _init_unit(self) -> None:
+        self.host_start = 0.0
+        self.host_end: float | None = None
+        self.dispatch = 0.0
+        self.values: tuple | None = None
+        self.device: Device = HOST
+        self.start_event: Any = None
+        self.end_event: Any = None
+
+
+class StepHandle(TimedUnit):
+    """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside."""
+
+    __slots__ = (
+        "_rt", "step", "tokens", "flops", "samples", "attrs", "status", "error", "spans",
+        "open_spans", "microbatches", "submitted", "waited", "_annotation",
+    )
+
+    def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
+        self._init_unit()
+        self._rt = rt
+        self.step = n
+        self.tokens = tokens
+        self.flops = flops
+        self.samples = samples
+        self.attrs = attrs
+        self.status = "ok"
+        self.error: str | None = None
+        self.spans: list[ClosedSpan] = []
+        self.open_spans: list[ClosedSpan] = []
+        self.microbatches: list[MicrobatchHandle] = []
+        self.submitted = False
+        self.waited = False
+        self._annotation: Any = None
+
+    def __enter__(self) -> "StepHandle":
+        rt = self._rt
+        if rt.current is not None:
+            # Entering twice (or a nested step created earlier) is misuse; keep the outer step.
+            rt.misuse(f"step({self.step}) entered while step({rt.current.step}) is still open; "
+                      "steps cannot nest: close the outer step first")
+            return self
+        rt.current = self
+        rt.train_thread = threading.get_ident()
+        if rt.annotate is not None:
+            self._annotation = rt.annotate(self.step)
+        self.host_start = self.dispatch = _perf()
+        stream = rt.stream_device
+        if stream is not None:
+            self.device = stream
+            self.start_event = rt.device_call(stream.event)
+        return self
+
+    def wait_for(self, *values: Any) -> None:
+        """Mark ``values`` (arrays, pytrees) as this step's device outputs.
+
+        The step ends, on the device, when they are ready. The resolver waits
+        for them on a background thread; this call returns at once.
+        """
+        rt = self._rt
+        if rt.current is not self:
+            rt.misuse("wait_for() called outside its step: call it inside `with steptrace.step(n) as s:`, "
+                      "before the block ends")
+            return
+        if self.waited:
+            self.values = self.values + values  # several wait_for calls: wait for all of them
+            return
+        self.waited = True
+        if self.device is HOST and values:
+            self.values = values
+            self.device = rt.chooser.for_values(values) if rt.forced_value_device is None else rt.forced_value_device
+            if self.device is not HOST:
+                # Hand over now so the resolver starts waiting while the host runs ahead.
+                self.submitted = True
+                rt.resolver.submit(self)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        rt = self._rt
+        if rt.current is not self:
+            return False
+        stream = self.device if self.start_event is not None else None
+        if stream is not None:
+            self.end_event = rt.device_call(stream.event)
+        self.host_end = _perf()
+        if exc_type is not None:
+            self.status = "error"
+            self.error = f"{exc_type.__name__}: {exc}"
+        if self._annotation is not None:
+            try:
+                self._annotation.__exit__(exc_type, exc, tb)
+            except Exception:
+                pass
+        rt.current = None
+        rt.last_step = self.step
+        self.spans = rt.take_closed_spans()
+        if rt.open_spans:
+            self.open_spans = [ClosedSpan(s.name, s.start, self.host_end, None, {}, False) for s in rt.open_spans]
+        if not self.submitted:
+            self.submitted = True
+            rt.resolver.submit(self)
+        return False  # never swallow the user's exception
+
+
+class MicrobatchHandle(TimedUnit):
+    """One pipeline microbatch inside a step; device-timed like a step."""
+
+    __slots__ = ("_rt", "_step", "index", "stage", "chunk", "kind")
+
+    def __init__(self, rt: "Runtime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
+        self._init_unit()
+        self._rt = rt
+        self._step = step
+        self.index = index
+        self.stage = stage
+        self.chunk = chunk
+        self.kind = kind
+
+    def __enter__(self) -> "MicrobatchHandle":
+        self.host_start = self.dispatch = _perf()
+        stream = self._rt.stream_device
+        if stream is not None:
+            self.device = stream
+            self.start_event = self._rt.device_call(stream.event)
+        return self
+
+    def wait_for(self, *values: Any) -> None:
+        """The microbatch's device work ends when ``values`` are ready (JAX)."""
+        if self.device is HOST and values:
+            self.values = values
+            rt = self._rt
+            self.device = rt.chooser.for_values(values) if rt.forced_value_device is None else rt.forced_value_device
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self.start_event is not None:
+            self.end_event = self._rt.device_call(self.device.event)
+        self.host_end = _perf()
+        self._step.microbatches.append(self)
+        return False
+
+
+class SpanHandle:
+    """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name."""
+
+    __slots__ = ("_rt", "name", "attrs", "start")
+
+    def __init__(self, rt: "Runtime", name: str, attrs: dict):
+        self._rt = rt
+        self.name = name
+        self.attrs = attrs
+        self.start = 0.0
+
+    def __enter__(self) -> "SpanHandle":
+        self.start = _perf()
+        self._rt.open_spans.append(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        rt = self._rt
+        end = _perf()
+        try:
+            rt.open_spans.remove(self)
+        except ValueError:
+            pass
+        rt.close_span(self.name, self.start, end, self.attrs)
+        return False
+
+
+class CheckpointHandle:
+    """Returned by :func:`steptrace.checkpoint`; the save's host span, tied to the step it saves.
+
+    For an asynchronous save, create it with ``async_save=True`` and call
+    :meth:`async_done` (or :meth:`track` a future) when the background commit
+    finishes: that time is reported as ``async_seconds`` and never charged to a step.
+    """
+
+    __slots__ = ("_rt", "step", "host_start", "host_end", "async_save", "async_end", "status", "error", "_lock")
+
+    def __init__(self, rt: "Runtime", step: int, async_save: bool):
+        self._rt = rt
+        self.step = step
+        self.async_save = async_save
+        self.host_start = 0.0
+        self.host_end: float | None = None
+        self.async_end: float | None = None
+        self.status = "ok"
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "CheckpointHandle":
+        self.host_start = _perf()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        rt = self._rt
+        self.host_end = _perf()
+        if exc_type is not None:
+            self.status = "error"
+            self.error = f"{exc_type.__name__}: {exc}"
+        # The save's host time is a span too: it is what the next step's idle time waited on.
+        rt.close_span("checkpoint", self.host_start, self.host_end, {"checkpoint_step": self.step}, emit=False)
+        if self.async_save and exc_type is None:
+            rt.pending_async.add(self)
+            with self._lock:
+                done = self.async_end is not None
+            if done:
+                self._submit()
+        else:
+            rt.resolver.submit(self)
+        return False
+
+    def async_done(self) -> None:
+        """Call (from any thread) when the background part of the save has finished."""
+        with self._lock:
+            if self.async_end is not None:
+                return
+            self.async_end = _perf()
+        if self.host_end is not None:
+            self._submit()
+
+    def track(self, future: Any) -> None:
+        """Call :meth:`async_done` when ``future`` (anything with ``add_done_callback``) completes."""
+        future.add_done_callback(lambda _f: self.async_done())
+
+    def _submit(self) -> None:
+        rt = self._rt
+        if self in rt.pending_async:
+            rt.pending_async.discard(self)
+            rt.resolver.submit(self)
+
+
+class Runtime:
+    """One initialised steptrace: configuration, the training-thread state and the background threads."""
+
+    def __init__(self, config: Config, resolver: Resolver, *,
+                 forced_value_device: Device | None, stream_device: Device | None, auto: bool):
+        self.config = config
+        self.strict = config.strict
+        self.resolver = resolver
+        self.chooser = DeviceChooser()
+        self.forced_value_device = forced_value_device
+        self.stream_device = stream_device
+        self.auto = auto
+        self.current: StepHandle | None = None
+        self.last_step: int | None = None
+        self.open_spans: list[SpanHandle] = []
+        self._closed: list[ClosedSpan] = []
+        self.pending_async: set[CheckpointHandle] = set()
+        self.train_thread: int | None = None
+        self.annotate: Callable[[int], Any] | None = None
+        self._setup_done = False
+        self._device_errors = 0
+
+    # -- helpers used by the handles -------------------------------------------------
+    def misuse(self, message: str) -> None:
+        self.resolver.count_drop("misuse")
+        misuse(message, strict=self.strict, stacklevel=4)
+
+    def device_call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # a broken backend must not kill training
+            self._device_errors += 1
+            if self._device_errors == 1:
+                misuse(f"steptrace device marker failed ({exc!r}); steps fall back to host timing",
+                       strict=False, stacklevel=5)
+            return None
+
+    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
+        current = self.current
+        self._closed.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
+        if current is not None and not current.waited and end > current.dispatch:
+            # DESIGN §2: host spans inside a step come before its device work, so the
+            # end of the last one is the step's dispatch point.
+            current.dispatch = end
+            if current.start_event is not None:
+                current.start_event = self.device_call(current.device.event)
+
+    def take_closed_spans(self) -> list[ClosedSpan]:
+        closed, self._closed = self._closed, []
+        return closed
+
+    # -- public API ------------------------------------------------------------------
+    def step(self, n: int, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
+        if not self._setup_done:
+            self._first_step_setup()
+        if self.current is not None:
+            self.misuse(f"step({n}) called inside step({self.current.step}): steps cannot nest. "
+                        "Use steptrace.span() or steptrace.microbatch() for work inside a step")
+            return NULL_STEP
+        if type(n) is not int:
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
+                self.misuse(f"step number must be an int, got {n!r}: pass the loop counter")
+                return NULL_STEP
+            n = n.__index__()
+        if self.last_step is not None and n <= self.last_step:
+            self.misuse(f"step({n}) after step({self.last_step}): step numbers must increase. "
+                        "After restoring a checkpoint, continue from the restored step number + 1")
+            return NULL_STEP
+        if tokens is not None and type(tokens) is not int:
+            tokens = self._number("tokens", tokens)
+        elif tokens is not None and tokens < 0:
+            tokens = self._number("tokens", tokens)
+        if flops is not None:
+            flops = self._number("flops", flops)
+        if samples is not None:
+            samples = self._number("samples", samples)
+        return StepHandle(self, n, tokens, flops, samples, attrs)
+
+    def _number(self, field: str, value: Any) -> float | int | None:
+        # Only plain numbers: float() on a device array would synchronise the device.
+        if isinstance(value, (int, float)) and not isinstance(value, bool) or type(value).__module__ == "numpy":
+            try:
+                number = value.item() if hasattr(value, "item") else value
+            except Exception:
+                number = None
+            if isinstance(number, (int, float)) and number >= 0:
+                return number
+        self.misuse(f"{field}={value!r} is not a non-negative number; the value is dropped. "
+                    f"Pass a Python int/float per step (not a device array, which would force a sync)")
+        return None
+
+    def span(self, name: str, **attrs: Any) -> Any:
+        if not isinstance(name, str) or not name:
+            self.misuse(f"span name must be a non-empty string, got {name!r}")
+            return NULL_SPAN
+        return SpanHandle(self, name, attrs)
+
+    def checkpoint(self, step: int, async_save: bool = False) -> Any:
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            self.misuse(f"checkpoint step must be an int, got {step!r}: pass the step being saved")
+            return NULL_CHECKPOINT
+        return CheckpointHandle(self, step.__index__(), bool(async_save))
+
+    def microbatch(self, index: Any, stage: Any = None, chunk: Any = None, kind: str = "forward") -> Any:
+        if kind not in MICROBATCH_KINDS:
+            self.misuse(f"microbatch kind={kind!r} is unknown; use 'forward' or 'backward'")
+            return NULL_MICROBATCH
+        current = self.current
+        if current is None:
+            self.misuse("microbatch() called outside a step: open `with steptrace.step(n):` around "
+                        "the pipeline schedule")
+            return NULL_MICROBATCH
+        return MicrobatchHandle(self, current, index, stage, chunk, kind)
+
+    def current_step(self) -> StepHandle | None:
+        return self.current
+
+    def _first_step_setup(self) -> None:
+        """Decide, once, what depends on frameworks the user imported after init()."""
+        self._setup_done = True
+        if self.auto and self.stream_device is None and torch_cuda_in_use():
+            from steptrace.adapters.torch import TorchCudaDevice
+
+            self.stream_device = TorchCudaDevice()
+        if "jax" in sys.modules and self.config.backend in ("auto", "jax"):
+            from steptrace.adapters import jax as jax_adapter
+
+            jax_adapter.install_compile_listener(self)
+            if self.config.annotate:
+                self.annotate = jax_adapter.step_annotation
+        elif "torch" in sys.modules and self.config.annotate and self.config.backend in ("auto", "torch"):
+            from steptrace.adapters import torch as torch_adapter
+
+            self.annotate = torch_adapter.step_annotation(self.stream_device is not None)
+
+    def flush(self, timeout_s: float | None) -> bool:
+        closed = self.take_closed_spans()
+        return self.resolver.flush(closed, timeout_s)
+
+    def shutdown(self, timeout_s: float) -> bool:
+        if self.current is not None:
+            self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
+            step = self.current
+            step.__exit__(RuntimeError, RuntimeError("steptrace.shutdown() inside the step"), None)
+        for ckpt in list(self.pending_async):
+            ckpt.status = "incomplete"
+            ckpt._submit()
+        return self.resolver.shutdown(self.take_closed_spans(), timeout_s)
+
+
+# -- no-op objects: disabled steptrace, or a misused call --------------------------------
+class _NullContext:
+    """Does nothing, fast. Shared singletons; safe to re-enter."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> "_NullContext":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        return False
+
+    def wait_for(self, *values: Any) -> None:
+        return None
+
+    def async_done(self) -> None:
+        return None
+
+    def track(self, future: Any) -> None:
+        return None
+
+
+NULL_STEP = _NullContext()
+NULL_SPAN = NULL_STEP
+NULL_CHECKPOINT = NULL_STEP
+NULL_MICROBATCH = NULL_STEP

@@ -1,0 +1,402 @@
+"""Tests for steptrace.report, using hand-written JSONL run directories."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from steptrace import report
+from steptrace.report import RunDirError, find_run, load_run, percentile, summarize
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------
+# Fixture helpers
+# --------------------------------------------------------------------------
+
+
+def step_record(step, interval, compute, idle=None, *, rank=0, world_size=1,
+                tokens=1000, flops=1e12, mfu=None, status="ok", **extra):
+    """A step record shaped like the SDK writes it; idle defaults to 'other'."""
+    idle = dict(idle) if idle is not None else {"other": interval - compute}
+    start = 1_700_000_000.0 + step * 10
+    record = {
+        "type": "step", "run_id": "r1", "rank": rank, "world_size": world_size,
+        "step": step, "status": status, "backend": "cpu",
+        "host_start_time": start, "host_end_time": start + interval,
+        "dispatch_time": start, "start_time": start, "end_time": start + interval,
+        "interval_seconds": interval, "compute_seconds": compute,
+        "idle_seconds": sum(idle.values()), "idle_breakdown": idle,
+        "idle_segments": [[k, start, start + v] for k, v in idle.items()],
+        "tokens": tokens, "samples": 8 if tokens is not None else None,
+        "flops": flops,
+        "tokens_per_second": tokens / interval if tokens is not None else None,
+        "samples_per_second": 8 / interval if tokens is not None else None,
+        "tflops_per_second": flops / compute / 1e12 if flops is not None else None,
+        "mfu": mfu, "attrs": {},
+    }
+    if status == "error":
+        record["error"] = "RuntimeError: boom"
+    record.update(extra)
+    return record
+
+
+def checkpoint_record(step, blocking, *, rank=0, async_seconds=None):
+    return {
+        "type": "checkpoint", "run_id": "r1", "rank": rank, "step": step,
+        "start_time": 1_700_000_000.0, "end_time": 1_700_000_000.0 + blocking,
+        "host_seconds": blocking, "blocking_seconds": blocking,
+        "async_seconds": async_seconds, "status": "ok",
+    }
+
+
+def write_rank(run_dir: Path, rank: int, records, *, tail: str = "") -> Path:
+    """Write records as JSONL; *tail* is appended raw (e.g. a truncated line)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"rank-{rank}.jsonl"
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("".join(line + "\n" for line in lines) + tail)
+    return path
+
+
+def three_steps():
+    """Three steps with hand-checkable totals (see test_summarize_values)."""
+    return [
+        step_record(1, 1.0, 0.8, {"data": 0.2}, mfu=0.1),
+        step_record(2, 2.0, 1.0, {"checkpoint": 0.9, "other": 0.1}, mfu=0.2),
+        step_record(3, 4.0, 3.0, {"data": 0.5, "eval": 0.5}, status="error"),
+    ]
+
+
+@pytest.fixture
+def small_run(tmp_path):
+    run_dir = tmp_path / "steptrace-runs" / "r1"
+    # Written out of order on purpose: load_run must sort by step.
+    steps = three_steps()
+    records = [steps[2], steps[0], checkpoint_record(2, 0.9), steps[1],
+               {"type": "run", "run_id": "r1", "rank": 0, "world_size": 1,
+                "dropped": {}, "steps": 3}]
+    write_rank(run_dir, 0, records)
+    return run_dir
+
+
+def capture(run, **kwargs) -> str:
+    console = Console(record=True, width=200, file=io.StringIO())
+    report.render_report(run, console=console, **kwargs)
+    return console.export_text()
+
+
+# --------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    values = [3.0, 0.5, 7.25, 1.0, 9.0, 2.5, 4.0]
+    for q in (0, 10, 25, 50, 75, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert percentile([], 50) is None
+    assert percentile([4.0], 90) == 4.0
+
+
+def test_summarize_values(small_run):
+    run = load_run(small_run)
+    s = summarize(run.steps(), run.checkpoints())
+    assert s["steps"] == 3
+    assert s["error_steps"] == 1
+    assert s["wall_seconds"] == pytest.approx(7.0)
+    assert s["compute_seconds"] == pytest.approx(4.8)
+    assert s["goodput"] == pytest.approx(4.8 / 7.0)
+    assert s["compute_p50"] == pytest.approx(1.0)
+    # sorted computes [0.8, 1.0, 3.0]: position 0.9 * 2 = 1.8 -> 1.0 + 0.8 * 2.0
+    assert s["compute_p90"] == pytest.approx(2.6)
+    assert s["interval_p50"] == pytest.approx(2.0)
+    assert s["idle_breakdown_totals"] == pytest.approx(
+        {"data": 0.7, "checkpoint": 0.9, "other": 0.1, "eval": 0.5})
+    # Largest reason first.
+    assert list(s["idle_breakdown_totals"])[0] == "checkpoint"
+    assert s["tokens_per_second"] == pytest.approx(3000 / 7.0)
+    assert s["tflops_per_second"] == pytest.approx(3e12 / 4.8 / 1e12)
+    assert s["mfu"] == pytest.approx(0.15)  # the null mfu of step 3 is skipped
+    assert s["checkpoints"] == 1
+    assert s["checkpoint_blocking_seconds"] == pytest.approx(0.9)
+
+
+def test_summarize_without_optional_fields():
+    steps = [step_record(0, 1.0, 0.5, tokens=None, flops=None)]
+    s = summarize(steps, [])
+    assert s["tokens_per_second"] is None
+    assert s["tflops_per_second"] is None
+    assert s["mfu"] is None
+    assert s["goodput"] == pytest.approx(0.5)
+
+    empty = summarize([], [])
+    assert empty["steps"] == 0
+    assert empty["goodput"] is None
+    assert empty["compute_p50"] is None
+    assert empty["idle_breakdown_totals"] == {}
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+
+def test_load_run_sorts_and_exposes_metadata(small_run):
+    run = load_run(small_run)
+    assert run.path == small_run
+    assert run.ranks == [0]
+    assert run.run_id == "r1"
+    assert [s["step"] for s in run.steps(0)] == [1, 2, 3]
+    assert [c["step"] for c in run.checkpoints()] == [2]
+    assert run.dropped == {}
+    assert run.warnings == []
+
+
+def test_unknown_types_and_fields_are_ignored(tmp_path):
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [
+        {"type": "future_thing", "payload": [1, 2, 3]},
+        {"no_type": True},
+        step_record(0, 1.0, 0.75, shiny_new_field={"x": 1}),
+        {"type": "span", "run_id": "r1", "rank": 0, "name": "data", "step": 0,
+         "start_time": 0.0, "end_time": 0.25, "seconds": 0.25, "attrs": {}},
+    ])
+    run = load_run(run_dir)
+    assert len(run.steps()) == 1
+    assert summarize(run.steps(), run.checkpoints())["goodput"] == pytest.approx(0.75)
+    assert len(run.records("span")) == 1
+
+
+def test_truncated_last_line_is_skipped_with_warning(tmp_path, capsys):
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [step_record(0, 1.0, 0.5), step_record(1, 1.0, 0.5)],
+               tail='{"type": "step", "run_id": "r1", "st')
+    run = load_run(run_dir)
+    assert [s["step"] for s in run.steps()] == [0, 1]
+    assert len(run.warnings) == 1
+    assert "rank-0.jsonl line 3" in run.warnings[0]
+    assert "truncated" in run.warnings[0]
+
+    # The CLI reports it on stderr and still succeeds.
+    assert report.main([str(run_dir), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" in captured.err and "line 3" in captured.err
+    assert json.loads(captured.out)["steps"] == 2
+
+
+def test_truncated_multibyte_last_line_is_skipped(tmp_path):
+    run_dir = tmp_path / "r1"
+    path = write_rank(run_dir, 0, [step_record(0, 1.0, 0.5)])
+    # A crash can cut a UTF-8 sequence in half.
+    with path.open("ab") as f:
+        f.write('{"type": "span", "name": "é'.encode()[:-1])
+    run = load_run(run_dir)
+    assert len(run.steps()) == 1
+    assert "line 2" in run.warnings[0]
+
+
+def test_malformed_middle_line_raises(tmp_path):
+    run_dir = tmp_path / "steptrace-runs" / "r1"
+    write_rank(run_dir, 0, [step_record(0, 1.0, 0.5), "{not json",
+                            step_record(1, 1.0, 0.5)])
+    with pytest.raises(RunDirError, match=r"rank-0\.jsonl line 2: invalid JSON"):
+        load_run(run_dir)
+
+
+def test_non_object_middle_line_raises(tmp_path):
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, ["[1, 2]", step_record(0, 1.0, 0.5)])
+    with pytest.raises(RunDirError, match=r"rank-0\.jsonl line 1: not a JSON object"):
+        load_run(run_dir)
+
+
+def test_blank_lines_do_not_count_as_last_line(tmp_path):
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [step_record(0, 1.0, 0.5), "{broken", ""], tail="\n\n")
+    run = load_run(run_dir)
+    assert len(run.steps()) == 1
+    assert "line 2" in run.warnings[0]
+
+
+def test_missing_and_empty_dirs(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    with pytest.raises(RunDirError, match="nope: no such directory"):
+        load_run(missing)
+
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "notes.txt").write_text("hi")
+    with pytest.raises(RunDirError, match="no rank-\\*.jsonl files"):
+        find_run(empty)
+
+    assert report.main([str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("steptrace report: ")
+    assert "nope" in err
+
+
+def test_parent_run_dir_picks_newest_run(tmp_path):
+    parent = tmp_path / "steptrace-runs"
+    old = write_rank(parent / "old", 0, [step_record(0, 1.0, 0.5)])
+    new = write_rank(parent / "new", 0, [step_record(0, 2.0, 1.0)])
+    (parent / "stray").mkdir()  # newest entry, but holds no rank files
+    os.utime(old, (1_000_000, 1_000_000))
+    os.utime(new, (2_000_000, 2_000_000))
+    assert find_run(parent) == parent / "new"
+    assert load_run(parent).steps()[0]["interval_seconds"] == 2.0
+
+    # Appending to the old run makes it the most recent one.
+    os.utime(old, (3_000_000, 3_000_000))
+    assert find_run(parent) == parent / "old"
+
+
+def test_unknown_rank_is_an_error(small_run):
+    run = load_run(small_run)
+    with pytest.raises(RunDirError, match="no rank 5"):
+        run.steps(5)
+    assert report.main([str(small_run), "--rank", "5"]) == 2
+
+
+# --------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------
+
+
+def test_render_report_shows_steps_checkpoints_and_summary(small_run):
+    text = capture(load_run(small_run))
+    assert "Steps (rank 0)" in text
+    assert "checkpoint 0.90, other 0.10" in text
+    assert "data 0.50, eval 0.50" in text
+    assert "RuntimeError: boom" in text
+    assert "Checkpoints (rank 0)" in text
+    assert f"{4.8 / 7 * 100:.1f}%" in text  # goodput 68.6%
+    # Idle totals with percent of wall time: checkpoint 0.9 / 7.0 = 12.9%.
+    assert "idle: checkpoint" in text and "12.9% of wall" in text
+    assert "Per-rank summary" not in text
+    assert "dropped" not in text
+
+
+def test_elision_row_with_many_steps(tmp_path):
+    run_dir = tmp_path / "r1"
+    # Step numbers from 1000 so they cannot collide with other table values.
+    write_rank(run_dir, 0, [step_record(1000 + i, 1.0, 0.9, tokens=None)
+                            for i in range(100)])
+    text = capture(load_run(run_dir), max_rows=10)
+    assert "… 90 steps elided …" in text
+    for shown in (1000, 1004, 1095, 1099):
+        assert str(shown) in text
+    for hidden in (1005, 1050, 1094):
+        assert str(hidden) not in text
+
+    full = capture(load_run(run_dir), max_rows=0)
+    assert "elided" not in full and "1050" in full
+
+
+def test_multi_rank_report(tmp_path):
+    run_dir = tmp_path / "r1"
+    for rank, compute in ((0, 0.5), (1, 0.25)):
+        write_rank(run_dir, rank, [
+            step_record(s, 1.0, compute, rank=rank, world_size=2) for s in range(3)
+        ] + [{"type": "run", "run_id": "r1", "rank": rank, "world_size": 2,
+              "dropped": {"queue_full": 2 + rank}, "steps": 3}])
+    run = load_run(run_dir)
+    assert run.ranks == [0, 1]
+    assert run.dropped == {"queue_full": 5}
+
+    text = capture(run)
+    assert "Steps (rank 0)" in text
+    assert "Per-rank summary" in text
+    # One summary row per rank (cells: rank, steps, wall, goodput, ...).
+    per_rank = text[text.index("Per-rank summary"):]
+    rows = [[c.strip() for c in line.split("│")[1:-1]]
+            for line in per_rank.splitlines() if line.startswith("│")]
+    assert [(r[0], r[1], r[3]) for r in rows] == [("0", "3", "50.0%"),
+                                                  ("1", "3", "25.0%")]
+    assert "queue_full=5" in text
+
+    text1 = capture(run, rank=1)
+    assert "Steps (rank 1)" in text1 and "Summary (rank 1)" in text1
+
+
+def test_warnings_rendered(tmp_path):
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [step_record(0, 1.0, 0.5)], tail="{")
+    run = load_run(run_dir)
+    assert "warning:" in capture(run)
+    assert "warning:" not in capture(run, show_warnings=False)
+
+
+# --------------------------------------------------------------------------
+# CLI and plot
+# --------------------------------------------------------------------------
+
+
+def test_cli_json(small_run, capsys):
+    assert report.main([str(small_run), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["goodput"] == pytest.approx(4.8 / 7.0)
+    assert payload["run_id"] == "r1"
+    assert payload["rank"] == 0
+    assert payload["idle_breakdown_totals"]["checkpoint"] == pytest.approx(0.9)
+
+
+def test_cli_tables(small_run, capsys):
+    assert report.main([str(small_run.parent), "--max-rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Steps (rank 0)" in out
+    assert "elided" in out  # the CLI console may wrap the row text
+
+
+def test_cli_plot_writes_png(small_run, tmp_path, capsys):
+    # Add a user-defined idle reason so the plot needs a hashed colour too.
+    write_rank(small_run, 1, [
+        step_record(1, 1.0, 0.5, {"my_span": 0.3, "other": 0.2}, rank=1),
+        step_record(3, 1.0, 0.6, {"data": 0.4}, rank=1),
+    ])
+    out_png = tmp_path / "timeline.png"
+    assert report.main([str(small_run), "--plot", str(out_png), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+    data = out_png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+    out1 = tmp_path / "rank1.png"
+    assert report.plot_timeline(load_run(small_run), out1, rank=1) == out1
+    assert out1.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_reason_colours_are_stable():
+    assert report._reason_colour("checkpoint") == report._reason_colour("checkpoint")
+    assert report._reason_colour("my_span") == report._reason_colour("my_span")
+    assert report._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
+        "checkpoint", "data", "alpha", "zeta", "other"]
+
+
+def test_import_is_cheap():
+    # rich and matplotlib are imported lazily.  Check in a fresh interpreter,
+    # counting only modules that importing steptrace.report itself pulls in.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import steptrace\n"
+        "before = set(sys.modules)\n"
+        "import steptrace.report\n"
+        "new = set(sys.modules) - before\n"
+        "print(sorted(m for m in new if m.split('.')[0] in ('rich', 'matplotlib')))\n"
+    )
+    package_parent = str(Path(report.__file__).parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            text=True, env=env, check=True)
+    assert result.stdout.strip() == "[]"
