@@ -1,0 +1,86 @@
+"""The timing model's arithmetic (DESIGN.md §2), on exact numbers."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from steptrace._attribution import (
+    HostSpan,
+    blocking_seconds,
+    breakdown,
+    bubble_ratios,
+    idle_segments,
+    unit_timing,
+)
+
+
+def test_step_waits_for_previous_step_on_device():
+    # Dispatched at 1.0 while the device was busy until 2.0: it starts at 2.0, not 1.0.
+    t = unit_timing(prev_end=2.0, dispatch=1.0, end=3.5)
+    assert (t.start, t.end) == (2.0, 3.5)
+    assert t.interval_seconds == 1.5
+    assert t.compute_seconds == 1.5
+    assert t.idle_seconds == 0.0
+
+
+def test_device_idle_until_dispatch_is_idle_not_compute():
+    t = unit_timing(prev_end=2.0, dispatch=2.75, end=3.5)
+    assert t.start == 2.75
+    assert t.compute_seconds == pytest.approx(0.75)
+    assert t.idle_seconds == pytest.approx(0.75)
+
+
+def test_device_measured_compute_replaces_host_estimate():
+    # CUDA events measured 0.5 s between the dispatch marker and the end marker.
+    t = unit_timing(prev_end=2.0, dispatch=2.1, end=3.0, device_compute=0.5)
+    assert t.start == pytest.approx(2.5)
+    assert t.compute_seconds == pytest.approx(0.5)
+    assert t.idle_seconds == pytest.approx(0.5)
+
+
+def test_end_before_previous_end_is_clamped_so_intervals_tile():
+    t = unit_timing(prev_end=5.0, dispatch=4.0, end=4.5)
+    assert t.end == 5.0 and t.interval_seconds == 0.0 and t.compute_seconds == 0.0
+
+
+def test_innermost_span_wins_and_uncovered_time_is_other():
+    spans = [HostSpan("eval", 1.0, 5.0), HostSpan("data", 2.0, 3.0)]
+    segs = idle_segments(0.0, 6.0, spans)
+    assert [(s.name, s.start, s.end) for s in segs] == [
+        ("other", 0.0, 1.0), ("eval", 1.0, 2.0), ("data", 2.0, 3.0), ("eval", 3.0, 5.0), ("other", 5.0, 6.0)]
+    assert breakdown(segs) == {"other": 2.0, "eval": 3.0, "data": 1.0}
+
+
+def test_spans_outside_the_window_are_ignored_and_clipped():
+    segs = idle_segments(10.0, 12.0, [HostSpan("data", 0.0, 1.0), HostSpan("checkpoint", 9.0, 11.0)])
+    assert breakdown(segs) == {"checkpoint": 1.0, "other": 1.0}
+
+
+def test_empty_window_has_no_segments():
+    assert idle_segments(3.0, 3.0, [HostSpan("data", 0.0, 9.0)]) == []
+
+
+@given(
+    window=st.tuples(st.floats(0, 100), st.floats(0, 100)).map(sorted),
+    spans=st.lists(
+        st.tuples(st.sampled_from(["data", "eval", "checkpoint"]), st.floats(0, 100), st.floats(0, 100)), max_size=8),
+)
+def test_segments_tile_the_window(window, spans):
+    lo, hi = window
+    segs = idle_segments(lo, hi, [HostSpan(n, min(a, b), max(a, b)) for n, a, b in spans])
+    assert sum(breakdown(segs).values()) == pytest.approx(max(0.0, hi - lo), abs=1e-9)
+    for a, b in zip(segs, segs[1:]):
+        assert a.end == b.start and a.name != b.name
+
+
+def test_checkpoint_blocking_excludes_time_the_saved_step_was_still_computing():
+    # Save started at 10 while step n computed until 12; the save ended at 15: 3 s blocked.
+    assert blocking_seconds(10.0, 15.0, saved_step_end=12.0) == 3.0
+    assert blocking_seconds(13.0, 15.0, saved_step_end=12.0) == 2.0
+    assert blocking_seconds(10.0, 11.0, saved_step_end=12.0) == 0.0
+    assert blocking_seconds(10.0, 15.0, saved_step_end=None) == 5.0
+
+
+def test_bubble_ratio_per_stage():
+    ratios = bubble_ratios(10.0, [(0, 2.0), (0, 3.0), (1, 8.0)])
+    assert ratios == {"0": pytest.approx(0.5), "1": pytest.approx(0.2)}

@@ -1,0 +1,244 @@
+"""Attribution on a simulated asynchronous device (steptrace.testing.SimulatedDevice).
+
+The device is a real background worker, so the host really runs ahead of it,
+as with JAX or CUDA. Durations are tens of milliseconds and tolerances are
+generous ratios: these tests check attribution, never speed.
+"""
+
+import threading
+import time
+
+import pytest
+
+import steptrace
+from steptrace.testing import SimulatedDevice, capture
+
+U = 0.04  # one unit of simulated device work, seconds
+
+
+def approx(x, rel=0.25, abs=0.012):
+    return pytest.approx(x, rel=rel, abs=abs)
+
+
+def by_step(sink):
+    return {r["step"]: r for r in sink.steps()}
+
+
+def test_heavy_step_is_charged_to_itself_not_to_a_neighbour(device):
+    work = [U, U, 3 * U, U, U]
+    t0 = time.perf_counter()
+    with capture() as sink:
+        for n, seconds in enumerate(work):
+            with steptrace.step(n) as s:
+                s.wait_for(device.run(seconds))
+        dispatch_seconds = time.perf_counter() - t0
+    steps = by_step(sink)
+    # The host ran ahead: dispatching everything took far less than the device work.
+    assert dispatch_seconds < sum(work) / 2
+    for n, seconds in enumerate(work):
+        assert steps[n]["compute_seconds"] == approx(seconds), n
+        assert steps[n]["backend"] == "simulated"
+    assert steps[2]["compute_seconds"] / steps[3]["compute_seconds"] == pytest.approx(3, rel=0.3)
+    # Host ahead of device: no step waited on the host after the first.
+    for n in range(1, 5):
+        assert steps[n]["idle_seconds"] == approx(0.0)
+
+
+def test_intervals_tile_the_run_and_idle_breakdown_sums_to_idle(device):
+    with capture() as sink:
+        for n in range(6):
+            with steptrace.step(n) as s:
+                with steptrace.span("data"):
+                    time.sleep(U / 2 if n % 2 else U * 1.5)
+                s.wait_for(device.run(U))
+    steps = sorted(sink.steps(), key=lambda r: r["step"])
+    wall = steps[-1]["end_time"] - steps[0]["host_start_time"]
+    assert sum(r["interval_seconds"] for r in steps) == pytest.approx(wall, abs=1e-5)
+    for a, b in zip(steps, steps[1:]):
+        assert b["interval_seconds"] == pytest.approx(b["end_time"] - a["end_time"], abs=1e-5)
+    for r in steps:
+        assert sum(r["idle_breakdown"].values()) == pytest.approx(r["idle_seconds"], abs=1e-6)
+        assert r["interval_seconds"] == pytest.approx(r["compute_seconds"] + r["idle_seconds"], abs=1e-6)
+
+
+def test_checkpoint_stall_goes_to_the_checkpoint_not_to_the_next_step(device):
+    stall = 5 * U
+    with capture() as sink:
+        for n in range(5):
+            with steptrace.step(n) as s:
+                s.wait_for(device.run(U))
+            if n == 2:
+                with steptrace.checkpoint(n):
+                    time.sleep(stall)
+    steps = by_step(sink)
+    (ckpt,) = sink.checkpoints()
+    assert ckpt["step"] == 2 and ckpt["status"] == "ok"
+    assert ckpt["host_seconds"] == approx(stall)
+    # The save began while steps 0-2 were still on the device: that part stays in those steps.
+    assert ckpt["blocking_seconds"] == pytest.approx(ckpt["end_time"] - steps[2]["end_time"], abs=2e-3)
+    assert ckpt["blocking_seconds"] == approx(stall - 3 * U, abs=0.025)
+    # Neither step 2 nor step 3 absorbs the stall as compute.
+    assert steps[2]["compute_seconds"] == approx(U)
+    assert steps[3]["compute_seconds"] == approx(U)
+    assert steps[3]["idle_breakdown"]["checkpoint"] == pytest.approx(ckpt["blocking_seconds"], abs=2e-3)
+    assert steps[3]["interval_seconds"] == approx(U + ckpt["blocking_seconds"])
+
+
+def test_hidden_data_loading_is_not_idle_but_exposed_loading_is(device):
+    with capture() as sink:
+        # Phase 1: loading (U/2) is shorter than device work (2U): the host stays ahead, loading is hidden.
+        for n in range(4):
+            with steptrace.step(n) as s:
+                with steptrace.span("data"):
+                    time.sleep(U / 2)
+                s.wait_for(device.run(2 * U))
+        # Phase 2: loading (3U) is longer than device work (U): once phase 1's backlog on the
+        # device has drained (about four steps), the device waits for data.
+        for n in range(4, 11):
+            with steptrace.step(n) as s:
+                with steptrace.span("data"):
+                    time.sleep(3 * U)
+                s.wait_for(device.run(U))
+    steps = by_step(sink)
+    for n in (1, 2, 3):
+        assert steps[n]["idle_seconds"] == approx(0.0), n
+        assert steps[n]["compute_seconds"] == approx(2 * U)
+    for n in (8, 9, 10):
+        assert steps[n]["compute_seconds"] == approx(U)
+        # Loading took 3U of which U overlapped the previous step's device work.
+        assert steps[n]["idle_breakdown"].get("data", 0.0) == approx(2 * U), n
+        assert steps[n]["idle_breakdown"].get("data", 0.0) / steps[n]["idle_seconds"] > 0.9
+
+
+def test_step_zero_compile_is_idle_compile_not_compute(device):
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n) as s:
+                if n == 0:
+                    with steptrace.span("compile"):  # what the JAX adapter records from jax.monitoring
+                        time.sleep(3 * U)
+                s.wait_for(device.run(U))
+    step0 = by_step(sink)[0]
+    assert step0["compute_seconds"] == approx(U)
+    assert step0["idle_breakdown"]["compile"] == approx(3 * U)
+    assert step0["interval_seconds"] == approx(4 * U)
+
+
+def test_exception_inside_step_propagates_unchanged_and_step_is_recorded_as_error(device):
+    class Boom(Exception):
+        pass
+
+    with capture() as sink:
+        for n in range(4):
+            try:
+                with steptrace.step(n) as s:
+                    s.wait_for(device.run(U / 4))
+                    if n == 2:
+                        raise Boom("nan loss")
+            except Boom as exc:
+                assert str(exc) == "nan loss"
+                caught = exc
+    assert isinstance(caught, Boom)
+    steps = by_step(sink)
+    assert [steps[n]["status"] for n in range(4)] == ["ok", "ok", "error", "ok"]
+    assert steps[2]["error"] == "Boom: nan loss"
+    assert steps[2]["compute_seconds"] == approx(U / 4)
+
+
+def test_stream_markers_time_steps_like_cuda_events():
+    """With the device as backend, steps are timed by markers recorded at dispatch and exit."""
+    device = SimulatedDevice(uses_events=True)
+    try:
+        with capture(backend=device) as sink:
+            for n, seconds in enumerate([U, U, 3 * U, U]):
+                with steptrace.step(n):
+                    with steptrace.span("data"):
+                        time.sleep(U / 4)
+                    device.run(seconds)  # no wait_for: the exit marker covers the stream
+    finally:
+        device.close()
+    steps = by_step(sink)
+    assert [steps[n]["compute_seconds"] for n in range(4)] == [approx(U), approx(U), approx(3 * U), approx(U)]
+    assert all(r["backend"] == "simulated" for r in steps.values())
+    # Step 0 waited on its own data span before its start marker: that is idle, not compute.
+    assert steps[0]["idle_breakdown"]["data"] == approx(U / 4)
+
+
+def test_microbatches_are_device_timed_and_give_a_bubble_ratio(device):
+    with capture() as sink:
+        for n in range(2):
+            device.synchronize()  # start each step with an empty stream
+            with steptrace.step(n) as s:
+                last = None
+                for i in range(4):
+                    with steptrace.microbatch(i, stage=0, kind="forward") as mb:
+                        last = device.run(U / 2)
+                        mb.wait_for(last)
+                    if n == 1 and i < 3:
+                        time.sleep(2 * U)  # the host starves the pipeline between microbatches
+                s.wait_for(last)
+    mbs = sink.microbatches()
+    assert len(mbs) == 8
+    assert [m["microbatch"] for m in mbs] == [0, 1, 2, 3] * 2
+    assert all(m["compute_seconds"] == approx(U / 2) for m in mbs)
+    steps = by_step(sink)
+    # Back-to-back microbatches fill the step; starved ones leave a bubble of 1.5U per gap.
+    assert steps[0]["pipeline_bubble_ratio"]["0"] == approx(0.0, abs=0.1)
+    assert steps[1]["compute_seconds"] == approx(3 * 2 * U + U / 2)
+    assert steps[1]["pipeline_bubble_ratio"]["0"] == approx(1 - 2 * U / (6.5 * U), abs=0.1)
+
+
+def test_async_checkpoint_commit_is_reported_separately_and_never_charged_to_a_step(device):
+    with capture() as sink:
+        for n in range(4):
+            with steptrace.step(n) as s:
+                s.wait_for(device.run(U))
+            if n == 1:
+                device.synchronize()
+                with steptrace.checkpoint(n, async_save=True) as ckpt:
+                    time.sleep(U / 2)  # the blocking part: copying to host
+                    commit = threading.Timer(3 * U, ckpt.async_done)
+                    commit.start()
+        commit.join()
+    (record,) = sink.checkpoints()
+    assert record["blocking_seconds"] == approx(U / 2)
+    assert record["async_seconds"] == approx(3 * U - U / 2)
+    steps = by_step(sink)
+    assert steps[2]["idle_breakdown"].get("checkpoint", 0.0) == approx(U / 2)
+    assert steps[3]["idle_seconds"] == approx(0.0)
+
+
+def test_async_checkpoint_never_finished_is_recorded_as_incomplete(device):
+    with capture() as sink:
+        with steptrace.step(0) as s:
+            s.wait_for(device.run(U / 4))
+        with steptrace.checkpoint(0, async_save=True):
+            pass
+    (record,) = sink.checkpoints()
+    assert record["status"] == "incomplete" and record["async_seconds"] is None
+
+
+def test_tokens_and_flops_give_throughput_from_interval_and_compute(device):
+    with capture(peak_tflops=100.0) as sink:
+        for n in range(3):
+            with steptrace.step(n, tokens=4096, flops=2e12, samples=8) as s:
+                s.wait_for(device.run(U))
+    r = by_step(sink)[2]
+    assert r["tokens"] == 4096 and r["flops"] == 2e12 and r["samples"] == 8
+    assert r["tokens_per_second"] == pytest.approx(4096 / r["interval_seconds"])
+    assert r["samples_per_second"] == pytest.approx(8 / r["interval_seconds"])
+    assert r["tflops_per_second"] == pytest.approx(2.0 / r["compute_seconds"])
+    assert r["mfu"] == pytest.approx(r["tflops_per_second"] / 100.0)
+
+
+def test_spans_are_recorded_with_their_step():
+    with capture() as sink:
+        with steptrace.span("eval", split="val"):
+            time.sleep(0.002)
+        with steptrace.step(0):
+            with steptrace.span("data"):
+                pass
+    spans = {s["name"]: s for s in sink.spans()}
+    assert spans["data"]["step"] == 0
+    assert spans["eval"]["step"] is None and spans["eval"]["attrs"] == {"split": "val"}
+    assert spans["eval"]["seconds"] >= 0.002
