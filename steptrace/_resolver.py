@@ -97,11 +97,14 @@ class Resolver:
 
     def shutdown(self, closed: list["ClosedSpan"], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        complete = self.flush(closed, timeout_s)
+        # Keep a fifth of the budget for the sinks, so the run record (with the drop
+        # counts) still goes out when the device never finishes.
+        resolve_deadline = time.monotonic() + 0.8 * timeout_s
+        complete = self.flush(closed, 0.8 * timeout_s)
         self._stopping = True
         self._wake.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        unresolved = len(self._queue) + (1 if self._busy else 0)
+        self._thread.join(max(0.0, resolve_deadline - time.monotonic()))
+        unresolved = sum(1 for item in self._queue if not isinstance(item, _Tail)) + (1 if self._busy else 0)
         if unresolved:
             self.count_drop("unresolved_at_shutdown", unresolved)
         run_record = {

@@ -48,6 +48,10 @@ class JsonlSink:
         try:
             os.makedirs(directory, exist_ok=True)
             self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+            if self._file.tell() > 0 and not _ends_with_newline(self.path):
+                # A crashed earlier writer left half a line: end it, so our first record
+                # starts a line of its own (readers skip the torn line).
+                self._file.write("\n")
         except OSError as exc:
             raise ValueError(f"run_dir: cannot write {self.path}: {exc.strerror or exc}") from exc
 
@@ -64,6 +68,12 @@ class JsonlSink:
             self._file.flush()
         finally:
             self._file.close()
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _json_default(value: Any) -> Any:

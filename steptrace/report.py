@@ -58,6 +58,10 @@ _USER_PALETTE = [
 ]
 
 
+# Above this many steps the timeline switches from bars to filled bands.
+_MAX_BARS = 500
+
+
 class RunDirError(ValueError):
     """A run directory is missing, empty, or contains malformed records."""
 
@@ -340,11 +344,15 @@ def _pct(value: float | None) -> str:
 
 
 def _top_reasons(breakdown: Any, limit: int = 3) -> str:
-    """``"checkpoint 18.60, other 0.01"``: the largest non-zero idle reasons."""
+    """``"checkpoint 18.60, other 0.01"``: the largest idle reasons.
+
+    Reasons that would print as 0.00 are left out: at this precision they
+    are noise (e.g. the sub-millisecond "other" gap between spans).
+    """
     if not isinstance(breakdown, dict):
         return ""
     items = [(k, _num(v)) for k, v in breakdown.items()]
-    items = sorted(((k, v) for k, v in items if v and v > 0), key=lambda kv: -kv[1])
+    items = sorted(((k, v) for k, v in items if v and v >= 0.005), key=lambda kv: -kv[1])
     return ", ".join(f"{k} {v:.2f}" for k, v in items[:limit])
 
 
@@ -434,7 +442,7 @@ def _summary_panel(summary: dict, title: str):
     grid.add_column()
 
     errors = summary["error_steps"]
-    grid.add_row("steps", str(summary["steps"]), f"[red]{errors} errors[/]" if errors else "")
+    grid.add_row("steps", str(summary["steps"]), f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else "")
     grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "sum of step intervals")
     grid.add_row("compute", f"{summary['compute_seconds']:.3f} s", "")
     grid.add_row("goodput", _pct(summary["goodput"]), "compute / wall")
@@ -572,12 +580,20 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
     ax = fig.add_subplot()
 
     bottoms = [0.0] * len(steps)
+    # One Rectangle per bar gets slow (minutes for 20k steps) and the bars are
+    # sub-pixel anyway, so long runs are drawn as filled step bands instead.
+    as_bars = len(steps) <= _MAX_BARS
 
     def stack(label: str, heights: list[float]) -> None:
-        ax.bar(xs, heights, width=width, bottom=bottoms, label=label,
-               color=_reason_colour(label), linewidth=0)
-        for i, h in enumerate(heights):
-            bottoms[i] += h
+        tops = [b + h for b, h in zip(bottoms, heights)]
+        colour = _reason_colour(label)
+        if as_bars:
+            ax.bar(xs, heights, width=width, bottom=bottoms, label=label,
+                   color=colour, linewidth=0)
+        else:
+            ax.fill_between(xs, bottoms, tops, step="mid", label=label,
+                            color=colour, linewidth=0)
+        bottoms[:] = tops
 
     if steps:
         stack("compute", [_num(s.get("compute_seconds")) or 0.0 for s in steps])
