@@ -58,7 +58,7 @@ class _Disabled:
             warnings.warn("steptrace.step() called before steptrace.init(): nothing is recorded. "
                           "Call steptrace.init() once at start-up", SteptraceWarning, stacklevel=4)
 
-    def step(self, n: Any, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
+    def step(self, n: Any, *, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
         if self._warn:
             self._noop()
         return NULL_STEP
@@ -66,10 +66,10 @@ class _Disabled:
     def span(self, name: Any, **attrs: Any) -> Any:
         return NULL_SPAN
 
-    def checkpoint(self, step: Any, async_save: bool = False) -> Any:
+    def checkpoint(self, step: Any, *, async_save: bool = False) -> Any:
         return NULL_CHECKPOINT
 
-    def microbatch(self, index: Any, stage: Any = None, chunk: Any = None, kind: str = "forward") -> Any:
+    def microbatch(self, index: Any, *, stage: Any = None, chunk: Any = None, kind: str = "forward") -> Any:
         return NULL_MICROBATCH
 
     def flush(self, timeout_s: float | None) -> bool:
@@ -80,6 +80,23 @@ class _Disabled:
 
 
 _runtime: Any = _Disabled(warn_uninitialised=True)
+_HOT_CALLS = ("step", "span", "checkpoint", "microbatch")
+
+
+def _install(runtime: Any) -> None:
+    """Make ``runtime`` current and bind the hot calls straight to its methods.
+
+    The module functions below delegate to the current runtime; rebinding the
+    module attributes to the runtime's bound methods saves a call level on
+    every ``steptrace.step(...)`` (disabled, that is most of the cost). Code
+    that did ``from steptrace import step`` keeps the delegating function,
+    which stays correct across init/shutdown.
+    """
+    global _runtime
+    _runtime = runtime
+    namespace = globals()
+    for name in _HOT_CALLS:
+        namespace[name] = getattr(runtime, name)
 _config: Config | None = None
 _lock = threading.Lock()
 _atexit_registered = False
@@ -101,7 +118,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
     shuts the previous run down first.
     """
-    global _runtime, _config, _atexit_registered
+    global _config, _atexit_registered
     config = resolve_config(**settings)
     sinks = list(sinks)
     for sink in sinks:
@@ -113,7 +130,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             _runtime.shutdown(_runtime.config.shutdown_timeout_s)
         _config = config
         if not config.enabled:
-            _runtime = _Disabled(warn_uninitialised=False)
+            _install(_Disabled(warn_uninitialised=False))
             return config
         forced_value, stream, auto = _choose_backend(config.backend)
         if config.jsonl:
@@ -123,8 +140,8 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             sinks.insert(0, JsonlSink(path))
         from steptrace._resolver import Resolver
 
-        _runtime = Runtime(config, Resolver(config, sinks),
-                           forced_value_device=forced_value, stream_device=stream, auto=auto)
+        _install(Runtime(config, Resolver(config, sinks),
+                         forced_value_device=forced_value, stream_device=stream, auto=auto))
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -163,7 +180,7 @@ def step(n: int, *, tokens: int | float | None = None, flops: int | float | None
     device compute time). Extra keyword arguments are recorded as ``attrs``.
     Inside the block call ``s.wait_for(outputs)`` with the step's device outputs.
     """
-    return _runtime.step(n, tokens, flops, samples, **attrs)
+    return _runtime.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
 
 
 def span(name: str, **attrs: Any) -> Any:
@@ -174,12 +191,12 @@ def span(name: str, **attrs: Any) -> Any:
 def checkpoint(step: int, *, async_save: bool = False) -> Any:
     """Time a checkpoint save of ``step``; its ``blocking_seconds`` is the host time after that step's
     device work finished. With ``async_save=True`` call ``.async_done()`` when the background commit ends."""
-    return _runtime.checkpoint(step, async_save)
+    return _runtime.checkpoint(step, async_save=async_save)
 
 
 def microbatch(index: int, *, stage: int | None = None, chunk: int | None = None, kind: str = "forward") -> Any:
     """Time one pipeline microbatch (``kind`` is ``"forward"`` or ``"backward"``) inside the current step."""
-    return _runtime.microbatch(index, stage, chunk, kind)
+    return _runtime.microbatch(index, stage=stage, chunk=chunk, kind=kind)
 
 
 def flush(timeout_s: float | None = None) -> bool:
@@ -190,9 +207,9 @@ def flush(timeout_s: float | None = None) -> bool:
 def shutdown(timeout_s: float | None = None) -> bool:
     """Finalize, export and stop. Returns within ``timeout_s`` (default from config); False if
     something could not be finished in time (it is counted as dropped). Later calls are no-ops."""
-    global _runtime
     with _lock:
-        runtime, _runtime = _runtime, _Disabled(warn_uninitialised=False)
+        runtime = _runtime
+        _install(_Disabled(warn_uninitialised=False))
     if timeout_s is None:
         timeout_s = runtime.config.shutdown_timeout_s if isinstance(runtime, Runtime) else 0.0
     return runtime.shutdown(timeout_s)

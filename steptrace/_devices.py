@@ -72,7 +72,8 @@ class DeviceChooser:
     """
 
     def __init__(self) -> None:
-        self._by_type: dict[type, Device] = {}
+        #: type -> device, for leaf types only (read directly by the training-thread fast path)
+        self.by_type: dict[type, Device] = {}
         self._jax: Device | None = None
 
     def for_values(self, values: tuple[Any, ...]) -> Device:
@@ -84,7 +85,7 @@ class DeviceChooser:
 
     def _for_value(self, value: Any, depth: int) -> Device:
         kind = type(value)
-        found = self._by_type.get(kind)
+        found = self.by_type.get(kind)
         if found is not None:
             return found
         if kind in (list, tuple) or kind is dict:
@@ -103,7 +104,7 @@ class DeviceChooser:
         if own is not None:
             return own
         device = self._classify(kind)
-        self._by_type[kind] = device
+        self.by_type[kind] = device
         return device
 
     def _classify(self, kind: type) -> Device:

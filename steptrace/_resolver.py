@@ -29,6 +29,8 @@ log = logging.getLogger("steptrace")
 _perf = time.perf_counter
 # How many step end times are kept for checkpoints that refer to an earlier step.
 _STEP_ENDS_KEPT = 4096
+# How long an idle resolver sleeps before looking at its queue again.
+_IDLE_POLL_S = 0.05
 
 
 class _Tail:
@@ -74,12 +76,18 @@ class Resolver:
         self._thread.start()
 
     # -- training thread -------------------------------------------------------------
-    def submit(self, item: Any) -> None:
+    def submit(self, item: Any, urgent: bool = False) -> None:
+        """Queue ``item``. ``urgent``: its device completion must be observed promptly.
+
+        Waking a sleeping thread costs microseconds on the training thread, so
+        it is paid only for urgent items; the rest wait for the resolver's next
+        round (at most ``_IDLE_POLL_S``), which does not change their timings.
+        """
         if self._stopping or len(self._queue) >= self.config.max_queue:
             self.count_drop("resolver_queue")
             return
         self._queue.append(item)
-        if self._sleeping:  # only pay for a wake-up when the resolver is idle
+        if urgent and self._sleeping:
             self._wake.set()
 
     def count_drop(self, reason: str, count: int = 1) -> None:
@@ -132,7 +140,7 @@ class Resolver:
                     return
                 self._sleeping = True
                 if not queue:  # re-check after announcing sleep: submit() may have just appended
-                    self._wake.wait(0.05)
+                    self._wake.wait(_IDLE_POLL_S)
                 self._wake.clear()
                 self._sleeping = False
                 continue

@@ -38,44 +38,40 @@ class ClosedSpan:
 
 
 class TimedUnit:
-    """Fields shared by steps and microbatches: host times and device markers."""
+    """Fields shared by steps and microbatches: host times and device markers.
 
-    __slots__ = ("host_start", "host_end", "dispatch", "values", "device", "start_event", "end_event")
+    Defaults live on the class so that creating a handle on the training
+    thread only sets what differs (this is the hot path).
+    """
 
-    def _init_unit(self) -> None:
-        self.host_start = 0.0
-        self.host_end: float | None = None
-        self.dispatch = 0.0
-        self.values: tuple | None = None
-        self.device: Device = HOST
-        self.start_event: Any = None
-        self.end_event: Any = None
+    host_start = 0.0
+    host_end: float | None = None
+    dispatch = 0.0
+    values: tuple | None = None
+    device: Device = HOST
+    start_event: Any = None
+    end_event: Any = None
 
 
 class StepHandle(TimedUnit):
     """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside."""
 
-    __slots__ = (
-        "_rt", "step", "tokens", "flops", "samples", "attrs", "status", "error", "spans",
-        "open_spans", "microbatches", "submitted", "waited", "_annotation",
-    )
+    status = "ok"
+    error: str | None = None
+    spans: "list[ClosedSpan] | tuple" = ()
+    open_spans: "list[ClosedSpan] | tuple" = ()
+    microbatches: "list[MicrobatchHandle] | tuple" = ()
+    submitted = False
+    waited = False
+    _annotation: Any = None
 
     def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
-        self._init_unit()
         self._rt = rt
         self.step = n
         self.tokens = tokens
         self.flops = flops
         self.samples = samples
         self.attrs = attrs
-        self.status = "ok"
-        self.error: str | None = None
-        self.spans: list[ClosedSpan] = []
-        self.open_spans: list[ClosedSpan] = []
-        self.microbatches: list[MicrobatchHandle] = []
-        self.submitted = False
-        self.waited = False
-        self._annotation: Any = None
 
     def __enter__(self) -> "StepHandle":
         rt = self._rt
@@ -107,16 +103,20 @@ class StepHandle(TimedUnit):
                       "before the block ends")
             return
         if self.waited:
-            self.values = self.values + values  # several wait_for calls: wait for all of them
+            if self.values is not None and not self.submitted:
+                self.values = self.values + values  # several wait_for calls: wait for all of them
             return
         self.waited = True
         if self.device is HOST and values:
-            self.values = values
-            self.device = rt.chooser.for_values(values) if rt.forced_value_device is None else rt.forced_value_device
-            if self.device is not HOST:
+            device = rt.forced_value_device
+            if device is None:
+                device = rt.chooser.by_type.get(type(values[0])) or rt.chooser.for_values(values)
+            if device is not HOST:
+                self.values = values
+                self.device = device
                 # Hand over now so the resolver starts waiting while the host runs ahead.
                 self.submitted = True
-                rt.resolver.submit(self)
+                rt.resolver.submit(self, urgent=True)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         rt = self._rt
@@ -136,22 +136,22 @@ class StepHandle(TimedUnit):
                 pass
         rt.current = None
         rt.last_step = self.step
-        self.spans = rt.take_closed_spans()
+        if rt.closed_spans:
+            self.spans = rt.take_closed_spans()
         if rt.open_spans:
             self.open_spans = [ClosedSpan(s.name, s.start, self.host_end, None, {}, False) for s in rt.open_spans]
         if not self.submitted:
             self.submitted = True
-            rt.resolver.submit(self)
+            # Stream-device steps need their exit marker observed promptly; a host step's
+            # end is already known, so it waits for the resolver's next round (no wake-up cost).
+            rt.resolver.submit(self, urgent=self.end_event is not None)
         return False  # never swallow the user's exception
 
 
 class MicrobatchHandle(TimedUnit):
     """One pipeline microbatch inside a step; device-timed like a step."""
 
-    __slots__ = ("_rt", "_step", "index", "stage", "chunk", "kind")
-
     def __init__(self, rt: "Runtime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
-        self._init_unit()
         self._rt = rt
         self._step = step
         self.index = index
@@ -178,7 +178,11 @@ class MicrobatchHandle(TimedUnit):
         if self.start_event is not None:
             self.end_event = self._rt.device_call(self.device.event)
         self.host_end = _perf()
-        self._step.microbatches.append(self)
+        step = self._step
+        if step.microbatches:
+            step.microbatches.append(self)
+        else:
+            step.microbatches = [self]
         return False
 
 
@@ -287,12 +291,13 @@ class Runtime:
         self.current: StepHandle | None = None
         self.last_step: int | None = None
         self.open_spans: list[SpanHandle] = []
-        self._closed: list[ClosedSpan] = []
+        self.closed_spans: list[ClosedSpan] = []
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
         self.annotate: Callable[[int], Any] | None = None
         self._setup_done = False
         self._device_errors = 0
+        self.active = True
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
@@ -311,7 +316,7 @@ class Runtime:
 
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
         current = self.current
-        self._closed.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
+        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
         if current is not None and not current.waited and end > current.dispatch:
             # DESIGN §2: host spans inside a step come before its device work, so the
             # end of the last one is the step's dispatch point.
@@ -320,11 +325,14 @@ class Runtime:
                 current.start_event = self.device_call(current.device.event)
 
     def take_closed_spans(self) -> list[ClosedSpan]:
-        closed, self._closed = self._closed, []
+        closed, self.closed_spans = self.closed_spans, []
         return closed
 
     # -- public API ------------------------------------------------------------------
-    def step(self, n: int, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
+    def step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
+        """Time training step ``n`` (a context manager; see :func:`steptrace.step`)."""
+        if not self.active:
+            return NULL_STEP  # a reference kept across shutdown() records nothing
         if not self._setup_done:
             self._first_step_setup()
         if self.current is not None:
@@ -364,18 +372,27 @@ class Runtime:
         return None
 
     def span(self, name: str, **attrs: Any) -> Any:
+        """Time a host span (see :func:`steptrace.span`)."""
+        if not self.active:
+            return NULL_SPAN
         if not isinstance(name, str) or not name:
             self.misuse(f"span name must be a non-empty string, got {name!r}")
             return NULL_SPAN
         return SpanHandle(self, name, attrs)
 
-    def checkpoint(self, step: int, async_save: bool = False) -> Any:
+    def checkpoint(self, step: int, *, async_save: bool = False) -> Any:
+        """Time a checkpoint save (see :func:`steptrace.checkpoint`)."""
+        if not self.active:
+            return NULL_CHECKPOINT
         if isinstance(step, bool) or not hasattr(step, "__index__"):
             self.misuse(f"checkpoint step must be an int, got {step!r}: pass the step being saved")
             return NULL_CHECKPOINT
         return CheckpointHandle(self, step.__index__(), bool(async_save))
 
-    def microbatch(self, index: Any, stage: Any = None, chunk: Any = None, kind: str = "forward") -> Any:
+    def microbatch(self, index: Any, *, stage: Any = None, chunk: Any = None, kind: str = "forward") -> Any:
+        """Time a pipeline microbatch (see :func:`steptrace.microbatch`)."""
+        if not self.active:
+            return NULL_MICROBATCH
         if kind not in MICROBATCH_KINDS:
             self.misuse(f"microbatch kind={kind!r} is unknown; use 'forward' or 'backward'")
             return NULL_MICROBATCH
@@ -396,22 +413,28 @@ class Runtime:
             from steptrace.adapters.torch import TorchCudaDevice
 
             self.stream_device = TorchCudaDevice()
+        annotators = []
         if "jax" in sys.modules and self.config.backend in ("auto", "jax"):
             from steptrace.adapters import jax as jax_adapter
 
             jax_adapter.install_compile_listener(self)
             if self.config.annotate:
-                self.annotate = jax_adapter.step_annotation
-        elif "torch" in sys.modules and self.config.annotate and self.config.backend in ("auto", "torch"):
+                annotators.append(jax_adapter.step_annotation)
+        if "torch" in sys.modules and self.config.annotate and self.config.backend in ("auto", "torch"):
             from steptrace.adapters import torch as torch_adapter
 
-            self.annotate = torch_adapter.step_annotation(self.stream_device is not None)
+            annotators.append(torch_adapter.step_annotation(self.stream_device is not None))
+        if len(annotators) == 1:
+            self.annotate = annotators[0]
+        elif annotators:
+            self.annotate = _AllAnnotations(annotators)
 
     def flush(self, timeout_s: float | None) -> bool:
         closed = self.take_closed_spans()
         return self.resolver.flush(closed, timeout_s)
 
     def shutdown(self, timeout_s: float) -> bool:
+        self.active = False
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
             step = self.current
@@ -420,6 +443,28 @@ class Runtime:
             ckpt.status = "incomplete"
             ckpt._submit()
         return self.resolver.shutdown(self.take_closed_spans(), timeout_s)
+
+
+class _AllAnnotations:
+    """Both frameworks imported: open each one's step annotation, close them in reverse."""
+
+    __slots__ = ("_annotators", "_opened")
+
+    def __init__(self, annotators: list[Callable[[int], Any]]):
+        self._annotators = annotators
+        self._opened: list[Any] = []
+
+    def __call__(self, n: int) -> Any:
+        opened = [a for a in (annotate(n) for annotate in self._annotators) if a is not None]
+        if not opened:
+            return None
+        combined = _AllAnnotations(self._annotators)
+        combined._opened = opened
+        return combined
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for annotation in reversed(self._opened):
+            annotation.__exit__(exc_type, exc, tb)
 
 
 # -- no-op objects: disabled steptrace, or a misused call --------------------------------

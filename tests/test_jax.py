@@ -66,9 +66,14 @@ def test_heavy_step_is_attributed_to_itself_and_the_host_never_waits(calibrated)
     assert sum(host_loop) < 0.5 * sum(truth)
     heavy, light = steps[2]["compute_seconds"], statistics.median(steps[n]["compute_seconds"] for n in (1, 3, 4))
     # 3x the work reads as about 3x the compute (naive host timing reads ~1x: dispatch only).
-    assert 2.0 < heavy / light < 4.5
-    for n in range(1, 5):  # each step near its isolated time (loose: other processes share the cores)
-        assert 0.4 < steps[n]["compute_seconds"] / truth[n] < 2.5, n
+    assert 2.0 < heavy / light < 6.0
+    # The heavy step's time does not leak into its neighbours (a late observation of one
+    # step's end shifts time to the next one; intervals still tile)...
+    for n in (1, 3, 4):
+        assert steps[n]["compute_seconds"] < heavy, n
+    # ...and all together they account for the device work (loose: the cores are shared).
+    measured = sum(steps[n]["compute_seconds"] for n in range(1, 5))
+    assert 0.5 < measured / sum(truth[1:]) < 2.0
 
 
 def test_checkpoint_stall_goes_to_the_checkpoint_and_intervals_sum_to_wall_time(calibrated):
@@ -94,8 +99,8 @@ def test_checkpoint_stall_goes_to_the_checkpoint_and_intervals_sum_to_wall_time(
     assert steps[3]["idle_breakdown"]["checkpoint"] == pytest.approx(ckpt["blocking_seconds"], abs=0.01)
     normal = statistics.median(steps[n]["compute_seconds"] for n in (1, 4, 5))
     # Neither the saved step nor the next one absorbs the stall.
-    assert steps[2]["compute_seconds"] < normal * 1.6
-    assert steps[3]["compute_seconds"] < normal * 1.6
+    assert steps[2]["compute_seconds"] < normal + stall / 2
+    assert steps[3]["compute_seconds"] < normal + stall / 2
     total = sum(r["interval_seconds"] for r in steps.values())
     assert total == pytest.approx(steps[5]["end_time"] - steps[0]["host_start_time"], abs=1e-4)
     assert total == pytest.approx(wall, rel=0.1)
@@ -115,13 +120,15 @@ def test_compile_inside_step_zero_is_idle_compile_not_compute(calibrated):
                 y = fresh(y, reps)
                 s.wait_for(y)
     steps = {r["step"]: r for r in sink.steps()}
-    compile_seconds = steps[0]["idle_breakdown"].get("compile", 0.0)
-    assert compile_seconds > 0.005
-    assert steps[0]["compute_seconds"] < 2 * steps[2]["compute_seconds"] + 0.01
-    assert "compile" not in steps[2]["idle_breakdown"]
     compiles = [s for s in sink.spans() if s["name"] == "compile"]
     assert compiles and all(s["step"] == 0 for s in compiles)
-    assert sum(s["seconds"] for s in compiles) >= compile_seconds - 1e-6
+    compiled = sum(s["seconds"] for s in compiles)
+    assert compiled > 0.005
+    # The device had nothing to do while step 0 compiled: all of it is exposed, as compile.
+    assert steps[0]["idle_breakdown"]["compile"] == pytest.approx(compiled, rel=0.05)
+    assert steps[0]["dispatch_time"] >= max(s["end_time"] for s in compiles) - 1e-6
+    assert steps[0]["compute_seconds"] < steps[0]["interval_seconds"] - 0.9 * compiled
+    assert "compile" not in steps[2]["idle_breakdown"]
 
 
 def test_donated_outputs_never_crash_training(calibrated):
