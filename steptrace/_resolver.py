@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from steptrace import _attribution as attribution
 from steptrace._devices import HOST
+from steptrace._ids import trace_id_hex
 from steptrace._sinks import SinkWorker
 
 if TYPE_CHECKING:
@@ -271,6 +272,7 @@ class Resolver:
             "rank": cfg.rank,
             "world_size": cfg.world_size,
             "step": step.step,
+            "trace_id": trace_id_hex(cfg.run_id, step.step),
             "status": step.status,
             "backend": step.device.name,
             "host_start_time": _r6(step.host_start + off),
