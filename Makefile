@@ -1,0 +1,62 @@
+# steptrace developer targets. Everything runs from a local virtualenv (.venv), created
+# and installed on first use; changing pyproject.toml reinstalls.
+#
+#   make demo        the JAX demo: naive timing vs steptrace, then the steptrace report
+#   make test        pytest (extra arguments: make test PYTEST_ARGS='-k report -x')
+#   make bench       every bench/bench_*.py
+#   make clean       run directories, caches, build outputs
+#   make distclean   clean + the virtualenv
+#
+# PYTHON picks the interpreter the virtualenv is made from (3.11 or newer).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+EXTRAS ?= demo,torch,test
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+VENV_PYTHON := $(VENV)/bin/python
+# The install stamp carries a hash of pyproject.toml, so editing it (new extras, new
+# dependencies) triggers a reinstall and an unchanged one installs only once.
+PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])" 2>/dev/null || cksum < pyproject.toml | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
+
+.PHONY: demo test bench install clean distclean help
+.DEFAULT_GOAL := help
+
+help:
+	@sed -n '1,/^$$/p' $(firstword $(MAKEFILE_LIST)) | sed -n 's/^# \{0,1\}//p'
+
+$(VENV_PYTHON):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): | $(VENV_PYTHON)
+	$(VENV_PYTHON) -m pip install "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV_PYTHON) examples/train_jax.py $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@set -e; found=0; \
+	for script in bench/bench_*.py; do \
+		[ -f "$$script" ] || continue; \
+		found=1; \
+		echo "== $$script"; \
+		$(VENV_PYTHON) "$$script"; \
+	done; \
+	if [ "$$found" = 0 ]; then echo "no bench/bench_*.py scripts yet"; fi
+
+clean:
+	rm -rf steptrace-runs build dist .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
