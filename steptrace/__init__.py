@@ -133,19 +133,46 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             _install(_Disabled(warn_uninitialised=False))
             return config
         forced_value, stream, auto = _choose_backend(config.backend)
-        if config.jsonl:
-            from steptrace._sinks import JsonlSink
-
-            path = os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")
-            sinks.insert(0, JsonlSink(path))
+        built = _build_sinks(config)
         from steptrace._resolver import Resolver
 
-        _install(Runtime(config, Resolver(config, sinks),
-                         forced_value_device=forced_value, stream_device=stream, auto=auto))
+        resolver = Resolver(config, built + sinks)
+        for sink in built + sinks:
+            # Exporters that publish drop counts (steptrace_dropped_records_total) read them here.
+            attach = getattr(sink, "attach_drop_counter", None)
+            if callable(attach):
+                attach(resolver.dropped_snapshot)
+        _install(Runtime(config, resolver, forced_value_device=forced_value, stream_device=stream, auto=auto))
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
     return config
+
+
+def _build_sinks(config: Config) -> list[Any]:
+    """The sinks the configuration asks for; on a setup error, close the ones already opened."""
+    built: list[Any] = []
+    try:
+        if config.jsonl:
+            from steptrace._sinks import JsonlSink
+
+            built.append(JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")))
+        if config.prometheus_port is not None:
+            from steptrace.prometheus import PrometheusSink
+
+            built.append(PrometheusSink.from_config(config))
+        if config.otlp_endpoint is not None:
+            from steptrace.otlp import OtlpSink
+
+            built.append(OtlpSink.from_config(config))
+    except BaseException:
+        for sink in built:
+            try:
+                sink.shutdown(0.5)
+            except Exception:
+                pass
+        raise
+    return built
 
 
 def _choose_backend(backend: Any) -> tuple[Any, Any, bool]:
@@ -233,8 +260,15 @@ def config() -> Config | None:
 
 
 def stats() -> dict[str, Any]:
-    """Counters of the current run: steps resolved, records emitted, records dropped by reason."""
+    """Counters of the current run: steps resolved, records emitted, records dropped by reason,
+    and the sinks' endpoints (e.g. ``{"prometheus": "http://127.0.0.1:9464/metrics"}``)."""
     if not isinstance(_runtime, Runtime):
-        return {"steps": 0, "records": 0, "dropped": {}}
+        return {"steps": 0, "records": 0, "dropped": {}, "endpoints": {}}
     resolver = _runtime.resolver
-    return {"steps": resolver.steps_resolved, "records": resolver.records_emitted, "dropped": dict(resolver.dropped)}
+    endpoints = {}
+    for worker in resolver.sinks:
+        endpoint = getattr(worker.sink, "endpoint", None)
+        if endpoint:
+            endpoints[worker.name] = endpoint
+    return {"steps": resolver.steps_resolved, "records": resolver.records_emitted,
+            "dropped": resolver.dropped_snapshot(), "endpoints": endpoints}

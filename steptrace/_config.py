@@ -40,7 +40,26 @@ ENV_MAX_QUEUE = "STEPTRACE_MAX_QUEUE"
 #: Seconds ``shutdown()`` may take to resolve and export what is pending.
 ENV_SHUTDOWN_TIMEOUT_S = "STEPTRACE_SHUTDOWN_TIMEOUT_S"
 
+#: Serve Prometheus ``/metrics`` on this port + local_rank (one port per rank).
+ENV_PROMETHEUS_PORT = "STEPTRACE_PROMETHEUS_PORT"
+#: Address the ``/metrics`` server binds to (default ``127.0.0.1``).
+ENV_PROMETHEUS_ADDR = "STEPTRACE_PROMETHEUS_ADDR"
+#: Steps in the sliding window of ``steptrace_goodput_ratio``.
+ENV_GOODPUT_WINDOW_STEPS = "STEPTRACE_GOODPUT_WINDOW_STEPS"
+#: Seconds one OTLP export may take before it is abandoned (and its records counted as dropped).
+ENV_OTLP_TIMEOUT_S = "STEPTRACE_OTLP_TIMEOUT_S"
+#: Seconds between OTLP metric exports.
+ENV_OTLP_METRICS_INTERVAL_S = "STEPTRACE_OTLP_METRICS_INTERVAL_S"
+# The standard OpenTelemetry variables (https://opentelemetry.io/docs/specs/otel/protocol/exporter/).
+ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_OTLP_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
+ENV_OTLP_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
+ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+
 BACKENDS = ("auto", "host", "jax", "torch")
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+OTLP_COMPRESSIONS = ("gzip", "none")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -62,6 +81,16 @@ class Config:
     max_queue: int = 65536
     shutdown_timeout_s: float = 10.0
     jsonl: bool = True
+    prometheus_port: int | None = None  # None: no /metrics server
+    prometheus_addr: str = "127.0.0.1"
+    goodput_window_steps: int = 100
+    otlp_endpoint: str | None = None  # None: no OTLP export
+    otlp_protocol: str = "http/protobuf"
+    otlp_headers: tuple[tuple[str, str], ...] = ()
+    otlp_compression: str = "none"
+    otlp_timeout_s: float = 10.0
+    otlp_metrics_interval_s: float = 10.0
+    service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -176,9 +205,43 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         max_queue=_first(code.get("max_queue"), _env_int(ENV_MAX_QUEUE, env), 65536),
         shutdown_timeout_s=_first(code.get("shutdown_timeout_s"), _env_float(ENV_SHUTDOWN_TIMEOUT_S, env), 10.0),
         jsonl=bool(_first(code.get("jsonl"), True)),
+        prometheus_port=_first(code.get("prometheus_port"), _env_int(ENV_PROMETHEUS_PORT, env)),
+        prometheus_addr=str(_first(code.get("prometheus_addr"), env.get(ENV_PROMETHEUS_ADDR) or None, "127.0.0.1")),
+        goodput_window_steps=_first(code.get("goodput_window_steps"), _env_int(ENV_GOODPUT_WINDOW_STEPS, env), 100),
+        otlp_endpoint=_first(code.get("otlp_endpoint"), env.get(ENV_OTLP_ENDPOINT) or None),
+        otlp_protocol=str(_first(code.get("otlp_protocol"), env.get(ENV_OTLP_PROTOCOL) or None, "http/protobuf")),
+        otlp_headers=_parse_headers(_first(code.get("otlp_headers"), env.get(ENV_OTLP_HEADERS) or None, ())),
+        otlp_compression=str(_first(code.get("otlp_compression"), env.get(ENV_OTLP_COMPRESSION) or None, "none")),
+        otlp_timeout_s=_first(code.get("otlp_timeout_s"), _env_float(ENV_OTLP_TIMEOUT_S, env), 10.0),
+        otlp_metrics_interval_s=_first(code.get("otlp_metrics_interval_s"),
+                                       _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
+        service_name=_first(code.get("service_name"), env.get(ENV_SERVICE_NAME) or None),
     )
     _validate(config)
     return config
+
+
+def _parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
+    """``{"k": "v"}``, pairs, or the OTEL form ``k1=v1,k2=v2`` (values URL-encoded)."""
+    from urllib.parse import unquote
+
+    if isinstance(value, str):
+        pairs = []
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            key, sep, val = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"otlp_headers / {ENV_OTLP_HEADERS}: expected key=value pairs separated by "
+                                 f"commas, got {item!r}")
+            pairs.append((unquote(key.strip()), unquote(val.strip())))
+        return tuple(pairs)
+    if isinstance(value, dict):
+        value = value.items()
+    try:
+        return tuple((str(k), str(v)) for k, v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"otlp_headers must be a dict, (key, value) pairs or 'k=v,k2=v2', got {value!r}") from None
 
 
 def _validate(config: Config) -> None:
@@ -207,3 +270,23 @@ def _validate(config: Config) -> None:
         raise ValueError(f"peak_tflops must be > 0, got {config.peak_tflops!r}")
     if not config.shutdown_timeout_s >= 0:
         raise ValueError(f"shutdown_timeout_s must be >= 0, got {config.shutdown_timeout_s!r}")
+    if config.prometheus_port is not None:
+        need_int("prometheus_port", config.prometheus_port)
+        if not 0 <= config.prometheus_port or config.prometheus_port + config.local_rank > 65535:
+            raise ValueError(f"prometheus_port must be in [0, 65535 - local_rank], got {config.prometheus_port} "
+                             f"(set by init(prometheus_port=...) or {ENV_PROMETHEUS_PORT})")
+    need_int("goodput_window_steps", config.goodput_window_steps)
+    if config.goodput_window_steps < 1:
+        raise ValueError(f"goodput_window_steps must be >= 1, got {config.goodput_window_steps}")
+    if config.otlp_endpoint is not None and not config.otlp_endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"otlp_endpoint must start with http:// or https://, got {config.otlp_endpoint!r} "
+                         f"(set by init(otlp_endpoint=...) or {ENV_OTLP_ENDPOINT})")
+    if config.otlp_protocol not in OTLP_PROTOCOLS:
+        raise ValueError(f"otlp_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {config.otlp_protocol!r} "
+                         f"(set by init(otlp_protocol=...) or {ENV_OTLP_PROTOCOL})")
+    if config.otlp_compression not in OTLP_COMPRESSIONS:
+        raise ValueError(f"otlp_compression must be one of {', '.join(OTLP_COMPRESSIONS)}, got "
+                         f"{config.otlp_compression!r} (set by init(otlp_compression=...) or {ENV_OTLP_COMPRESSION})")
+    for field in ("otlp_timeout_s", "otlp_metrics_interval_s"):
+        if not getattr(config, field) > 0:
+            raise ValueError(f"{field} must be > 0, got {getattr(config, field)!r}")

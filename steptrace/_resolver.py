@@ -95,6 +95,11 @@ class Resolver:
         with self._drop_lock:
             self.dropped[reason] += count
 
+    def dropped_snapshot(self) -> dict[str, int]:
+        """Drops so far by reason (``sink:<name>``, ``resolver_queue``, ``misuse``, ...); any thread."""
+        with self._drop_lock:
+            return dict(self.dropped)
+
     def flush(self, closed: list["ClosedSpan"], timeout_s: float | None) -> bool:
         deadline = time.monotonic() + (1e9 if timeout_s is None else timeout_s)
         tail = _Tail(closed)
@@ -122,7 +127,7 @@ class Resolver:
             "rank": self.config.rank,
             "world_size": self.config.world_size,
             "steps": self.steps_resolved,
-            "dropped": dict(self.dropped),
+            "dropped": self.dropped_snapshot(),
         }
         for worker in self.sinks:
             worker.offer([run_record])

@@ -21,7 +21,27 @@ def test_code_wins_over_steptrace_env_which_wins_over_launcher_env():
     assert resolve_config(env).world_size == 4
     assert resolve_config(env).run_id == "from-env"
     assert resolve_config(env, rank=1).rank == 1
-    assert resolve_config({"RANK": "3", "WORLD_SIZE": "4"}).rank == 3
+    assert resolve_config({"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job"}).rank == 3
+
+
+def test_several_ranks_without_a_shared_run_id_warn():
+    with pytest.warns(SteptraceWarning, match="ranks share one trace"):
+        cfg = resolve_config({"RANK": "1", "WORLD_SIZE": "2"})
+    assert cfg.run_id
+
+
+def test_otlp_settings_from_standard_variables_code_wins():
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20t,x-team=ml", "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip",
+           "OTEL_SERVICE_NAME": "trainer"}
+    cfg = resolve_config(env)
+    assert cfg.otlp_endpoint == "http://127.0.0.1:4318" and cfg.otlp_protocol == "grpc"
+    assert cfg.otlp_headers == (("authorization", "Bearer t"), ("x-team", "ml"))
+    assert cfg.otlp_compression == "gzip" and cfg.service_name == "trainer"
+    cfg = resolve_config(env, otlp_endpoint="http://10.0.0.1:4318", otlp_headers={"a": "b"}, otlp_protocol="http/protobuf")
+    assert cfg.otlp_endpoint == "http://10.0.0.1:4318" and cfg.otlp_headers == (("a", "b"),)
+    assert cfg.otlp_protocol == "http/protobuf"
+    assert resolve_config({}).otlp_endpoint is None  # off unless asked for
 
 
 def test_defaults_single_process_and_generated_run_id():
@@ -39,7 +59,7 @@ def test_disabled_by_environment():
     "env, code, field",
     [
         ({"STEPTRACE_RANK": "abc"}, {}, "STEPTRACE_RANK"),
-        ({}, {"rank": 4, "world_size": 4}, "rank"),
+        ({}, {"rank": 4, "world_size": 4, "run_id": "r"}, "rank"),
         ({}, {"world_size": 0}, "world_size"),
         ({}, {"backend": "tpu"}, "backend"),
         ({}, {"peak_tflops": -1.0}, "peak_tflops"),
@@ -47,6 +67,13 @@ def test_disabled_by_environment():
         ({}, {"run_id": "a/b"}, "run_id"),
         ({}, {"max_queue": 1}, "max_queue"),
         ({}, {"colour": "blue"}, "colour"),
+        ({"STEPTRACE_PROMETHEUS_PORT": "http"}, {}, "STEPTRACE_PROMETHEUS_PORT"),
+        ({}, {"prometheus_port": 70000}, "STEPTRACE_PROMETHEUS_PORT"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4318"}, {}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, {}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        ({"OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"}, {}, "OTEL_EXPORTER_OTLP_COMPRESSION"),
+        ({"OTEL_EXPORTER_OTLP_HEADERS": "novalue"}, {}, "OTEL_EXPORTER_OTLP_HEADERS"),
+        ({}, {"goodput_window_steps": 0}, "goodput_window_steps"),
     ],
 )
 def test_bad_configuration_fails_at_init_naming_the_field(env, code, field):
