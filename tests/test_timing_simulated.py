@@ -242,3 +242,32 @@ def test_spans_are_recorded_with_their_step():
     assert spans["data"]["step"] == 0
     assert spans["eval"]["step"] is None and spans["eval"]["attrs"] == {"split": "val"}
     assert spans["eval"]["seconds"] >= 0.002
+
+
+def test_forced_host_backend_ignores_device_values(device):
+    with capture(backend="host") as sink:
+        for n in range(2):
+            with steptrace.step(n) as s:
+                s.wait_for(device.run(U))  # not waited on: host timing was forced
+        device.synchronize()
+    steps = sink.steps()
+    assert [r["backend"] for r in steps] == ["host", "host"]
+    assert all(r["compute_seconds"] < U / 2 for r in steps)
+
+
+def test_microbatches_on_a_stream_device_are_timed_by_markers():
+    device = SimulatedDevice(uses_events=True)
+    try:
+        with capture(backend=device) as sink:
+            with steptrace.step(0):
+                for i, seconds in enumerate([U / 2, U, U / 2]):
+                    with steptrace.microbatch(i, stage=1, chunk=0, kind="forward" if i < 2 else "backward"):
+                        device.run(seconds)
+    finally:
+        device.close()
+    mbs = sink.microbatches()
+    assert [m["kind"] for m in mbs] == ["forward", "forward", "backward"]
+    assert [m["compute_seconds"] for m in mbs] == [approx(U / 2), approx(U), approx(U / 2)]
+    assert (mbs[0]["stage"], mbs[0]["chunk"]) == (1, 0)
+    (step,) = sink.steps()
+    assert step["pipeline_bubble_ratio"]["1"] == approx(0.0, abs=0.1)
