@@ -153,10 +153,6 @@ def _build_sinks(config: Config) -> list[Any]:
     """The sinks the configuration asks for; on a setup error, close the ones already opened."""
     built: list[Any] = []
     try:
-        if config.jsonl:
-            from steptrace._sinks import JsonlSink
-
-            built.append(JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")))
         if config.prometheus_port is not None:
             from steptrace.prometheus import PrometheusSink
 
@@ -165,6 +161,12 @@ def _build_sinks(config: Config) -> list[Any]:
             from steptrace.otlp import OtlpSink
 
             built.append(OtlpSink.from_config(config))
+        if config.jsonl:
+            # Opened last (listed first): a network sink that fails to start, a port
+            # already taken say, must not leave an empty run file behind.
+            from steptrace._sinks import JsonlSink
+
+            built.insert(0, JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")))
     except BaseException:
         for sink in built:
             try:

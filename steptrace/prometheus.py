@@ -1,0 +1,387 @@
+"""Prometheus exporter: each rank serves its own ``/metrics`` from finalized records.
+
+``steptrace.init(prometheus_port=9464)`` (or ``STEPTRACE_PROMETHEUS_PORT``)
+serves ``http://127.0.0.1:<9464 + local_rank>/metrics``: one port per rank, so
+a dead rank shows up as ``up == 0`` for its own target instead of hiding
+behind a live one. Every series is labelled ``run_id`` and ``rank`` and never
+with the step number (one series per step would grow without bound).
+
+:class:`PrometheusSink` runs behind its own :class:`~steptrace._sinks.SinkWorker`,
+so ``export`` (one histogram observation per step record, not an average)
+happens off the training thread, and a scrape reads what is already
+aggregated. Histogram observations carry the step's trace id as an
+OpenMetrics exemplar, which links a slow bucket in Grafana to the step's
+distributed trace (exemplars only appear in the OpenMetrics exposition,
+``Accept: application/openmetrics-text``).
+
+Metrics (all with ``run_id`` and ``rank``):
+
+=====================================================  =========  ======================
+name                                                   type       extra labels
+=====================================================  =========  ======================
+``steptrace_step_interval_seconds``                    histogram
+``steptrace_step_compute_seconds``                     histogram
+``steptrace_step_idle_seconds_total``                  counter    ``reason``
+``steptrace_steps_total``                              counter    ``status``
+``steptrace_last_step``                                gauge
+``steptrace_tokens_total``                             counter
+``steptrace_tokens_per_second``                        gauge
+``steptrace_tflops_per_second``                        gauge      (per device)
+``steptrace_mfu``                                      gauge      (only with ``peak_tflops``)
+``steptrace_goodput_ratio``                            gauge      (last ``goodput_window_steps`` steps)
+``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
+``steptrace_microbatch_seconds``                       histogram  ``kind, stage, chunk``
+``steptrace_checkpoint_blocking_seconds``              histogram
+``steptrace_checkpoint_async_seconds``                 histogram
+``steptrace_checkpoints_total``                        counter    ``status``
+``steptrace_dropped_records_total``                    counter    ``sink, reason``
+``steptrace_info``                                     gauge (1)  ``version, backend``
+=====================================================  =========  ======================
+
+``steptrace_dropped_records_total`` is read at scrape time from the run's drop
+counters (:meth:`PrometheusSink.attach_drop_counter`): records a sink's queue
+dropped or its export failed on are ``{sink="<name>", reason="queue_full_or_error"}``;
+records this exporter skipped as malformed are ``{sink="prometheus",
+reason="invalid_record"}``; drops before any sink (the resolver's queue,
+misuse, steps still unresolved at shutdown, failed device waits) are
+``{sink="resolver", reason="<reason>"}``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import socket
+import threading
+from typing import Any, Callable, Iterable
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+    from prometheus_client.core import CounterMetricFamily
+except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "steptrace's Prometheus exporter needs prometheus_client: pip install 'steptrace[prometheus]'"
+    ) from _exc
+
+from steptrace import __version__
+from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
+from steptrace._ids import trace_id_hex
+
+__all__ = ["PrometheusSink", "SECONDS_BUCKETS"]
+
+log = logging.getLogger("steptrace")
+
+#: Histogram buckets for durations: 1 ms to 10 min in steps of about 2x (a 1-2-5 series, then
+#: minutes). Covers a tiny microbatch and a long checkpoint stall with one set, and keeps
+#: histogram_quantile within a factor of ~2 everywhere; exact values stay in the JSONL records.
+SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+                   1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+_RUN_LABELS = ("run_id", "rank")
+
+
+class PrometheusSink:
+    """Serves ``/metrics`` for one rank and updates it from every exported record.
+
+    ``port`` is the base port: the server listens on ``port + local_rank``, or on
+    an ephemeral port when ``port`` is 0 (read the real one from :attr:`endpoint`).
+    Raises ``ValueError`` when the port cannot be bound.
+    """
+
+    name = "prometheus"
+
+    def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
+                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None):
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
+            raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
+        if isinstance(goodput_window_steps, bool) or not isinstance(goodput_window_steps, int) \
+                or goodput_window_steps < 1:
+            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {goodput_window_steps!r}")
+        if peak_tflops is not None and not peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be > 0, got {peak_tflops!r}")
+        self._run_id = str(run_id)
+        self._rank = str(rank)
+        self._labels = (self._run_id, self._rank)
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=goodput_window_steps)
+        self._drop_counter: Callable[[], dict[str, int]] | None = None
+        self._invalid_records = 0
+        self._drop_counter_failed = False
+        self._backend: str | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+        self._metrics = CollectorRegistry()
+        self._define_metrics(peak_tflops)
+        # The served registry wraps ours: it drops `_created` series (which would double the series
+        # count of every counter; the switch in prometheus_client is process-global and would change
+        # the user's own metrics) and adds the drop counters, read at scrape time.
+        served = CollectorRegistry()
+        served.register(_Exposition(self))
+
+        bind_port = port + local_rank if port else 0
+        try:
+            self._server, self._thread = start_http_server(bind_port, addr, registry=served)
+        except OSError as exc:
+            raise _bind_error(exc, addr, port, local_rank) from exc
+        bound = self._server.socket.getsockname()[1]
+        host = f"[{addr}]" if ":" in addr else addr
+        #: The URL Prometheus should scrape (with the real port when ``port`` was 0).
+        self.endpoint = f"http://{host}:{bound}/metrics"
+        #: The port actually bound.
+        self.port = bound
+
+    @classmethod
+    def from_config(cls, config: Any) -> "PrometheusSink":
+        """The sink ``steptrace.init`` builds when ``prometheus_port`` is set."""
+        return cls(config.prometheus_port, addr=config.prometheus_addr, local_rank=config.local_rank,
+                   run_id=config.run_id, rank=config.rank, goodput_window_steps=config.goodput_window_steps,
+                   peak_tflops=config.peak_tflops)
+
+    def _define_metrics(self, peak_tflops: float | None) -> None:
+        reg = self._metrics
+        run = _RUN_LABELS
+
+        def histogram(name: str, doc: str, extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, run + extra, registry=reg, buckets=SECONDS_BUCKETS)
+
+        self._interval = histogram("steptrace_step_interval_seconds",
+                                   "Wall time per step: device end of the previous step to device end of this one.")
+        self._compute = histogram("steptrace_step_compute_seconds", "Device busy time per step.")
+        self._idle = Counter("steptrace_step_idle_seconds", "Device idle time within steps, by the host "
+                             "activity that covered it (checkpoint, data, compile, eval, other, user spans).",
+                             run + ("reason",), registry=reg)
+        self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
+                              run + ("status",), registry=reg)
+        self._last_step = Gauge("steptrace_last_step", "Number of the last finalized step.", run, registry=reg)
+        self._tokens = Counter("steptrace_tokens", "Tokens processed by this rank.", run, registry=reg)
+        self._tokens_per_second = Gauge("steptrace_tokens_per_second",
+                                        "Tokens per second of wall time (interval) in the last step.",
+                                        run, registry=reg)
+        self._tflops = Gauge("steptrace_tflops_per_second",
+                             "TFLOP/s per device over device compute time in the last step.", run, registry=reg)
+        self._peak_tflops = peak_tflops
+        self._mfu = None
+        if peak_tflops is not None:
+            self._mfu = Gauge("steptrace_mfu", f"Model FLOPs utilization in the last step (TFLOP/s per device "
+                              f"/ peak {peak_tflops:g}).", run, registry=reg)
+        self._goodput = Gauge("steptrace_goodput_ratio", "Sum of compute over sum of interval in the last "
+                              f"{self._window.maxlen} steps.", run, registry=reg)
+        self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / step compute per "
+                             "pipeline stage, in the last step with microbatches.", run + ("stage",), registry=reg)
+        self._microbatch = histogram("steptrace_microbatch_seconds", "Device compute time per pipeline "
+                                     "microbatch ('' for no stage or chunk).", ("kind", "stage", "chunk"))
+        self._ckpt_blocking = histogram("steptrace_checkpoint_blocking_seconds", "Training time blocked per "
+                                        "checkpoint save (host time after the saved step's device work ended).")
+        self._ckpt_async = histogram("steptrace_checkpoint_async_seconds",
+                                     "Background commit time per asynchronous checkpoint save.")
+        self._checkpoints = Counter("steptrace_checkpoints", "Checkpoint saves finalized, by status "
+                                    "(ok, error, incomplete).", run + ("status",), registry=reg)
+        self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
+                          registry=reg)
+
+        # Series that exist from the start read as 0 instead of missing, so rate() and sum() work
+        # before the first step (and a run with no errors still has an error series).
+        labels = self._labels
+        for status in ("ok", "error"):
+            self._steps.labels(*labels, status)
+        for status in ("ok", "error", "incomplete"):
+            self._checkpoints.labels(*labels, status)
+        self._interval.labels(*labels)
+        self._compute.labels(*labels)
+        self._set_info("")
+
+    def _set_info(self, backend: str) -> None:
+        self._backend = backend
+        self._info.labels(*self._labels).info({"version": __version__, "backend": backend})
+
+    def attach_drop_counter(self, fn: Callable[[], dict[str, int]]) -> None:
+        """Publish ``fn()`` (reason → records dropped) as ``steptrace_dropped_records_total``.
+
+        ``steptrace.init`` attaches the run's counters; ``fn`` is called at scrape time.
+        """
+        self._drop_counter = fn
+
+    # -- export (the sink's own thread) ------------------------------------------------------------
+
+    def export(self, records: list[dict[str, Any]]) -> None:
+        """Update the metrics from finalized records; unknown types are ignored, malformed ones skipped."""
+        steps = False
+        for record in records:
+            kind = record.get("type") if isinstance(record, dict) else None
+            handler = self._HANDLERS.get(kind)
+            if handler is None:
+                continue
+            try:
+                handler(self, record)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                # Raising would make the worker drop the whole batch; skip just this record.
+                self._invalid_records += 1
+                if self._invalid_records == 1:
+                    log.warning("steptrace prometheus: skipping a malformed %s record (%r); further ones are "
+                                "counted in steptrace_dropped_records_total{reason=\"invalid_record\"}", kind, exc)
+                continue
+            steps = steps or kind == "step"
+        if steps and self._window:
+            # Once per batch, not per step: only the value at scrape time matters.
+            compute = math.fsum(c for c, _ in self._window)
+            interval = math.fsum(i for _, i in self._window)
+            if interval > 0:
+                self._goodput.labels(*self._labels).set(compute / interval)
+
+    def _step(self, r: dict[str, Any]) -> None:
+        # Read and check everything first, so a bad field skips the record without half-applying it.
+        step = _int(r["step"])
+        status = str(r["status"])
+        interval = _seconds(r["interval_seconds"])
+        compute = _seconds(r["compute_seconds"])
+        idle = {str(k): _seconds(v) for k, v in (r.get("idle_breakdown") or {}).items()}
+        tokens = _optional(r.get("tokens"), nonnegative=True)
+        tokens_per_second = _optional(r.get("tokens_per_second"))
+        tflops = _optional(r.get("tflops_per_second"))
+        mfu = _optional(r.get("mfu"))
+        bubble = {str(k): float(v) for k, v in (r.get("pipeline_bubble_ratio") or {}).items()}
+        trace_id = r.get("trace_id")
+        if not (isinstance(trace_id, str) and len(trace_id) == 32):
+            # prometheus_client checks an exemplar only after counting the observation: never pass a bad one.
+            trace_id = trace_id_hex(self._run_id, step)
+        exemplar = {"trace_id": trace_id}
+        backend = r.get("backend")
+
+        labels = self._labels
+        self._interval.labels(*labels).observe(interval, exemplar)
+        self._compute.labels(*labels).observe(compute, exemplar)
+        for reason, seconds in idle.items():
+            self._idle.labels(*labels, reason).inc(seconds)
+        self._steps.labels(*labels, status).inc()
+        self._last_step.labels(*labels).set(step)
+        if tokens is not None:
+            self._tokens.labels(*labels).inc(tokens)
+        if tokens_per_second is not None:
+            self._tokens_per_second.labels(*labels).set(tokens_per_second)
+        if tflops is not None:
+            self._tflops.labels(*labels).set(tflops)
+            if self._mfu is not None:
+                self._mfu.labels(*labels).set(mfu if mfu is not None else tflops / self._peak_tflops)
+        for stage, ratio in bubble.items():
+            self._bubble.labels(*labels, stage).set(ratio)
+        if isinstance(backend, str) and backend != self._backend:
+            self._set_info(backend)
+        self._window.append((compute, interval))
+
+    def _checkpoint(self, r: dict[str, Any]) -> None:
+        step = _int(r["step"])
+        status = str(r["status"])
+        blocking = _seconds(r["blocking_seconds"])
+        async_seconds = _optional(r.get("async_seconds"), nonnegative=True)
+        exemplar = {"trace_id": trace_id_hex(self._run_id, step)}
+
+        labels = self._labels
+        self._checkpoints.labels(*labels, status).inc()
+        self._ckpt_blocking.labels(*labels).observe(blocking, exemplar)
+        if async_seconds is not None:
+            self._ckpt_async.labels(*labels).observe(async_seconds, exemplar)
+
+    def _microbatch(self, r: dict[str, Any]) -> None:
+        step = _int(r["step"])
+        compute = _seconds(r["compute_seconds"])
+        kind = str(r["kind"])
+        stage = "" if r.get("stage") is None else str(r["stage"])
+        chunk = "" if r.get("chunk") is None else str(r["chunk"])
+        exemplar = {"trace_id": trace_id_hex(self._run_id, step)}
+        self._microbatch.labels(*self._labels, kind, stage, chunk).observe(compute, exemplar)
+
+    _HANDLERS: dict[Any, Callable[["PrometheusSink", dict[str, Any]], None]] = {
+        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch,
+    }
+
+    # -- scrape (the HTTP server's threads) --------------------------------------------------------
+
+    def _dropped_family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily("steptrace_dropped_records", "Records dropped instead of exported, by the "
+                                     "sink that dropped them ('resolver' before any sink) and the reason.",
+                                     labels=_RUN_LABELS + ("sink", "reason"))
+        counts: dict[str, int] = {}
+        if self._drop_counter is not None:
+            try:
+                counts = dict(self._drop_counter())
+            except Exception:
+                if not self._drop_counter_failed:
+                    self._drop_counter_failed = True
+                    log.exception("steptrace prometheus: reading the drop counters failed")
+        for reason, count in sorted(counts.items()):
+            if reason.startswith("sink:"):
+                family.add_metric([*self._labels, reason[len("sink:"):], "queue_full_or_error"], count)
+            else:
+                family.add_metric([*self._labels, "resolver", reason], count)
+        if self._invalid_records:
+            family.add_metric([*self._labels, self.name, "invalid_record"], self._invalid_records)
+        return family
+
+    # -- protocol ----------------------------------------------------------------------------------
+
+    def force_flush(self, timeout_s: float) -> bool:
+        """Metrics are updated in ``export``; a scrape sees them at once."""
+        return True
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop serving and free the port (later calls are no-ops)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # shutdown() waits for serve_forever's poll loop (up to 0.5 s) to notice.
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(max(0.0, timeout_s))
+
+
+class _Exposition:
+    """What ``/metrics`` serves: the sink's metrics without ``_created`` samples, plus the drop counters."""
+
+    def __init__(self, sink: PrometheusSink):
+        self._sink = sink
+
+    def collect(self) -> Iterable[Any]:
+        for family in self._sink._metrics.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family
+        yield self._sink._dropped_family()
+
+
+def _bind_error(exc: OSError, addr: str, port: int, local_rank: int) -> ValueError:
+    """The setup error for a port that cannot be bound, naming the settings that chose it."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror):
+        return ValueError(f"prometheus_addr: cannot serve /metrics on {addr!r}: {reason}. Set "
+                          f"init(prometheus_addr=...) or {ENV_PROMETHEUS_ADDR}")
+    where = f"port {port}"
+    if port and local_rank:
+        where = (f"port {port + local_rank} (prometheus_port {port} + local_rank {local_rank}: each rank on "
+                 f"a host serves its own port; local_rank comes from {ENV_LOCAL_RANK} or LOCAL_RANK)")
+    return ValueError(f"prometheus_port: cannot serve /metrics on {addr}, {where}: {reason}. Choose a free "
+                      f"port with init(prometheus_port=...) or {ENV_PROMETHEUS_PORT}, or 0 for any free port")
+
+
+def _seconds(value: Any) -> float:
+    """A duration from a record: a finite number >= 0 (a negative one would break the counters)."""
+    seconds = float(value)
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"expected a duration >= 0, got {value!r}")
+    return seconds
+
+
+def _optional(value: Any, nonnegative: bool = False) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    if math.isnan(number) or (nonnegative and not 0 <= number < math.inf):
+        raise ValueError(f"expected a number{' >= 0' if nonnegative else ''}, got {value!r}")
+    return number
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer step, got {value!r}")
+    return value

@@ -1,0 +1,189 @@
+"""End to end: a real Prometheus server scrapes a real JAX training loop's /metrics.
+
+Needs the `prometheus` binary (Debian package `prometheus`; .ci/run installs it) and JAX;
+skips with the reason when either is missing or the server cannot start.
+"""
+
+import bisect
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+pytest.importorskip("prometheus_client", reason="the Prometheus exporter needs `pip install 'steptrace[prometheus]'`")
+jax = pytest.importorskip("jax", reason="the end-to-end test trains with JAX: `pip install steptrace[jax]`")
+jnp = pytest.importorskip("jax.numpy")
+
+import steptrace  # noqa: E402
+from steptrace.prometheus import SECONDS_BUCKETS  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+STEPS = 20
+RUN_ID = "prom-e2e"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read().decode())
+
+
+class PrometheusServer:
+    """A Prometheus server on 127.0.0.1 scraping ``target`` every second, with exemplar storage."""
+
+    def __init__(self, binary, target, tmp_path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n"
+            "  scrape_interval: 1s\n"
+            "  evaluation_interval: 1s\n"
+            "scrape_configs:\n"
+            "  - job_name: steptrace\n"
+            "    scrape_interval: 1s\n"
+            "    scrape_timeout: 1s\n"
+            "    static_configs:\n"
+            f"      - targets: ['{target}']\n")
+        self.log_path = tmp_path / "prometheus.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
+
+    def wait_ready(self, timeout_s=15.0):
+        """True once /-/ready answers; False if the server exits or takes too long."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.base + "/-/ready", timeout=1) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        return False
+
+    def log_tail(self):
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-2000:]
+
+    def query(self, promql):
+        """The instant vector of ``promql``: a list of (labels, float value)."""
+        body = get_json(self.base + "/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+        assert body["status"] == "success", body
+        return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
+
+    def scalar(self, promql):
+        result = self.query(promql)
+        return result[0][1] if len(result) == 1 else None
+
+    def wait_for(self, promql, expected, timeout_s=15.0):
+        """Poll until ``promql`` evaluates to ``expected`` (a scrape after the run's final values)."""
+        deadline = time.monotonic() + timeout_s
+        seen = None
+        while time.monotonic() < deadline:
+            seen = self.scalar(promql)
+            if seen == expected:
+                return
+            time.sleep(0.2)
+        pytest.fail(f"{promql} was {seen}, expected {expected}, after {timeout_s} s; log:\n{self.log_tail()}")
+
+    def exemplars(self, metric, start, end):
+        query = urllib.parse.urlencode({"query": metric, "start": start, "end": end})
+        body = get_json(self.base + "/api/v1/query_exemplars?" + query)
+        assert body["status"] == "success", body
+        return [e for series in body["data"] for e in series["exemplars"]]
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def prometheus_binary():
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the `prometheus` server binary is not installed (Debian package `prometheus`; .ci/run "
+                    "installs it)")
+    return binary
+
+
+@jax.jit
+def train_step(w, x):
+    """A small matmul 'training step': real asynchronous dispatch on the CPU backend."""
+    y = jnp.tanh(x @ w)
+    return w - 0.01 * (x.T @ y) / x.shape[0], jnp.mean(y * y)
+
+
+def bucket_index(seconds):
+    """Index of the histogram bucket that holds ``seconds`` (le = SECONDS_BUCKETS[i], or +Inf)."""
+    return bisect.bisect_left(SECONDS_BUCKETS, seconds)
+
+
+def test_a_real_prometheus_scrapes_a_jax_run(prometheus_binary, tmp_path):
+    steptrace.init(prometheus_port=0, run_dir=str(tmp_path / "runs"), run_id=RUN_ID)
+    endpoint = steptrace.stats()["endpoints"]["prometheus"]
+    target = endpoint.split("//")[1].split("/")[0]
+    server = PrometheusServer(prometheus_binary, target, tmp_path)
+    try:
+        if not server.wait_ready():
+            pytest.skip(f"the Prometheus server at {prometheus_binary} did not start:\n{server.log_tail()}")
+        started = time.time()
+
+        key = jax.random.PRNGKey(0)
+        w = jax.random.normal(key, (512, 512), jnp.float32) * 0.01
+        x = jax.random.normal(key, (256, 512), jnp.float32)
+        for n in range(STEPS):
+            with steptrace.step(n, tokens=256) as s:
+                w, loss = train_step(w, x)
+                s.wait_for(loss)
+        assert steptrace.flush(10)
+        records = [json.loads(line) for line in (tmp_path / "runs" / RUN_ID / "rank-0.jsonl").read_text().splitlines()]
+        steps = [r for r in records if r["type"] == "step"]
+        assert len(steps) == STEPS
+
+        selector = f'{{job="steptrace", run_id="{RUN_ID}", rank="0"}}'
+        # Counters reach their final values only in a scrape after the flush: wait for it.
+        server.wait_for(f"sum(steptrace_steps_total{selector})", STEPS)
+        server.wait_for(f"sum(steptrace_step_compute_seconds_count{selector})", STEPS)
+        assert server.scalar(f'up{{job="steptrace"}}') == 1
+        assert server.scalar(f"steptrace_last_step{selector}") == STEPS - 1
+        assert server.scalar(f"steptrace_tokens_total{selector}") == 256 * STEPS
+
+        median = server.scalar(
+            f"histogram_quantile(0.5, sum by (le) (steptrace_step_compute_seconds_bucket{selector}))")
+        true_median = statistics.median(r["compute_seconds"] for r in steps)
+        assert median is not None
+        # histogram_quantile interpolates inside a bucket: it can only be as good as the buckets.
+        assert abs(bucket_index(median) - bucket_index(true_median)) <= 1, (median, true_median)
+
+        # Prometheus negotiated OpenMetrics, so it stored the trace ids as exemplars.
+        exemplars = server.exemplars(f"steptrace_step_compute_seconds_bucket{selector}", started - 5,
+                                     time.time() + 5)
+        trace_ids = {r["trace_id"] for r in steps}
+        assert exemplars and {e["labels"]["trace_id"] for e in exemplars} <= trace_ids
+    finally:
+        server.stop()
+        steptrace.shutdown()
