@@ -6,7 +6,7 @@
   (``/jax/core/compile/*``) into ``compile`` host spans: compilation inside a
   step lands in that step's ``idle_breakdown["compile"]`` instead of
   inflating its compute time.
-* :func:`step_annotation` opens ``jax.profiler.StepTraceAnnotation`` so XProf
+* :func:`step_annotator` opens ``jax.profiler.StepTraceAnnotation`` so XProf
   traces line up with steptrace's step numbers.
 """
 
@@ -89,16 +89,24 @@ def install_compile_listener(runtime: Any) -> None:
         _listener_installed = True
 
 
-def step_annotation(n: int) -> Any:
-    """Enter a ``StepTraceAnnotation`` for step ``n`` while a profiler trace is running; the caller exits it.
+def step_annotator() -> Any:
+    """Build the per-step annotator: ``annotate(n)`` enters a ``StepTraceAnnotation`` for step ``n``
+    while a profiler trace is running (the caller exits it) and returns None otherwise.
 
     Creating the annotation costs ~1.6 µs even with no trace active (measured here),
-    most of the per-step budget, so the cheap ``is_enabled`` check (~0.17 µs) goes first.
+    most of the per-step budget, so the cheap ``is_enabled`` check (~35 ns) goes
+    first; the class is looked up once here, not per step (an import statement
+    in the hot path cost ~2.8 µs).
     """
     from jax.profiler import StepTraceAnnotation
 
-    if not StepTraceAnnotation.is_enabled():
-        return None
-    annotation = StepTraceAnnotation("train", step_num=n)
-    annotation.__enter__()
-    return annotation
+    is_enabled = StepTraceAnnotation.is_enabled
+
+    def annotate(n: int) -> Any:
+        if not is_enabled():
+            return None
+        annotation = StepTraceAnnotation("train", step_num=n)
+        annotation.__enter__()
+        return annotation
+
+    return annotate

@@ -51,7 +51,7 @@ class TorchCudaDevice:
 
 
 class _Ranges:
-    """Exits what :func:`step_annotation` opened."""
+    """Exits what :func:`step_annotator` opened."""
 
     __slots__ = ("_record_function", "_nvtx")
 
@@ -66,7 +66,7 @@ class _Ranges:
             self._record_function.__exit__(exc_type, exc, tb)
 
 
-def step_annotation(cuda: bool) -> Callable[[int], Any]:
+def step_annotator(cuda: bool) -> Callable[[int], Any]:
     """Build the per-step annotator: ``torch.profiler.record_function`` while the torch profiler
     runs (it costs ~10 µs per step otherwise, measured here) and an NVTX range on CUDA."""
     torch = require_torch()

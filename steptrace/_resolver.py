@@ -21,6 +21,7 @@ from steptrace import _attribution as attribution
 from steptrace._devices import HOST
 from steptrace._ids import trace_id_hex
 from steptrace._sinks import SinkWorker
+from steptrace._wakeup import Wakeup
 
 if TYPE_CHECKING:
     from steptrace._config import Config
@@ -63,7 +64,7 @@ class Resolver:
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
         self._queue: collections.deque[Any] = collections.deque()
-        self._wake = threading.Event()
+        self._wake = Wakeup()
         self._sleeping = False
         self._stopping = False
         self._prev_end: float | None = None
@@ -147,7 +148,6 @@ class Resolver:
                 self._sleeping = True
                 if not queue:  # re-check after announcing sleep: submit() may have just appended
                     self._wake.wait(_IDLE_POLL_S)
-                self._wake.clear()
                 self._sleeping = False
                 continue
             self._busy = True

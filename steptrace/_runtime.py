@@ -419,11 +419,11 @@ class Runtime:
 
             jax_adapter.install_compile_listener(self)
             if self.config.annotate:
-                annotators.append(jax_adapter.step_annotation)
+                annotators.append(jax_adapter.step_annotator())
         if "torch" in sys.modules and self.config.annotate and self.config.backend in ("auto", "torch"):
             from steptrace.adapters import torch as torch_adapter
 
-            annotators.append(torch_adapter.step_annotation(self.stream_device is not None))
+            annotators.append(torch_adapter.step_annotator(self.stream_device is not None))
         if len(annotators) == 1:
             self.annotate = annotators[0]
         elif annotators:

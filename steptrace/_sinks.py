@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
+from steptrace._wakeup import Wakeup
+
 log = logging.getLogger("steptrace")
 
 
@@ -96,7 +98,7 @@ class SinkWorker:
         self._max_queue = max_queue
         self._count_drop = count_drop
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
-        self._wake = threading.Event()
+        self._wake = Wakeup()
         self._offered = 0
         self._done = 0
         self._stopping = False
@@ -115,7 +117,6 @@ class SinkWorker:
     def _run(self) -> None:
         while True:
             self._wake.wait(0.1)
-            self._wake.clear()
             while self._queue:
                 batch = []
                 while self._queue and len(batch) < 1024:
