@@ -1,4 +1,4 @@
-"""The ``steptrace`` command: ``steptrace report RUN_DIR``."""
+"""The ``steptrace`` command: ``steptrace report RUN_DIR``, ``steptrace timeline RUN_DIR -o trace.json``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from steptrace import __version__, report
+    from steptrace import __version__, report, timeline
 
     parser = argparse.ArgumentParser(prog="steptrace", description="steptrace: device-true training step timings.")
     parser.add_argument("--version", action="version", version=f"steptrace {__version__}")
@@ -16,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
                                         description="Per-step table and summary of a run directory.")
     report.add_report_arguments(report_parser)
     report_parser.set_defaults(handler=report.run_report)
+    timeline_parser = commands.add_parser("timeline", help="all ranks as a Chrome/Perfetto trace (and a PNG)",
+                                          description="Write all ranks' steps, spans, checkpoints and microbatches "
+                                                      "as a Chrome/Perfetto trace (Trace Event Format JSON) and/or "
+                                                      "a PNG timeline.")
+    timeline.add_timeline_arguments(timeline_parser)
+    timeline_parser.set_defaults(handler=timeline.run_timeline)
     args = parser.parse_args(argv)
     return args.handler(args)
 
