@@ -45,14 +45,6 @@ class _Tail:
         self.done = threading.Event()
 
 
-def _r6(t: float) -> float:
-    return round(t, 6)
-
-
-def _r9(t: float) -> float:
-    return round(t, 9)
-
-
 class Resolver:
     """Finalizes steps, checkpoints, spans and microbatches; fans records out to sinks."""
 
@@ -257,10 +249,10 @@ class Resolver:
             records.append({
                 "type": "microbatch", "run_id": cfg.run_id, "rank": cfg.rank, "step": step.step,
                 "microbatch": mb.index, "stage": mb.stage, "chunk": mb.chunk, "kind": mb.kind,
-                "host_start_time": _r6(mb.host_start + self.unix_offset),
-                "host_end_time": _r6(host_end + self.unix_offset),
-                "start_time": _r6(t.start + self.unix_offset), "end_time": _r6(t.end + self.unix_offset),
-                "compute_seconds": _r9(t.compute_seconds),
+                "host_start_time": mb.host_start + self.unix_offset,
+                "host_end_time": host_end + self.unix_offset,
+                "start_time": t.start + self.unix_offset, "end_time": t.end + self.unix_offset,
+                "compute_seconds": t.compute_seconds,
             })
         return records, compute_by_stage
 
@@ -280,16 +272,16 @@ class Resolver:
             "trace_id": trace_id_hex(cfg.run_id, step.step),
             "status": step.status,
             "backend": step.device.name,
-            "host_start_time": _r6(step.host_start + off),
-            "host_end_time": _r6((step.host_end or step.host_start) + off),
-            "dispatch_time": _r6(step.dispatch + off),
-            "start_time": _r6(timing.start + off),
-            "end_time": _r6(timing.end + off),
-            "interval_seconds": _r9(interval),
-            "compute_seconds": _r9(compute),
-            "idle_seconds": _r9(timing.idle_seconds),
-            "idle_breakdown": {k: _r9(v) for k, v in attribution.breakdown(segments).items()},
-            "idle_segments": [[s.name, _r6(s.start + off), _r6(s.end + off)] for s in segments],
+            "host_start_time": step.host_start + off,
+            "host_end_time": (step.host_end or step.host_start) + off,
+            "dispatch_time": step.dispatch + off,
+            "start_time": timing.start + off,
+            "end_time": timing.end + off,
+            "interval_seconds": interval,
+            "compute_seconds": compute,
+            "idle_seconds": timing.idle_seconds,
+            "idle_breakdown": attribution.breakdown(segments),
+            "idle_segments": [[s.name, s.start + off, s.end + off] for s in segments],
             "tokens": step.tokens,
             "samples": step.samples,
             "flops": step.flops,
@@ -316,11 +308,11 @@ class Resolver:
             "step": ckpt.step,
             "status": ckpt.status,
             **({"error": ckpt.error} if ckpt.error else {}),
-            "start_time": _r6(ckpt.host_start + self.unix_offset),
-            "end_time": _r6(host_end + self.unix_offset),
-            "host_seconds": _r9(host_end - ckpt.host_start),
-            "blocking_seconds": _r9(attribution.blocking_seconds(ckpt.host_start, host_end, saved_end)),
-            "async_seconds": None if ckpt.async_end is None else _r9(max(0.0, ckpt.async_end - host_end)),
+            "start_time": ckpt.host_start + self.unix_offset,
+            "end_time": host_end + self.unix_offset,
+            "host_seconds": host_end - ckpt.host_start,
+            "blocking_seconds": attribution.blocking_seconds(ckpt.host_start, host_end, saved_end),
+            "async_seconds": None if ckpt.async_end is None else max(0.0, ckpt.async_end - host_end),
         }
 
     def _span_record(self, span: "ClosedSpan") -> dict[str, Any]:
@@ -331,8 +323,8 @@ class Resolver:
             "rank": cfg.rank,
             "name": span.name,
             "step": span.step,
-            "start_time": _r6(span.start + self.unix_offset),
-            "end_time": _r6(span.end + self.unix_offset),
-            "seconds": _r9(span.end - span.start),
+            "start_time": span.start + self.unix_offset,
+            "end_time": span.end + self.unix_offset,
+            "seconds": span.end - span.start,
             "attrs": span.attrs,
         }
