@@ -1,0 +1,429 @@
+"""Host cost of one instrumented training step, on the training thread and in the background.
+
+Usage::
+
+    .venv/bin/python bench/bench_overhead.py            # 20 rounds x 2000 steps per variant
+    .venv/bin/python bench/bench_overhead.py --quick    # 5 rounds x 1000
+    .venv/bin/python bench/bench_overhead.py --json out.json
+
+What is timed
+-------------
+Each variant is a loop of ``--iters`` iterations of one "step" and nothing else:
+
+* ``for-loop only``        ``for n in range(...): pass`` (every row below includes this)
+* ``2x perf_counter_ns``   two clock reads
+* ``floor``                two clock reads + ``collections.deque.append((t0, t1))``: the least any
+                           recorder of step start/end times can do on the training thread
+* ``plain Python ctx``     ``with ctx(n) as s: s.wait_for(x)`` where ctx is a do-nothing Python
+                           class: the least any API of steptrace's *shape* (a ``with`` + a method call)
+                           can cost in pure Python
+* ``steptrace disabled``   ``init(enabled=False)``, then ``with steptrace.step(n) as s: s.wait_for(x)``
+* ``steptrace ...``        the same, enabled: ``x`` a plain Python object (host device: the step is
+                           handed to the resolver at exit) or a ``jax.Array`` that is already computed
+                           (the JAX device path: handed over at ``wait_for``, the resolver calls
+                           ``jax.block_until_ready`` in the background); records go to a
+                           ``MemorySink`` (``jsonl=False``) or to JSONL in a temp dir (no other sink).
+                           steptrace's defaults otherwise; because jax is imported in this process,
+                           that includes ``annotate=True`` (a profiler-annotation check per step);
+                           the ``annotate=False`` rows turn it off to show its share.
+* ``OpenTelemetry span``   ``with tracer.start_as_current_span("train_step"): pass`` with the SDK
+                           ``TracerProvider`` + ``BatchSpanProcessor`` and an exporter that discards
+                           (``max_queue_size`` raised so no span is dropped).
+
+Method
+------
+``--rounds`` rounds; in each round every variant runs once, in the order above (interleaved, so
+slow drifts of this noisy machine hit all variants alike). Step numbers increase strictly across the
+whole run. For each round and variant:
+
+* **thread ns/step**: wall time of the loop / iterations. During the timed loop the interpreter's
+  switch interval is raised to 1 s (and ``gc.collect()`` runs just before, untimed), so the
+  background threads (steptrace's resolver and sink threads, OTel's batch thread) cannot take
+  the GIL in the middle: the number is the work done *on the training thread* per step.
+  Each steptrace loop starts with its resolver idle (as between the steps of a real loop, which
+  are milliseconds apart), so every hand-over includes waking it (``threading.Event.set``): in a
+  tight loop whether that happens would otherwise depend on a race at the start of the loop.
+* **bg ns/step**: then, with the default switch interval, ``steptrace.flush()`` (resp. the
+  processor's ``force_flush()``) is timed: the background work those steps left behind
+  (resolving, building records, exporting), per step. It is CPU/GIL time the process spends
+  anyway, off the training thread. Not part of the thread column.
+* **total** = thread + bg: the whole host CPU cost per step.
+
+Reported per variant: median over rounds and p90 over rounds of the per-round ns/step, and the
+median over rounds of the per-round ratios to ``floor`` and to the OTel span (paired within a round).
+
+How to read it
+--------------
+``x floor`` says how many "minimal recorders" one step costs; ``x OTel`` < 1 means cheaper than
+one OTel SDK span. The targets in the header (enabled < 2 us, disabled < 0.3 us) are absolute;
+compare them with the ``floor`` and ``plain Python ctx`` rows, which show how fast this machine
+runs Python (on a slow or contended VM every row is slower, the ratios much less so).
+The ``records`` column checks that nothing was dropped (records seen / steps run).
+
+The background work runs under the same GIL: when a step resolves while the training thread is
+running Python, the training thread waits for the resolver's share (``bg ns/step``) at that
+moment. With steps milliseconds apart this is small next to the step, but it is not free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _workload as wl  # noqa: E402
+
+import steptrace  # noqa: E402
+from steptrace.testing import MemorySink  # noqa: E402
+
+pc = time.perf_counter_ns
+LONG_SWITCH_INTERVAL = 1.0
+TARGET_ENABLED_NS = 2000
+TARGET_DISABLED_NS = 300
+
+
+class _Ctx:
+    """The cheapest possible Python object with steptrace's step-handle shape."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return False
+
+    def wait_for(self, *values):
+        return None
+
+
+_CTX = _Ctx()
+
+
+def _plain_ctx(n):
+    return _CTX
+
+
+class Bench:
+    def __init__(self, iters: int):
+        import jax
+        import jax.numpy as jnp
+
+        self.iters = iters
+        self.next_step = 0
+        self.tmp = tempfile.mkdtemp(prefix="steptrace-bench-")
+        self.host_value = object()
+        self.jax_value = jnp.ones((), jnp.float32)
+        jax.block_until_ready(self.jax_value)
+        self.deque: collections.deque = collections.deque()
+        self._otel = None
+
+    # -- loops: each returns the elapsed ns of the timed loop only ---------------------
+    def _timed(self, loop, collect: bool = True) -> int:
+        if collect:
+            gc.collect()
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(LONG_SWITCH_INTERVAL)
+        try:
+            return loop()
+        finally:
+            sys.setswitchinterval(old)
+
+    def loop_empty(self):
+        def loop():
+            t = pc()
+            for _n in range(self.iters):
+                pass
+            return pc() - t
+        return self._timed(loop), 0, None
+
+    def loop_clocks(self):
+        def loop():
+            t = pc()
+            for _n in range(self.iters):
+                t0 = pc()
+                t1 = pc()
+            return pc() - t
+        return self._timed(loop), 0, None
+
+    def loop_floor(self):
+        d = self.deque
+
+        def loop():
+            t = pc()
+            for _n in range(self.iters):
+                t0 = pc()
+                t1 = pc()
+                d.append((t0, t1))
+            return pc() - t
+        elapsed = self._timed(loop)
+        d.clear()
+        return elapsed, 0, None
+
+    def loop_plain_ctx(self):
+        x = self.host_value
+
+        def loop():
+            t = pc()
+            for n in range(self.iters):
+                with _plain_ctx(n) as s:
+                    s.wait_for(x)
+            return pc() - t
+        return self._timed(loop), 0, None
+
+    def _steptrace_loop(self, value, base):
+        iters = self.iters
+
+        def loop():
+            t = pc()
+            for n in range(base, base + iters):
+                with steptrace.step(n) as s:
+                    s.wait_for(value)
+            return pc() - t
+        return loop
+
+    def loop_disabled(self):
+        steptrace.init(enabled=False)
+        base = self.next_step
+        self.next_step += self.iters
+        elapsed = self._timed(self._steptrace_loop(self.host_value, base))
+        steptrace.shutdown()
+        return elapsed, 0, None
+
+    def _enabled(self, value, sink: str, **settings):
+        base = self.next_step
+        self.next_step += self.iters
+        if sink == "memory":
+            mem = MemorySink()
+            steptrace.init(jsonl=False, sinks=[mem], run_id=f"bench-{base}", strict=False, **settings)
+        else:
+            mem = None
+            steptrace.init(jsonl=True, run_dir=self.tmp, run_id=f"bench-{base}", strict=False, **settings)
+        # Let the fresh resolver go idle first (gc before, not after: a collection can release the
+        # GIL). A resolver idle at each step is the steady state of a real loop, whose steps are
+        # milliseconds apart: every hand-over then also wakes it (Event.set), and that is timed.
+        gc.collect()
+        time.sleep(0.02)
+        resolver = getattr(steptrace._runtime, "resolver", None)
+        idle_at_start = getattr(resolver, "_sleeping", None)
+        elapsed = self._timed(self._steptrace_loop(value, base), collect=False)
+        t = pc()
+        ok = steptrace.flush(60.0)
+        bg = pc() - t
+        stats = steptrace.stats()
+        steptrace.shutdown()
+        if mem is not None:
+            seen = len(mem.steps())
+        else:
+            path = os.path.join(self.tmp, f"bench-{base}", "rank-0.jsonl")
+            with open(path) as f:
+                seen = sum(1 for line in f if '"type":"step"' in line)
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        check = {"steps": self.iters, "records": seen, "resolved": stats["steps"],
+                 "dropped": stats["dropped"], "flush_ok": ok, "resolver_idle_at_start": idle_at_start}
+        return elapsed, bg, check
+
+    def loop_enabled_host_memory(self):
+        return self._enabled(self.host_value, "memory")
+
+    def loop_enabled_host_jsonl(self):
+        return self._enabled(self.host_value, "jsonl")
+
+    def loop_enabled_jax_memory(self):
+        return self._enabled(self.jax_value, "memory")
+
+    def loop_enabled_jax_jsonl(self):
+        return self._enabled(self.jax_value, "jsonl")
+
+    def loop_enabled_host_memory_noannotate(self):
+        return self._enabled(self.host_value, "memory", annotate=False)
+
+    def loop_enabled_jax_memory_noannotate(self):
+        return self._enabled(self.jax_value, "memory", annotate=False)
+
+    def _otel_setup(self):
+        if self._otel is None:
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+            class DiscardExporter(SpanExporter):
+                def __init__(self):
+                    self.count = 0
+
+                def export(self, spans):
+                    self.count += len(spans)
+                    return SpanExportResult.SUCCESS
+
+                def shutdown(self):
+                    pass
+
+                def force_flush(self, timeout_millis: int = 30000) -> bool:
+                    return True
+
+            exporter = DiscardExporter()
+            provider = TracerProvider()
+            processor = BatchSpanProcessor(exporter, max_queue_size=max(2048, 2 * self.iters))
+            provider.add_span_processor(processor)
+            self._otel = (provider, processor, exporter, provider.get_tracer("steptrace-bench"))
+        return self._otel
+
+    def loop_otel(self):
+        provider, processor, exporter, tracer = self._otel_setup()
+        before = exporter.count
+
+        def loop():
+            t = pc()
+            for _n in range(self.iters):
+                with tracer.start_as_current_span("train_step"):
+                    pass
+            return pc() - t
+        elapsed = self._timed(loop)
+        t = pc()
+        processor.force_flush(60_000)
+        bg = pc() - t
+        return elapsed, bg, {"steps": self.iters, "records": exporter.count - before}
+
+    def close(self):
+        if self._otel is not None:
+            self._otel[0].shutdown()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+VARIANTS = [
+    ("for-loop only", "loop_empty"),
+    ("2x perf_counter_ns", "loop_clocks"),
+    ("floor: 2 clocks + deque.append", "loop_floor"),
+    ("plain Python ctx + wait_for", "loop_plain_ctx"),
+    ("steptrace disabled", "loop_disabled"),
+    ("steptrace host value, MemorySink", "loop_enabled_host_memory"),
+    ("steptrace host value, JSONL", "loop_enabled_host_jsonl"),
+    ("steptrace host value, Memory, annotate=False", "loop_enabled_host_memory_noannotate"),
+    ("steptrace jax.Array, MemorySink", "loop_enabled_jax_memory"),
+    ("steptrace jax.Array, JSONL", "loop_enabled_jax_jsonl"),
+    ("steptrace jax.Array, Memory, annotate=False", "loop_enabled_jax_memory_noannotate"),
+    ("OpenTelemetry SDK span (batch, discard)", "loop_otel"),
+]
+FLOOR = "loop_floor"
+OTEL = "loop_otel"
+
+
+def run(rounds: int, iters: int) -> dict:
+    bench = Bench(iters)
+    per = {m: {"thread": [], "bg": [], "checks": []} for _, m in VARIANTS}
+    try:
+        # One untimed warm-up round: first-step setup (jax adapter import, listener), OTel import.
+        for _, m in VARIANTS:
+            getattr(bench, m)()
+        for r in range(rounds):
+            for _, m in VARIANTS:
+                thread_ns, bg_ns, check = getattr(bench, m)()
+                per[m]["thread"].append(thread_ns / iters)
+                per[m]["bg"].append(bg_ns / iters)
+                if check is not None:
+                    per[m]["checks"].append(check)
+    finally:
+        bench.close()
+    results = {}
+    for label, m in VARIANTS:
+        th, bg = per[m]["thread"], per[m]["bg"]
+        tot = [a + b for a, b in zip(th, bg)]
+        results[m] = {
+            "label": label,
+            "thread_ns_per_round": th,
+            "bg_ns_per_round": bg,
+            "thread_median_ns": wl.median(th),
+            "thread_p90_ns": wl.percentile(th, 90),
+            "bg_median_ns": wl.median(bg),
+            "total_median_ns": wl.median(tot),
+            "x_floor": wl.median([a / b for a, b in zip(th, per[FLOOR]["thread"])]),
+            "x_plain_ctx": wl.median([a / b for a, b in zip(th, per["loop_plain_ctx"]["thread"])]),
+            "x_otel": wl.median([a / b for a, b in zip(th, per[OTEL]["thread"])]),
+            "total_x_otel": wl.median([a / b for a, b in zip(tot, [x + y for x, y in zip(per[OTEL]["thread"],
+                                                                                      per[OTEL]["bg"])])]),
+            "checks": per[m]["checks"],
+        }
+    return results
+
+
+def render(results: dict, rounds: int, iters: int) -> str:
+    rows = []
+    for _, m in VARIANTS:
+        r = results[m]
+        checks = r["checks"]
+        if checks:
+            seen = sum(c["records"] for c in checks)
+            want = sum(c["steps"] for c in checks)
+            dropped = sum(sum(c.get("dropped", {}).values()) for c in checks)
+            rec = f"{seen}/{want}" + (f" drop={dropped}" if dropped else "")
+        else:
+            rec = "-"
+        has_bg = any(r["bg_ns_per_round"])
+        rows.append([
+            r["label"],
+            f"{r['thread_median_ns']:.0f}",
+            f"{r['thread_p90_ns']:.0f}",
+            f"{r['x_floor']:.2f}",
+            f"{r['x_otel']:.2f}",
+            f"{r['bg_median_ns']:.0f}" if has_bg else "-",
+            f"{r['total_median_ns']:.0f}" if has_bg else "-",
+            f"{r['total_x_otel']:.2f}" if has_bg else "-",
+            rec,
+        ])
+    table = wl.fmt_table(
+        ["variant", "thread ns/step", "p90", "x floor", "x OTel", "bg ns/step", "total ns", "total x OTel",
+         "records"], rows)
+    dis = results["loop_disabled"]["thread_median_ns"]
+    en = {m: results[m]["thread_median_ns"] for _, m in VARIANTS if m.startswith("loop_enabled")}
+    lines = [
+        wl.header("steptrace bench_overhead: host cost per step"),
+        f"  {rounds} rounds x {iters} steps per variant, variants interleaved per round; medians over rounds",
+        f"  targets: enabled < {TARGET_ENABLED_NS / 1000:.1f} us/step, "
+        f"disabled < {TARGET_DISABLED_NS / 1000:.1f} us/step "
+        "(training thread)",
+        "",
+        table,
+        "",
+        f"  disabled: {dis:.0f} ns -> {'MEETS' if dis < TARGET_DISABLED_NS else 'MISSES'} target "
+        f"({dis / TARGET_DISABLED_NS:.1f}x of {TARGET_DISABLED_NS} ns); "
+        f"plain Python ctx on this machine: {results['loop_plain_ctx']['thread_median_ns']:.0f} ns "
+        f"(disabled = {results['loop_disabled']['x_plain_ctx']:.2f}x plain ctx, paired)",
+        "  enabled:  " + ", ".join(
+            f"{results[m]['label'].replace('steptrace ', '')}: {v:.0f} ns "
+            f"({'meets' if v < TARGET_ENABLED_NS else 'misses'})" for m, v in en.items()),
+        "  thread = training-thread cost (switch interval 1 s during the loop); bg = flush()/force_flush() time "
+        "per step afterwards (background threads' work); total = thread + bg",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="5 rounds x 1000 steps")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (5 if args.quick else 20)
+    iters = args.iters or (1000 if args.quick else 2000)
+    t0 = time.perf_counter()
+    results = run(rounds, iters)
+    print(render(results, rounds, iters))
+    print(f"  (wall {time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "overhead", "machine": wl.machine_info(), "rounds": rounds, "iters": iters,
+                       "targets_ns": {"enabled": TARGET_ENABLED_NS, "disabled": TARGET_DISABLED_NS},
+                       "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
