@@ -185,7 +185,7 @@ def slices(trace: dict, pid: int, thread: str) -> list[dict]:
 
 
 def us(trace: dict, t: float) -> float:
-    """Unix seconds -> trace microseconds (the trace rounds to whole microseconds, like the records)."""
+    """Unix seconds -> trace microseconds (the trace rounds each end to whole microseconds)."""
     return (t - trace["otherData"]["origin_unix_seconds"]) * 1e6
 
 
@@ -212,8 +212,8 @@ def assert_device_tiles(trace: dict, run, rank: int) -> None:
     device = slices(trace, rank, "device")
     assert device, "no device events"
     first_window_start = steps[0]["end_time"] - steps[0]["interval_seconds"]
-    assert device[0]["ts"] == pytest.approx(us(trace, first_window_start), abs=1.0)
-    assert device[-1]["ts"] + device[-1]["dur"] == pytest.approx(us(trace, steps[-1]["end_time"]), abs=1.0)
+    assert device[0]["ts"] == pytest.approx(us(trace, first_window_start), abs=1.5)
+    assert device[-1]["ts"] + device[-1]["dur"] == pytest.approx(us(trace, steps[-1]["end_time"]), abs=1.5)
     for before, after in zip(device, device[1:]):
         assert after["ts"] == before["ts"] + before["dur"], (before, after)
     total_us = sum(e["dur"] for e in device)
@@ -270,8 +270,8 @@ def test_compute_events_are_the_records_start_to_end_with_the_step_fields(pipeli
         steps = pipeline_run.steps(rank)
         assert len(compute) == len(steps)
         for event, step in zip(compute, steps):
-            assert event["ts"] == pytest.approx(us(trace, step["start_time"]), abs=0.6)
-            assert event["dur"] == pytest.approx((step["end_time"] - step["start_time"]) * 1e6, abs=0.6)
+            assert event["ts"] == pytest.approx(us(trace, step["start_time"]), abs=1.5)
+            assert event["dur"] == pytest.approx((step["end_time"] - step["start_time"]) * 1e6, abs=1.5)
             args = event["args"]
             assert args["step"] == step["step"] and args["trace_id"] == step["trace_id"]
             assert args["compute_seconds"] == step["compute_seconds"]
@@ -304,8 +304,8 @@ def test_host_track_has_steps_spans_and_the_checkpoint_with_its_blocking_part(pi
                      "step 2 (error)", "data"]
     step0 = host[0]
     record = pipeline_run.steps(0)[0]
-    assert step0["ts"] == pytest.approx(us(trace, record["host_start_time"]), abs=0.6)
-    assert step0["dur"] == pytest.approx((record["host_end_time"] - record["host_start_time"]) * 1e6, abs=0.6)
+    assert step0["ts"] == pytest.approx(us(trace, record["host_start_time"]), abs=1.5)
+    assert step0["dur"] == pytest.approx((record["host_end_time"] - record["host_start_time"]) * 1e6, abs=1.5)
     assert next(e for e in host if e["name"] == "compile")["cat"] == "compile"
 
     ckpt_record = pipeline_run.checkpoints(0)[0]
@@ -313,15 +313,15 @@ def test_host_track_has_steps_spans_and_the_checkpoint_with_its_blocking_part(pi
     assert ckpt["cat"] == "checkpoint"
     assert ckpt["args"]["blocking_seconds"] == ckpt_record["blocking_seconds"]
     assert ckpt["args"]["async_seconds"] == 0.5
-    assert ckpt["dur"] == pytest.approx(0.3e6, abs=1.0)
+    assert ckpt["dur"] == pytest.approx(0.3e6, abs=1.5)
     blocking = next(e for e in host if e["name"] == "blocking")
     # The blocking part is the end of the save, nested in it.
     assert blocking["ts"] + blocking["dur"] == pytest.approx(ckpt["ts"] + ckpt["dur"], abs=0.01)
-    assert blocking["dur"] == pytest.approx(ckpt_record["blocking_seconds"] * 1e6, abs=1.0)
+    assert blocking["dur"] == pytest.approx(ckpt_record["blocking_seconds"] * 1e6, abs=1.5)
     commit = slices(trace, 0, "checkpoint commit")
     assert [e["name"] for e in commit] == ["checkpoint 1 commit"]
     assert commit[0]["ts"] == pytest.approx(ckpt["ts"] + ckpt["dur"], abs=0.01)
-    assert commit[0]["dur"] == pytest.approx(0.5e6, abs=1.0)
+    assert commit[0]["dur"] == pytest.approx(0.5e6, abs=1.5)
 
 
 def test_microbatches_are_on_their_stage_track_in_1f1b_order(pipeline_run):
@@ -348,8 +348,8 @@ def test_microbatch_records_match_their_events(pipeline_run):
     events = slices(trace, 1, "stage 1")
     records = sorted(pipeline_run.records("microbatch", 1), key=lambda r: r["start_time"])
     for event, record in zip(events, records):
-        assert event["ts"] == pytest.approx(us(trace, record["start_time"]), abs=0.6)
-        assert event["dur"] == pytest.approx((record["end_time"] - record["start_time"]) * 1e6, abs=0.6)
+        assert event["ts"] == pytest.approx(us(trace, record["start_time"]), abs=1.5)
+        assert event["dur"] == pytest.approx((record["end_time"] - record["start_time"]) * 1e6, abs=1.5)
 
 
 def test_error_step_is_marked_on_host_and_device(pipeline_run):
@@ -504,9 +504,9 @@ def test_recorded_run_becomes_a_consistent_trace(recorded_dir):
     compute = [e for e in slices(trace, 0, "device") if e["cat"] == "compute"]
     assert [e["args"]["step"] for e in compute] == [0, 1, 2, 3, 4]
     for event, step in zip(compute, steps):
-        assert event["ts"] == pytest.approx(us(trace, step["start_time"]), abs=0.6)
-        assert event["dur"] == pytest.approx((step["end_time"] - step["start_time"]) * 1e6, abs=0.6)
-        # Record times are rounded to the microsecond, compute_seconds is not.
+        assert event["ts"] == pytest.approx(us(trace, step["start_time"]), abs=1.5)
+        assert event["dur"] == pytest.approx((step["end_time"] - step["start_time"]) * 1e6, abs=1.5)
+        # The trace rounds each end to the microsecond, compute_seconds is exact.
         assert event["dur"] == pytest.approx(step["compute_seconds"] * 1e6, abs=2.0)
         # 10 ms of device work plus 10 ms of microbatches; the failed step dispatched 5 ms.
         assert event["dur"] >= (0.004e6 if step["status"] == "error" else 0.019e6)
