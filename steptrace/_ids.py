@@ -9,7 +9,12 @@ tools can compute it:
     trace_id = int.from_bytes(sha256(f"steptrace/{run_id}/{step}".encode()).digest()[:16], "big")
 
 Span ids hash the trace id's inputs plus the rank and the span's role within
-the step (``step``, ``compute``, ``idle/3``, ``microbatch/7``, ...), 8 bytes.
+the step, 8 bytes. Roles used by the OTLP exporter: ``step``, ``compute``,
+``idle/<i>`` (i-th idle segment), ``span/<k>``, ``microbatch/<k>`` and
+``checkpoint/<start_us>``. Deterministic ids make a retried export idempotent.
+
+A host span with no step after it (closed after the last step) gets a trace of
+its own: :func:`orphan_span_ids`.
 A zero id is invalid in OpenTelemetry; the (astronomically unlikely) zero is
 replaced by 1.
 """
@@ -34,3 +39,15 @@ def span_id(run_id: str, step: int, rank: int, role: str) -> int:
 def trace_id_hex(run_id: str, step: int) -> str:
     """The trace id as the 32 lowercase hex digits OpenTelemetry and exemplars use."""
     return f"{trace_id(run_id, step):032x}"
+
+
+def orphan_span_ids(run_id: str, rank: int, name: str, start_us: int) -> tuple[int, int]:
+    """(trace id, span id) of a span that belongs to no step, keyed by its start in whole µs::
+
+        key = f"steptrace/{run_id}/span/{rank}/{name}/{start_us}"
+        trace_id = sha256(key)[:16], span_id = sha256(key + "/span")[:8]
+    """
+    key = f"steptrace/{run_id}/span/{rank}/{name}/{start_us}"
+    trace = int.from_bytes(hashlib.sha256(key.encode()).digest()[:16], "big") or 1
+    span = int.from_bytes(hashlib.sha256((key + "/span").encode()).digest()[:8], "big") or 1
+    return trace, span

@@ -153,6 +153,9 @@ class SinkWorker:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         left = len(self._queue)
         if left:
+            # The thread may still be alive (a hung export): make sure it stops here
+            # rather than exporting after shutdown() has returned.
+            self._queue.clear()
             self._count_drop(f"sink:{self.name}", left)
         try:
             self.sink.shutdown(max(0.0, deadline - time.monotonic()))

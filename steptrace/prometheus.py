@@ -65,18 +65,13 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
     ) from _exc
 
 from steptrace import __version__
+from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
 
-__all__ = ["PrometheusSink", "SECONDS_BUCKETS"]
+__all__ = ["PrometheusSink"]
 
 log = logging.getLogger("steptrace")
-
-#: Histogram buckets for durations: 1 ms to 10 min in steps of about 2x (a 1-2-5 series, then
-#: minutes). Covers a tiny microbatch and a long checkpoint stall with one set, and keeps
-#: histogram_quantile within a factor of ~2 everywhere; exact values stay in the JSONL records.
-SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
-                   1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 _RUN_LABELS = ("run_id", "rank")
 
@@ -142,8 +137,9 @@ class PrometheusSink:
         reg = self._metrics
         run = _RUN_LABELS
 
-        def histogram(name: str, doc: str, extra: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(name, doc, run + extra, registry=reg, buckets=SECONDS_BUCKETS)
+        def histogram(name: str, doc: str, extra: tuple[str, ...] = (),
+                      buckets: tuple[float, ...] = STEP_BUCKETS_S) -> Histogram:
+            return Histogram(name, doc, run + extra, registry=reg, buckets=buckets)
 
         self._interval = histogram("steptrace_step_interval_seconds",
                                    "Wall time per step: device end of the previous step to device end of this one.")
@@ -170,11 +166,14 @@ class PrometheusSink:
         self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / step compute per "
                              "pipeline stage, in the last step with microbatches.", run + ("stage",), registry=reg)
         self._microbatch = histogram("steptrace_microbatch_seconds", "Device compute time per pipeline "
-                                     "microbatch ('' for no stage or chunk).", ("kind", "stage", "chunk"))
+                                     "microbatch ('' for no stage or chunk).", ("kind", "stage", "chunk"),
+                                     MICROBATCH_BUCKETS_S)
         self._ckpt_blocking = histogram("steptrace_checkpoint_blocking_seconds", "Training time blocked per "
-                                        "checkpoint save (host time after the saved step's device work ended).")
+                                        "checkpoint save (host time after the saved step's device work ended).",
+                                        buckets=CHECKPOINT_BUCKETS_S)
         self._ckpt_async = histogram("steptrace_checkpoint_async_seconds",
-                                     "Background commit time per asynchronous checkpoint save.")
+                                     "Background commit time per asynchronous checkpoint save.",
+                                     buckets=CHECKPOINT_BUCKETS_S)
         self._checkpoints = Counter("steptrace_checkpoints", "Checkpoint saves finalized, by status "
                                     "(ok, error, incomplete).", run + ("status",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import steptrace  # noqa: E402
 from steptrace._config import ENV_PROMETHEUS_PORT  # noqa: E402
 from steptrace._ids import trace_id_hex  # noqa: E402
-from steptrace.prometheus import SECONDS_BUCKETS, PrometheusSink  # noqa: E402
+from steptrace._buckets import STEP_BUCKETS_S as SECONDS_BUCKETS  # noqa: E402
+from steptrace.prometheus import PrometheusSink  # noqa: E402
 from steptrace.testing import MemorySink  # noqa: E402
 
 RUN = {"run_id": "r", "rank": "0"}

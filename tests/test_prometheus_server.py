@@ -22,7 +22,7 @@ jax = pytest.importorskip("jax", reason="the end-to-end test trains with JAX: `p
 jnp = pytest.importorskip("jax.numpy")
 
 import steptrace  # noqa: E402
-from steptrace.prometheus import SECONDS_BUCKETS  # noqa: E402
+from steptrace._buckets import STEP_BUCKETS_S as SECONDS_BUCKETS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,702 @@
+"""OpenTelemetry (OTLP) export: one distributed trace per training step, and the step metrics.
+
+``steptrace.init(otlp_endpoint="http://collector:4318")`` (or
+``OTEL_EXPORTER_OTLP_ENDPOINT``) adds an :class:`OtlpSink`. This is the only
+module that imports ``opentelemetry``; ``steptrace`` imports it lazily.
+
+Traces
+------
+Spans are built directly from the finalized records and handed to the OTLP
+span exporter; no ``TracerProvider``/``BatchSpanProcessor`` is involved (its
+``shutdown`` blocks for 30 s and its ``force_flush`` ignores its timeout, and
+the :class:`~steptrace._sinks.SinkWorker` already gives this sink a thread and
+a bounded queue). Per rank and step ``n``::
+
+    train.step          [end(n-1), end(n)]   the whole interval, compute + idle
+    ├── train.idle      one per idle segment [reason, start, end]   (train.idle.reason)
+    ├── <span name>     user spans: step n's spans, and spans closed between steps n-1 and n
+    ├── train.microbatch  device-aligned start..end of each microbatch record of step n
+    ├── train.compute   [start(n), end(n)]   the device busy with step n
+    └── train.checkpoint  host span of a save of step n (arrives after the step)
+
+* **Trace id** = :func:`steptrace._ids.trace_id` ``(run_id, step)``: the first 16
+  bytes of ``sha256(f"steptrace/{run_id}/{step}")``. Every rank's spans of one
+  step form one trace with no coordination (each rank's ``train.step`` is a
+  root of that trace).
+* **Span ids** = :func:`steptrace._ids.span_id` ``(run_id, step, rank, role)``
+  with roles ``step``, ``compute``, ``idle/<i>`` (i-th idle segment),
+  ``microbatch/<k>`` (k-th microbatch record of the step on this rank),
+  ``span/<k>`` (k-th user span attached to the step) and
+  ``checkpoint/<start_us>`` (the save's start in integer microseconds).
+  Re-exporting the same records gives the same ids, so retries do not
+  duplicate spans and a collector can join ranks.
+* **User spans** keep the name given to ``steptrace.span()``. A span that closed
+  inside step ``n`` (``step: n``) is a child of step ``n``'s span. A span that
+  closed between steps (``step: null``, e.g. ``data`` loading before ``with
+  step(n)``) is a child of the *next* step's span: the idle time it covers is
+  charged to that step (DESIGN.md §2), and its record is emitted together with
+  that step's. Spans with no following step (closed after the last step,
+  handed over by ``flush``/``shutdown``) are exported at ``force_flush``/
+  ``shutdown`` as root spans of a trace of their own, with trace id
+  ``sha256(f"steptrace/{run_id}/span/{rank}/{name}/{start_us}")[:16]`` and span
+  id ``[:8]`` of ``sha256(f"steptrace/{run_id}/span/{rank}/{name}/{start_us}/span")``.
+  User spans are flat: nesting between them is not reconstructed.
+* **Times**: span times are the records' unix-second times in integer
+  nanoseconds, ``round(t * 1e9)``. The step span starts at
+  ``end_time - interval_seconds``.
+* **Status**: ``ERROR`` with the error text for failed steps and checkpoints,
+  otherwise ``UNSET``. Kind ``INTERNAL``; scope ``steptrace`` and its version.
+* **Attributes** (``None`` values are left out): every span has ``train.run_id``,
+  ``train.rank``, ``train.step``. ``train.step`` adds ``train.world_size``,
+  ``train.status``, ``train.error``, ``train.backend``, ``train.interval_seconds``,
+  ``train.compute_seconds``, ``train.idle_seconds``, ``train.idle.<reason>_seconds``,
+  ``train.tokens``, ``train.samples``, ``train.flops``, ``train.tokens_per_second``,
+  ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``,
+  ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
+  attributes). ``train.compute``: ``train.compute_seconds``. ``train.idle``:
+  ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
+  ``train.microbatch``, ``train.stage``, ``train.chunk``, ``train.kind``,
+  ``train.compute_seconds``. ``train.checkpoint``: ``train.status``,
+  ``train.error``, ``train.checkpoint.host_seconds``,
+  ``train.checkpoint.blocking_seconds``, ``train.checkpoint.async_seconds``.
+  User spans: ``train.span_seconds``, ``train.attrs.<key>``.
+* **Resource**: everything in ``OTEL_RESOURCE_ATTRIBUTES``, ``service.name`` =
+  ``service_name`` (code, else ``OTEL_SERVICE_NAME``), else ``service.name`` from
+  ``OTEL_RESOURCE_ATTRIBUTES``, else ``steptrace``; ``service.instance.id`` =
+  ``<run_id>/rank-<rank>`` always (all ranks share the environment, so a value
+  from ``OTEL_RESOURCE_ATTRIBUTES`` would make them indistinguishable).
+
+Metrics
+-------
+Through the OpenTelemetry metrics SDK: a ``MeterProvider`` of this sink's own
+(never the global one) whose ``PeriodicExportingMetricReader`` is collected every
+``otlp_metrics_interval_s`` by a steptrace thread rather than the reader's own
+(which an at-fork hook restarts in forked children such as DataLoader workers;
+they would export frozen copies of the parent's metrics under its identity).
+Every point carries ``train.run_id`` and ``train.rank``. Histograms with explicit bucket boundaries in seconds:
+``steptrace.step.interval``, ``steptrace.step.compute``,
+``steptrace.checkpoint.blocking``, ``steptrace.microbatch.compute``
+(``train.stage``, ``train.kind``). Counters: ``steptrace.steps``
+(``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
+``steptrace.tokens``, ``steptrace.dropped_records`` (``train.drop.reason``,
+observed from the run's drop counters). Gauges (last step):
+``steptrace.tokens_per_second``, ``steptrace.tflops_per_second``,
+``steptrace.mfu``, ``steptrace.goodput_ratio`` (Σcompute / Σinterval over the
+last ``goodput_window_steps`` steps), ``steptrace.pipeline.bubble_ratio``
+(``train.stage``).
+
+Configuration
+-------------
+Every setting is passed to the SDK exporters explicitly, so code wins over the
+environment (``_config`` already merged ``OTEL_EXPORTER_OTLP_*`` into the
+``Config``). For http/protobuf the endpoint is a base URL: ``/v1/traces`` and
+``/v1/metrics`` are appended (a URL already ending in one of them is accepted
+too). For grpc, ``http://host:4317`` (plaintext) or ``https://host:4317`` (TLS).
+One quirk of the SDK exporters: they also send the ``OTEL_EXPORTER_OTLP_HEADERS``
+keys that code did not set (HTTP), or all of them when code set none (gRPC).
+
+Failure
+-------
+``export()`` runs on the sink's own thread; the SDK exporter retries with
+backoff for at most ``otlp_timeout_s``. When it reports failure, ``export()``
+raises :class:`OtlpExportError`, so the SinkWorker counts the batch's records
+as dropped under ``sink:otlp`` (``stats()["dropped"]``, the ``run`` record).
+While the endpoint hangs, records pile up in the SinkWorker's bounded queue and
+are dropped and counted there; the training loop never waits.
+``force_flush(timeout_s)`` and ``shutdown(timeout_s)`` return within their
+timeout: the work runs on daemon threads joined with the time left, and
+``shutdown`` shuts the exporters down, which aborts their retries. Spans
+closed after the last step whose export fails at ``force_flush``/``shutdown``
+are logged, not counted (the sink protocol gives those calls no drop counter).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping
+from urllib.parse import urlsplit
+
+try:
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+    from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExportResult
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        f"steptrace's OTLP exporter needs opentelemetry-sdk and opentelemetry-exporter-otlp ({exc}): "
+        "pip install 'steptrace[otlp]'"
+    ) from exc
+
+from steptrace import __version__
+from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
+from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
+from steptrace._ids import orphan_span_ids, span_id, trace_id
+
+__all__ = [
+    "OtlpExportError",
+    "OtlpSink",
+    "signal_endpoints",
+]
+
+log = logging.getLogger("steptrace")
+
+_DEFAULT_SERVICE_NAME = "steptrace"
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class OtlpExportError(RuntimeError):
+    """The OTLP endpoint did not accept a batch; the SinkWorker counts its records as dropped."""
+
+
+def signal_endpoints(endpoint: str, protocol: str = "http/protobuf") -> tuple[str, str]:
+    """The (traces, metrics) endpoints for ``endpoint``.
+
+    For http/protobuf, ``endpoint`` is the base URL (as ``OTEL_EXPORTER_OTLP_ENDPOINT``)
+    and ``/v1/traces``, ``/v1/metrics`` are appended; a URL that already ends in one
+    of them is taken as that collector's signal URL and the other is derived. For
+    grpc, the path is dropped: the exporter wants ``scheme://host:port``.
+    """
+    if protocol == "grpc":
+        parts = urlsplit(endpoint)
+        url = f"{parts.scheme}://{parts.netloc}"
+        return url, url
+    base = endpoint.rstrip("/")
+    for suffix in ("/v1/traces", "/v1/metrics"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return base + "/v1/traces", base + "/v1/metrics"
+
+
+def _ns(unix_seconds: float) -> int:
+    # A float unix time resolves ~0.24 us; this keeps all of it.
+    return round(unix_seconds * 1e9)
+
+
+def _attr(value: Any) -> Any:
+    """An OpenTelemetry attribute value for ``value`` (None stays None: the caller skips it)."""
+    if value is None or isinstance(value, (bool, str, float)):
+        return value
+    if isinstance(value, int):
+        # OTLP integers are int64; FLOP counts of large models do not fit.
+        return value if _INT64[0] <= value <= _INT64[1] else float(value)
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (list, tuple)):
+        try:
+            return _attr(item())
+        except Exception:
+            return str(value)
+    if isinstance(value, (list, tuple)):
+        values = [_attr(v) for v in value]
+        kinds = {type(v) for v in values}
+        if len(kinds) == 1 and kinds <= {bool, str, int, float}:
+            return tuple(values)
+        return str(list(value))
+    return str(value)
+
+
+def _put(attributes: dict[str, Any], key: str, value: Any) -> None:
+    value = _attr(value)
+    if value is not None:
+        attributes[key] = value
+
+
+def _own_trace_ids(run_id: str, rank: int, name: str, start: float) -> tuple[int, int]:
+    """Trace and span id of a span with no step after it: a trace of its own."""
+    return orphan_span_ids(run_id, rank, name, round(start * 1e6))
+
+
+def _run_bounded(fn: Callable[[], Any], deadline: float, name: str) -> bool:
+    """Run ``fn`` on a daemon thread and wait for it until ``deadline`` (monotonic).
+
+    True when ``fn`` finished in time and returned a truthy value (None counts as success).
+    The SDK's calls do not all honour their timeouts; this bounds the caller either way.
+    """
+    outcome: list[bool] = []
+
+    def target() -> None:
+        try:
+            result = fn()
+            outcome.append(result is None or bool(result))
+        except Exception:
+            log.exception("steptrace OTLP %s failed", name)
+            outcome.append(False)
+
+    thread = threading.Thread(target=target, name=f"steptrace-otlp-{name}", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    return bool(outcome) and outcome[0]
+
+
+class _Metrics:
+    """The step metrics as OpenTelemetry instruments, fed from finalized records.
+
+    Only the histograms are recorded per record. Counters and gauges are kept as
+    plain totals and last values here and observed by the reader at collection
+    time (like prometheus_client, the per-step work is a few dict updates): this
+    runs on the sink thread, which shares the GIL with the training thread.
+    """
+
+    def __init__(self, provider: MeterProvider, base: dict[str, Any], goodput_window_steps: int):
+        self._base = base
+        self._meter = meter = provider.get_meter("steptrace", __version__)
+        self._lock = threading.Lock()
+        self.interval = meter.create_histogram("steptrace.step.interval", unit="s",
+                                               description="Step interval end(n) - end(n-1)")
+        self.compute = meter.create_histogram("steptrace.step.compute", unit="s",
+                                              description="Device time busy with the step")
+        self.blocking = meter.create_histogram("steptrace.checkpoint.blocking", unit="s",
+                                               description="Checkpoint host time after the saved step ended")
+        self.mb_compute = meter.create_histogram("steptrace.microbatch.compute", unit="s",
+                                                 description="Device time of one pipeline microbatch")
+        self._steps: dict[str, int] = {}
+        self._idle: dict[str, float] = {}
+        self._tokens: int | float | None = None
+        self._last: dict[str, float] = {}
+        self._bubble: dict[str, float] = {}
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=goodput_window_steps)
+        self._window_sums = [0.0, 0.0]  # Σcompute, Σinterval of the window
+        self._appended = 0
+
+        def observe(read: Callable[[], Iterable[tuple[Any, dict[str, Any]]]]) -> Callable[[Any], list[Observation]]:
+            def callback(_options: Any) -> list[Observation]:
+                with self._lock:
+                    return [Observation(value, attrs) for value, attrs in read()]
+            return callback
+
+        meter.create_observable_counter(
+            "steptrace.steps", unit="{step}", description="Steps finalized, by status",
+            callbacks=[observe(lambda: [(n, {**base, "train.status": s}) for s, n in self._steps.items()])])
+        meter.create_observable_counter(
+            "steptrace.step.idle", unit="s", description="Device idle time by the host span that caused it",
+            callbacks=[observe(lambda: [(v, {**base, "train.idle.reason": r}) for r, v in self._idle.items()])])
+        meter.create_observable_counter(
+            "steptrace.tokens", unit="{token}", description="Tokens processed",
+            callbacks=[observe(lambda: [] if self._tokens is None else [(self._tokens, base)])])
+        for name, unit, description in (
+                ("tokens_per_second", "{token}/s", "Tokens per second of interval, last step"),
+                ("tflops_per_second", "TFLOP/s", "TFLOP/s per device over compute time, last step"),
+                ("mfu", "1", "Model FLOPs utilisation, last step"),
+                ("goodput_ratio", "1", "Σcompute / Σinterval over the last goodput_window_steps steps")):
+            meter.create_observable_gauge(
+                f"steptrace.{name}", unit=unit, description=description,
+                callbacks=[observe(lambda name=name: [] if name not in self._last else [(self._last[name], base)])])
+        meter.create_observable_gauge(
+            "steptrace.pipeline.bubble_ratio", unit="1",
+            description="1 - Σ microbatch compute / step compute, per stage, last step",
+            callbacks=[observe(lambda: [(v, {**base, "train.stage": s}) for s, v in self._bubble.items()])])
+
+    def attach_drop_counter(self, read: Callable[[], Mapping[str, int]]) -> None:
+        base = self._base
+
+        def observe(_options: Any) -> list[Observation]:
+            return [Observation(count, {**base, "train.drop.reason": reason}) for reason, count in read().items()]
+
+        self._meter.create_observable_counter("steptrace.dropped_records", callbacks=[observe], unit="{record}",
+                                              description="Records dropped instead of blocking training, by reason")
+
+    def record(self, r: Mapping[str, Any]) -> None:
+        kind = r.get("type")
+        base = self._base
+        if kind == "step":
+            interval = r.get("interval_seconds")
+            compute = r.get("compute_seconds")
+            if interval is not None:
+                self.interval.record(interval, base)
+            if compute is not None:
+                self.compute.record(compute, base)
+            with self._lock:
+                status = str(r.get("status"))
+                self._steps[status] = self._steps.get(status, 0) + 1
+                for reason, seconds in (r.get("idle_breakdown") or {}).items():
+                    if seconds > 0:
+                        self._idle[reason] = self._idle.get(reason, 0.0) + seconds
+                tokens = r.get("tokens")
+                if tokens is not None:
+                    self._tokens = tokens if self._tokens is None else self._tokens + tokens
+                for field in ("tokens_per_second", "tflops_per_second", "mfu"):
+                    if r.get(field) is not None:
+                        self._last[field] = r[field]
+                if interval is not None and compute is not None:
+                    self._goodput(compute, interval)
+                for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():
+                    self._bubble[str(stage)] = ratio
+        elif kind == "checkpoint":
+            if r.get("blocking_seconds") is not None:
+                self.blocking.record(r["blocking_seconds"], base)
+        elif kind == "microbatch":
+            if r.get("compute_seconds") is not None:
+                attrs = {**base, "train.kind": str(r.get("kind"))}
+                if r.get("stage") is not None:
+                    attrs["train.stage"] = str(r["stage"])
+                self.mb_compute.record(r["compute_seconds"], attrs)
+
+    def _goodput(self, compute: float, interval: float) -> None:
+        window, sums = self._window, self._window_sums
+        if len(window) == window.maxlen:
+            old_compute, old_interval = window[0]
+            sums[0] -= old_compute
+            sums[1] -= old_interval
+        window.append((compute, interval))
+        sums[0] += compute
+        sums[1] += interval
+        self._appended += 1
+        if self._appended % window.maxlen == 0:  # running sums drift by float error: re-add now and then
+            sums[0] = sum(c for c, _ in window)
+            sums[1] = sum(i for _, i in window)
+        if sums[1] > 0:
+            self._last["goodput_ratio"] = min(1.0, max(0.0, sums[0] / sums[1]))
+
+
+class OtlpSink:
+    """Exports finalized records over OTLP: spans per step (one trace per step across ranks) and metrics.
+
+    Runs behind a :class:`~steptrace._sinks.SinkWorker` (its own thread and bounded
+    queue). Built by ``steptrace.init()`` through :meth:`from_config`; construct it
+    directly and pass it as ``init(sinks=[...])`` to export somewhere else as well.
+    """
+
+    name = "otlp"
+
+    def __init__(self, endpoint: str, *, run_id: str, rank: int = 0, world_size: int = 1,
+                 protocol: str = "http/protobuf", headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+                 compression: str = "none", timeout_s: float = 10.0, metrics_interval_s: float = 10.0,
+                 service_name: str | None = None, goodput_window_steps: int = 100):
+        if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_endpoint must start with http:// or https://, got {endpoint!r}")
+        if protocol not in OTLP_PROTOCOLS:
+            raise ValueError(f"otlp_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {protocol!r}")
+        if compression not in OTLP_COMPRESSIONS:
+            raise ValueError(f"otlp_compression must be one of {', '.join(OTLP_COMPRESSIONS)}, got {compression!r}")
+        for field, value in (("otlp_timeout_s", timeout_s), ("otlp_metrics_interval_s", metrics_interval_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{field} must be > 0, got {value!r}")
+        if not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        if isinstance(goodput_window_steps, bool) or not isinstance(goodput_window_steps, int) \
+                or goodput_window_steps < 1:
+            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {goodput_window_steps!r}")
+        header_pairs = tuple((str(k), str(v)) for k, v in (headers.items() if isinstance(headers, Mapping)
+                                                           else headers))
+        self.run_id = str(run_id)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.protocol = protocol
+        self.timeout_s = float(timeout_s)
+        traces_url, metrics_url = signal_endpoints(endpoint, protocol)
+        #: Where spans go (the traces URL for http/protobuf, ``scheme://host:port`` for grpc).
+        self.endpoint = traces_url
+        #: Where metrics go.
+        self.metrics_endpoint = metrics_url
+
+        self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}")
+        self._scope = InstrumentationScope("steptrace", __version__)
+        self._span_exporter, self._metric_exporter = _exporters(
+            protocol, traces_url, metrics_url, header_pairs, compression, self.timeout_s)
+
+        base = {"train.run_id": self.run_id, "train.rank": self.rank}
+        self._base = base
+        views = [
+            View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
+            for name, bounds in (("steptrace.step.interval", STEP_BUCKETS_S),
+                                 ("steptrace.step.compute", STEP_BUCKETS_S),
+                                 ("steptrace.microbatch.compute", MICROBATCH_BUCKETS_S),
+                                 ("steptrace.checkpoint.blocking", CHECKPOINT_BUCKETS_S))
+        ]
+        # The reader never starts a thread of its own (infinite interval): its thread would be
+        # restarted by an at-fork hook in every forked child (DataLoader workers), which would
+        # then export frozen copies of this rank's metrics under the same service.instance.id.
+        # Our ticker thread, like every thread, does not survive a fork.
+        self._reader = PeriodicExportingMetricReader(
+            self._metric_exporter, export_interval_millis=math.inf, export_timeout_millis=self.timeout_s * 1000.0)
+        # shutdown_on_exit=False: the SDK's atexit hook would block exit on a dead endpoint;
+        # steptrace.shutdown() (also registered with atexit) shuts this provider down within its timeout.
+        self._provider = MeterProvider(metric_readers=[self._reader], resource=self.resource, views=views,
+                                       shutdown_on_exit=False)
+        self._metrics = _Metrics(self._provider, base, goodput_window_steps)
+
+        self._lock = threading.Lock()  # span-building state and exporter calls: sink thread vs flush/shutdown
+        self._pending: list[dict[str, Any]] = []  # spans closed between steps, waiting for the next step
+        self._span_ordinals: dict[int, int] = {}
+        self._mb_ordinals: dict[int, int] = {}
+        self._closed = False
+        self._drop_counter_attached = False
+        self._stop_ticker = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, args=(float(metrics_interval_s),),
+                                        name="steptrace-otlp-metrics", daemon=True)
+        self._ticker.start()
+
+    @classmethod
+    def from_config(cls, config: Any) -> "OtlpSink":
+        """The sink ``steptrace.init()`` builds when ``otlp_endpoint`` is set."""
+        return cls(
+            config.otlp_endpoint,
+            run_id=config.run_id,
+            rank=config.rank,
+            world_size=config.world_size,
+            protocol=config.otlp_protocol,
+            headers=config.otlp_headers,
+            compression=config.otlp_compression,
+            timeout_s=config.otlp_timeout_s,
+            metrics_interval_s=config.otlp_metrics_interval_s,
+            service_name=config.service_name,
+            goodput_window_steps=config.goodput_window_steps,
+        )
+
+    def attach_drop_counter(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """Publish the run's drop counts (``{reason: count}``) as ``steptrace.dropped_records``."""
+        if not self._drop_counter_attached:
+            self._drop_counter_attached = True
+            self._metrics.attach_drop_counter(read)
+
+    # -- the sink protocol ---------------------------------------------------------------
+    def export(self, records: list[dict[str, Any]]) -> None:
+        """Record metrics and export the batch's spans; raises :class:`OtlpExportError` on failure."""
+        if self._closed:
+            # A batch still queued when shutdown ran out of time: the SinkWorker already counted it.
+            return
+        with self._lock:
+            spans: list[ReadableSpan] = []
+            for record in records:
+                kind = record.get("type")
+                self._metrics.record(record)
+                if kind == "step":
+                    spans += self._step_spans(record)
+                elif kind == "span":
+                    if record.get("step") is None:
+                        self._pending.append(record)
+                    else:
+                        spans.append(self._user_span(record, record["step"]))
+                elif kind == "microbatch":
+                    spans.append(self._microbatch_span(record))
+                elif kind == "checkpoint":
+                    spans.append(self._checkpoint_span(record))
+            if spans:
+                self._send(spans)
+
+    def force_flush(self, timeout_s: float) -> bool:
+        """Export spans closed after the last step and collect/export metrics, within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        if self._closed:
+            return True
+        spans_ok = _run_bounded(self._export_tail, deadline, "flush")
+        metrics_ok = _run_bounded(self._collect_metrics, deadline, "metrics-flush")
+        return spans_ok and metrics_ok
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Export what is left and stop, returning within ``timeout_s``; aborts the exporters' retries."""
+        deadline = time.monotonic() + timeout_s
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_ticker.set()
+        try:
+            _run_bounded(self._export_tail, deadline, "shutdown")
+            # One last collection exports the final cumulative metrics.
+            if not _run_bounded(lambda: self._final_metrics(deadline), deadline, "metrics-shutdown"):
+                log.warning("steptrace OTLP: final metrics not exported to %s within the shutdown timeout",
+                            self.metrics_endpoint)
+        finally:
+            # Stops retries and closes connections; an export still in flight ends with a failure.
+            for exporter in (self._span_exporter, self._metric_exporter):
+                try:
+                    if not getattr(exporter, "_shutdown", False):
+                        exporter.shutdown()
+                except Exception:
+                    log.debug("steptrace OTLP exporter shutdown failed", exc_info=True)
+
+    # -- metrics -------------------------------------------------------------------------
+    def _tick(self, interval_s: float) -> None:
+        while not self._stop_ticker.wait(interval_s):
+            self._collect_metrics()
+
+    def _collect_metrics(self) -> None:
+        # Export failures are logged by the SDK exporter; the reader serialises concurrent exports.
+        try:
+            self._reader.collect(timeout_millis=self.timeout_s * 1000)
+        except Exception:
+            log.debug("steptrace OTLP metric collection failed", exc_info=True)
+
+    def _final_metrics(self, deadline: float) -> None:
+        self._collect_metrics()
+        self._provider.shutdown(timeout_millis=max(0.0, deadline - time.monotonic()) * 1000)
+
+    # -- spans ---------------------------------------------------------------------------
+    def _send(self, spans: list[ReadableSpan]) -> None:
+        try:
+            result = self._span_exporter.export(spans)
+        except Exception as exc:
+            raise OtlpExportError(f"OTLP export of {len(spans)} spans to {self.endpoint} failed: {exc!r}") from exc
+        if result is not SpanExportResult.SUCCESS:
+            raise OtlpExportError(f"OTLP export of {len(spans)} spans to {self.endpoint} failed "
+                                  f"(endpoint down, refusing or timing out after {self.timeout_s:g} s)")
+
+    def _export_tail(self) -> bool:
+        with self._lock:
+            if not self._pending:
+                return True
+            pending, self._pending = self._pending, []
+            spans = [self._own_trace_span(r) for r in pending]
+            try:
+                self._send(spans)
+            except OtlpExportError as exc:
+                log.warning("steptrace: %s; %d spans closed after the last step are lost", exc, len(spans))
+                return False
+            return True
+
+    def _span(self, name: str, trace: int, span: int, parent: int | None, start_ns: int, end_ns: int,
+              attributes: dict[str, Any], error: str | None = None) -> ReadableSpan:
+        return ReadableSpan(
+            name=name,
+            context=SpanContext(trace, span, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)),
+            parent=None if parent is None else SpanContext(trace, parent, is_remote=False,
+                                                           trace_flags=TraceFlags(TraceFlags.SAMPLED)),
+            resource=self.resource,
+            attributes=attributes,
+            kind=SpanKind.INTERNAL,
+            status=Status(StatusCode.ERROR, error) if error is not None else Status(StatusCode.UNSET),
+            start_time=start_ns,
+            end_time=max(start_ns, end_ns),
+            instrumentation_scope=self._scope,
+        )
+
+    def _attrs(self, step: int) -> dict[str, Any]:
+        return {"train.run_id": self.run_id, "train.rank": self.rank, "train.step": step}
+
+    def _step_spans(self, r: dict[str, Any]) -> list[ReadableSpan]:
+        n = r["step"]
+        run, rank = self.run_id, self.rank
+        trace = trace_id(run, n)
+        step_span = span_id(run, n, rank, "step")
+        end_ns = _ns(r["end_time"])
+        interval = r.get("interval_seconds") or 0.0
+        error = r.get("error") if r.get("status") == "error" else None
+        if r.get("status") == "error" and error is None:
+            error = "step failed"
+
+        attrs = self._attrs(n)
+        _put(attrs, "train.world_size", r.get("world_size", self.world_size))
+        for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
+                    "samples", "flops", "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu"):
+            _put(attrs, f"train.{key}", r.get(key))
+        for reason, seconds in (r.get("idle_breakdown") or {}).items():
+            _put(attrs, f"train.idle.{reason}_seconds", seconds)
+        for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():
+            _put(attrs, f"train.pipeline.bubble_ratio.{stage}", ratio)
+        for key, value in (r.get("attrs") or {}).items():
+            _put(attrs, f"train.attrs.{key}", value)
+        spans = [self._span("train.step", trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
+                            error)]
+
+        compute_attrs = self._attrs(n)
+        _put(compute_attrs, "train.compute_seconds", r.get("compute_seconds"))
+        spans.append(self._span("train.compute", trace, span_id(run, n, rank, "compute"), step_span,
+                                _ns(r["start_time"]), end_ns, compute_attrs))
+        for i, segment in enumerate(r.get("idle_segments") or ()):
+            reason, start, end = segment
+            idle_attrs = self._attrs(n)
+            idle_attrs["train.idle.reason"] = str(reason)
+            idle_attrs["train.idle_seconds"] = end - start
+            spans.append(self._span("train.idle", trace, span_id(run, n, rank, f"idle/{i}"), step_span,
+                                    _ns(start), _ns(end), idle_attrs))
+        # Spans closed before this step entered: the idle time they cover is this step's.
+        pending, self._pending = self._pending, []
+        spans += [self._user_span(p, n) for p in pending]
+        # Records arrive in order (step n's spans and microbatches, then its record), so no
+        # ordinal of this or an earlier step is needed again.
+        self._span_ordinals.clear()
+        self._mb_ordinals.clear()
+        return spans
+
+    def _user_span(self, r: dict[str, Any], n: int) -> ReadableSpan:
+        k = self._span_ordinals.get(n, 0)
+        self._span_ordinals[n] = k + 1
+        attrs = self._attrs(n)
+        _put(attrs, "train.span_seconds", r.get("seconds"))
+        for key, value in (r.get("attrs") or {}).items():
+            _put(attrs, f"train.attrs.{key}", value)
+        return self._span(str(r.get("name")), trace_id(self.run_id, n), span_id(self.run_id, n, self.rank, f"span/{k}"),
+                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+
+    def _own_trace_span(self, r: dict[str, Any]) -> ReadableSpan:
+        trace, span = _own_trace_ids(self.run_id, self.rank, str(r.get("name")), r["start_time"])
+        attrs = {"train.run_id": self.run_id, "train.rank": self.rank}
+        _put(attrs, "train.span_seconds", r.get("seconds"))
+        for key, value in (r.get("attrs") or {}).items():
+            _put(attrs, f"train.attrs.{key}", value)
+        return self._span(str(r.get("name")), trace, span, None, _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+
+    def _microbatch_span(self, r: dict[str, Any]) -> ReadableSpan:
+        n = r["step"]
+        k = self._mb_ordinals.get(n, 0)
+        self._mb_ordinals[n] = k + 1
+        attrs = self._attrs(n)
+        for key in ("microbatch", "stage", "chunk", "kind", "compute_seconds"):
+            _put(attrs, f"train.{key}", r.get(key))
+        return self._span("train.microbatch", trace_id(self.run_id, n),
+                          span_id(self.run_id, n, self.rank, f"microbatch/{k}"),
+                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+
+    def _checkpoint_span(self, r: dict[str, Any]) -> ReadableSpan:
+        n = r["step"]
+        attrs = self._attrs(n)
+        _put(attrs, "train.status", r.get("status"))
+        _put(attrs, "train.error", r.get("error"))
+        for key in ("host_seconds", "blocking_seconds", "async_seconds"):
+            _put(attrs, f"train.checkpoint.{key}", r.get(key))
+        error = (r.get("error") or "checkpoint failed") if r.get("status") == "error" else None
+        # Keyed by the save's start (not an ordinal): a replayed record keeps its id, and a
+        # second save of the same step gets its own.
+        role = f"checkpoint/{round(r['start_time'] * 1e6)}"
+        return self._span("train.checkpoint", trace_id(self.run_id, n), span_id(self.run_id, n, self.rank, role),
+                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]),
+                          attrs, error)
+
+
+def _resource(service_name: str | None, instance_id: str) -> Resource:
+    """``OTEL_RESOURCE_ATTRIBUTES`` plus our service.name and service.instance.id (see the module doc)."""
+    detected = Resource.create({})  # reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME
+    name = service_name
+    if not name:
+        env_name = detected.attributes.get(SERVICE_NAME)
+        # Resource.create invents "unknown_service:<executable>" when nothing names the service.
+        name = env_name if env_name and not str(env_name).startswith("unknown_service") else _DEFAULT_SERVICE_NAME
+    return detected.merge(Resource({SERVICE_NAME: name, SERVICE_INSTANCE_ID: instance_id}))
+
+
+def _exporters(protocol: str, traces_url: str, metrics_url: str, headers: tuple[tuple[str, str], ...],
+               compression: str, timeout_s: float) -> tuple[Any, Any]:
+    """The SDK's span and metric exporters, every setting passed explicitly (code wins over env)."""
+    if protocol == "grpc":
+        try:
+            import grpc
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise ImportError(f"otlp_protocol='grpc' needs opentelemetry-exporter-otlp-proto-grpc ({exc}): "
+                              "pip install 'steptrace[otlp]'") from exc
+        grpc_compression = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
+        insecure = urlsplit(traces_url).scheme == "http"
+        # gRPC metadata keys must be lowercase.
+        metadata = tuple((k.lower(), v) for k, v in headers)
+        kwargs = dict(insecure=insecure, headers=metadata, timeout=timeout_s, compression=grpc_compression)
+        return OTLPSpanExporter(endpoint=traces_url, **kwargs), OTLPMetricExporter(endpoint=metrics_url, **kwargs)
+    try:
+        from opentelemetry.exporter.otlp.proto.http import Compression
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise ImportError(f"steptrace's OTLP exporter needs opentelemetry-exporter-otlp-proto-http ({exc}): "
+                          "pip install 'steptrace[otlp]'") from exc
+    http_compression = Compression.Gzip if compression == "gzip" else Compression.NoCompression
+    kwargs = dict(headers=dict(headers), timeout=timeout_s, compression=http_compression)
+    return OTLPSpanExporter(endpoint=traces_url, **kwargs), OTLPMetricExporter(endpoint=metrics_url, **kwargs)
