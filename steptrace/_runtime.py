@@ -81,7 +81,6 @@ class StepHandle(TimedUnit):
                       "steps cannot nest: close the outer step first")
             return self
         rt.current = self
-        rt.train_thread = threading.get_ident()
         if rt.annotate is not None:
             self._annotation = rt.annotate(self.step)
         self.host_start = self.dispatch = _perf()
@@ -107,10 +106,9 @@ class StepHandle(TimedUnit):
                 self.values = self.values + values  # several wait_for calls: wait for all of them
             return
         self.waited = True
-        if self.device is HOST and values:
-            device = rt.forced_value_device
-            if device is None:
-                device = rt.chooser.by_type.get(type(values[0])) or rt.chooser.for_values(values)
+        if values and self.device is HOST:
+            device = (rt.forced_value_device or rt.chooser.by_type.get(type(values[0]))
+                      or rt.chooser.for_values(values))
             if device is not HOST:
                 self.values = values
                 self.device = device
@@ -409,6 +407,8 @@ class Runtime:
     def _first_step_setup(self) -> None:
         """Decide, once, what depends on frameworks the user imported after init()."""
         self._setup_done = True
+        # The thread that runs the steps; compile events from other threads are not its idle time.
+        self.train_thread = threading.get_ident()
         if self.auto and self.stream_device is None and torch_cuda_in_use():
             from steptrace.adapters.torch import TorchCudaDevice
 

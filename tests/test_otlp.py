@@ -554,6 +554,9 @@ def test_missing_opentelemetry_says_which_pip_install_fixes_it():
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+# JAX (imported by other tests in this process) warns about fork; the child only sleeps and
+# calls os._exit, touching no lock another thread could hold.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_forked_children_do_not_export_metrics(receiver, device):
     """A forked child (a DataLoader worker) must not export frozen copies of this rank's metrics."""
     import os
