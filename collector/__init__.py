@@ -1,0 +1,1 @@
+"""The steptrace collector, installed as ``steptrace.collector``: joins each step's spans across ranks."""
