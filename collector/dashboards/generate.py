@@ -1,0 +1,518 @@
+"""Generate steptrace's Grafana dashboards with grafana-foundation-sdk (the Grafana 11.6 build).
+
+    python collector/dashboards/generate.py            # rewrite the JSON files next to this script
+    python collector/dashboards/generate.py --check    # exit 1 when a committed file differs
+    python collector/dashboards/generate.py --out DIR  # write (or --check) DIR instead
+
+Two dashboards, linked to each other (keeping the time range and the variables):
+
+- ``steptrace-training.json``: a run as the ranks see it (their own /metrics): step compute vs
+  interval, goodput and the idle breakdown, throughput, checkpoints, pipeline microbatches,
+  dropped records.
+- ``steptrace-cluster.json``: a run across ranks, from the steptrace collectors (skew, the
+  straggler rank, bubble per stage) next to the same signals computed from the ranks' metrics,
+  and the collectors' own health.
+
+Every query is PromQL against the Prometheus data source chosen by ``$datasource``. The
+heavier ones (percentiles and means over all ranks) read the recording rules of
+``collector/rules.yml``, which must be loaded. Edit this script, never the JSON: the test
+suite regenerates the JSON and fails when it differs from the committed files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+try:
+    from grafana_foundation_sdk.builders import bargauge, common as common_b, dashboard as dash_b, heatmap
+    from grafana_foundation_sdk.builders import prometheus as prom_b, stat, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common, dashboard as dash_m, prometheus as prom_m
+except ImportError as _exc:  # pragma: no cover - the message is the point
+    raise SystemExit(
+        "collector/dashboards/generate.py needs grafana-foundation-sdk (the Grafana 11.6 build): "
+        "pip install 'steptrace[dashboards]'") from _exc
+
+__all__ = ["DASHBOARDS", "build_all", "render", "main"]
+
+HERE = Path(__file__).resolve().parent
+
+#: Every panel and query reads the data source picked by the ``datasource`` variable.
+DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
+#: Tag shared by the dashboards; their links list every dashboard with it.
+TAG = "steptrace"
+
+RUN = 'run_id="$run_id"'
+RANKS = 'run_id="$run_id", rank=~"$rank"'
+
+# The steptrace collector's gauges describe the last step *that instance* joined. Behind the
+# load balancer every collector joins a different subset of steps, so "now" is the collector
+# whose last step is the highest; counters (straggler steps, spans) are summed instead. The
+# per-step statistics (compute, interval, skew, straggler, bubble) describe the last *complete*
+# step (steptrace_cluster_last_complete_step); ranks_reporting the last step joined at all.
+COMPLETE = "steptrace_cluster_last_complete_step"
+JOINED = "steptrace_cluster_last_step"
+
+
+def latest(metric: str, by: str = "", marker: str = COMPLETE) -> str:
+    """``metric`` from the collector whose ``marker`` step is the run's highest (one series per ``by``)."""
+    newest = (f"{marker}{{{RUN}}} == on (run_id) group_left max by (run_id) ({marker}{{{RUN}}})")
+    aggregate = f"max by ({by}) " if by else "max"
+    return f"{aggregate}({metric}{{{RUN}}} and on (instance) ({newest}))"
+
+
+def query(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False,
+          fmt: prom_m.PromQueryFormat | None = None, exemplar: bool = False) -> prom_b.Dataquery:
+    q = prom_b.Dataquery().expr(expr).ref_id(ref).datasource(DATASOURCE).legend_format(legend or "__auto")
+    if instant:
+        q = q.instant()
+    else:
+        q = q.range()
+    if fmt is not None:
+        q = q.format(fmt)
+    if exemplar:
+        q = q.exemplar(True)
+    return q
+
+
+def _targets(panel: Any, queries: list[tuple[str, str]]) -> Any:
+    for i, (expr, legend) in enumerate(queries):
+        panel = panel.with_target(query(expr, legend, ref=chr(ord("A") + i)))
+    return panel
+
+
+def series(title: str, description: str, queries: list[tuple[str, str]], *, unit: str = "s",
+           w: int = 12, h: int = 8, stacked: bool = False, bars: bool = False, points: bool = False,
+           table_legend: bool = False, min_val: float | None = 0, max_val: float | None = None,
+           decimals: float | None = None, axis_label: str | None = None,
+           dashed: str | None = None) -> timeseries.Panel:
+    """A time series panel; ``queries`` are (PromQL, legend) pairs."""
+    p = (timeseries.Panel().title(title).description(description).datasource(DATASOURCE)
+         .unit(unit).span(w).height(h).line_width(1).fill_opacity(10)
+         .tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                  .sort(common.SortOrder.DESCENDING)))
+    if table_legend:
+        # Per-rank panels: a sortable table of mean / max / last finds the outlier rank.
+        p = p.legend(common_b.VizLegendOptions().display_mode(common.LegendDisplayMode.TABLE)
+                     .placement(common.LegendPlacement.RIGHT).show_legend(True)
+                     .calcs(["mean", "max", "lastNotNull"]).sort_by("Mean").sort_desc(True))
+    else:
+        p = p.legend(common_b.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+                     .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+    if stacked:
+        p = p.stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL)).fill_opacity(70)
+    if bars:
+        p = p.draw_style(common.GraphDrawStyle.BARS).fill_opacity(80)
+    if points:
+        p = p.draw_style(common.GraphDrawStyle.POINTS).point_size(6)
+    if min_val is not None:
+        p = p.min(min_val)
+    if max_val is not None:
+        p = p.max(max_val)
+    if decimals is not None:
+        p = p.decimals(decimals)
+    if axis_label is not None:
+        p = p.axis_label(axis_label)
+    if dashed is not None:
+        p = p.override_by_regexp(dashed, [dash_m.DynamicConfigValue(
+            id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})])
+    return _targets(p, queries)
+
+
+def single(title: str, description: str, expr: str, *, unit: str = "none", w: int = 3, h: int = 4,
+           decimals: float | None = None, thresholds: list[tuple[float | None, str]] | None = None,
+           legend: str = "") -> stat.Panel:
+    """A stat panel showing the latest value of ``expr``."""
+    steps = [dash_m.Threshold(value=v, color=c) for v, c in (thresholds or [(None, "blue")])]
+    p = (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+         .span(w).height(h)
+         .graph_mode(common.BigValueGraphMode.AREA)
+         .color_mode(common.BigValueColorMode.VALUE if thresholds else common.BigValueColorMode.NONE)
+         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+         .thresholds(dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE).steps(steps)))
+    if decimals is not None:
+        p = p.decimals(decimals)
+    return p.with_target(query(expr, legend))
+
+
+GOODPUT_THRESHOLDS: list[tuple[float | None, str]] = [(None, "red"), (0.7, "orange"), (0.9, "green")]
+
+
+# -- variables and links ---------------------------------------------------------------------------
+
+def variables(run_metric: str) -> list[Any]:
+    """Data source, run (from ``run_metric``'s run_id values) and rank (multi, All = every rank)."""
+    refresh = dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED
+    return [
+        dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        dash_b.QueryVariable("run_id").label("Run").datasource(DATASOURCE)
+        .query(f"label_values({run_metric}, run_id)").refresh(refresh)
+        .sort(dash_m.VariableSort.ALPHABETICAL_ASC),
+        dash_b.QueryVariable("rank").label("Rank").datasource(DATASOURCE)
+        .query(f'label_values(steptrace_steps_total{{{RUN}}}, rank)').refresh(refresh)
+        .sort(dash_m.VariableSort.NUMERICAL_ASC).multi(True).include_all(True).all_value(".*")
+        .current(dash_m.VariableOption(selected=True, text="All", value="$__all")),
+    ]
+
+
+def base(title: str, uid: str, description: str, run_metric: str) -> dash_b.Dashboard:
+    d = (dash_b.Dashboard(title).uid(uid).description(description).tags([TAG])
+         .time("now-1h", "now").refresh("30s").timezone("browser")
+         .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
+         .link(dash_b.DashboardLink("steptrace").type(dash_m.DashboardLinkType.DASHBOARDS).tags([TAG])
+               .as_dropdown(False).include_vars(True).keep_time(True)))
+    for v in variables(run_metric):
+        d = d.with_variable(v)
+    return d
+
+
+# -- steptrace-training.json -----------------------------------------------------------------------
+
+def training() -> dash_b.Dashboard:
+    d = base("steptrace: training run", "steptrace-training",
+             "One training run as its ranks report it (per-rank /metrics and collector/rules.yml). "
+             "Compute is the device busy with a step; interval is device end to device end, the "
+             "wall time a step costs; idle = interval - compute, by the host activity covering it.",
+             "steptrace_steps_total")
+
+    d = d.with_row(dash_b.Row("Overview"))
+    for panel in [
+        single("Last step", "Highest finalized step number over the ranks.",
+               f"max(steptrace_last_step{{{RUN}}})", decimals=0),
+        single("Goodput (5m)", "Sum of compute over sum of interval, all ranks, last 5 minutes.",
+               f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", unit="percentunit",
+               thresholds=GOODPUT_THRESHOLDS),
+        single("Tokens/s (5m)", "Tokens per second of wall time, summed over ranks.",
+               f"run_id:steptrace_tokens:rate5m{{{RUN}}}", unit="short"),
+        single("TFLOP/s per device, mean", "Mean over the selected ranks of the last step's TFLOP/s per "
+               "device (over compute time).", f"avg(steptrace_tflops_per_second{{{RANKS}}})",
+               unit="none", decimals=1),
+        single("MFU, mean", "Mean over the selected ranks of the last step's model FLOPs utilization "
+               "(needs peak_tflops).", f"avg(steptrace_mfu{{{RANKS}}})", unit="percentunit"),
+        single("Ranks reporting", "Ranks whose /metrics Prometheus has (a dead rank's series go "
+               "stale after 5 minutes).", f"count(steptrace_last_step{{{RUN}}})", decimals=0),
+        single("Stalled ranks", "Ranks whose last step has not changed in 5 minutes.",
+               f"count(changes(steptrace_last_step{{{RUN}}}[5m]) == 0) or vector(0)", decimals=0,
+               thresholds=[(None, "green"), (1, "red")]),
+        single("Failed steps", "Steps that raised inside `with step(n)`, selected ranks, time range.",
+               f'sum(increase(steptrace_steps_total{{{RANKS}, status="error"}}[$__range]))', decimals=0,
+               thresholds=[(None, "green"), (1, "red")]),
+    ]:
+        d = d.with_panel(panel)
+
+    d = d.with_row(dash_b.Row("Step time"))
+    d = d.with_panel(series(
+        "Step compute vs interval, all ranks (p50, p90)",
+        "Percentiles over every rank's steps in the last 5 minutes (recording rules; interpolated "
+        "inside ~2x buckets). The gap between interval and compute is idle device time.",
+        [(f"run_id:steptrace_step_compute_seconds:p50_rate5m{{{RUN}}}", "compute p50"),
+         (f"run_id:steptrace_step_compute_seconds:p90_rate5m{{{RUN}}}", "compute p90"),
+         (f"run_id:steptrace_step_interval_seconds:p50_rate5m{{{RUN}}}", "interval p50"),
+         (f"run_id:steptrace_step_interval_seconds:p90_rate5m{{{RUN}}}", "interval p90")],
+        dashed="/p90$/"))
+    d = d.with_panel(
+        heatmap.Panel().title("Step interval distribution, selected ranks")
+        .description("Steps per interval bucket. Exemplars carry each step's trace id: with "
+                     "Prometheus's exemplar storage on, click one to open the step's trace. Reads "
+                     "the raw buckets (exemplars live there), so select fewer ranks on big runs.")
+        .datasource(DATASOURCE).span(12).height(8).calculate(False)
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.LE))
+        .y_axis(heatmap.YAxisConfig().unit("s"))
+        .exemplars_color("orange")
+        .with_target(query(f"sum by (le) (increase(steptrace_step_interval_seconds_bucket{{{RANKS}}}"
+                           f"[$__rate_interval]))", "{{le}}", fmt=prom_m.PromQueryFormat.HEATMAP,
+                           exemplar=True)))
+    d = d.with_panel(series(
+        "Mean compute per step, per rank (5m)",
+        "Exact mean (sum / count) of each rank's compute time. A rank above the rest is slow "
+        "on the device itself.",
+        [(f"run_id_rank:steptrace_step_compute_seconds:mean_rate5m{{{RANKS}}}", "rank {{rank}}")],
+        table_legend=True))
+    d = d.with_panel(series(
+        "Mean interval per step, per rank (5m)",
+        "Exact mean of each rank's step interval. Ranks in lockstep share one interval: a rank "
+        "whose compute is low but interval is not is waiting for the others.",
+        [(f"run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}}", "rank {{rank}}")],
+        table_legend=True))
+
+    d = d.with_row(dash_b.Row("Where the wall time goes"))
+    d = d.with_panel(series(
+        "Goodput and idle time by reason (all ranks, 5m)",
+        "Fractions of wall time, stacked: compute (goodput) plus the idle time of each reason "
+        "(data, checkpoint, compile, eval, your span names, other) add up to 100%.",
+        [(f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", "compute (goodput)"),
+         (f"run_id_reason:steptrace_step_idle:ratio_rate5m{{{RUN}}}", "idle: {{reason}}")],
+        unit="percentunit", stacked=True, max_val=1, w=16))
+    d = d.with_panel(series(
+        "Goodput per rank",
+        "Each rank's own goodput over its last goodput_window_steps steps.",
+        [(f"steptrace_goodput_ratio{{{RANKS}}}", "rank {{rank}}")],
+        unit="percentunit", max_val=1, w=8, table_legend=True))
+
+    d = d.with_row(dash_b.Row("Throughput"))
+    d = d.with_panel(series(
+        "Tokens/s, all ranks (5m)", "Tokens per second of wall time, summed over ranks (each "
+        "rank counts its own share).",
+        [(f"run_id:steptrace_tokens:rate5m{{{RUN}}}", "tokens/s")], unit="short", w=6,
+        axis_label="tokens/s"))
+    d = d.with_panel(series(
+        "Tokens/s per rank (last step)", "Each rank's tokens over its last step's interval.",
+        [(f"steptrace_tokens_per_second{{{RANKS}}}", "rank {{rank}}")], unit="short", w=6,
+        axis_label="tokens/s"))
+    d = d.with_panel(series(
+        "TFLOP/s per device", "Last step's FLOPs over its compute time (device time, not wall "
+        "time), per rank.",
+        [(f"steptrace_tflops_per_second{{{RANKS}}}", "rank {{rank}}")], unit="none", w=6,
+        axis_label="TFLOP/s"))
+    d = d.with_panel(series(
+        "MFU", "Last step's TFLOP/s per device over peak_tflops, per rank.",
+        [(f"steptrace_mfu{{{RANKS}}}", "rank {{rank}}")], unit="percentunit", w=6))
+
+    d = d.with_row(dash_b.Row("Checkpoints"))
+    blocking = "steptrace_checkpoint_blocking_seconds"
+    d = d.with_panel(series(
+        "Checkpoint blocking time per save",
+        "Training time each save blocked: the host time after the saved step's device work "
+        "ended. Gaps are windows without a save. Asynchronous commits run in the background and "
+        "block nothing.",
+        [(f"max(increase({blocking}_sum{{{RANKS}}}[$__rate_interval]) / "
+          f"increase({blocking}_count{{{RANKS}}}[$__rate_interval]))", "blocking, slowest rank"),
+         (f"sum(increase({blocking}_sum{{{RANKS}}}[$__rate_interval])) / "
+          f"sum(increase({blocking}_count{{{RANKS}}}[$__rate_interval]))", "blocking, mean over ranks"),
+         (f"sum(increase(steptrace_checkpoint_async_seconds_sum{{{RANKS}}}[$__rate_interval])) / "
+          f"sum(increase(steptrace_checkpoint_async_seconds_count{{{RANKS}}}[$__rate_interval]))",
+          "async commit, mean (not blocking)")],
+        w=12, points=True))
+    d = d.with_panel(series(
+        "Checkpoint saves by status", "Saves finalized (each rank's save counts once).",
+        [(f"sum by (status) (increase(steptrace_checkpoints_total{{{RANKS}}}[$__rate_interval]))",
+          "{{status}}")], unit="short", w=6, bars=True, decimals=0))
+    d = d.with_panel(single(
+        "Blocked by checkpoints, per rank", "Training time blocked by saves over the time range, "
+        "mean over the selected ranks.",
+        f"sum(increase({blocking}_sum{{{RANKS}}}[$__range])) / count({blocking}_count{{{RANKS}}})",
+        unit="s", w=6, h=8))
+
+    d = d.with_row(dash_b.Row("Pipeline"))
+    d = d.with_panel(series(
+        "Pipeline bubble per stage", "1 - microbatch compute / step compute in the last step with "
+        "microbatches, mean over the selected ranks of each stage.",
+        [(f"avg by (stage) (steptrace_pipeline_bubble_ratio{{{RANKS}}})", "stage {{stage}}")],
+        unit="percentunit", max_val=1, w=8))
+    d = d.with_panel(series(
+        "Microbatch compute by stage and chunk, mean (5m)",
+        "Device time per microbatch, all ranks. Forward solid, backward dashed; chunk is the "
+        "virtual stage of an interleaved schedule.",
+        [(f"run_id_kind_stage_chunk:steptrace_microbatch_seconds:mean_rate5m{{{RUN}}}",
+          "{{kind}} stage {{stage}} chunk {{chunk}}")], w=8, dashed="/^backward/"))
+    d = d.with_panel(series(
+        "Microbatch compute by stage and chunk, p90 (5m)",
+        "90th percentile of device time per microbatch, all ranks (histogram interpolation).",
+        [(f"run_id_kind_stage_chunk:steptrace_microbatch_seconds:p90_rate5m{{{RUN}}}",
+          "{{kind}} stage {{stage}} chunk {{chunk}}")], w=8, dashed="/^backward/"))
+
+    d = d.with_row(dash_b.Row("Health"))
+    d = d.with_panel(series(
+        "Dropped records", "Records steptrace dropped instead of exporting (a full queue, a "
+        "failing sink, misuse, malformed records), by rank, sink and reason. Empty is good.",
+        [(f"sum by (rank, sink, reason) (increase(steptrace_dropped_records_total{{{RANKS}}}"
+          f"[$__rate_interval])) > 0", "rank {{rank}} {{sink}}: {{reason}}")],
+        unit="short", w=8, bars=True, decimals=0))
+    d = d.with_panel(series(
+        "Failed steps by rank", "Steps recorded with status error. Empty is good.",
+        [(f'sum by (rank) (increase(steptrace_steps_total{{{RANKS}, status="error"}}'
+          f"[$__rate_interval])) > 0", "rank {{rank}}")],
+        unit="short", w=8, bars=True, decimals=0))
+    d = d.with_panel(
+        bargauge.Panel().title("Ranks by backend and version")
+        .description("What times the steps on each rank (jax, torch-cuda, host) and the "
+                     "steptrace version: a mixed fleet shows several bars.")
+        .datasource(DATASOURCE).span(8).height(8).unit("none").decimals(0)
+        .orientation(common.VizOrientation.HORIZONTAL)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .with_target(query(f"count by (backend, version) (steptrace_info{{{RANKS}}})",
+                           "{{backend}} {{version}}", instant=True)))
+    return d
+
+
+# -- steptrace-cluster.json ------------------------------------------------------------------------
+
+def cluster() -> dash_b.Dashboard:
+    d = base("steptrace: cluster", "steptrace-cluster",
+             "A run across ranks: the steptrace collectors join each step's spans from every rank "
+             "(steptrace_cluster_*), next to the same questions answered from the ranks' own "
+             "metrics, and the collectors' health.",
+             "steptrace_cluster_last_step")
+
+    d = d.with_row(dash_b.Row("Overview"))
+    for panel in [
+        single("Last joined step", "Highest step a collector has joined across ranks (complete "
+               "or not).", f"max({JOINED}{{{RUN}}})", w=4, decimals=0),
+        single("Ranks in the last joined step", "Ranks whose span of the latest joined step "
+               "arrived in time (below the world size: ranks missing or late).",
+               latest("steptrace_cluster_ranks_reporting", marker=JOINED), w=4, decimals=0),
+        single("Straggler rank", "The rank with the longest compute in the latest complete step.",
+               latest("steptrace_cluster_straggler_rank"), w=4, decimals=0),
+        single("Cross-rank skew", "Max - min compute over ranks in the latest complete step.",
+               latest("steptrace_cluster_step_skew_seconds"), unit="s", w=4),
+        single("Goodput (joined steps)", "The collectors' goodput over the steps they joined "
+               "(mean over collectors).", f"avg(steptrace_cluster_goodput_ratio{{{RUN}}})",
+               unit="percentunit", w=4, thresholds=GOODPUT_THRESHOLDS),
+        single("Late spans", "Spans that arrived after their step was joined (counted, not "
+               "lost), over the time range.",
+               f"sum(increase(steptrace_collector_late_spans_total{{{RUN}}}[$__range]))", w=4,
+               decimals=0, thresholds=[(None, "green"), (1, "orange")]),
+    ]:
+        d = d.with_panel(panel)
+
+    d = d.with_row(dash_b.Row("Across ranks"))
+    d = d.with_panel(series(
+        "Step compute across ranks (min, median, max)",
+        "Per complete step, the fastest, median and slowest rank's compute time.",
+        [(latest("steptrace_cluster_step_compute_seconds", "stat"), "{{stat}}")]))
+    d = d.with_panel(series(
+        "Step interval across ranks (min, median, max)",
+        "Per complete step, the spread of the ranks' intervals (ranks in lockstep agree).",
+        [(latest("steptrace_cluster_step_interval_seconds", "stat"), "{{stat}}")]))
+    mean = f"run_id_rank:steptrace_step_compute_seconds:mean_rate5m{{{RUN}}}"
+    d = d.with_panel(series(
+        "Cross-rank skew (max - min compute)",
+        "From the collectors: the latest complete step. From the ranks: the spread of the ranks' "
+        "5-minute mean compute, which needs no collector.",
+        [(latest("steptrace_cluster_step_skew_seconds"), "last complete step (collectors)"),
+         (f"max({mean}) - min({mean})", "5m mean per rank (ranks' metrics)")]))
+    d = d.with_panel(series(
+        "Compute relative to the median rank (5m)",
+        "Each rank's mean compute over the median rank's: 100% is typical, a straggler sits "
+        "above.",
+        [(f"run_id_rank:steptrace_step_compute_seconds:ratio_to_median_rate5m{{{RANKS}}}",
+          "rank {{rank}}")], unit="percentunit", min_val=None, table_legend=True))
+
+    d = d.with_row(dash_b.Row("Stragglers"))
+    d = d.with_panel(series(
+        "Straggler rank over time",
+        "The slowest rank of the latest complete step. A rank that keeps coming back is a "
+        "straggler; one that moves around is noise.",
+        [(latest("steptrace_cluster_straggler_rank"), "straggler rank")],
+        unit="none", decimals=0, points=True, w=12))
+    d = d.with_panel(series(
+        "Steps each rank was the straggler",
+        "Complete steps in which each rank was the slowest (summed over collectors).",
+        [(f"sum by (rank) (increase(steptrace_cluster_straggler_steps_total{{{RANKS}}}"
+          f"[$__rate_interval]))", "rank {{rank}}")],
+        unit="short", bars=True, stacked=True, decimals=0, w=8))
+    d = d.with_panel(
+        bargauge.Panel().title("Top stragglers, time range")
+        .description("Ranks that were slowest most often over the whole time range.")
+        .datasource(DATASOURCE).span(4).height(8).unit("short").decimals(0)
+        .orientation(common.VizOrientation.HORIZONTAL)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .with_target(query(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_steps_total"
+                           f"{{{RUN}}}[$__range])))", "rank {{rank}}", instant=True)))
+
+    d = d.with_row(dash_b.Row("Pipeline and goodput"))
+    d = d.with_panel(series(
+        "Pipeline bubble per stage (joined steps)",
+        "1 - microbatch compute / step compute per stage (mean over the stage's ranks), in the "
+        "latest complete step.",
+        [(latest("steptrace_cluster_pipeline_bubble_ratio", "stage"), "stage {{stage}}")],
+        unit="percentunit", max_val=1))
+    d = d.with_panel(series(
+        "Goodput: collectors vs ranks",
+        "Two computations of sum(compute) / sum(interval): the collectors' over the steps they "
+        "joined, and Prometheus's over every rank's histograms. They should agree.",
+        [(f"avg(steptrace_cluster_goodput_ratio{{{RUN}}})", "joined steps (collectors)"),
+         (f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", "all ranks, 5m (recording rule)")],
+        unit="percentunit", max_val=1))
+
+    d = d.with_row(dash_b.Row("Collectors"))
+    d = d.with_panel(series(
+        "Spans received per second, by collector",
+        "Even lines mean the load balancer spreads trace ids evenly over the collectors.",
+        [(f"sum by (instance) (rate(steptrace_collector_received_spans_total{{{RUN}}}"
+          f"[$__rate_interval]))", "{{instance}}")], unit="short", w=8))
+    d = d.with_panel(series(
+        "Join lag (p50, p90)",
+        "From a step's first span arriving to its joined record: short when every rank reports "
+        "promptly, up to the collector's --window-s when a rank is missing.",
+        [(f"histogram_quantile({q}, sum by (le) (rate(steptrace_cluster_join_lag_seconds_bucket"
+          f"{{{RUN}}}[$__rate_interval])))", f"p{round(q * 100)}") for q in (0.5, 0.9)], w=8))
+    d = d.with_panel(series(
+        "Incomplete steps and late spans per second",
+        "Steps emitted without every rank (window expired), and spans that arrived after their "
+        "step was emitted: ranks slower than the window, or a step split across collectors by a "
+        "change of the load balancer's backends.",
+        [(f"sum(rate(steptrace_cluster_incomplete_steps_total{{{RUN}}}[$__rate_interval]))",
+          "incomplete steps"),
+         (f"sum(rate(steptrace_collector_late_spans_total{{{RUN}}}[$__rate_interval]))", "late spans")],
+        unit="short", w=8))
+    d = d.with_panel(series(
+        "Rejected requests by reason",
+        "OTLP requests a collector refused (malformed body, too large, wrong content type, "
+        "missing token), for every run: a rejected request has no run to trust.",
+        [("sum by (instance, reason) (rate(steptrace_collector_rejected_requests_total"
+          "[$__rate_interval])) > 0", "{{instance}} {{reason}}")], unit="reqps", w=12))
+    d = d.with_panel(series(
+        "Scrape targets down",
+        "Targets Prometheus could not scrape, by job (job names from collector/prometheus.yml).",
+        [('sum by (job) (1 - up{job=~"steptrace|steptrace-collector|otelcol"})', "{{job}}")],
+        unit="short", w=12, decimals=0))
+    return d
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+#: File name -> the function building that dashboard.
+DASHBOARDS = {
+    "steptrace-training.json": training,
+    "steptrace-cluster.json": cluster,
+}
+
+
+def _number_panels(model: dash_m.Dashboard) -> None:
+    """Stable panel ids (1, 2, ...) in layout order: links like ?viewPanel=N survive regeneration."""
+    for i, panel in enumerate(model.panels or [], start=1):
+        panel.id_val = i
+
+
+def render(builder: dash_b.Dashboard) -> str:
+    """The dashboard as committed: sorted keys, two-space indent, a final newline."""
+    model = builder.build()
+    _number_panels(model)
+    return json.dumps(model, cls=JSONEncoder, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def build_all() -> dict[str, str]:
+    """File name -> JSON text of every dashboard."""
+    return {name: render(build()) for name, build in DASHBOARDS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE,
+                        help="directory of the dashboard JSON files (default: next to this script)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when a file in --out differs from the generated one")
+    args = parser.parse_args(argv)
+
+    generated = build_all()
+    if args.check:
+        stale = [name for name, text in generated.items()
+                 if not (args.out / name).is_file() or (args.out / name).read_text(encoding="utf-8") != text]
+        for name in stale:
+            print(f"{args.out / name} is out of date: run python collector/dashboards/generate.py",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in generated.items():
+        (args.out / name).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

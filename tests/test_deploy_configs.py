@@ -1,0 +1,621 @@
+"""The deployment configs: collector/prometheus.yml, collector/rules.yml, collector/otelcol.yaml.
+
+promtool checks the Prometheus config and the recording rules; a real Prometheus server then
+loads both (the shipped prometheus.yml with local targets), scrapes two real rank exporters fed
+known step records, and the recording rules must evaluate without error to the values the
+timing model gives. otelcol-contrib cannot be installed here (no registry ships it), so the
+OpenTelemetry Collector config is checked structurally; ``otelcol-contrib validate`` runs when
+the binary is on PATH.
+
+The live-server helpers (:class:`PrometheusServer`, :class:`SyntheticRun`, :func:`start_live`)
+are shared with tests/test_dashboards.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="reading the configs needs PyYAML (installed with steptrace[test])")
+
+REPO = Path(__file__).resolve().parents[1]
+COLLECTOR = REPO / "collector"
+PROMETHEUS_YML = COLLECTOR / "prometheus.yml"
+RULES_YML = COLLECTOR / "rules.yml"
+OTELCOL_YAML = COLLECTOR / "otelcol.yaml"
+
+RUN_ID = "r"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_yaml(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def recorded_names() -> list[str]:
+    """Every series name collector/rules.yml records."""
+    return [rule["record"] for group in load_yaml(RULES_YML)["groups"] for rule in group["rules"]
+            if "record" in rule]
+
+
+# -- promtool ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def promtool():
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.skip("promtool is not installed (Debian package `prometheus`; .ci/run installs it)")
+    return binary
+
+
+def run_promtool(promtool, *args, cwd=None):
+    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def test_promtool_accepts_the_prometheus_config_and_its_rule_file(promtool):
+    result = run_promtool(promtool, "check", "config", str(PROMETHEUS_YML))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # check config also loads every rule_files entry: rules.yml must be found next to it.
+    assert "SUCCESS: 1 rule files found" in result.stdout, result.stdout
+
+
+def test_promtool_accepts_the_recording_rules(promtool):
+    result = run_promtool(promtool, "check", "rules", str(RULES_YML))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(recorded_names())} rules found" in result.stdout, result.stdout
+
+
+def test_the_documented_file_sd_format_is_accepted(promtool, tmp_path):
+    """prometheus.yml's comment shows a targets/ranks-<job>.json: promtool validates such a file."""
+    shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
+    shutil.copy(RULES_YML, tmp_path / "rules.yml")
+    (tmp_path / "targets").mkdir()
+    (tmp_path / "targets" / "ranks-llama.json").write_text(
+        json.dumps([{"targets": ["node0:9464", "node0:9465"], "labels": {"cluster": "a"}}]))
+    result = run_promtool(promtool, "check", "config", str(tmp_path / "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "does not exist" not in result.stdout + result.stderr
+
+    (tmp_path / "targets" / "ranks-llama.json").write_text(json.dumps([{"targets": "node0:9464"}]))
+    result = run_promtool(promtool, "check", "config", str(tmp_path / "prometheus.yml"))
+    assert result.returncode != 0, "a malformed file_sd file must fail the check"
+
+
+# -- prometheus.yml and rules.yml, read as data ------------------------------------------------------
+
+def scrape_jobs() -> dict[str, dict]:
+    return {job["job_name"]: job for job in load_yaml(PROMETHEUS_YML)["scrape_configs"]}
+
+
+def test_prometheus_config_scrapes_ranks_collectors_and_otelcol_and_loads_the_rules():
+    config = load_yaml(PROMETHEUS_YML)
+    assert config["rule_files"] == ["rules.yml"]
+    jobs = scrape_jobs()
+    assert set(jobs) == {"steptrace", "steptrace-collector", "otelcol"}
+    # One target per rank port (prometheus_port + local_rank): the README's example layout.
+    ranks = [t for sc in jobs["steptrace"]["static_configs"] for t in sc["targets"]]
+    assert "node0:9464" in ranks and "node0:9467" in ranks and len(ranks) == len(set(ranks))
+    assert jobs["steptrace"]["file_sd_configs"][0]["files"] == ["targets/ranks-*.json"]
+
+
+def test_prometheus_scrapes_the_collectors_the_load_balancer_sends_to():
+    collectors = [t for sc in scrape_jobs()["steptrace-collector"]["static_configs"] for t in sc["targets"]]
+    backends = load_yaml(OTELCOL_YAML)["exporters"]["loadbalancing"]["resolver"]["static"]["hostnames"]
+    assert sorted(t.rsplit(":", 1)[0] for t in collectors) == sorted(b.rsplit(":", 1)[0] for b in backends)
+
+
+def level_labels(name: str) -> set[str]:
+    """The labels a rule's level promises: run_id_kind_stage_chunk -> {run_id, kind, stage, chunk}."""
+    level = name.split(":")[0]
+    assert level.startswith("run_id"), name
+    return {"run_id", *[label for label in level[len("run_id"):].split("_") if label]}
+
+
+def test_recording_rule_names_follow_the_level_metric_operations_convention():
+    names = recorded_names()
+    assert len(names) == len(set(names))
+    for group in load_yaml(RULES_YML)["groups"]:
+        for rule in group["rules"]:
+            name = rule["record"]
+            level, metric, operations = name.split(":")
+            assert level_labels(name) <= {"run_id", "rank", "le", "reason", "kind", "stage", "chunk"}, name
+            # rate() of a counter drops `_total` from the name.
+            assert metric.startswith("steptrace_") and not metric.endswith("_total") and operations, name
+            # Every rule reads a 5-minute window, directly or through an earlier rule.
+            assert "[5m]" in rule["expr"] or any(other in rule["expr"] for other in names if other != name), name
+
+
+# -- otelcol.yaml ------------------------------------------------------------------------------------
+
+# Component types of otelcol-contrib this config may use (a typo would fail `validate`).
+OTELCOL_TYPES = {
+    "receivers": {"otlp"},
+    "processors": {"memory_limiter", "batch"},
+    "exporters": {"loadbalancing", "load_balancing"},
+    "extensions": {"health_check"},
+}
+
+
+def component_type(name: str) -> str:
+    return name.split("/", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def otelcol():
+    return load_yaml(OTELCOL_YAML)
+
+
+def test_otelcol_receives_otlp_over_grpc_and_http(otelcol):
+    protocols = otelcol["receivers"]["otlp"]["protocols"]
+    assert protocols["grpc"]["endpoint"].endswith(":4317")
+    assert protocols["http"]["endpoint"].endswith(":4318")
+
+
+def test_otelcol_pipelines_use_only_defined_components_and_every_defined_one_is_used(otelcol):
+    service = otelcol["service"]
+    used = {kind: set() for kind in ("receivers", "processors", "exporters")}
+    assert service["pipelines"], "no pipelines"
+    for name, pipeline in service["pipelines"].items():
+        assert component_type(name) in ("traces", "metrics", "logs"), name
+        assert pipeline["receivers"] and pipeline["exporters"], name
+        for kind in used:
+            for component in pipeline.get(kind, []):
+                assert component in otelcol[kind], f"pipeline {name} uses undefined {kind[:-1]} {component}"
+                used[kind].add(component)
+    for kind, names in used.items():
+        assert set(otelcol[kind]) == names, f"{kind} defined but not used: {set(otelcol[kind]) - names}"
+    for extension in service.get("extensions", []):
+        assert extension in otelcol["extensions"], extension
+    assert set(otelcol["extensions"]) == set(service.get("extensions", []))
+    for kind, types in OTELCOL_TYPES.items():
+        for component in otelcol[kind]:
+            assert component_type(component) in types, f"unexpected {kind[:-1]} type {component}"
+
+
+def test_otelcol_processors_limit_memory_first_then_batch(otelcol):
+    for name, pipeline in otelcol["service"]["pipelines"].items():
+        processors = [component_type(p) for p in pipeline["processors"]]
+        assert processors[0] == "memory_limiter", name      # refuse before anything buffers
+        assert "batch" in processors, name
+
+
+def test_otelcol_routes_every_span_of_a_step_to_one_steptrace_collector(otelcol):
+    """Spans go only to loadbalancing exporters keyed by trace id (= one step, every rank)."""
+    traces = otelcol["service"]["pipelines"]["traces"]
+    for name in traces["exporters"]:
+        exporter = otelcol["exporters"][name]
+        assert component_type(name) in ("loadbalancing", "load_balancing"), name
+        assert exporter["routing_key"] == "traceID", name
+        # The loadbalancing exporter speaks OTLP/gRPC to its backends: `otlp` is its only protocol.
+        assert set(exporter["protocol"]) == {"otlp"}, name
+        assert "endpoint" not in exporter["protocol"]["otlp"], "the resolver sets each backend's endpoint"
+        resolver = exporter["resolver"]
+        hosts = resolver["static"]["hostnames"]
+        assert len(hosts) >= 2 and len(set(hosts)) == len(hosts)
+        assert all(h.startswith("steptrace-collector-") and h.endswith(":4317") for h in hosts), hosts
+
+
+def test_otelcol_never_routes_metrics_by_trace_id(otelcol):
+    for name, pipeline in otelcol["service"]["pipelines"].items():
+        if component_type(name) != "metrics":
+            continue
+        for exporter in pipeline["exporters"]:
+            config = otelcol["exporters"][exporter]
+            # Metrics carry no trace id; per rank (resource) keeps cumulative counters on one backend.
+            assert config.get("routing_key") == "resource", exporter
+
+
+def test_otelcol_contrib_validates_the_config_when_installed():
+    binary = shutil.which("otelcol-contrib")
+    if binary is None:
+        pytest.skip("otelcol-contrib is not installed (no package registry here ships it); the real "
+                    "check is `otelcol-contrib validate --config collector/otelcol.yaml`")
+    result = subprocess.run([binary, "validate", f"--config={OTELCOL_YAML}"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- a live Prometheus server (shared with test_dashboards.py) ---------------------------------------
+
+class PrometheusServer:
+    """A Prometheus server on 127.0.0.1 with its own storage under ``tmp_path``."""
+
+    def __init__(self, binary: str, config: dict, tmp_path: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        path = tmp_path / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log_path = tmp_path / "prometheus.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
+
+    def wait_ready(self, timeout_s: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.base + "/-/ready", timeout=1) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        return False
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def api(self, path: str, params: dict | None = None, post: bool = False) -> dict:
+        """The JSON body of an API call; error answers (400, 422) are returned, not raised."""
+        data = urllib.parse.urlencode(params or {})
+        if post:
+            request = urllib.request.Request(self.base + path, data=data.encode(),
+                                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+        else:
+            request = urllib.request.Request(self.base + path + ("?" + data if data else ""))
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read().decode())
+        except urllib.error.HTTPError as exc:
+            return json.loads(exc.read().decode())
+
+    def query(self, promql: str) -> dict:
+        """POST /api/v1/query, as Grafana does: the raw answer (status, errorType, data)."""
+        return self.api("/api/v1/query", {"query": promql}, post=True)
+
+    def vector(self, promql: str) -> list[tuple[dict, float]]:
+        body = self.query(promql)
+        assert body["status"] == "success", (promql, body)
+        result = body["data"]["result"]
+        if body["data"]["resultType"] == "scalar":
+            return [({}, float(result[1]))]
+        return [(r["metric"], float(r["value"][1])) for r in result]
+
+    def values(self, promql: str, key: str) -> dict[str, float]:
+        """``promql``'s result as {value of label ``key``: sample value}."""
+        return {labels.get(key, ""): value for labels, value in self.vector(promql)}
+
+    def wait_until(self, promql: str, predicate, timeout_s: float = 30.0):
+        deadline = time.monotonic() + timeout_s
+        seen = None
+        while time.monotonic() < deadline:
+            seen = self.vector(promql)
+            if predicate(seen):
+                return seen
+            time.sleep(0.2)
+        pytest.fail(f"{promql} never satisfied the condition (last: {seen}) in {timeout_s} s; "
+                    f"log:\n{self.log_tail()}")
+
+    def wait_for_rule_evaluation(self, after: float, timeout_s: float = 30.0) -> None:
+        """Wait until every rule group has been evaluated at a unix time later than ``after``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            groups = self.api("/api/v1/rules", {"type": "record"})["data"]["groups"]
+            if groups and all(_rfc3339(g.get("lastEvaluation")) > after for g in groups):
+                return
+            time.sleep(0.2)
+        pytest.fail(f"the recording rules were not evaluated after {after} within {timeout_s} s; "
+                    f"log:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def _rfc3339(value: str | None) -> float:
+    """Unix seconds of Prometheus's RFC 3339 timestamps (nanosecond fractions, `Z` or an offset)."""
+    if not value or value.startswith("0001-"):    # Go's zero time: never evaluated
+        return 0.0
+    match = re.fullmatch(r"(.*T\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", value)
+    assert match, value
+    base = datetime.datetime.fromisoformat(match[1] + ("+00:00" if match[3] == "Z" else match[3]))
+    return base.timestamp() + float(match[2] or 0)
+
+
+class StandInCollector:
+    """A /metrics with the steptrace collector's metric names (collector/_metrics.py), set to known values.
+
+    It stands in for `steptrace collector` so the cluster dashboard's queries can be evaluated
+    here; the end-to-end test runs the real collector. Two instances split a run's steps, as
+    behind the load balancer: ``ahead`` has joined the latest *complete* step; the other has
+    joined a later, incomplete step (one rank missing) but its last complete step is old, with
+    other values. A query that reads "now" from the wrong instance gives a wrong answer.
+    """
+
+    def __init__(self, ahead: bool):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+        self.ahead = ahead
+        reg = CollectorRegistry()
+        run = ("run_id",)
+        self.compute = Gauge("steptrace_cluster_step_compute_seconds", "", run + ("stat",), registry=reg)
+        self.interval = Gauge("steptrace_cluster_step_interval_seconds", "", run + ("stat",), registry=reg)
+        self.skew = Gauge("steptrace_cluster_step_skew_seconds", "", run, registry=reg)
+        self.straggler = Gauge("steptrace_cluster_straggler_rank", "", run, registry=reg)
+        self.straggler_steps = Counter("steptrace_cluster_straggler_steps", "", run + ("rank",), registry=reg)
+        self.ranks = Gauge("steptrace_cluster_ranks_reporting", "", run, registry=reg)
+        self.bubble = Gauge("steptrace_cluster_pipeline_bubble_ratio", "", run + ("stage",), registry=reg)
+        self.goodput = Gauge("steptrace_cluster_goodput_ratio", "", run, registry=reg)
+        self.last_step = Gauge("steptrace_cluster_last_step", "", run, registry=reg)
+        self.last_complete = Gauge("steptrace_cluster_last_complete_step", "", run, registry=reg)
+        self.incomplete = Counter("steptrace_cluster_incomplete_steps", "", run, registry=reg)
+        self.join_lag = Histogram("steptrace_cluster_join_lag_seconds", "", run, registry=reg,
+                                  buckets=(0.01, 0.1, 1.0, 10.0))
+        self.spans = Counter("steptrace_collector_received_spans", "", run, registry=reg)
+        self.rejected = Counter("steptrace_collector_rejected_requests", "", ("reason",), registry=reg)
+        self.late = Counter("steptrace_collector_late_spans", "", run, registry=reg)
+        self._server, self._thread = start_http_server(0, "127.0.0.1", registry=reg)
+        self.target = f"127.0.0.1:{self._server.server_port}"
+
+    def joined(self, step: int) -> None:
+        """Report the run's steps up to ``step`` joined."""
+        r = RUN_ID
+        if self.ahead:
+            complete, values, straggler, bubble = step, (0.08, 0.12, 0.16), "1", (0.1, 0.2)
+            self.last_step.labels(r).set(step)
+            self.ranks.labels(r).set(2)
+        else:
+            complete, values, straggler, bubble = step // 2, (1.0, 2.0, 3.0), "0", (0.9, 0.9)
+            self.last_step.labels(r).set(step + 1)
+            self.ranks.labels(r).set(1)
+            self.incomplete.labels(r).inc()
+        self.last_complete.labels(r).set(complete)
+        for stat, value in zip(("min", "median", "max"), values):
+            self.compute.labels(r, stat).set(value)
+            self.interval.labels(r, stat).set(value * 1.25)
+        self.skew.labels(r).set(values[2] - values[0])
+        self.straggler.labels(r).set(int(straggler))
+        self.straggler_steps.labels(r, straggler).inc()
+        for stage, ratio in enumerate(bubble):
+            self.bubble.labels(r, str(stage)).set(ratio)
+        self.goodput.labels(r).set(0.8 if self.ahead else 0.5)
+        self.join_lag.labels(r).observe(0.05)
+        self.spans.labels(r).inc(12)
+        self.late.labels(r).inc(1)
+        self.rejected.labels("malformed").inc()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class SyntheticRun:
+    """Two ranks' real ``PrometheusSink``s and two stand-in collectors, fed known records.
+
+    Per step, rank 0 computes 0.08 s in a 0.1 s interval and rank 1 0.16 s in 0.2 s; both idle
+    15% on `data` and 5% on `checkpoint`, so goodput is 0.8 and goodput + idle ratios is 1.
+    Rank 0 is pipeline stage 0 (microbatches: forward 0.01 s, backward 0.02 s), rank 1 stage 1
+    (0.015 s, 0.03 s). Every 5th step saves a checkpoint, every 10th step fails, and the
+    resolver drops a record every step.
+    """
+
+    RANKS = {
+        0: {"compute": 0.08, "interval": 0.1, "data": 0.015, "checkpoint": 0.005, "forward": 0.01,
+            "backward": 0.02, "blocking": 0.5},
+        1: {"compute": 0.16, "interval": 0.2, "data": 0.03, "checkpoint": 0.01, "forward": 0.015,
+            "backward": 0.03, "blocking": 1.0},
+    }
+    PEAK_TFLOPS = 400.0
+
+    def __init__(self):
+        from steptrace.prometheus import PrometheusSink
+
+        self.step = 0
+        self.dropped = 0
+        self.sinks = {}
+        for rank in self.RANKS:
+            sink = PrometheusSink(0, run_id=RUN_ID, rank=rank, peak_tflops=self.PEAK_TFLOPS)
+            sink.attach_drop_counter(lambda: {"resolver_queue": self.dropped})
+            self.sinks[rank] = sink
+        self.collectors = [StandInCollector(ahead=True), StandInCollector(ahead=False)]
+
+    def rank_targets(self) -> list[str]:
+        return [sink.endpoint.split("//")[1].split("/")[0] for sink in self.sinks.values()]
+
+    def collector_targets(self) -> list[str]:
+        return [c.target for c in self.collectors]
+
+    def records(self, rank: int, n: int) -> list[dict]:
+        from steptrace._ids import trace_id_hex
+
+        t = self.RANKS[rank]
+        stage = str(rank)
+        records = [{
+            "type": "step", "run_id": RUN_ID, "rank": rank, "world_size": 2, "step": n,
+            "trace_id": trace_id_hex(RUN_ID, n), "status": "error" if n % 10 == 9 else "ok",
+            "backend": "simulated", "interval_seconds": t["interval"], "compute_seconds": t["compute"],
+            "idle_seconds": t["interval"] - t["compute"],
+            "idle_breakdown": {"data": t["data"], "checkpoint": t["checkpoint"]},
+            "tokens": 1000, "tokens_per_second": 1000 / t["interval"],
+            "tflops_per_second": 100.0 * (rank + 1), "mfu": 100.0 * (rank + 1) / self.PEAK_TFLOPS,
+            "pipeline_bubble_ratio": {stage: 0.1 * (rank + 1)},
+        }]
+        for i in range(2):
+            for kind in ("forward", "backward"):
+                records.append({"type": "microbatch", "run_id": RUN_ID, "rank": rank, "step": n,
+                                "microbatch": i, "stage": rank, "chunk": 0, "kind": kind,
+                                "compute_seconds": t[kind]})
+        if n % 5 == 0:
+            records.append({"type": "checkpoint", "run_id": RUN_ID, "rank": rank, "step": n, "status": "ok",
+                            "blocking_seconds": t["blocking"], "async_seconds": 2.0})
+        return records
+
+    def feed(self, steps: int) -> None:
+        for _ in range(steps):
+            for rank, sink in self.sinks.items():
+                sink.export(self.records(rank, self.step))
+            for collector in self.collectors:
+                collector.joined(self.step)
+            self.dropped += 1
+            self.step += 1
+
+    def close(self) -> None:
+        for sink in self.sinks.values():
+            sink.shutdown(5)
+        for collector in self.collectors:
+            collector.close()
+
+
+def live_config(run: SyntheticRun, rules_path: Path) -> dict:
+    """collector/prometheus.yml as shipped, pointed at the local targets, scraping every second."""
+    config = load_yaml(PROMETHEUS_YML)
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(rules_path)]
+    targets = {
+        "steptrace": run.rank_targets(),
+        "steptrace-collector": run.collector_targets(),
+        # Nothing listens there: the otelcol target is down, as the "targets down" panel should show.
+        "otelcol": [f"127.0.0.1:{free_port()}"],
+    }
+    for job in config["scrape_configs"]:
+        job.pop("file_sd_configs", None)
+        job["static_configs"] = [{"targets": targets[job["job_name"]]}]
+    return config
+
+
+def start_live(tmp_path: Path):
+    """A Prometheus server with collector/prometheus.yml and rules.yml, after a SyntheticRun.
+
+    Returns (server, run, fed_until): the server has scraped every record, and every
+    recording rule has been evaluated after the last scrape (``fed_until`` is when feeding
+    stopped). Skips when the prometheus binary is missing or does not start.
+    """
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the `prometheus` server binary is not installed (Debian package `prometheus`; "
+                    ".ci/run installs it)")
+    pytest.importorskip("prometheus_client", reason="the exporter needs `pip install 'steptrace[prometheus]'`")
+
+    rules = load_yaml(RULES_YML)
+    for group in rules["groups"]:
+        group["interval"] = "1s"   # the shipped 30 s would make the test wait minutes
+    rules_path = tmp_path / "rules.yml"
+    rules_path.write_text(yaml.safe_dump(rules, sort_keys=False))
+
+    run = SyntheticRun()
+    server = None
+    try:
+        # The first scrape must see every series already created (rate() counts increases from
+        # a series' first sample), and no export running: feed one step before Prometheus starts.
+        run.feed(1)
+        server = PrometheusServer(binary, live_config(run, rules_path), tmp_path)
+        if not server.wait_ready():
+            pytest.skip(f"the Prometheus server at {binary} did not start:\n{server.log_tail()}")
+        sel = f'{{job="steptrace", run_id="{RUN_ID}"}}'
+        server.wait_until(f"count(steptrace_steps_total{sel}) by (rank)", lambda v: len(v) == 2)
+        server.wait_until('up{job="steptrace-collector"} == 1', lambda v: len(v) == 2)
+        for _ in range(8):        # ~2 s of steps: several scrapes see the counters grow
+            run.feed(5)
+            time.sleep(0.25)
+        fed_until = time.time()
+        ok = run.step - run.step // 10
+        server.wait_until(f'sum(steptrace_steps_total{{{sel[1:-1]}, status="ok"}})',
+                          lambda v: v and v[0][1] == 2 * ok)
+        # Every rule group evaluated at least once after both ranks' post-feed scrape.
+        server.wait_for_rule_evaluation(after=fed_until + 1.5)
+        return server, run, fed_until
+    except BaseException:
+        if server is not None:
+            server.stop()
+        run.close()
+        raise
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    server, run, _ = start_live(tmp_path_factory.mktemp("prometheus"))
+    yield server
+    server.stop()
+    run.close()
+
+
+def test_every_recording_rule_evaluates_without_error_on_a_real_prometheus(live):
+    groups = live.api("/api/v1/rules")["data"]["groups"]
+    rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
+    assert set(rules) == set(recorded_names())
+    for name, rule in rules.items():
+        assert rule["health"] == "ok", (name, rule.get("lastError"))
+        # Each one produced series for the run (the data covers every metric they read), with
+        # exactly the labels its level names: no job/instance left to split a run in two.
+        result = live.vector(f'{name}{{run_id="{RUN_ID}"}}')
+        assert result, f"{name} recorded nothing"
+        for labels, _ in result:
+            assert set(labels) - {"__name__"} == level_labels(name), (name, labels)
+
+
+def test_goodput_rule_is_sum_of_compute_over_sum_of_interval(live):
+    assert live.values(f'run_id:steptrace_goodput:ratio_rate5m{{run_id="{RUN_ID}"}}', "run_id") == {
+        RUN_ID: pytest.approx(0.8, abs=1e-9)}
+
+
+def test_idle_ratios_by_reason_and_goodput_add_up_to_the_wall_time(live):
+    idle = live.values(f'run_id_reason:steptrace_step_idle:ratio_rate5m{{run_id="{RUN_ID}"}}', "reason")
+    assert idle == {"data": pytest.approx(0.15, abs=1e-9), "checkpoint": pytest.approx(0.05, abs=1e-9)}
+    goodput = live.vector(f'run_id:steptrace_goodput:ratio_rate5m{{run_id="{RUN_ID}"}}')[0][1]
+    assert goodput + sum(idle.values()) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_per_rank_means_are_exact_and_the_slow_rank_is_above_the_median(live):
+    compute = live.values(f'run_id_rank:steptrace_step_compute_seconds:mean_rate5m{{run_id="{RUN_ID}"}}', "rank")
+    interval = live.values(f'run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{run_id="{RUN_ID}"}}', "rank")
+    assert compute == {"0": pytest.approx(0.08), "1": pytest.approx(0.16)}
+    assert interval == {"0": pytest.approx(0.1), "1": pytest.approx(0.2)}
+    ratio = live.values(
+        f'run_id_rank:steptrace_step_compute_seconds:ratio_to_median_rate5m{{run_id="{RUN_ID}"}}', "rank")
+    # The median of two ranks is their mean, 0.12 s.
+    assert ratio == {"0": pytest.approx(0.08 / 0.12), "1": pytest.approx(0.16 / 0.12)}
+
+
+def test_step_percentiles_fall_in_the_buckets_of_the_observed_steps(live):
+    p = {name: live.vector(f'run_id:steptrace_step_{name}{{run_id="{RUN_ID}"}}')[0][1] for name in (
+        "compute_seconds:p50_rate5m", "compute_seconds:p90_rate5m",
+        "interval_seconds:p50_rate5m", "interval_seconds:p90_rate5m")}
+    # Half the steps compute 0.08 s (bucket 0.05-0.1], half 0.16 s (0.1-0.2]: histogram_quantile
+    # interpolates inside those buckets.
+    assert 0.05 < p["compute_seconds:p50_rate5m"] <= 0.2
+    assert 0.1 < p["compute_seconds:p90_rate5m"] <= 0.2
+    assert 0.05 < p["interval_seconds:p50_rate5m"] <= 0.2
+    assert 0.1 < p["interval_seconds:p90_rate5m"] <= 0.2
+    assert p["compute_seconds:p50_rate5m"] <= p["compute_seconds:p90_rate5m"]
+
+
+def test_microbatch_rules_keep_kind_stage_and_chunk(live):
+    mean = {(m["kind"], m["stage"], m["chunk"]): v for m, v in live.vector(
+        f'run_id_kind_stage_chunk:steptrace_microbatch_seconds:mean_rate5m{{run_id="{RUN_ID}"}}')}
+    assert mean == {("forward", "0", "0"): pytest.approx(0.01), ("backward", "0", "0"): pytest.approx(0.02),
+                    ("forward", "1", "0"): pytest.approx(0.015), ("backward", "1", "0"): pytest.approx(0.03)}
+    p90 = {(m["kind"], m["stage"]): v for m, v in live.vector(
+        f'run_id_kind_stage_chunk:steptrace_microbatch_seconds:p90_rate5m{{run_id="{RUN_ID}"}}')}
+    # Every forward microbatch of stage 0 takes 0.01 s, in bucket (0.005, 0.01]: 0.005 + 0.9 * 0.005.
+    assert p90[("forward", "0")] == pytest.approx(0.0095)
+
+
+def test_tokens_rule_sums_the_ranks(live):
+    tokens = live.values(f'run_id:steptrace_tokens:rate5m{{run_id="{RUN_ID}"}}', "run_id")
+    assert set(tokens) == {RUN_ID} and tokens[RUN_ID] > 0
