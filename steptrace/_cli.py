@@ -1,4 +1,5 @@
-"""The ``steptrace`` command: ``steptrace report RUN_DIR``, ``steptrace timeline RUN_DIR -o trace.json``."""
+"""The ``steptrace`` command: ``steptrace report RUN_DIR``, ``steptrace timeline RUN_DIR -o trace.json``,
+``steptrace collector --world-size N --run-dir DIR``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
                                                       "a PNG timeline.")
     timeline.add_timeline_arguments(timeline_parser)
     timeline_parser.set_defaults(handler=timeline.run_timeline)
+    # Only argparse until it runs: the collector's dependencies load in run_collector.
+    from steptrace.collector import _cli as collector_cli
+
+    collector_parser = commands.add_parser("collector", help="receive OTLP from all ranks and join each step "
+                                                             "across ranks (skew, straggler, bubble)",
+                                           description=collector_cli.DESCRIPTION)
+    collector_cli.add_collector_arguments(collector_parser)
+    collector_parser.set_defaults(handler=collector_cli.run_collector)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -1,8 +1,12 @@
 """Read steptrace run directories and render reports.
 
 A run directory is ``<run_dir>/<run_id>/`` holding one ``rank-<rank>.jsonl``
-file per rank.  This module loads those files, aggregates step records into a
-summary, and renders it as rich tables, a matplotlib timeline, or JSON.
+file per rank and, when a steptrace collector joined the run, its
+``cluster.jsonl`` (one ``cluster_step`` record per step across ranks, plus
+``late`` records).  This module loads those files, aggregates step records
+into a summary, and renders it as rich tables, a matplotlib timeline, or JSON;
+with ``cluster.jsonl`` the cluster view (slowest rank and skew per step) is
+shown next to the per-rank view.
 
 Only the standard library is imported at module level: ``rich`` and
 ``matplotlib`` are imported inside the functions that use them, so that
@@ -31,6 +35,7 @@ __all__ = [
     "load_run",
     "percentile",
     "summarize",
+    "summarize_cluster",
     "render_report",
     "plot_timeline",
     "add_report_arguments",
@@ -39,6 +44,8 @@ __all__ = [
 ]
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
+#: Written by the steptrace collector (steptrace.collector): the cross-rank join.
+CLUSTER_FILE = "cluster.jsonl"
 
 # Fixed colours for the idle reasons the SDK emits itself, so the same reason
 # looks the same across runs and plots.  User span names get a colour derived
@@ -81,36 +88,45 @@ def _rank_files(directory: Path) -> dict[int, Path]:
     return files
 
 
+def _run_files(directory: Path) -> list[Path]:
+    """The rank files and the collector's cluster file of *directory*."""
+    files = list(_rank_files(directory).values())
+    cluster = directory / CLUSTER_FILE
+    if cluster.is_file():
+        files.append(cluster)
+    return files
+
+
 def find_run(path: str | Path) -> Path:
     """Resolve *path* to a run directory.
 
-    *path* is either a run directory (it holds ``rank-*.jsonl`` files) or a
-    parent ``run_dir``; for a parent, the run whose rank files were written
-    most recently is chosen.
+    *path* is either a run directory (it holds ``rank-*.jsonl`` files, or a
+    collector's ``cluster.jsonl``) or a parent ``run_dir``; for a parent, the
+    run whose files were written most recently is chosen.
     """
     path = Path(path)
     if not path.exists():
         raise RunDirError(f"{path}: no such directory")
     if not path.is_dir():
         raise RunDirError(f"{path}: not a directory")
-    if _rank_files(path):
+    if _run_files(path):
         return path
 
     newest: tuple[float, Path] | None = None
     for child in path.iterdir():
         if not child.is_dir():
             continue
-        files = _rank_files(child)
+        files = _run_files(child)
         if not files:
             continue
         # Use the rank files' mtime rather than the directory's: appending
         # records updates the files but not the directory entry.
-        mtime = max(f.stat().st_mtime for f in files.values())
+        mtime = max(f.stat().st_mtime for f in files)
         if newest is None or mtime > newest[0]:
             newest = (mtime, child)
     if newest is None:
         raise RunDirError(
-            f"{path}: no rank-*.jsonl files here or in any run subdirectory"
+            f"{path}: no rank-*.jsonl files (nor a collector's {CLUSTER_FILE}) here or in any run subdirectory"
         )
     return newest[1]
 
@@ -160,6 +176,8 @@ class Run:
     path: Path
     records_by_rank: dict[int, list[dict]]
     warnings: list[str] = field(default_factory=list)
+    #: The collector's records (``cluster.jsonl``), in file order; empty without a collector.
+    cluster_records: list[dict] = field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
@@ -176,6 +194,9 @@ class Run:
             for record in self.records_by_rank[rank]:
                 if isinstance(record.get("run_id"), str):
                     return record["run_id"]
+        for record in self.cluster_records:
+            if isinstance(record.get("run_id"), str):
+                return record["run_id"]
         return self.path.name
 
     @property
@@ -186,6 +207,10 @@ class Run:
                 size = record.get("world_size")
                 if isinstance(size, int) and not isinstance(size, bool):
                     return size
+        for record in self.cluster_records:
+            size = record.get("world_size")
+            if isinstance(size, int) and not isinstance(size, bool):
+                return size
         return len(self.ranks)
 
     @property
@@ -231,6 +256,31 @@ class Run:
         rank = self.resolve_rank(rank)
         return sorted(self.records("checkpoint", rank), key=_step_key)
 
+    def cluster_steps(self) -> list[dict]:
+        """The collector's ``cluster_step`` records, one per step, sorted by step.
+
+        A step written twice (a collector restarted past the memory of what it
+        emitted) keeps the record with the most ranks; on a tie, the later one.
+        """
+        best: dict[int, dict] = {}
+        for record in self.cluster_records:
+            step = record.get("step")
+            if record.get("type") != "cluster_step" or isinstance(step, bool) or not isinstance(step, int):
+                continue
+            have = best.get(step)
+            if have is None or _ranks_reporting(record) >= _ranks_reporting(have):
+                best[step] = record
+        return [best[k] for k in sorted(best)]
+
+    def late_spans(self) -> list[dict]:
+        """The collector's ``late`` records: a rank's step span that arrived after its step was written."""
+        return [r for r in self.cluster_records if r.get("type") == "late"]
+
+
+def _ranks_reporting(record: dict) -> int:
+    value = _num(record.get("ranks_reporting"))
+    return int(value) if value is not None else 0
+
 
 def load_run(path: str | Path) -> Run:
     """Load a run directory (or the newest run under a parent run_dir)."""
@@ -240,7 +290,10 @@ def load_run(path: str | Path) -> Run:
         rank: _read_rank_file(file, warnings)
         for rank, file in sorted(_rank_files(run_path).items())
     }
-    return Run(path=run_path, records_by_rank=records_by_rank, warnings=warnings)
+    cluster_file = run_path / CLUSTER_FILE
+    # The same torn-last-line tolerance as the rank files: a killed collector leaves one too.
+    cluster = _read_rank_file(cluster_file, warnings) if cluster_file.is_file() else []
+    return Run(path=run_path, records_by_rank=records_by_rank, warnings=warnings, cluster_records=cluster)
 
 
 # --------------------------------------------------------------------------
@@ -328,9 +381,70 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
     }
 
 
+def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
+    """Aggregate the collector's ``cluster_step`` records (one per step) into a summary dict.
+
+    Straggler counts and skew percentiles cover complete steps only: in an
+    incomplete step the missing rank may be the slowest, so the collector names
+    no straggler for it.  Rank keys are strings (as in JSON).
+    """
+    complete = [s for s in steps if s.get("complete") is True]
+    stragglers: dict[int, int] = {}
+    for step in complete:
+        rank = step.get("straggler_rank")
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            stragglers[rank] = stragglers.get(rank, 0) + 1
+    missing: dict[int, int] = {}
+    for step in steps:
+        ranks = step.get("missing_ranks")
+        if isinstance(ranks, list):
+            for rank in ranks:
+                if isinstance(rank, int) and not isinstance(rank, bool):
+                    missing[rank] = missing.get(rank, 0) + 1
+    skews = _present(complete, "skew_seconds")
+    compute = _sum_field(steps, "compute_sum_seconds")
+    interval = _sum_field(steps, "interval_sum_seconds")
+    world_sizes = [int(w) for w in _present(steps, "world_size")]
+    return {
+        "steps": len(steps),
+        "complete_steps": len(complete),
+        "incomplete_steps": len(steps) - len(complete),
+        "late_spans": len(late),
+        "world_size": max(world_sizes) if world_sizes else None,
+        # Most frequent straggler first; a tie goes to the lower rank.
+        "straggler_steps": {str(r): n for r, n in sorted(stragglers.items(), key=lambda kv: (-kv[1], kv[0]))},
+        "missing_rank_steps": {str(r): n for r, n in sorted(missing.items(), key=lambda kv: (-kv[1], kv[0]))},
+        "skew_p50": percentile(skews, 50),
+        "skew_p90": percentile(skews, 90),
+        "skew_max": max(skews) if skews else None,
+        "compute_median_p50": percentile(_present(complete, "compute_median_seconds"), 50),
+        "goodput": compute / interval if interval > 0 else None,
+    }
+
+
 # --------------------------------------------------------------------------
 # Rich rendering
 # --------------------------------------------------------------------------
+
+
+def _add_rows(table, items: list[dict], max_rows: int, add, columns: int, elided_column: int = 0) -> None:
+    """Add a row per item, eliding the middle beyond *max_rows* (``<= 0``: all)."""
+    if max_rows > 0 and len(items) > max_rows:
+        head = max_rows // 2
+        tail = max_rows - head
+        for item in items[:head]:
+            add(item)
+        elided = len(items) - head - tail
+        noun = "step" if elided == 1 else "steps"
+        cells = [""] * columns
+        cells[0] = "…"
+        cells[elided_column] = f"[dim]… {elided} {noun} elided …[/]"
+        table.add_row(*cells)
+        for item in items[-tail:]:
+            add(item)
+    else:
+        for item in items:
+            add(item)
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -393,19 +507,7 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
             _status_cell(step),
         )
 
-    if max_rows > 0 and len(steps) > max_rows:
-        head = max_rows // 2
-        tail = max_rows - head
-        for step in steps[:head]:
-            add(step)
-        elided = len(steps) - head - tail
-        noun = "step" if elided == 1 else "steps"
-        table.add_row("…", "", "", "", f"[dim]… {elided} {noun} elided …[/]", "", "", "")
-        for step in steps[-tail:]:
-            add(step)
-    else:
-        for step in steps:
-            add(step)
+    _add_rows(table, steps, max_rows, add, columns=8, elided_column=4)
     return table
 
 
@@ -490,6 +592,68 @@ def _rank_table(run: Run):
     return table
 
 
+def _cluster_table(steps: list[dict], max_rows: int):
+    from rich.table import Table
+
+    table = Table(title="Cluster view: each step across ranks (steptrace collector)", title_justify="left")
+    for name in ("step", "ranks", "slowest rank", "skew s", "compute min s", "median s", "max s", "interval s"):
+        table.add_column(name, justify="right")
+    table.add_column("missing ranks")
+
+    def add(step: dict) -> None:
+        reporting = _ranks_reporting(step)
+        world = step.get("world_size")
+        ranks = f"{reporting}/{world}" if isinstance(world, int) else str(reporting)
+        missing = step.get("missing_ranks") if isinstance(step.get("missing_ranks"), list) else []
+        straggler = step.get("straggler_rank")
+        table.add_row(
+            str(step.get("step", "?")),
+            ranks if step.get("complete") else f"[yellow]{ranks}[/]",
+            str(straggler) if isinstance(straggler, int) else "—",
+            _fmt(step.get("skew_seconds")),
+            _fmt(step.get("compute_min_seconds")),
+            _fmt(step.get("compute_median_seconds")),
+            _fmt(step.get("compute_max_seconds")),
+            _fmt(step.get("interval_median_seconds")),
+            f"[yellow]{_rank_list(missing)}[/]" if missing else "",
+        )
+
+    _add_rows(table, steps, max_rows, add, columns=9, elided_column=8)
+    return table
+
+
+def _rank_list(ranks: list, limit: int = 8) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return shown + (f", … ({len(ranks)} in all)" if len(ranks) > limit else "")
+
+
+def _cluster_panel(summary: dict):
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(justify="right")
+    grid.add_column()
+    complete = summary["complete_steps"]
+    incomplete = summary["incomplete_steps"]
+    grid.add_row("steps joined", str(summary["steps"]),
+                 f"{complete} complete" + (f", [yellow]{incomplete} incomplete[/]" if incomplete else ""))
+    if summary["late_spans"]:
+        grid.add_row("late spans", str(summary["late_spans"]), "arrived after their step was written")
+    grid.add_row("skew p50 / p90", f"{_fmt(summary['skew_p50'])} / {_fmt(summary['skew_p90'])} s",
+                 "max − min compute over ranks, complete steps")
+    grid.add_row("skew max", f"{_fmt(summary['skew_max'])} s", "")
+    grid.add_row("goodput", _pct(summary["goodput"]), "all ranks: Σcompute / Σinterval")
+    for rank, count in list(summary["straggler_steps"].items())[:8]:
+        share = f"{count / complete * 100:.0f}% of complete steps" if complete else ""
+        grid.add_row(f"straggler: rank {rank}", f"{count} step{'' if count == 1 else 's'}", share)
+    for rank, count in list(summary["missing_rank_steps"].items())[:8]:
+        grid.add_row(f"missing: rank {rank}", f"{count} step{'' if count == 1 else 's'}",
+                     "not in the step when it was written")
+    return Panel(grid, title="Cluster summary", title_align="left", expand=False)
+
+
 def render_report(
     run: Run,
     *,
@@ -501,32 +665,40 @@ def render_report(
     """Print a report of *run* for one rank (default rank 0) to *console*.
 
     ``max_rows <= 0`` shows every step.  With several ranks a per-rank
-    summary table is added.  ``show_warnings=False`` omits load warnings
+    summary table is added; with a collector's ``cluster.jsonl``, the
+    cluster view (slowest rank, skew and ranks reporting per step, how often
+    each rank was the straggler).  ``show_warnings=False`` omits load warnings
     (the CLI prints them to stderr instead).
     """
     from rich.console import Console
     from rich.markup import escape
 
     console = console or Console()
-    rank = run.resolve_rank(rank)
-    steps = run.steps(rank)
-    checkpoints = run.checkpoints(rank)
-    summary = summarize(steps, checkpoints)
-
     console.print(
         f"[bold]steptrace run[/] {escape(run.run_id)}  "
         f"[dim]{escape(str(run.path))}  world size {run.world_size}, "
-        f"ranks {', '.join(map(str, run.ranks))}[/]"
+        f"ranks {', '.join(map(str, run.ranks)) or '— (cluster.jsonl only)'}[/]"
     )
-    if steps:
-        console.print(_step_table(steps, rank, max_rows))
-    else:
-        console.print(f"[yellow]no step records for rank {rank}[/]")
-    if checkpoints:
-        console.print(_checkpoint_table(checkpoints, rank))
-    console.print(_summary_panel(summary, f"Summary (rank {rank})"))
-    if len(run.ranks) > 1:
-        console.print(_rank_table(run))
+    if run.ranks or not run.cluster_records:
+        rank = run.resolve_rank(rank)
+        steps = run.steps(rank)
+        checkpoints = run.checkpoints(rank)
+        summary = summarize(steps, checkpoints)
+        if steps:
+            console.print(_step_table(steps, rank, max_rows))
+        else:
+            console.print(f"[yellow]no step records for rank {rank}[/]")
+        if checkpoints:
+            console.print(_checkpoint_table(checkpoints, rank))
+        console.print(_summary_panel(summary, f"Summary (rank {rank})"))
+        if len(run.ranks) > 1:
+            console.print(_rank_table(run))
+    elif rank is not None:
+        run.resolve_rank(rank)  # no rank files: asking for one is an error
+    cluster_steps = run.cluster_steps()
+    if cluster_steps:
+        console.print(_cluster_table(cluster_steps, max_rows))
+        console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
 
     dropped = {k: v for k, v in run.dropped.items() if v}
     if dropped:
@@ -666,7 +838,8 @@ def run_report(args: argparse.Namespace) -> int:
     """Run the report for parsed *args*; returns the process exit code."""
     try:
         run = load_run(args.run_dir)
-        rank = run.resolve_rank(args.rank)
+        # A collector's run dir may hold cluster.jsonl and no rank files.
+        rank = run.resolve_rank(args.rank) if run.ranks or args.rank is not None else None
     except (RunDirError, OSError) as exc:  # OSError: e.g. an unreadable file
         print(f"steptrace report: {exc}", file=sys.stderr)
         return 2
@@ -676,7 +849,8 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"steptrace report: warning: {warning}", file=sys.stderr)
 
     if args.json:
-        summary = summarize(run.steps(rank), run.checkpoints(rank))
+        summary = summarize(run.steps(rank), run.checkpoints(rank)) if rank is not None else {}
+        cluster_steps = run.cluster_steps()
         payload = {
             "run_id": run.run_id,
             "path": str(run.path),
@@ -685,12 +859,17 @@ def run_report(args: argparse.Namespace) -> int:
             **summary,
             "dropped": run.dropped,
             "warnings": run.warnings,
+            # null when no collector joined the run
+            "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
         }
         print(json.dumps(payload, indent=2))
     else:
         render_report(run, rank=rank, max_rows=args.max_rows, show_warnings=False)
 
     if args.plot:
+        if rank is None:
+            print("steptrace report: --plot needs rank files; this run has only cluster.jsonl", file=sys.stderr)
+            return 2
         try:
             written = plot_timeline(run, args.plot, rank=rank)
         except OSError as exc:

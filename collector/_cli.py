@@ -1,0 +1,137 @@
+"""``steptrace collector ...`` and ``python -m steptrace.collector ...``.
+
+Only argparse is imported until the collector actually starts, so
+``steptrace --help`` and ``steptrace report`` do not pay for protobuf,
+prometheus_client or gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Sequence
+
+__all__ = ["add_collector_arguments", "main", "run_collector"]
+
+ENV_TOKEN = "STEPTRACE_COLLECTOR_TOKEN"  # the same constant as steptrace.collector._app.ENV_TOKEN
+
+DESCRIPTION = ("Receive OTLP from every rank, join each step's spans across ranks (min/median/max, skew, the "
+               "straggler rank, pipeline bubble), serve the result on /metrics and append it to "
+               "<run-dir>/<run_id>/cluster.jsonl.")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``collector`` arguments (shared by ``steptrace collector`` and ``python -m steptrace.collector``)."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind OTLP (and, unless --metrics-host, /metrics) on (default: 127.0.0.1; "
+                             "0.0.0.0 to receive from other hosts)")
+    parser.add_argument("--port", type=_port, default=4318, help="OTLP/HTTP port (default: 4318; 0: any free port)")
+    parser.add_argument("--grpc-port", type=_port, default=None,
+                        help="also serve OTLP/gRPC on this port (e.g. 4317; default: off)")
+    parser.add_argument("--metrics-host", default=None, help="address for /metrics (default: --host)")
+    parser.add_argument("--metrics-port", type=_port, default=9464,
+                        help="Prometheus /metrics port (default: 9464; 0: any free port)")
+    parser.add_argument("--world-size", type=_positive_int, default=None,
+                        help="ranks per step; a step is complete when ranks 0..N-1 reported "
+                             "(default: each step's train.world_size attribute)")
+    parser.add_argument("--run-dir", default="steptrace-runs",
+                        help="where <run_id>/cluster.jsonl is written (default: steptrace-runs)")
+    parser.add_argument("--token", default=None,
+                        help=f"require 'Authorization: Bearer TOKEN' (default: ${ENV_TOKEN}, else none)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20,
+                        help="largest request body, compressed or not (default: 16 MiB)")
+    parser.add_argument("--window-s", type=_seconds, default=10.0,
+                        help="emit a step this long after its first span even if ranks are missing (default: 10)")
+    parser.add_argument("--max-open-steps", type=_positive_int, default=4096,
+                        help="steps waiting for ranks at once; beyond, the oldest is emitted early (default: 4096)")
+    parser.add_argument("--goodput-window-steps", type=_positive_int, default=100,
+                        help="steps in steptrace_cluster_goodput_ratio's sliding window (default: 100)")
+    parser.add_argument("--max-runs", type=_positive_int, default=64,
+                        help="runs kept in /metrics at once; the least recently active is dropped (default: 64)")
+    parser.add_argument("--max-connections", type=_positive_int, default=1024,
+                        help="OTLP/HTTP connections served at once; more get 503 (default: 1024)")
+    parser.add_argument("--request-timeout-s", type=_seconds, default=30.0,
+                        help="a request body must arrive within this time (default: 30)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="log level on stderr (default: INFO)")
+    return parser
+
+
+def run_collector(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code (2 for bad settings or a taken port)."""
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        from steptrace.collector._app import Collector, CollectorConfig
+    except ImportError as exc:
+        print(f"steptrace collector: {exc}", file=sys.stderr)
+        return 2
+    token = args.token if args.token is not None else (os.environ.get(ENV_TOKEN) or None)
+    try:
+        config = CollectorConfig(
+            host=args.host, port=args.port, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+            grpc_port=args.grpc_port, world_size=args.world_size, run_dir=args.run_dir, token=token,
+            max_body_bytes=args.max_body_bytes, window_s=args.window_s, max_open_steps=args.max_open_steps,
+            goodput_window_steps=args.goodput_window_steps, max_runs=args.max_runs,
+            max_connections=args.max_connections, request_timeout_s=args.request_timeout_s)
+        collector = Collector(config).start()
+    except (ValueError, OSError) as exc:
+        print(f"steptrace collector: {exc}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    grpc = f"{_addr(args.host)}:{collector.grpc_port}" if collector.grpc_port is not None else "off"
+    # One line, flushed at once: tests and scripts that ask for port 0 read the bound ports from it.
+    print(f"steptrace collector: otlp_http={_addr(args.host)}:{collector.port} otlp_grpc={grpc} "
+          f"metrics={_addr(args.metrics_host or args.host)}:{collector.metrics_port} run_dir={config.run_dir} "
+          f"world_size={config.world_size if config.world_size is not None else 'from-spans'} "
+          f"auth={'bearer' if token else 'off'}", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # a second signal during close() acts as usual
+        collector.close()
+    logging.getLogger("steptrace.collector").info("steptrace collector: stopped; open steps flushed")
+    return 0
+
+
+def _addr(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steptrace collector", description=DESCRIPTION)
+    add_collector_arguments(parser)
+    return run_collector(parser.parse_args(argv))

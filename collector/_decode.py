@@ -1,0 +1,363 @@
+"""OTLP export requests in, step spans out: the collector's decoder.
+
+Everything a client sends passes through here before it touches shared
+state, and every way it can be wrong ends as a :class:`Rejected` (an HTTP
+status plus the ``reason`` label of
+``steptrace_collector_rejected_requests_total``), never as another exception.
+
+* :func:`media_type` — ``application/x-protobuf`` or ``application/json``
+  (parameters such as ``charset`` allowed); anything else is 415.
+* :func:`decompress` — ``gzip``, ``deflate`` or identity, never producing more
+  than ``max_bytes`` (a gzip bomb is 413 after at most ``max_bytes + 1`` bytes
+  of output, not after inflating it all).
+* :func:`parse_request` — the ``Export{Trace,Metrics}ServiceRequest``. OTLP/JSON
+  differs from protobuf's canonical JSON in one way that matters: trace and
+  span ids are hex strings, not base64 (OTLP spec, "JSON Protobuf Encoding"),
+  so they are converted before ``json_format.ParseDict``; unknown fields are
+  ignored, as the spec asks of receivers.
+* :func:`extract_steps` — the ``train.step`` spans (one per rank and step, see
+  ``steptrace/otlp.py``) as :class:`StepSpan` values. A step span whose
+  attributes are missing or unusable is counted by reason and skipped; the
+  rest of the request still counts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+__all__ = [
+    "MEDIA_JSON",
+    "MEDIA_PROTOBUF",
+    "Extracted",
+    "Rejected",
+    "StepSpan",
+    "count_data_points",
+    "decompress",
+    "encode_error",
+    "encode_response",
+    "extract_steps",
+    "media_type",
+    "parse_request",
+    "safe_run_id",
+]
+
+MEDIA_PROTOBUF = "application/x-protobuf"
+MEDIA_JSON = "application/json"
+
+#: Rejection reasons, the ``reason`` label values of ``steptrace_collector_rejected_requests_total``.
+REJECTION_REASONS = ("malformed", "too_large", "unsupported_media_type", "unsupported_encoding", "unauthorized",
+                     "not_found", "method_not_allowed", "length_required", "timeout", "overloaded", "shutting_down",
+                     "internal")
+
+#: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
+INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range")
+
+_STEP_SPAN = "train.step"
+_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."
+_MAX_RUN_ID = 200
+_MAX_LABEL = 64  # status and stage names end up as JSON keys and metric labels
+_MAX_STAGES = 256
+#: Ranks beyond this are taken for garbage: a rank set is kept as a bitmask.
+MAX_RANK = 1 << 20
+
+_SIGNALS = {
+    "traces": (ExportTraceServiceRequest, ExportTraceServiceResponse),
+    "metrics": (ExportMetricsServiceRequest, ExportMetricsServiceResponse),
+}
+
+
+class Rejected(Exception):
+    """A request the collector refuses: ``status`` is the HTTP status, ``reason`` the metric label."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def media_type(content_type: str | None) -> str:
+    """The request's media type, :data:`MEDIA_PROTOBUF` or :data:`MEDIA_JSON`; 415 otherwise."""
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    if kind in (MEDIA_PROTOBUF, MEDIA_JSON):
+        return kind
+    raise Rejected(415, "unsupported_media_type",
+                   f"Content-Type must be {MEDIA_PROTOBUF} or {MEDIA_JSON}, got {content_type!r}")
+
+
+def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """``body`` decoded per ``Content-Encoding``, at most ``max_bytes`` long (413 beyond)."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding == "gzip":
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    elif encoding == "deflate":
+        # RFC 9110 says zlib-wrapped; some clients send raw deflate. Accept both.
+        inflater = zlib.decompressobj(wbits=zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS)
+    else:
+        raise Rejected(415, "unsupported_encoding",
+                       f"Content-Encoding must be gzip, deflate or identity, got {encoding!r}")
+    try:
+        data = inflater.decompress(body, max_bytes + 1)
+        if len(data) > max_bytes or inflater.unconsumed_tail:
+            raise Rejected(413, "too_large", f"decompressed body exceeds {max_bytes} bytes")
+        data += inflater.flush()
+    except zlib.error as exc:
+        raise Rejected(400, "malformed", f"cannot decompress the {encoding} body: {exc}") from None
+    if len(data) > max_bytes:
+        raise Rejected(413, "too_large", f"decompressed body exceeds {max_bytes} bytes")
+    if not inflater.eof:
+        raise Rejected(400, "malformed", f"truncated {encoding} body")
+    return data
+
+
+def parse_request(signal: str, data: bytes, media: str) -> Any:
+    """The ``Export<Signal>ServiceRequest`` in ``data``; 400 when it does not decode."""
+    request_type = _SIGNALS[signal][0]
+    try:
+        if media == MEDIA_JSON:
+            document = json.loads(data)
+            if not isinstance(document, dict):
+                raise ValueError("the body is not a JSON object")
+            _hex_ids_to_base64(document)
+            return json_format.ParseDict(document, request_type(), ignore_unknown_fields=True)
+        return request_type.FromString(data)
+    except Exception as exc:  # DecodeError, ParseError, ValueError, RecursionError, ...: all a bad body
+        raise Rejected(400, "malformed", f"cannot decode the {signal} request as {media}: "
+                                         f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def encode_response(signal: str, media: str, rejected: int = 0, message: str = "") -> bytes:
+    """The ``Export<Signal>ServiceResponse``, with ``partial_success`` when spans were rejected."""
+    response = _SIGNALS[signal][1]()
+    if rejected:
+        if signal == "traces":
+            response.partial_success.rejected_spans = rejected
+        else:
+            response.partial_success.rejected_data_points = rejected
+        response.partial_success.error_message = message
+    if media == MEDIA_JSON:
+        return json.dumps(json_format.MessageToDict(response)).encode()
+    return response.SerializeToString()
+
+
+def encode_error(media: str | None, status: int, message: str) -> tuple[bytes, str]:
+    """(body, content type) of an error response: a ``google.rpc.Status``, as OTLP/HTTP asks."""
+    try:
+        from google.rpc import status_pb2
+    except ImportError:  # pragma: no cover - googleapis-common-protos comes with the OTLP exporters
+        return message.encode(), "text/plain; charset=utf-8"
+    # gRPC codes for the HTTP statuses we send (google.rpc.Code).
+    code = {400: 3, 401: 16, 404: 5, 405: 12, 408: 4, 411: 3, 413: 8, 415: 3, 503: 14}.get(status, 13)
+    payload = status_pb2.Status(code=code, message=message)
+    if media == MEDIA_JSON:
+        return json.dumps(json_format.MessageToDict(payload)).encode(), MEDIA_JSON
+    if media == MEDIA_PROTOBUF:
+        return payload.SerializeToString(), MEDIA_PROTOBUF
+    return message.encode(), "text/plain; charset=utf-8"
+
+
+# -- OTLP/JSON ids -------------------------------------------------------------------------------
+
+_ID_SIZES = {"traceId": 16, "spanId": 8, "parentSpanId": 8, "trace_id": 16, "span_id": 8, "parent_span_id": 8}
+
+
+def _hex_ids_to_base64(document: Any) -> None:
+    """Rewrite OTLP/JSON's hex trace/span ids as the base64 ``json_format`` expects, in place.
+
+    Only a string of exactly twice the id's size in hex digits is rewritten; a
+    producer that sends base64 anyway (24 characters with padding for a trace
+    id, so never mistaken for hex) still parses. Iterative, so a deeply nested
+    body cannot overflow the stack here.
+    """
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, str):
+                    size = _ID_SIZES.get(key)
+                    if size is not None and len(value) == 2 * size:
+                        try:
+                            node[key] = base64.b64encode(bytes.fromhex(value)).decode()
+                        except ValueError:
+                            pass
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+
+
+# -- step spans ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpan:
+    """One rank's ``train.step`` span: what the join needs of it."""
+
+    run_id: str
+    step: int
+    rank: int
+    world_size: int | None
+    trace_id: str
+    compute_seconds: float
+    interval_seconds: float
+    idle_seconds: float | None = None
+    status: str = "ok"
+    end_time: float | None = None
+    bubble: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Extracted:
+    """What :func:`extract_steps` found in one request."""
+
+    spans: int = 0
+    steps: list[StepSpan] = field(default_factory=list)
+    #: reason → step spans skipped
+    invalid: dict[str, int] = field(default_factory=dict)
+    #: run_id → spans received ("" when the sending resource's spans carry none)
+    spans_by_run: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def invalid_total(self) -> int:
+        return sum(self.invalid.values())
+
+
+class _Invalid(Exception):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def safe_run_id(run_id: Any) -> bool:
+    """Whether ``run_id`` can name a directory under the run dir (no path tricks, printable)."""
+    return (isinstance(run_id, str) and 0 < len(run_id) <= _MAX_RUN_ID and run_id not in (".", "..")
+            and "/" not in run_id and "\\" not in run_id and run_id.isprintable())
+
+
+def _scalar(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind in ("string_value", "int_value", "double_value", "bool_value"):
+        return getattr(value, kind)
+    return None  # arrays, key-value lists, bytes: no step attribute has those
+
+
+# Required attributes that are missing or unusable skip the span; optional ones are left out instead.
+
+
+def _int(attrs: dict[str, Any], key: str, *, minimum: int, required: bool = True) -> int | None:
+    value = attrs.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if not required:
+            return None
+        raise _Invalid("missing_attribute" if value is None else "bad_value")
+    return value
+
+
+def _seconds(attrs: dict[str, Any], key: str, *, required: bool = True) -> float | None:
+    value = attrs.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        if not required:
+            return None
+        raise _Invalid("missing_attribute" if value is None else "bad_value")
+    return float(value)
+
+
+def _step_span(span: Any, world_size: int | None) -> StepSpan:
+    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith("train.")}
+    run_id = attrs.get("train.run_id")
+    if run_id is None:
+        raise _Invalid("missing_attribute")
+    if not safe_run_id(run_id):
+        raise _Invalid("bad_run_id")
+    step = _int(attrs, "train.step", minimum=0)
+    rank = _int(attrs, "train.rank", minimum=0)
+    if rank >= MAX_RANK:
+        raise _Invalid("rank_out_of_range")
+    span_world = _int(attrs, "train.world_size", minimum=1, required=False)
+    if world_size is not None and rank >= world_size:
+        raise _Invalid("rank_out_of_range")
+    compute = _seconds(attrs, "train.compute_seconds")
+    interval = _seconds(attrs, "train.interval_seconds")
+    idle = _seconds(attrs, "train.idle_seconds", required=False)
+    status = attrs.get("train.status", "ok")
+    if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
+        status = "unknown"
+    bubble: dict[str, float] = {}
+    for key, value in attrs.items():
+        if key.startswith(_BUBBLE_PREFIX) and len(bubble) < _MAX_STAGES:
+            stage = key[len(_BUBBLE_PREFIX):]
+            if (0 < len(stage) <= _MAX_LABEL and not isinstance(value, bool) and isinstance(value, (int, float))
+                    and math.isfinite(value)):
+                bubble[stage] = float(value)
+    trace = bytes(span.trace_id)
+    end_ns = span.end_time_unix_nano
+    return StepSpan(run_id=run_id, step=step, rank=rank, world_size=span_world,
+                    trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
+                    interval_seconds=interval, idle_seconds=idle, status=status,
+                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble)
+
+
+def _resource_run_id(scope_spans: Any) -> str:
+    """The run of a resource's spans: its first span's ``train.run_id`` (all of a rank's spans share it)."""
+    for scope in scope_spans:
+        for span in scope.spans:
+            for kv in span.attributes:
+                if kv.key == "train.run_id":
+                    value = _scalar(kv.value)
+                    return value if safe_run_id(value) else ""
+            return ""
+    return ""
+
+
+def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = None) -> Extracted:
+    """The ``train.step`` spans of ``request``; other spans are only counted.
+
+    With ``world_size`` (the collector's ``--world-size``), a rank outside
+    ``[0, world_size)`` is skipped as ``rank_out_of_range``.
+    """
+    out = Extracted()
+    for resource_spans in request.resource_spans:
+        count = 0
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                count += 1
+                if span.name != _STEP_SPAN:
+                    continue
+                try:
+                    out.steps.append(_step_span(span, world_size))
+                except _Invalid as bad:
+                    out.invalid[bad.reason] = out.invalid.get(bad.reason, 0) + 1
+        if count:
+            run = _resource_run_id(resource_spans.scope_spans)
+            out.spans_by_run[run] = out.spans_by_run.get(run, 0) + count
+        out.spans += count
+    return out
+
+
+def count_data_points(request: ExportMetricsServiceRequest) -> int:
+    """Data points in a metrics request (metrics are accepted and counted, not joined)."""
+    points = 0
+    for resource_metrics in request.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                kind = metric.WhichOneof("data")
+                if kind is not None:
+                    points += len(getattr(metric, kind).data_points)
+    return points

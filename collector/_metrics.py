@@ -1,0 +1,267 @@
+"""The collector's ``/metrics``: the cluster view of each run, and the collector's own counters.
+
+A ``prometheus_client`` registry of its own (never the global one), served on
+``--metrics-port``. Cluster series carry ``run_id``; the step number is never a
+label. Gauges describing "the last step" follow the highest step number joined
+so far (a step completed out of order does not move them back):
+
+* ``steptrace_cluster_step_compute_seconds{stat}``, ``..._interval_seconds{stat}``
+  (``stat`` = ``min``/``median``/``max`` over ranks), ``steptrace_cluster_step_skew_seconds``
+  (max − min compute), ``steptrace_cluster_straggler_rank`` and
+  ``steptrace_cluster_pipeline_bubble_ratio{stage}``: the last *complete* step.
+  ``steptrace_cluster_last_complete_step`` says which one.
+* ``steptrace_cluster_ranks_reporting``, ``steptrace_cluster_world_size``,
+  ``steptrace_cluster_last_step``: the last step emitted, complete or not.
+* ``steptrace_cluster_goodput_ratio``: Σcompute / Σinterval over all reporting
+  ranks of the last ``goodput_window_steps`` steps emitted.
+
+A run's series are removed when more than ``max_runs`` runs have been seen
+since (least recently active first), so a stream of run ids cannot grow the
+exposition without bound. Rejections are counted without ``run_id``: a
+rejected request has no run anyone can trust.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from typing import Any, Callable, Iterable
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
+    raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
+
+from steptrace import __version__
+from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
+
+__all__ = ["ClusterMetrics", "JOIN_LAG_BUCKETS_S"]
+
+#: Buckets of ``steptrace_cluster_join_lag_seconds``: first span of a step to its record.
+JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                      120.0, 300.0)
+
+_STATS = ("min", "median", "max")
+
+
+class _RunState:
+    __slots__ = ("window", "last_step", "last_complete", "stages", "straggler_ranks")
+
+    def __init__(self, window_steps: int):
+        self.window: collections.deque[tuple[float, float]] = collections.deque(maxlen=window_steps)
+        self.last_step = -1
+        self.last_complete = -1
+        self.stages: set[str] = set()
+        self.straggler_ranks: set[str] = set()
+
+
+class ClusterMetrics:
+    """Metric families and the per-run state behind them; thread-safe."""
+
+    def __init__(self, *, goodput_window_steps: int = 100, max_runs: int = 64,
+                 open_steps: Callable[[], int] | None = None):
+        self._window_steps = goodput_window_steps
+        self._max_runs = max_runs
+        self._lock = threading.Lock()
+        self._runs: collections.OrderedDict[str, _RunState] = collections.OrderedDict()
+        self.registry = reg = CollectorRegistry()
+        run = ("run_id",)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, run + labels, registry=reg)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = run) -> Counter:
+            return Counter(name, doc, labels, registry=reg)
+
+        self.compute = gauge("steptrace_cluster_step_compute_seconds",
+                             "Device compute time of the last complete step: min, median and max over ranks.",
+                             ("stat",))
+        self.interval = gauge("steptrace_cluster_step_interval_seconds",
+                              "Interval (wall time) of the last complete step: min, median and max over ranks.",
+                              ("stat",))
+        self.skew = gauge("steptrace_cluster_step_skew_seconds",
+                          "Max minus min compute time over ranks in the last complete step.")
+        self.straggler = gauge("steptrace_cluster_straggler_rank",
+                               "The rank with the largest compute time in the last complete step.")
+        self.straggler_steps = counter("steptrace_cluster_straggler_steps",
+                                       "Complete steps in which this rank had the largest compute time.",
+                                       run + ("rank",))
+        self.ranks_reporting = gauge("steptrace_cluster_ranks_reporting",
+                                     "Ranks whose span of the last joined step arrived before it was emitted.")
+        self.world_size = gauge("steptrace_cluster_world_size", "Ranks expected per step.")
+        self.bubble = gauge("steptrace_cluster_pipeline_bubble_ratio",
+                            "Pipeline bubble ratio per stage in the last complete step (mean over the stage's "
+                            "ranks).", ("stage",))
+        self.goodput = gauge("steptrace_cluster_goodput_ratio",
+                             f"Sum of compute over sum of interval, all reporting ranks, over the last "
+                             f"{goodput_window_steps} joined steps.")
+        self.last_step = gauge("steptrace_cluster_last_step", "Highest step number joined.")
+        self.last_complete = gauge("steptrace_cluster_last_complete_step",
+                                   "Highest step number joined with all ranks: the step the compute, interval, "
+                                   "skew, straggler and bubble gauges describe.")
+        self.joined = counter("steptrace_cluster_steps_joined", "Steps joined and written, complete or not.")
+        self.incomplete = counter("steptrace_cluster_incomplete_steps",
+                                  "Steps emitted without all ranks (window expired, evicted or shutdown).")
+        self.join_lag = Histogram("steptrace_cluster_join_lag_seconds",
+                                  "Time from a step's first span arriving to its joined record.", run,
+                                  registry=reg, buckets=JOIN_LAG_BUCKETS_S)
+        self.received = counter("steptrace_collector_received_spans",
+                                "Spans received (all kinds), by the run of the resource that sent them.")
+        self.late = counter("steptrace_collector_late_spans",
+                            "Step spans that arrived after their step was emitted (written as late records).")
+        self.duplicates = counter("steptrace_collector_duplicate_spans",
+                                  "Step spans of a rank already joined for that step (exporter retries), dropped.")
+        self.evicted = counter("steptrace_collector_evicted_steps",
+                               "Steps emitted early because too many steps were open at once.")
+        self.invalid = counter("steptrace_collector_invalid_spans",
+                               "train.step spans skipped for missing or unusable attributes.", ("reason",))
+        self.rejected = counter("steptrace_collector_rejected_requests",
+                                "Requests refused, by reason.", ("reason",))
+        self.requests = counter("steptrace_collector_requests", "Export requests accepted.",
+                                ("signal", "transport"))
+        self.data_points = counter("steptrace_collector_received_metric_points",
+                                   "Metric data points received (accepted and counted, not joined).", ())
+        self.write_errors = counter("steptrace_collector_write_errors",
+                                    "Records that could not be written to the run directory.", ())
+        self.open = Gauge("steptrace_collector_open_steps", "Steps waiting for more ranks.", registry=reg)
+        if open_steps is not None:
+            self.open.set_function(open_steps)
+        info = Gauge("steptrace_collector_info", "steptrace collector version.", ("version",), registry=reg)
+        info.labels(__version__).set(1)
+        # Series that exist from the start read as 0 rather than missing.
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason)
+        for reason in INVALID_SPAN_REASONS:
+            self.invalid.labels(reason)
+        for signal in ("traces", "metrics"):
+            for transport in ("http", "grpc"):
+                self.requests.labels(signal, transport)
+
+    # -- collector events ----------------------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def request(self, signal: str, transport: str) -> None:
+        self.requests.labels(signal, transport).inc()
+
+    def spans_received(self, by_run: dict[str, int]) -> None:
+        with self._lock:
+            for run_id, count in by_run.items():
+                if run_id:
+                    self._touch(run_id)
+                self.received.labels(run_id).inc(count)
+
+    def invalid_spans(self, by_reason: dict[str, int]) -> None:
+        for reason, count in by_reason.items():
+            self.invalid.labels(reason).inc(count)
+
+    def duplicate_spans(self, by_run: dict[str, int]) -> None:
+        with self._lock:
+            for run_id, count in by_run.items():
+                self._touch(run_id)
+                self.duplicates.labels(run_id).inc(count)
+
+    def publish(self, records: Iterable[dict[str, Any]]) -> None:
+        """Update the cluster series from emitted ``cluster_step`` and ``late`` records."""
+        with self._lock:
+            for record in records:
+                run_id = record["run_id"]
+                state = self._touch(run_id)
+                if record["type"] == "late":
+                    self.late.labels(run_id).inc()
+                elif record["type"] == "cluster_step":
+                    self._step(run_id, state, record)
+
+    def _step(self, run_id: str, state: _RunState, r: dict[str, Any]) -> None:
+        step = r["step"]
+        self.joined.labels(run_id).inc()
+        self.join_lag.labels(run_id).observe(r["join_seconds"])
+        if not r["complete"]:
+            self.incomplete.labels(run_id).inc()
+        if r["reason"] == "evicted":
+            self.evicted.labels(run_id).inc()
+        state.window.append((r["compute_sum_seconds"], r["interval_sum_seconds"]))
+        compute = math.fsum(c for c, _ in state.window)
+        interval = math.fsum(i for _, i in state.window)
+        if interval > 0:
+            self.goodput.labels(run_id).set(compute / interval)
+        if step >= state.last_step:
+            state.last_step = step
+            self.last_step.labels(run_id).set(step)
+            self.ranks_reporting.labels(run_id).set(r["ranks_reporting"])
+            if r["world_size"] is not None:
+                self.world_size.labels(run_id).set(r["world_size"])
+        if not r["complete"]:
+            return
+        straggler = str(r["straggler_rank"])
+        state.straggler_ranks.add(straggler)
+        self.straggler_steps.labels(run_id, straggler).inc()
+        if step < state.last_complete:
+            return
+        state.last_complete = step
+        self.last_complete.labels(run_id).set(step)
+        for stat in _STATS:
+            self.compute.labels(run_id, stat).set(r[f"compute_{stat}_seconds"])
+            self.interval.labels(run_id, stat).set(r[f"interval_{stat}_seconds"])
+        self.skew.labels(run_id).set(r["skew_seconds"])
+        self.straggler.labels(run_id).set(r["straggler_rank"])
+        for stage, ratio in r["pipeline_bubble_ratio"].items():
+            state.stages.add(stage)
+            self.bubble.labels(run_id, stage).set(ratio)
+
+    # -- the bound on runs ---------------------------------------------------------------------
+
+    def _touch(self, run_id: str) -> _RunState:
+        state = self._runs.get(run_id)
+        if state is None:
+            state = self._runs[run_id] = _RunState(self._window_steps)
+            # A run's counters exist from its first span, so rate() and increase() see them start at 0.
+            for metric in (self.joined, self.incomplete, self.late, self.duplicates, self.evicted, self.received):
+                metric.labels(run_id)
+            while len(self._runs) > self._max_runs:
+                old_id, old = self._runs.popitem(last=False)
+                self._forget(old_id, old)
+        else:
+            self._runs.move_to_end(run_id)
+        return state
+
+    def _forget(self, run_id: str, state: _RunState) -> None:
+        def remove(metric: Any, *labels: str) -> None:
+            try:
+                metric.remove(run_id, *labels)
+            except KeyError:
+                pass
+
+        for metric in (self.skew, self.straggler, self.ranks_reporting, self.world_size, self.goodput,
+                       self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
+                       self.received, self.late, self.duplicates, self.evicted):
+            remove(metric)
+        for stat in _STATS:
+            remove(self.compute, stat)
+            remove(self.interval, stat)
+        for stage in state.stages:
+            remove(self.bubble, stage)
+        for rank in state.straggler_ranks:
+            remove(self.straggler_steps, rank)
+
+
+class Exposition:
+    """What ``/metrics`` serves: the registry without ``_created`` samples (they would double every counter)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self) -> Iterable[Any]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family
+
+
+def served_registry(metrics: ClusterMetrics) -> CollectorRegistry:
+    """The registry the metrics server serves."""
+    served = CollectorRegistry()
+    served.register(Exposition(metrics.registry))
+    return served
