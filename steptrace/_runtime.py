@@ -107,8 +107,7 @@ class StepHandle(TimedUnit):
             return
         self.waited = True
         if values and self.device is HOST:
-            device = (rt.forced_value_device or rt.chooser.by_type.get(type(values[0]))
-                      or rt.chooser.for_values(values))
+            device = rt.device_for(values)
             if device is not HOST:
                 self.values = values
                 self.device = device
@@ -167,10 +166,9 @@ class MicrobatchHandle(TimedUnit):
 
     def wait_for(self, *values: Any) -> None:
         """The microbatch's device work ends when ``values`` are ready (JAX)."""
-        if self.device is HOST and values:
+        if values and self.device is HOST:
             self.values = values
-            rt = self._rt
-            self.device = rt.chooser.for_values(values) if rt.forced_value_device is None else rt.forced_value_device
+            self.device = self._rt.device_for(values)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self.start_event is not None:
@@ -268,10 +266,14 @@ class CheckpointHandle:
         future.add_done_callback(lambda _f: self.async_done())
 
     def _submit(self) -> None:
+        # Called from the training thread (exit) and the committing thread (async_done):
+        # whichever comes second submits, exactly once.
         rt = self._rt
-        if self in rt.pending_async:
+        with self._lock:
+            if self not in rt.pending_async:
+                return
             rt.pending_async.discard(self)
-            rt.resolver.submit(self)
+        rt.resolver.submit(self)
 
 
 class Runtime:
@@ -321,6 +323,11 @@ class Runtime:
             current.dispatch = end
             if current.start_event is not None:
                 current.start_event = self.device_call(current.device.event)
+
+    def device_for(self, values: tuple[Any, ...]) -> Device:
+        """The device that computes ``values`` (forced by config, else chosen by type; cached)."""
+        return (self.forced_value_device or self.chooser.by_type.get(type(values[0]))
+                or self.chooser.for_values(values))
 
     def take_closed_spans(self) -> list[ClosedSpan]:
         closed, self.closed_spans = self.closed_spans, []
