@@ -122,7 +122,7 @@ class StepHandle(TimedUnit):
         stream = self.device if self.start_event is not None else None
         if stream is not None:
             self.end_event = rt.device_call(stream.event)
-        self.host_end = _perf()
+        end = _perf()
         if exc_type is not None:
             self.status = "error"
             self.error = f"{exc_type.__name__}: {exc}"
@@ -136,7 +136,10 @@ class StepHandle(TimedUnit):
         if rt.closed_spans:
             self.spans = rt.take_closed_spans()
         if rt.open_spans:
-            self.open_spans = [ClosedSpan(s.name, s.start, self.host_end, None, {}, False) for s in rt.open_spans]
+            self.open_spans = [ClosedSpan(s.name, s.start, end, None, {}, False) for s in rt.open_spans]
+        # Published last: a device step handed over at wait_for() is finalized by the
+        # resolver as soon as host_end is set, so status and spans must be in place first.
+        self.host_end = end
         if not self.submitted:
             self.submitted = True
             # Stream-device steps need their exit marker observed promptly; a host step's
