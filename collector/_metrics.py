@@ -195,6 +195,13 @@ class ClusterMetrics:
                 self.world_size.labels(run_id).set(r["world_size"])
         if not r["complete"]:
             return
+        if not state.straggler_ranks and r["world_size"] is not None:
+            # Start every rank's counter at 0: Prometheus's increase() cannot see the
+            # first count of a series that appears with it, so a rank's first straggler
+            # step would otherwise be invisible on the dashboards.
+            for rank in range(int(r["world_size"])):
+                state.straggler_ranks.add(str(rank))
+                self.straggler_steps.labels(run_id, str(rank))
         straggler = str(r["straggler_rank"])
         state.straggler_ranks.add(straggler)
         self.straggler_steps.labels(run_id, straggler).inc()

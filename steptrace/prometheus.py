@@ -74,6 +74,10 @@ __all__ = ["PrometheusSink"]
 log = logging.getLogger("steptrace")
 
 _RUN_LABELS = ("run_id", "rank")
+# Drop reasons exported at 0 from the start (see _dropped_family).
+_KNOWN_DROP_REASONS = {reason: 0 for reason in (
+    "resolver_queue", "misuse", "device_wait_error", "unresolved_at_shutdown",
+    "sink:jsonl", "sink:prometheus", "sink:otlp")}
 
 
 class PrometheusSink:
@@ -308,13 +312,15 @@ class PrometheusSink:
                 if not self._drop_counter_failed:
                     self._drop_counter_failed = True
                     log.exception("steptrace prometheus: reading the drop counters failed")
+        # The usual reasons are always present, at 0 until something is dropped: Prometheus's
+        # increase() cannot see the first count of a series that appears with it.
+        counts = {**_KNOWN_DROP_REASONS, **counts}
         for reason, count in sorted(counts.items()):
             if reason.startswith("sink:"):
                 family.add_metric([*self._labels, reason[len("sink:"):], "queue_full_or_error"], count)
             else:
                 family.add_metric([*self._labels, "resolver", reason], count)
-        if self._invalid_records:
-            family.add_metric([*self._labels, self.name, "invalid_record"], self._invalid_records)
+        family.add_metric([*self._labels, self.name, "invalid_record"], self._invalid_records)
         return family
 
     # -- protocol ----------------------------------------------------------------------------------

@@ -239,8 +239,18 @@ def test_a_failing_drop_counter_does_not_break_the_scrape(sink, caplog):
     for _ in range(2):
         text = scrape(sink.endpoint)
     assert value(text, "steptrace_steps_total", status="ok") == 1
-    assert not [s for s in samples(text) if s.name == "steptrace_dropped_records_total"]
+    assert all(s.value == 0 for s in samples(text) if s.name == "steptrace_dropped_records_total")
     assert len([r for r in caplog.records if "drop counters" in r.getMessage()]) == 1  # logged once
+
+
+def test_usual_drop_reasons_are_exported_at_zero_before_any_drop(sink):
+    """increase() only sees a drop if the series existed before it: they start at 0."""
+    sink.attach_drop_counter(lambda: {})
+    text = scrape(sink.endpoint)
+    name = "steptrace_dropped_records_total"
+    assert value(text, name, sink="resolver", reason="misuse") == 0
+    assert value(text, name, sink="otlp", reason="queue_full_or_error") == 0
+    assert value(text, name, sink="prometheus", reason="invalid_record") == 0
 
 
 def test_histogram_exemplars_carry_the_step_trace_id_in_openmetrics_only(sink):
