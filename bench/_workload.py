@@ -26,7 +26,7 @@ perf = time.perf_counter
 
 N = 256
 
-SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 
 
 def configure_xla() -> str:

@@ -45,8 +45,8 @@ Methods, each run side by side in this process (repetitions interleaved A, B, A,
    iterations (what a loop with a sync logs as step time) and ``sync d->r`` = host clock
    around dispatch + ``block_until_ready`` only (the best a sync-based timer can do).
 
-The JAX CPU "device" is made single-threaded (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1``, unless set otherwise): it then occupies one core and does not
+The JAX CPU "device" is made single-threaded (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``,
+unless set otherwise): it then occupies one core and does not
 compete with the host threads for the other, like an accelerator, and its step times are far
 more stable on this 2-core machine (see ``_workload.configure_xla``).
 

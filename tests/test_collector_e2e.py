@@ -84,7 +84,12 @@ class CollectorProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(15)
+            try:
+                return self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # never leave a collector behind a failed test
+                self.proc.wait(5)
+                raise
         finally:
             self.proc.stdout.close()
             self.proc.stderr.close()
