@@ -3,7 +3,7 @@
 #
 #   make demo        the JAX demo: naive timing vs steptrace, then the steptrace report
 #   make test        pytest (extra arguments: make test PYTEST_ARGS='-k report -x')
-#   make bench       every bench/bench_*.py
+#   make bench       every bench/bench_*.py, then bench/collector_scale.py
 #   make clean       run directories, caches, build outputs
 #   make distclean   clean + the virtualenv
 #
@@ -52,7 +52,8 @@ bench: $(STAMP)
 		echo "== $$script"; \
 		$(VENV_PYTHON) "$$script"; \
 	done; \
-	if [ "$$found" = 0 ]; then echo "no bench/bench_*.py scripts yet"; fi
+	if [ "$$found" = 0 ]; then echo "no bench/bench_*.py scripts yet"; fi; \
+	if [ -f bench/collector_scale.py ]; then echo "== bench/collector_scale.py"; $(VENV_PYTHON) bench/collector_scale.py; fi
 
 clean:
 	rm -rf steptrace-runs build dist .pytest_cache .hypothesis
