@@ -1,0 +1,366 @@
+"""Megatron hooks: microbatch records of the schedule Megatron really ran, bubbles, unchanged gradients.
+
+The integration tests launch ``tests/megatron_scripts/pipeline_worker.py`` on 4 processes
+(``python -m torch.distributed.run``, gloo) through megatron-core's real pipeline
+schedules: pipeline size 4 with 1F1B, and pipeline size 4 with 2 virtual stages
+(interleaved 1F1B). Each configuration runs twice, with and without the hooks.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import steptrace
+from steptrace import SteptraceWarning
+
+torch = pytest.importorskip("torch", reason="the Megatron tests need torch: pip install steptrace[torch]")
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("the Megatron tests need megatron-core: pip install 'steptrace[megatron]'", allow_module_level=True)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected on CPU
+    from megatron.core.pipeline_parallel import schedules  # noqa: E402
+
+import steptrace.adapters.megatron as megatron_hooks  # noqa: E402
+
+pytestmark = pytest.mark.integration  # real megatron-core and torch
+
+WORKER = Path(__file__).parent / "megatron_scripts" / "pipeline_worker.py"
+NPROC = 4
+
+
+@pytest.fixture
+def hooks():
+    yield megatron_hooks
+    megatron_hooks.uninstall()
+
+
+# -- installation -----------------------------------------------------------------------
+def test_install_hooks_the_schedule_functions_and_uninstall_restores_them(hooks):
+    originals = (schedules.forward_step, schedules.backward_step, schedules.get_forward_backward_func)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SteptraceWarning)  # a matching megatron-core warns nothing
+        names = hooks.install()
+    assert {f"{schedules.__name__}.{n}" for n in ("forward_step", "backward_step", "get_forward_backward_func")} \
+        <= set(names)
+    assert schedules.forward_step is not originals[0]
+    assert hooks.install() == names  # idempotent: hooks are not stacked
+    import megatron.core.pipeline_parallel as pipeline_package
+
+    assert pipeline_package.get_forward_backward_func is schedules.get_forward_backward_func
+    hooks.uninstall()
+    assert (schedules.forward_step, schedules.backward_step, schedules.get_forward_backward_func) == originals
+    assert pipeline_package.get_forward_backward_func is originals[2]
+
+
+def test_megatron_training_hooks_are_skipped_silently_without_megatron_lm(hooks):
+    """megatron.training (Megatron-LM) is not in the megatron-core wheel: its hooks are skipped, no warning."""
+    if importlib.util.find_spec("megatron.training") is not None:
+        pytest.skip("megatron.training is importable here")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names = hooks.install()
+    assert not [n for n in names if "megatron.training" in n]
+
+
+def test_a_hook_whose_target_signature_differs_disables_itself_with_one_warning(hooks, monkeypatch):
+    def forward_step(data_iterator, model):  # an API without current_microbatch / vp_stage
+        return None
+
+    monkeypatch.setattr(schedules, "forward_step", forward_step)
+    with pytest.warns(SteptraceWarning) as caught:
+        names = hooks.install()
+    messages = [str(w.message) for w in caught if issubclass(w.category, SteptraceWarning)]
+    assert len(messages) == 1
+    assert "forward_step()" in messages[0] and "megatron-core 0.16.1" in messages[0]
+    assert "current_microbatch" in messages[0]
+    assert schedules.forward_step is forward_step  # left alone
+    assert f"{schedules.__name__}.backward_step" in names  # the other hooks still work
+
+
+def test_hooks_pass_calls_through_unchanged_when_steptrace_is_off(hooks):
+    hooks.install()
+    calls = []
+
+    def fake_schedule(**kwargs):
+        calls.append(kwargs)
+        return ["losses"]
+
+    wrapped = hooks._wrap_forward_backward(fake_schedule)
+    assert not steptrace.enabled()
+    assert wrapped(forward_only=False, num_microbatches=2) == ["losses"]
+    assert calls == [{"forward_only": False, "num_microbatches": 2}]
+
+
+def test_install_without_megatron_core_names_the_pip_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.pipeline_parallel", None)
+    with pytest.raises(ImportError, match=r"pip install 'steptrace\[megatron\]'"):
+        megatron_hooks.require_megatron()
+
+
+@pytest.fixture
+def single_process_megatron(monkeypatch, tmp_path):
+    """A world of one (gloo) with Megatron's parallel state, plus the test-side CPU shims."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    from megatron.core import parallel_state
+
+    zeros = torch.zeros
+
+    def cpu_zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", cpu_zeros)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_no_pipelining_schedule_gives_one_step_of_paired_microbatches_and_eval_is_a_span(
+        hooks, single_process_megatron):
+    """PP=1 (forward_backward_no_pipelining): forward then backward per microbatch, in order;
+    a forward_only call (evaluation) is an `eval` span, not a step."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer import TransformerConfig
+    from steptrace.testing import capture
+
+    hooks.install()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.config = config
+            self.model_type = ModelType.encoder_or_decoder
+
+        def set_input_tensor(self, tensors):
+            pass
+
+        def forward(self, x):
+            return self.linear(x)
+
+    model = Tiny()
+
+    def forward_step_func(data_iterator, m):
+        out = m(next(data_iterator))
+        return out, lambda o: (o.pow(2).mean(), {"loss": o.pow(2).mean().detach()})
+
+    def run(forward_only):
+        data = iter([torch.ones(2, 1, 8) * i for i in range(3)])
+        return schedules.get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=data, model=model, num_microbatches=3,
+            seq_length=2, micro_batch_size=1, forward_only=forward_only)
+
+    with capture() as sink:
+        losses = run(forward_only=False)
+        run(forward_only=True)
+    assert len(losses) == 3
+    (step,) = sink.steps()
+    assert step["step"] == 0 and step["pipeline_bubble_ratio"].keys() == {"0"}
+    mbs = sorted(sink.microbatches(), key=lambda r: r["host_start_time"])
+    assert [(m["kind"], m["microbatch"], m["chunk"], m["stage"]) for m in mbs] == [
+        (kind, i, None, 0) for i in range(3) for kind in ("forward", "backward")]
+    assert [s["name"] for s in sink.spans()] == ["eval"]
+
+
+# -- real pipeline schedules on 4 processes ------------------------------------------------
+def _gloo_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def _run_worker(tmp: Path, *, pp: int, vp: int | None, microbatches: int, forward_s: float, hooks: bool) -> Path:
+    out = tmp / ("hooks" if hooks else "plain")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+           str(WORKER), "--pp", str(pp), "--microbatches", str(microbatches), "--steps", "2",
+           "--forward-s", str(forward_s), "--hooks", "1" if hooks else "0",
+           "--run-dir", str(tmp / "runs"), "--run-id", "megatron", "--out", str(out)]
+    if vp:
+        cmd += ["--vp", str(vp)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("STEPTRACE_DISABLED", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return out
+
+
+class PipelineRun:
+    def __init__(self, tmp: Path, pp: int, vp: int | None, microbatches: int, forward_s: float):
+        if not _gloo_available():
+            pytest.skip("torch.distributed with the gloo backend is not available")
+        self.pp, self.vp, self.microbatches = pp, vp, microbatches
+        self.chunks = vp or 1
+        self.hooked_out = _run_worker(tmp, pp=pp, vp=vp, microbatches=microbatches, forward_s=forward_s, hooks=True)
+        self.plain_out = _run_worker(tmp, pp=pp, vp=vp, microbatches=microbatches, forward_s=forward_s, hooks=False)
+        self.run_dir = tmp / "runs" / "megatron"
+        self.records = {}
+        for rank in range(NPROC):
+            with open(self.run_dir / f"rank-{rank}.jsonl") as f:
+                self.records[rank] = [json.loads(line) for line in f]
+
+    def steps(self, rank: int) -> list[dict]:
+        return [r for r in self.records[rank] if r["type"] == "step"]
+
+    def microbatches_of(self, rank: int, step: int) -> list[dict]:
+        mbs = [r for r in self.records[rank] if r["type"] == "microbatch" and r["step"] == step]
+        return sorted(mbs, key=lambda r: r["host_start_time"])
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(tmp_path_factory):
+    """PP=4, 1F1B, 4 microbatches; forward 20 ms, backward 40 ms per stage."""
+    return PipelineRun(tmp_path_factory.mktemp("megatron-1f1b"), pp=4, vp=None, microbatches=4, forward_s=0.02)
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory):
+    """PP=4 with 2 virtual stages (interleaved 1F1B), 8 microbatches; forward 10 ms, backward 20 ms."""
+    return PipelineRun(tmp_path_factory.mktemp("megatron-interleaved"), pp=4, vp=2, microbatches=8, forward_s=0.01)
+
+
+def _expected_order(run: PipelineRun, stage: int) -> list[tuple]:
+    """(kind, microbatch, chunk) in the order Megatron's schedule runs them on ``stage``.
+
+    Built from megatron-core's own schedule definitions: the warm-up count
+    (``get_pp_rank_microbatches``: min(P - s - 1, M) for 1F1B; (P - s - 1) * 2 + (V - 1) * P
+    when interleaved), then one forward and one backward alternately, then the cool-down
+    backwards. Interleaved microbatches visit chunks in ``get_schedule_table`` order
+    (groups of P microbatches per chunk) forward, and the chunks reversed backward.
+    """
+    P, V, M = run.pp, run.chunks, run.microbatches
+    total = M * V
+    if run.vp:
+        warmup = min(total, (P - stage - 1) * 2 + (V - 1) * P)
+        table = schedules.get_schedule_table(M, V, P)
+        fwd = [("forward", mb, chunk) for mb, chunk in table]
+        bwd = [("backward", mb, V - 1 - chunk) for mb, chunk in table]
+    else:
+        warmup = min(P - stage - 1, M)
+        fwd = [("forward", mb, None) for mb in range(M)]
+        bwd = [("backward", mb, None) for mb in range(M)]
+    order = fwd[:warmup]
+    for i in range(total - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[total - warmup:]
+
+
+def _check_schedule(run: PipelineRun) -> None:
+    for rank in range(NPROC):
+        stage = rank  # PP = world size: pipeline rank = global rank
+        steps = run.steps(rank)
+        assert [s["step"] for s in steps] == [0, 1]
+        for step in (0, 1):
+            mbs = run.microbatches_of(rank, step)
+            assert {m["stage"] for m in mbs} == {stage}
+            # Counts: each microbatch once forward and once backward on every chunk of the stage.
+            for chunk in ([None] if run.vp is None else range(run.chunks)):
+                for kind in ("forward", "backward"):
+                    got = sorted(m["microbatch"] for m in mbs if m["chunk"] == chunk and m["kind"] == kind)
+                    assert got == list(range(run.microbatches)), (rank, step, chunk, kind)
+            # Forward before backward for each microbatch and chunk.
+            when = {(m["kind"], m["microbatch"], m["chunk"]): m for m in mbs}
+            for (kind, mb, chunk), m in when.items():
+                if kind == "backward":
+                    assert when[("forward", mb, chunk)]["host_end_time"] <= m["host_start_time"]
+            # Warm-up / steady 1F1B / cool-down, exactly as Megatron schedules this stage.
+            assert [(m["kind"], m["microbatch"], m["chunk"]) for m in mbs] == _expected_order(run, stage), \
+                f"stage {stage}, step {step}"
+            for m in mbs:
+                assert m["compute_seconds"] > 0
+                assert steps[step]["start_time"] - 1e-6 <= m["start_time"] <= m["end_time"] \
+                    <= steps[step]["end_time"] + 1e-6
+
+
+def _bubbles(run: PipelineRun, step: int) -> list[float]:
+    out = []
+    for rank in range(NPROC):
+        (record,) = [s for s in run.steps(rank) if s["step"] == step]
+        out.append(record["pipeline_bubble_ratio"][str(rank)])
+    return out
+
+
+def _check_gradients_unchanged(run: PipelineRun) -> None:
+    for rank in range(NPROC):
+        hooked = torch.load(run.hooked_out / f"grads-rank{rank}.pt")
+        plain = torch.load(run.plain_out / f"grads-rank{rank}.pt")
+        assert len(hooked) == len(plain) == 2
+        for h, p in zip(hooked, plain):
+            assert len(h["losses"]) == len(p["losses"])
+            assert all(torch.equal(a, b) for a, b in zip(h["losses"], p["losses"]))
+            assert len(h["grads"]) == run.chunks
+            for hc, pc in zip(h["grads"], p["grads"]):
+                assert hc.keys() == pc.keys()
+                for name in hc:
+                    assert torch.equal(hc[name], pc[name]), (rank, name)
+                    assert hc[name].abs().sum() > 0
+    last = torch.load(run.hooked_out / f"grads-rank{NPROC - 1}.pt")
+    assert len(last[0]["losses"]) == run.microbatches  # the last stage computed the loss
+
+
+def test_1f1b_records_are_the_schedule_megatron_ran(one_f_one_b):
+    _check_schedule(one_f_one_b)
+
+
+def test_1f1b_bubble_is_largest_on_the_first_stage_and_smallest_on_the_last(one_f_one_b):
+    """Every stage does the same work, M·(f + b), and all enter the step together (the
+    barrier stands in for Megatron's optimizer step). Stage s waits s·f for its first
+    forward, and its last backward ends s·b before stage 0's, which closes the pipeline
+    drain: the first stage's step is the longest, so it idles most, the last stage least.
+    Ideal 1F1B with P=4, M=4, f=20 ms, b=40 ms: stage 0's step is (M+P-1)(f+b) = 420 ms,
+    stage s's 420 - 40s, so bubble = 1 - 240/(420 - 40s) = 0.43, 0.37, 0.29, 0.20."""
+    bubbles = _bubbles(one_f_one_b, step=1)  # step 0 includes gloo connection set-up
+    predicted = [1 - 240 / (420 - 40 * s) for s in range(4)]
+    for got, want in zip(bubbles, predicted):
+        assert got == pytest.approx(want, abs=0.12), (bubbles, predicted)
+    assert bubbles[0] > bubbles[3] + 0.1
+    assert all(a > b - 0.03 for a, b in zip(bubbles, bubbles[1:])), bubbles  # non-increasing, generously
+
+
+def test_1f1b_hooks_do_not_change_losses_or_gradients(one_f_one_b):
+    _check_gradients_unchanged(one_f_one_b)
+
+
+def test_interleaved_records_are_the_schedule_megatron_ran(interleaved):
+    _check_schedule(interleaved)
+
+
+def test_interleaved_bubble_is_smaller_than_1f1b_and_largest_on_the_first_stage(interleaved, one_f_one_b):
+    """Interleaving splits each stage's work into V chunks, so the fill/drain costs
+    (P-1)·(f+b)/V instead of (P-1)·(f+b): every stage's bubble shrinks, and the order
+    across stages (first stage idles most) stays."""
+    inter = _bubbles(interleaved, step=1)
+    flat = _bubbles(one_f_one_b, step=1)
+    assert inter[0] > inter[3] + 0.05, inter
+    assert sum(inter) < sum(flat), (inter, flat)
+
+
+def test_interleaved_hooks_do_not_change_losses_or_gradients(interleaved):
+    _check_gradients_unchanged(interleaved)
+
+
+def test_timeline_png_draws_the_interleaved_run(interleaved, tmp_path):
+    pytest.importorskip("matplotlib", reason="steptrace timeline --png needs matplotlib")
+    png = tmp_path / "megatron-interleaved.png"
+    proc = subprocess.run([sys.executable, "-m", "steptrace", "timeline", str(interleaved.run_dir),
+                           "--steps", "1", "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
