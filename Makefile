@@ -6,6 +6,7 @@
 #   make bench       every bench/bench_*.py, then bench/collector_scale.py
 #   make clean       run directories, caches, build outputs
 #   make distclean   clean + the virtualenv
+#   make maxtext-env the Python 3.12 env (.venv-maxtext) the MaxText hook tests run in
 #
 # PYTHON picks the interpreter the virtualenv is made from (3.11 or newer).
 
@@ -22,7 +23,7 @@ VENV_PYTHON := $(VENV)/bin/python
 PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])" 2>/dev/null || cksum < pyproject.toml | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 
-.PHONY: demo test bench install clean distclean help
+.PHONY: demo test bench install clean distclean help maxtext-env
 .DEFAULT_GOAL := help
 
 help:
@@ -41,7 +42,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV_PYTHON) examples/train_jax.py $(DEMO_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) maxtext-env
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -60,4 +61,32 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(MAXTEXT_VENV)
+
+# --- MaxText (tests/test_maxtext.py) --------------------------------------------------
+# maxtext needs Python >= 3.12 and keeps its dependencies in extras (maxtext[tpu] is ~2.8 GB
+# with libtpu), so the MaxText tests run MaxText in its own venv, installed from the pinned
+# CPU set in requirements-maxtext.txt with --no-deps, plus steptrace itself (-e .).
+# PYTHON312: a working python3.12 on PATH, else pyenv's 3.12.x. The stamp carries a hash of
+# requirements-maxtext.txt and pyproject.toml.
+PYTHON312 ?= $(shell for c in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do $$c -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$c; break; }; done)
+MAXTEXT_VENV ?= .venv-maxtext
+MAXTEXT_HASH := $(shell cat requirements-maxtext.txt pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_HASH)
+
+# Without a Python 3.12 the env is not built and the MaxText tests skip, saying why; an
+# install that fails with 3.12 present fails the target.
+$(MAXTEXT_STAMP):
+	@set -e; \
+	if [ -z "$(PYTHON312)" ]; then \
+		echo "maxtext-env: WARNING: no Python 3.12 found (set PYTHON312=...); the MaxText tests will skip"; \
+		exit 0; \
+	fi; \
+	rm -rf $(MAXTEXT_VENV); \
+	echo "maxtext-env: building $(MAXTEXT_VENV) with $(PYTHON312)"; \
+	$(PYTHON312) -m venv $(MAXTEXT_VENV); \
+	$(MAXTEXT_VENV)/bin/python -m pip install -q --no-deps -r requirements-maxtext.txt; \
+	$(MAXTEXT_VENV)/bin/python -m pip install -q --no-deps -e .; \
+	touch $@
+
+maxtext-env: $(MAXTEXT_STAMP)
