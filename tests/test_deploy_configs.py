@@ -17,15 +17,13 @@ import datetime
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from prometheus_server import PrometheusProcess, free_port  # noqa: E402
 
 yaml = pytest.importorskip("yaml", reason="reading the configs needs PyYAML (installed with steptrace[test])")
 
@@ -36,12 +34,6 @@ RULES_YML = COLLECTOR / "rules.yml"
 OTELCOL_YAML = COLLECTOR / "otelcol.yaml"
 
 RUN_ID = "r"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_yaml(path: Path):
@@ -233,52 +225,11 @@ def test_otelcol_contrib_validates_the_config_when_installed():
 
 # -- a live Prometheus server (shared with test_dashboards.py) ---------------------------------------
 
-class PrometheusServer:
+class PrometheusServer(PrometheusProcess):
     """A Prometheus server on 127.0.0.1 with its own storage under ``tmp_path``."""
 
     def __init__(self, binary: str, config: dict, tmp_path: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        path = tmp_path / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        self.log_path = tmp_path / "prometheus.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
-
-    def wait_ready(self, timeout_s: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.base + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        return False
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def api(self, path: str, params: dict | None = None, post: bool = False) -> dict:
-        """The JSON body of an API call; error answers (400, 422) are returned, not raised."""
-        data = urllib.parse.urlencode(params or {})
-        if post:
-            request = urllib.request.Request(self.base + path, data=data.encode(),
-                                             headers={"Content-Type": "application/x-www-form-urlencoded"})
-        else:
-            request = urllib.request.Request(self.base + path + ("?" + data if data else ""))
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return json.loads(response.read().decode())
-        except urllib.error.HTTPError as exc:
-            return json.loads(exc.read().decode())
+        super().__init__(binary, yaml.safe_dump(config, sort_keys=False), tmp_path)
 
     def query(self, promql: str) -> dict:
         """POST /api/v1/query, as Grafana does: the raw answer (status, errorType, data)."""
@@ -318,14 +269,6 @@ class PrometheusServer:
         pytest.fail(f"the recording rules were not evaluated after {after} within {timeout_s} s; "
                     f"log:\n{self.log_tail()}")
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
 
 
 def _rfc3339(value: str | None) -> float:

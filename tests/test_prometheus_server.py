@@ -7,13 +7,8 @@ skips with the reason when either is missing or the server cannot start.
 import bisect
 import json
 import shutil
-import socket
 import statistics
-import subprocess
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
 import pytest
 
@@ -22,6 +17,7 @@ jax = pytest.importorskip("jax", reason="the end-to-end test trains with JAX: `p
 jnp = pytest.importorskip("jax.numpy")
 
 import steptrace  # noqa: E402
+from prometheus_server import PrometheusProcess  # noqa: E402
 from steptrace._buckets import STEP_BUCKETS_S as SECONDS_BUCKETS  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -30,25 +26,11 @@ STEPS = 20
 RUN_ID = "prom-e2e"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read().decode())
-
-
-class PrometheusServer:
+class PrometheusServer(PrometheusProcess):
     """A Prometheus server on 127.0.0.1 scraping ``target`` every second, with exemplar storage."""
 
     def __init__(self, binary, target, tmp_path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
+        super().__init__(binary, (
             "global:\n"
             "  scrape_interval: 1s\n"
             "  evaluation_interval: 1s\n"
@@ -57,36 +39,11 @@ class PrometheusServer:
             "    scrape_interval: 1s\n"
             "    scrape_timeout: 1s\n"
             "    static_configs:\n"
-            f"      - targets: ['{target}']\n")
-        self.log_path = tmp_path / "prometheus.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
-
-    def wait_ready(self, timeout_s=15.0):
-        """True once /-/ready answers; False if the server exits or takes too long."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.base + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        return False
-
-    def log_tail(self):
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-2000:]
+            f"      - targets: ['{target}']\n"), tmp_path)
 
     def query(self, promql):
         """The instant vector of ``promql``: a list of (labels, float value)."""
-        body = get_json(self.base + "/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+        body = self.api("/api/v1/query", {"query": promql})
         assert body["status"] == "success", body
         return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
 
@@ -106,19 +63,9 @@ class PrometheusServer:
         pytest.fail(f"{promql} was {seen}, expected {expected}, after {timeout_s} s; log:\n{self.log_tail()}")
 
     def exemplars(self, metric, start, end):
-        query = urllib.parse.urlencode({"query": metric, "start": start, "end": end})
-        body = get_json(self.base + "/api/v1/query_exemplars?" + query)
+        body = self.api("/api/v1/query_exemplars", {"query": metric, "start": start, "end": end})
         assert body["status"] == "success", body
         return [e for series in body["data"] for e in series["exemplars"]]
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
 
 
 @pytest.fixture
