@@ -14,6 +14,7 @@ them strictly in order, like the steps of a training run.
 
 from __future__ import annotations
 
+import http.server
 import os
 import platform
 import statistics
@@ -179,3 +180,27 @@ def fmt_table(headers: list[str], rows: list[list[Any]], align: str | None = Non
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+class AcceptOtlp(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP endpoint that answers every POST 200 with an empty (valid) protobuf response.
+
+    Subclass it per use: ``requests`` counts the requests; set ``bodies`` to a list to also
+    keep each request's ``(path, body)``.
+    """
+
+    requests = 0
+    bodies: list[tuple[str, bytes]] | None = None
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).requests += 1
+        if self.bodies is not None:
+            self.bodies.append((self.path, body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass

@@ -341,18 +341,8 @@ class RankEncoder:
 # -- checking the payload against steptrace's own exporter -------------------------------------------
 
 
-class _Capture(http.server.BaseHTTPRequestHandler):
+class _Capture(wl.AcceptOtlp):
     bodies: list[tuple[str, bytes]] = []
-
-    def do_POST(self):  # noqa: N802 (http.server's naming)
-        type(self).bodies.append((self.path, self.rfile.read(int(self.headers.get("Content-Length", 0)))))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
 
 
 def verify_payload() -> str:

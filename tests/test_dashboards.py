@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_deploy_configs import RUN_ID, load_yaml, recorded_names, start_live
+from test_deploy_configs import RUN_ID, live, load_yaml, recorded_names  # noqa: F401 (live: the shared fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "collector" / "dashboards"
@@ -307,14 +307,6 @@ def test_dashboard_provisioning_loads_the_json_folder():
 
 
 # -- every query through a real Prometheus -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    server, run, _ = start_live(tmp_path_factory.mktemp("prometheus"))
-    yield server
-    server.stop()
-    run.close()
-
 
 @pytest.mark.parametrize("rank", [".*", "(0|1)", "1"], ids=["all", "multi", "one"])
 def test_every_query_parses_and_evaluates_on_a_real_prometheus(live, rank):

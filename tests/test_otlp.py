@@ -6,7 +6,6 @@ Everything runs through the public API against in-test OTLP receivers
 """
 
 import bisect
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http",
 
 import steptrace  # noqa: E402
 from otlp_receiver import OtlpHttpReceiver  # noqa: E402
+from prometheus_server import free_port  # noqa: E402
 from steptrace import _ids  # noqa: E402
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, STEP_BUCKETS_S  # noqa: E402
 from steptrace.otlp import OtlpSink, signal_endpoints  # noqa: E402
@@ -78,12 +78,6 @@ def train(device, *, steps=3, checkpoint_at=1, tail_span=True, **settings):
 
 def by_name(spans, name, rank=None):
     return [s for s in spans if s.name == name and (rank is None or s.attributes.get("train.rank") == rank)]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- traces ----------------------------------------------------------------------------------
