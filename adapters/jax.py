@@ -1,7 +1,9 @@
 """JAX: wait on step outputs off the training thread, charge compilation, annotate XProf traces.
 
 * :class:`JaxDevice` waits with ``jax.block_until_ready`` on the resolver thread
-  (it releases the GIL, so the training thread keeps dispatching).
+  (it releases the GIL, so the training thread keeps dispatching). JAX exposes
+  no device clock, so a step's end is *observed*: the moment the wait returns
+  and the resolver gets the GIL back.
 * :func:`install_compile_listener` turns ``jax.monitoring`` compile events
   (``/jax/core/compile/*``) into ``compile`` host spans: compilation inside a
   step lands in that step's ``idle_breakdown["compile"]`` instead of
@@ -39,18 +41,11 @@ class JaxDevice:
     def __init__(self) -> None:
         self._jax = require_jax()
 
-    def event(self) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> float | None:
-        return None
-
-    def elapsed(self, start_event: Any, end_event: Any) -> float:
-        raise NotImplementedError("JAX steps are timed by their outputs, not by stream markers")
-
     def wait_values(self, values: tuple[Any, ...]) -> float | None:
         self._jax.block_until_ready(values)
-        return None  # the resolver reads the clock the moment this returns
+        # JAX has no device clock to read back: the resolver reads the host clock when
+        # this returns (end_source "observed"), late by whatever held the GIL meanwhile.
+        return None
 
 
 def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any) -> None:

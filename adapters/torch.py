@@ -2,11 +2,11 @@
 
 On CUDA, :class:`TorchCudaDevice` records ``torch.cuda.Event(enable_timing=True)``
 markers on the current stream at the step's dispatch point and at its exit;
-the resolver thread synchronises on the exit marker and reads the device time
-between the two with ``elapsed_time``. The training thread never synchronises.
+the resolver thread polls them and places their device-clock timestamps on
+the host clock. The training thread never synchronises.
 
-On CPU-only torch, operators run synchronously, so host times are exact and
-the step is host-timed (``backend: "host"``).
+CPU torch operators run synchronously, so a CPU step is host-timed
+(``backend: "host"``), also on a machine that has a GPU.
 """
 
 from __future__ import annotations
@@ -23,31 +23,63 @@ def require_torch() -> Any:
 
 
 class TorchCudaDevice:
-    """A stream device: CUDA events on the current stream."""
+    """A stream device: pooled ``torch.cuda.Event`` markers on the current stream.
+
+    The training thread pays for ``current_stream()`` once per step and one
+    ``cudaEventRecord`` per marker; events come from a pool the resolver refills
+    after reading them, so steady state allocates nothing. The resolver polls
+    ``query()`` (never ``synchronize()``, which spin-waits a core by default) and
+    reads times as ``elapsed_time`` against calibration anchors recorded on a
+    side stream of the same device (``steptrace._clock``).
+    """
 
     name = "torch-cuda"
     uses_events = True
 
     def __init__(self) -> None:
-        self._torch = require_torch()
-        if not self._torch.cuda.is_available():
+        torch = self._torch = require_torch()
+        if not torch.cuda.is_available():
             raise ValueError("backend='torch' with CUDA events needs a CUDA device; torch.cuda.is_available() is False")
+        self._Event = torch.cuda.Event
+        self._current_stream = torch.cuda.current_stream
+        self._capturing = torch.cuda.is_current_stream_capturing
+        # Markers are bound to the device they are first recorded on: one device per process.
+        self.device_index = torch.cuda.current_device()
+        self._free: list[Any] = []  # pooled events; list.pop/append are atomic under the GIL
+        self._side_stream: Any = None
+        #: Events created so far (the pool's high-water mark).
+        self.events_created = 0
 
-    def event(self) -> Any:
-        event = self._torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream, asynchronously
-        return event
+    def current_stream(self) -> Any:
+        # A timing event recorded inside a graph capture would be captured (or break it).
+        if self._capturing():
+            return None
+        return self._current_stream()
 
-    def wait_event(self, event: Any) -> float | None:
-        event.synchronize()  # resolver thread only; releases the GIL while waiting
-        return None
+    def record(self, stream: Any, marker: Any = None) -> Any:
+        if marker is None:
+            try:
+                marker = self._free.pop()
+            except IndexError:
+                marker = self._Event(enable_timing=True)
+                self.events_created += 1
+        marker.record(stream)
+        return marker
 
-    def elapsed(self, start_event: Any, end_event: Any) -> float:
-        return start_event.elapsed_time(end_event) / 1000.0  # milliseconds on the device clock
+    def query(self, marker: Any) -> bool:
+        return marker.query()
 
-    def wait_values(self, values: tuple[Any, ...]) -> float | None:
-        # CUDA steps are timed by their markers; values are not needed.
-        return None
+    def elapsed(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0  # milliseconds on the device clock
+
+    def release(self, marker: Any) -> None:
+        self._free.append(marker)
+
+    def clock_marker(self) -> Any:
+        if self._side_stream is None:
+            # Created here, on the resolver thread: the training thread's stream choice is untouched.
+            self._side_stream = self._torch.cuda.Stream(device=self.device_index)
+        return self.record(self._side_stream)
 
 
 class _Ranges:
@@ -66,12 +98,16 @@ class _Ranges:
             self._record_function.__exit__(exc_type, exc, tb)
 
 
-def step_annotator(cuda: bool) -> Callable[[int], Any]:
+def step_annotator() -> Callable[[int], Any]:
     """Build the per-step annotator: ``torch.profiler.record_function`` while the torch profiler
-    runs (it costs ~10 µs per step otherwise, measured here) and an NVTX range on CUDA."""
+    runs (it costs ~10 µs per step otherwise, measured here) and an NVTX range where CUDA is
+    available (Nsight Systems shows steps by number)."""
     torch = require_torch()
     profiler_enabled = torch.autograd._profiler_enabled
-    nvtx = torch.cuda.nvtx if cuda else None
+    try:
+        nvtx = torch.cuda.nvtx if torch.cuda.is_available() else None
+    except Exception:
+        nvtx = None
 
     def annotate(n: int) -> Any:
         record = None

@@ -132,7 +132,9 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
         if not config.enabled:
             _install(_Disabled(warn_uninitialised=False))
             return config
-        forced_value, stream, auto = _choose_backend(config.backend)
+        from steptrace._devices import Backends
+
+        backends = Backends(config.backend)
         built = _build_sinks(config)
         from steptrace._resolver import Resolver
 
@@ -142,7 +144,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             attach = getattr(sink, "attach_drop_counter", None)
             if callable(attach):
                 attach(resolver.dropped_snapshot)
-        _install(Runtime(config, resolver, forced_value_device=forced_value, stream_device=stream, auto=auto))
+        _install(Runtime(config, resolver, backends))
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -175,29 +177,6 @@ def _build_sinks(config: Config) -> list[Any]:
                 pass
         raise
     return built
-
-
-def _choose_backend(backend: Any) -> tuple[Any, Any, bool]:
-    """(device forced for wait_for values, stream device, decide-at-first-step)."""
-    if not isinstance(backend, str):
-        if getattr(backend, "uses_events", False):
-            return None, backend, False
-        return backend, None, False
-    if backend == "auto":
-        return None, None, True
-    if backend == "host":
-        from steptrace._devices import HOST
-
-        return HOST, None, False
-    if backend == "jax":
-        from steptrace.adapters.jax import JaxDevice
-
-        return JaxDevice(), None, False
-    # "torch": CUDA events when CUDA is there; CPU torch runs synchronously (host timing is exact).
-    from steptrace.adapters.torch import TorchCudaDevice, require_torch
-
-    torch = require_torch()
-    return None, (TorchCudaDevice() if torch.cuda.is_available() else None), False
 
 
 def step(n: int, *, tokens: int | float | None = None, flops: int | float | None = None,

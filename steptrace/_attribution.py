@@ -42,23 +42,20 @@ def unit_timing(
     prev_end: float,
     dispatch: float,
     end: float,
-    device_compute: float | None = None,
+    device_start: float | None = None,
 ) -> Timing:
     """Place one unit of device work (a step or a microbatch) on the timeline.
 
     ``prev_end`` is when the device finished the previous unit (for the first
-    step: its host start). ``device_compute`` is a duration measured on the
-    device itself (CUDA events between the dispatch marker and the end marker);
-    when given it replaces ``end - max(prev_end, dispatch)``, which is what the
-    marker pair measures on the device's own clock.
+    step: its host start). ``device_start`` is when the device itself reached
+    the unit's start marker (a CUDA event recorded at ``dispatch``, placed on
+    the host clock); when given it replaces ``dispatch``: the stream reaches
+    the marker once both the host has recorded it and earlier work is done.
     """
-    # Completion is observed in order, but a host-timed unit after a device-timed
-    # one could otherwise appear to end before its predecessor.
+    # A host-timed unit after a device-timed one could otherwise appear to end
+    # before its predecessor.
     end = max(end, prev_end)
-    if device_compute is None:
-        start = max(prev_end, dispatch)
-    else:
-        start = max(prev_end, end - max(device_compute, 0.0))
+    start = max(prev_end, dispatch if device_start is None else device_start)
     start = min(start, end)
     interval = end - prev_end
     compute = end - start

@@ -1,45 +1,66 @@
-"""Device backends: how the resolver learns when the device finished a unit of work.
+"""Device backends, and the one place that decides which one times a unit of work.
 
-Two kinds, one protocol (:class:`Device`):
+Two kinds of device, one small protocol each:
 
 * **value devices** (JAX, :class:`steptrace.testing.SimulatedDevice` values): the
   training thread hands over the step's outputs (``wait_for``); the resolver
-  blocks on them (``wait_values``) and the moment they are ready is ``end(n)``.
+  blocks on them (``wait_values``). A device that knows when they became ready
+  returns that host time (``end_source: "device"``); JAX cannot, so the resolver
+  reads the clock when the wait returns (``end_source: "observed"``), which a
+  GIL-holding call on the training thread can delay.
 * **stream devices** (CUDA through torch, a ``SimulatedDevice`` passed as the
-  backend): markers (``event()``) are recorded on the device stream at the
-  step's dispatch point and at its exit; the resolver waits on the exit marker
-  and reads the device-measured time between the two (``elapsed``).
+  backend): markers are recorded on the device stream at the step's dispatch
+  point and at its exit (``record``, training thread, from a pool); the
+  resolver polls them (``query``, never blocks or spins) and places their
+  device-clock timestamps on the host clock (``steptrace._clock``), so a late
+  observation never changes a time (``end_source: "device_clock"``).
 
-The training thread only calls the cheap methods (``event``); everything that
-blocks (``wait_*``) runs on the resolver thread.
+Which device times a step follows the work, not the imports (DESIGN §2); see
+:class:`Backends`. Everything that blocks or polls runs on the resolver thread.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, Protocol
 
 
 class Device(Protocol):
-    """What the resolver needs from a backend (also implemented by ``SimulatedDevice``)."""
+    """What every backend has."""
 
     #: Short name written into records (``backend`` field).
     name: str
-    #: True for stream devices: markers are recorded at dispatch and exit.
+    #: True for stream devices (markers and a device clock), False for value devices.
     uses_events: bool
 
-    def event(self) -> Any:
-        """Record a marker on the device stream now (training thread; must not block)."""
 
-    def wait_event(self, event: Any) -> float | None:
-        """Block until the marker completed; its host completion time if known, else None."""
-
-    def elapsed(self, start_event: Any, end_event: Any) -> float:
-        """Device seconds between two completed markers."""
-
+class ValueDevice(Device, Protocol):
     def wait_values(self, values: tuple[Any, ...]) -> float | None:
-        """Block until every value is computed; completion host time if known, else None."""
+        """Block until every value is computed (resolver thread). Returns the host
+        ``perf_counter`` time they became ready when the device knows it, else None."""
+
+
+class StreamDevice(Device, Protocol):
+    def current_stream(self) -> Any:
+        """The stream work is being queued on now (training thread, cheap), or None when
+        no marker may be recorded on it (a CUDA graph capture is in progress)."""
+
+    def record(self, stream: Any, marker: Any = None) -> Any:
+        """Record ``marker`` (or a pooled new one) on ``stream`` now and return it.
+        Training thread; must not block and should not allocate in steady state."""
+
+    def query(self, marker: Any) -> bool:
+        """True once the stream has reached the marker (resolver thread; never blocks)."""
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Device-clock seconds from ``start`` to ``end``, both complete, ``end`` not earlier."""
+
+    def release(self, marker: Any) -> None:
+        """Give a marker back to the pool once its time has been read (resolver thread)."""
+
+    def clock_marker(self) -> Any:
+        """Record a marker on an idle side stream of the same device now (resolver thread):
+        the calibration anchor of ``steptrace._clock``."""
 
 
 class HostDevice:
@@ -48,15 +69,6 @@ class HostDevice:
     name = "host"
     uses_events = False
 
-    def event(self) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> float | None:
-        return None
-
-    def elapsed(self, start_event: Any, end_event: Any) -> float:
-        raise NotImplementedError("the host device records no markers")
-
     def wait_values(self, values: tuple[Any, ...]) -> float | None:
         return None
 
@@ -64,75 +76,146 @@ class HostDevice:
 HOST = HostDevice()
 
 
-class DeviceChooser:
-    """Picks the device for the values given to ``wait_for``, caching by type.
+class _TorchTensors:
+    """Marker for torch tensors in the type cache: CUDA or CPU is a property of the value."""
 
-    Runs on the training thread, so it looks only at type names (never imports
-    a framework, never touches array contents) and remembers each answer.
+
+_TORCH_TENSORS = _TorchTensors()
+
+
+class Backends:
+    """Decides which device times each step and microbatch. The rule (DESIGN §2):
+
+    * ``backend`` forced by configuration: that device, always (a stream device
+      times every step with markers, whatever ``wait_for`` is given).
+    * ``auto``: the values given to ``wait_for`` decide. JAX arrays are timed by
+      JAX even when torch is imported; CPU torch tensors (and numpy arrays) were
+      computed synchronously, so the step is host-timed; CUDA torch tensors are
+      timed by CUDA events. Without a deciding value, a step is event-timed when
+      torch's CUDA has been initialised in this process (work is being queued on
+      a GPU), else host-timed. While steps are being timed by their values,
+      later steps do not record speculative CUDA markers.
+
+    Runs on the training thread: it looks at type names and ``is_cuda``, never
+    imports a framework the program has not imported, never touches contents.
     """
 
-    def __init__(self) -> None:
-        #: type -> device, for leaf types only (read directly by the training-thread fast path)
-        self.by_type: dict[type, Device] = {}
-        self._jax: Device | None = None
-
-    def for_values(self, values: tuple[Any, ...]) -> Device:
-        for value in values:
-            device = self._for_value(value, 0)
-            if device is not HOST:
-                return device
-        return HOST
-
-    def _for_value(self, value: Any, depth: int) -> Device:
-        kind = type(value)
-        found = self.by_type.get(kind)
-        if found is not None:
-            return found
-        if kind in (list, tuple) or kind is dict:
-            # A pytree: the first leaf decides (a step's outputs share one device).
-            if depth > 8:
-                return HOST
-            items = value.values() if kind is dict else value
-            for item in items:
-                device = self._for_value(item, depth + 1)
-                if device is not HOST:
-                    return device
-            return HOST
-        # Values that carry their own device (SimulatedWork) are not cached by type:
-        # several simulated devices may coexist.
-        own = getattr(value, "_steptrace_device", None)
-        if own is not None:
-            return own
-        device = self._classify(kind)
-        self.by_type[kind] = device
-        return device
-
-    def _classify(self, kind: type) -> Device:
-        module = kind.__module__ or ""
-        if module.startswith(("jax", "jaxlib")):
-            return self.jax_device()
-        # torch tensors: CUDA steps are timed by stream markers chosen at step entry;
-        # a CPU tensor was computed synchronously, so host timing is exact.
-        return HOST
-
-    def jax_device(self) -> Device:
-        if self._jax is None:
+    def __init__(self, backend: Any):
+        self.auto = False
+        #: Stream device forced for every step (None: decided per step).
+        self.forced_stream: Any = None
+        #: Value device forced for ``wait_for`` values (None: decided by the values).
+        self.forced_values: Any = None
+        self._cuda: Any = None
+        self._jax: Any = None
+        #: True while the last decided step was timed by its values (JAX): skip speculative markers.
+        self.timed_by_values = False
+        #: type -> device (or _TORCH_TENSORS, or None for "no opinion"), for leaf types.
+        self.by_type: dict[type, Any] = {}
+        if not isinstance(backend, str):
+            if getattr(backend, "uses_events", False):
+                self.forced_stream = backend
+            else:
+                self.forced_values = backend
+        elif backend == "auto":
+            self.auto = True
+        elif backend == "host":
+            self.forced_values = HOST
+        elif backend == "jax":
             from steptrace.adapters.jax import JaxDevice
 
-            self._jax = JaxDevice()
-        return self._jax
+            self.forced_values = JaxDevice()
+        elif backend == "torch":
+            # CUDA events when CUDA is there; CPU torch runs synchronously (host timing is exact).
+            from steptrace.adapters.torch import TorchCudaDevice, require_torch
+
+            if require_torch().cuda.is_available():
+                self.forced_stream = self._cuda = TorchCudaDevice()
+            else:
+                self.forced_values = HOST
+        else:
+            raise ValueError(f"backend: unknown backend {backend!r}")
+
+    # -- at step / microbatch entry ------------------------------------------------------
+    def stream_for_unit(self) -> Any:
+        """The stream device to record markers on for a unit starting now, or None."""
+        if self.forced_stream is not None:
+            return self.forced_stream
+        if not self.auto or self.timed_by_values:
+            return None
+        return self.cuda_if_initialised()
+
+    def cuda_if_initialised(self) -> Any:
+        cuda = self._cuda
+        if cuda is None:
+            torch = sys.modules.get("torch")
+            if torch is None:
+                return None
+            try:
+                # Not is_available(): a CPU program on a GPU machine never initialises CUDA.
+                if not torch.cuda.is_initialized():
+                    return None
+            except Exception:
+                return None
+            from steptrace.adapters.torch import TorchCudaDevice
+
+            cuda = self._cuda = TorchCudaDevice()
+        return cuda
+
+    # -- at wait_for -------------------------------------------------------------------
+    def for_values(self, values: tuple[Any, ...]) -> Any:
+        """The device the values say computed them: a value device, HOST (computed
+        synchronously), a stream device (CUDA tensors), or None (the values do not say)."""
+        if self.forced_values is not None:
+            return self.forced_values
+        for value in values:
+            device = self._for_value(value, 0)
+            if device is not None:
+                return device
+        return None
+
+    def _for_value(self, value: Any, depth: int) -> Any:
+        kind = type(value)
+        found = self.by_type.get(kind, _MISSING)
+        if found is _MISSING:
+            if kind in (list, tuple) or kind is dict:
+                # A pytree: the first deciding leaf decides (a step's outputs share one device).
+                if depth > 8:
+                    return None
+                for item in (value.values() if kind is dict else value):
+                    device = self._for_value(item, depth + 1)
+                    if device is not None:
+                        return device
+                return None
+            # Values that carry their own device (SimulatedWork) are not cached by type:
+            # several simulated devices may coexist.
+            own = getattr(value, "_steptrace_device", None)
+            if own is not None:
+                return own
+            found = self.by_type[kind] = self._classify(kind)
+        if found is _TORCH_TENSORS:
+            try:
+                if value.is_cuda:
+                    self.timed_by_values = False
+                    return self.cuda_if_initialised()
+            except Exception:
+                return None
+            return HOST
+        return found
+
+    def _classify(self, kind: type) -> Any:
+        module = kind.__module__ or ""
+        if module.startswith(("jax", "jaxlib")):
+            if self._jax is None:
+                from steptrace.adapters.jax import JaxDevice
+
+                self._jax = JaxDevice()
+            return self._jax
+        if module.startswith("torch") and hasattr(kind, "is_cuda"):
+            return _TORCH_TENSORS
+        if module == "numpy":
+            return HOST  # a numpy array is already on the host: it was computed synchronously
+        return None
 
 
-def torch_cuda_in_use() -> bool:
-    """True when the user's program imported torch and CUDA is available (never imports torch)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
-def perf_now() -> float:
-    return time.perf_counter()
+_MISSING = object()

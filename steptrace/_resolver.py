@@ -3,10 +3,17 @@ and turns the training thread's raw observations into finalized records.
 
 Items arrive in the order the training thread produced them and are
 finalized in that order, so ``end(n-1)`` is always known when step ``n`` is
-resolved. Waiting on the device (``jax.block_until_ready``, CUDA event
-synchronisation) happens here and only here: the training thread never waits
-because of steptrace. Because the device executes steps in order, waiting on
-them in order observes each completion promptly.
+resolved. Waiting on the device happens here and only here: the training
+thread never waits because of steptrace.
+
+* Stream units (CUDA): the resolver polls their markers (``query``) every
+  ``_STREAM_POLL_S`` and, once complete, places their device-clock timestamps
+  on the host clock (``steptrace._clock``). When it looks changes nothing in
+  what it records, so it looks rarely and finalizes what completed in one
+  batch: few GIL hand-offs with the training thread, no spinning core.
+* Value units (JAX): the resolver blocks on the outputs and, unless the
+  device reports the time itself, reads the clock when the wait returns
+  (``end_source: "observed"``), so it waits on them as soon as they arrive.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from steptrace import _attribution as attribution
+from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
 from steptrace._ids import trace_id_hex
 from steptrace._sinks import SinkWorker
@@ -32,7 +40,23 @@ _perf = time.perf_counter
 # How many step end times are kept for checkpoints that refer to an earlier step.
 _STEP_ENDS_KEPT = 4096
 # How long an idle resolver sleeps before looking at its queue again.
-_IDLE_POLL_S = 0.05
+_IDLE_POLL_S = 0.02
+# How often the resolver looks at the markers of a stream unit that has not completed. Its
+# times come from the device clock, so this sets only how fresh the records are.
+_STREAM_POLL_S = 0.02
+# How long a complete stream unit may wait for a tight calibration sample before it is placed
+# with the best one there is.
+_PLACE_WAIT_S = 5.0
+# Stream items confirmed complete in one look (one calibration anchor serves them all).
+_CONFIRM_BATCH = 256
+# A marker placed further than this past the newest calibration anchor gets a fresh anchor
+# first, so it is interpolated rather than extrapolated with an estimated clock rate.
+_EXTRAPOLATE_MAX_S = 0.2
+# end_source values: where a unit's end time came from.
+END_DEVICE_CLOCK = "device_clock"  # a stream marker's device timestamp, placed on the host clock
+END_DEVICE = "device"  # the device reported the completion time itself
+END_OBSERVED = "observed"  # the resolver saw the wait return (late by any GIL hold meanwhile)
+END_HOST = "host"  # synchronous work: the host clock at the end of the block
 
 
 class _Tail:
@@ -63,8 +87,13 @@ class Resolver:
         self._recent: list[ClosedSpan] = []
         self._step_ends: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._wait_failures = 0
+        self._clocks: dict[int, DeviceClock] = {}
+        self._clock_failures = 0
         self.records_emitted = 0
         self.steps_resolved = 0
+        #: CPU seconds this thread has used (it holds the GIL for nearly all of them).
+        self.cpu_seconds = 0.0
+        self._abandon = False
         self._busy = False
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
@@ -111,6 +140,7 @@ class Resolver:
         self._stopping = True
         self._wake.set()
         self._thread.join(max(0.0, resolve_deadline - time.monotonic()))
+        self._abandon = True  # a unit still polled for will not be finalized now
         unresolved = sum(1 for item in self._queue if not isinstance(item, _Tail)) + (1 if self._busy else 0)
         if unresolved:
             self.count_drop("unresolved_at_shutdown", unresolved)
@@ -121,7 +151,11 @@ class Resolver:
             "world_size": self.config.world_size,
             "steps": self.steps_resolved,
             "dropped": self.dropped_snapshot(),
+            "background_cpu_seconds": self.background_cpu_seconds(),
         }
+        clocks = self.clock_stats()
+        if clocks:
+            run_record["device_clock"] = clocks
         for worker in self.sinks:
             worker.offer([run_record])
         for worker in self.sinks:
@@ -131,10 +165,10 @@ class Resolver:
     # -- resolver thread ---------------------------------------------------------------
     def _run(self) -> None:
         queue = self._queue
+        cpu_start = time.thread_time()
         while True:
-            try:
-                item = queue.popleft()
-            except IndexError:
+            if not queue:
+                self.cpu_seconds = time.thread_time() - cpu_start
                 if self._stopping:
                     return
                 self._sleeping = True
@@ -142,6 +176,18 @@ class Resolver:
                     self._wake.wait(_IDLE_POLL_S)
                 self._sleeping = False
                 continue
+            item = queue[0]
+            try:
+                ready = self._ready(item)
+            except Exception:
+                ready = True  # let _handle fail on it and count it
+            if not ready:
+                self.cpu_seconds = time.thread_time() - cpu_start
+                if self._abandon:
+                    return
+                self._wake.wait(_STREAM_POLL_S)  # flush() and shutdown() wake it early
+                continue
+            queue.popleft()
             self._busy = True
             try:
                 self._handle(item)
@@ -150,6 +196,76 @@ class Resolver:
                 log.exception("steptrace resolver failed on %r; the record is dropped and counted", item)
             finally:
                 self._busy = False
+
+    def _ready(self, item: Any) -> bool:
+        """False while the head item's stream markers are incomplete (the resolver never blocks on them).
+
+        When the head is complete, the stream items queued behind it are checked too, and all
+        that are complete get one ``seen_complete`` time: one calibration anchor taken after it
+        then serves every marker of the batch.
+        """
+        if getattr(item, "microbatches", None) is None or item.seen_complete:
+            return True  # checkpoints and flush markers; or confirmed with an earlier batch
+        if not self._markers_complete(item):
+            return False
+        if not self._clocks_can_place(item):
+            return False
+        confirmed = [item]
+        queue = self._queue
+        for i in range(1, min(len(queue), _CONFIRM_BATCH)):
+            later = queue[i]
+            if getattr(later, "microbatches", None) is None:
+                continue
+            if later.values is not None or not self._markers_complete(later):
+                break  # a value unit (its host part may still be running), or not done yet
+            confirmed.append(later)
+        seen = _perf()
+        for unit in confirmed:
+            unit.seen_complete = seen
+        return True
+
+    def _clocks_can_place(self, step: "StepHandle") -> bool:
+        """Whether the step's stream markers can be placed now; False defers it to a later poll.
+
+        Until one calibration sample is tight (the side stream idle when sampled; with
+        CUDA_DEVICE_MAX_CONNECTIONS=1 it waits behind the training stream's queue), placing a
+        marker would carry the sample's whole width as error. Each poll tries a new sample; after
+        _PLACE_WAIT_S the markers are placed with the best one (its width is reported).
+        """
+        for unit in (step, *step.microbatches):
+            if unit.device.uses_events and unit.end_event is not None:
+                clock = self._clock(unit.device)
+                if clock.has_placed():
+                    continue
+                clock.calibrate()
+                if clock.has_placed():
+                    continue
+                if step.first_complete_seen == 0.0:
+                    step.first_complete_seen = _perf()
+                return _perf() - step.first_complete_seen > _PLACE_WAIT_S
+        return True
+
+    @staticmethod
+    def _markers_complete(step: "StepHandle") -> bool:
+        for unit in (step, *step.microbatches):
+            device = unit.device
+            if device.uses_events:
+                if unit.end_event is not None and not device.query(unit.end_event):
+                    return False
+                if unit.start_event is not None and not device.query(unit.start_event):
+                    return False
+        return True
+
+    def background_cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used by steptrace's background threads, by thread (``resolver``, ``sink:<name>``)."""
+        seconds = {"resolver": self.cpu_seconds}
+        for worker in self.sinks:
+            seconds[f"sink:{worker.name}"] = worker.cpu_seconds
+        return seconds
+
+    def clock_stats(self) -> dict[str, Any]:
+        """Calibration figures of each stream device's clock, by backend name."""
+        return {clock.device.name: clock.stats() for clock in list(self._clocks.values())}
 
     def _handle(self, item: Any) -> None:
         from steptrace._runtime import CheckpointHandle, StepHandle
@@ -170,22 +286,26 @@ class Resolver:
         for worker in self.sinks:
             worker.offer(records)
 
-    def _wait_unit(self, unit: "TimedUnit") -> tuple[float | None, float | None]:
-        """Block until the unit's device work is done: (host end time or None, device seconds or None)."""
+    def _unit_end(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float | None, str]:
+        """When the unit's device work started and ended: (device start or None, end or None, end_source).
+
+        ``seen``: a host time at which every stream marker of the unit was known to be complete.
+        An end of None means the host end (synchronous work).
+        """
         device = unit.device
         if device is HOST:
-            return None, None
+            return None, None, END_HOST
+        if device.uses_events:
+            placed = self._place_markers(unit, seen)
+            if placed is not None:
+                return placed[0], placed[1], END_DEVICE_CLOCK
+            return None, seen, END_OBSERVED
+        if unit.values is None:
+            return None, None, END_HOST
         try:
-            if unit.end_event is not None and unit.start_event is not None:
-                done = device.wait_event(unit.end_event)
-                end = _perf() if done is None else done
-                return end, device.elapsed(unit.start_event, unit.end_event)
-            if unit.values is not None:
-                done = device.wait_values(unit.values)
-                unit.values = None  # do not keep the user's arrays alive
-                return (_perf() if done is None else done), None
+            done = device.wait_values(unit.values)
+            observed = _perf()
         except Exception as exc:
-            unit.values = None
             self._wait_failures += 1
             self.count_drop("device_wait_error")
             if self._wait_failures == 1:
@@ -193,8 +313,58 @@ class Resolver:
                     "steptrace could not wait on a step's outputs (%r); that step's end is the time the "
                     "failure was seen. If you donate the values passed to wait_for (donate_argnums), pass "
                     "the loss or metrics instead.", exc)
-            return _perf(), None
-        return None, None
+            return None, _perf(), END_OBSERVED
+        finally:
+            unit.values = None  # do not keep the user's arrays alive
+        if done is None:
+            return None, observed, END_OBSERVED
+        return None, done, END_DEVICE
+
+    def _clock(self, device: Any) -> DeviceClock:
+        clock = self._clocks.get(id(device))
+        if clock is None:
+            clock = self._clocks[id(device)] = DeviceClock(device)
+        return clock
+
+    def _place_markers(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float] | None:
+        """Host times of a stream unit's start and end markers, from the device clock (None on failure).
+
+        The markers go back to the device's pool either way.
+        """
+        device = unit.device
+        clock = self._clock(device)
+        start_event, end_event = unit.start_event, unit.end_event
+        unit.start_event = unit.end_event = None
+        try:
+            end_g = clock.device_time(end_event, unit.end_recorded_after, seen)
+            if end_g is None or clock.beyond_placed(end_g) > _EXTRAPOLATE_MAX_S:
+                # Take an anchor now (after `seen`): a base for markers recorded before every
+                # anchor, and a point to interpolate to instead of extrapolating.
+                clock.calibrate()
+                end_g = clock.device_time(end_event, unit.end_recorded_after, seen)
+            if end_g is None:
+                raise LookupError("no calibration anchor could be taken")
+            end = clock.host_time(end_g)
+            start = None
+            if start_event is not None:
+                start_g = clock.device_time(start_event, unit.start_recorded_after, seen)
+                if start_g is not None:
+                    start = clock.host_time(start_g)
+            return start, end
+        except Exception as exc:
+            self._clock_failures += 1
+            self.count_drop("device_clock_error")
+            if self._clock_failures == 1:
+                log.warning("steptrace could not place a %s marker on the host clock (%r); such units are "
+                            "timed by when the resolver saw them complete", device.name, exc)
+            return None
+        finally:
+            for marker in (start_event, end_event):
+                if marker is not None:
+                    try:
+                        device.release(marker)
+                    except Exception:
+                        pass
 
     def _await_host_exit(self, unit: "TimedUnit") -> None:
         # A value-device step is handed over at wait_for(); its host part may still be running.
@@ -205,16 +375,20 @@ class Resolver:
 
     def _resolve_step(self, step: "StepHandle") -> list[dict[str, Any]]:
         prev_end = step.host_start if self._prev_end is None else self._prev_end
+        # Every stream marker of this step was complete when _ready() looked.
+        seen = step.seen_complete or _perf()
         waited = list(step.microbatches)
-        mb_results = [self._wait_unit(mb) for mb in waited]
-        end_seen, device_compute = self._wait_unit(step)
+        mb_results = [self._unit_end(mb, seen) for mb in waited]
+        device_start, end_seen, end_source = self._unit_end(step, seen)
         self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
-        mb_results += [self._wait_unit(mb) for mb in step.microbatches[len(waited):]]
+        mb_results += [self._unit_end(mb, seen) for mb in step.microbatches[len(waited):]]
+        if step.device.uses_events or any(mb.device.uses_events for mb in step.microbatches):
+            self._prune_clocks(step)
 
         end = host_end if end_seen is None else end_seen
         timing = attribution.unit_timing(
-            prev_end=prev_end, dispatch=step.dispatch, end=end, device_compute=device_compute)
+            prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start)
 
         self._recent.extend(step.spans)
         self._recent.extend(step.open_spans)
@@ -230,20 +404,27 @@ class Resolver:
         records = [self._span_record(s) for s in step.spans if s.emit]
         mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
         records += mb_records
-        records.append(self._step_record(step, timing, segments, mb_compute))
+        records.append(self._step_record(step, timing, segments, mb_compute, end_source))
         return records
 
+    def _prune_clocks(self, step: "StepHandle") -> None:
+        # Every marker still pending was recorded after this step's end marker (the training
+        # thread records in order), so anchors completed before it are no longer needed.
+        keep_after = step.end_recorded_after or step.host_start
+        for clock in self._clocks.values():
+            clock.prune(keep_after)
+
     def _microbatch_records(self, step: "StepHandle", prev_end: float,
-                            results: list[tuple[float | None, float | None]], step_end: float):
+                            results: list[tuple[float | None, float | None, str]], step_end: float):
         records = []
         compute_by_stage: list[tuple[Any, float]] = []
         cfg = self.config
-        for mb, (end_seen, device_compute) in zip(step.microbatches, results):
+        for mb, (device_start, end_seen, end_source) in zip(step.microbatches, results):
             host_end = mb.host_end if mb.host_end is not None else mb.host_start
             # A microbatch is part of its step: it cannot end after the step did.
-            end = host_end if end_seen is None else min(end_seen, step_end)
-            t = attribution.unit_timing(prev_end=prev_end, dispatch=mb.host_start, end=end,
-                                        device_compute=device_compute)
+            end = min(host_end if end_seen is None else end_seen, step_end)
+            t = attribution.unit_timing(prev_end=prev_end, dispatch=mb.dispatch, end=end,
+                                        device_start=device_start)
             prev_end = t.end
             compute_by_stage.append((mb.stage, t.compute_seconds))
             records.append({
@@ -252,12 +433,12 @@ class Resolver:
                 "host_start_time": mb.host_start + self.unix_offset,
                 "host_end_time": host_end + self.unix_offset,
                 "start_time": t.start + self.unix_offset, "end_time": t.end + self.unix_offset,
-                "compute_seconds": t.compute_seconds,
+                "compute_seconds": t.compute_seconds, "end_source": end_source,
             })
         return records, compute_by_stage
 
-    def _step_record(self, step: "StepHandle", timing: attribution.Timing,
-                     segments: list[attribution.HostSpan], mb_compute: list[tuple[Any, float]]) -> dict[str, Any]:
+    def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
+                     mb_compute: list[tuple[Any, float]], end_source: str) -> dict[str, Any]:
         cfg = self.config
         off = self.unix_offset
         compute = timing.compute_seconds
@@ -272,6 +453,7 @@ class Resolver:
             "trace_id": trace_id_hex(cfg.run_id, step.step),
             "status": step.status,
             "backend": step.device.name,
+            "end_source": end_source,
             "host_start_time": step.host_start + off,
             "host_end_time": (step.host_end or step.host_start) + off,
             "dispatch_time": step.dispatch + off,

@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from steptrace._config import Config
-from steptrace._devices import HOST, Device, DeviceChooser, torch_cuda_in_use
+from steptrace._devices import HOST, Backends, Device
 from steptrace._errors import misuse
 from steptrace._resolver import Resolver
 
@@ -49,8 +49,13 @@ class TimedUnit:
     dispatch = 0.0
     values: tuple | None = None
     device: Device = HOST
+    stream: Any = None  # the stream device's stream the markers go on
     start_event: Any = None
+    start_recorded_after = 0.0  # host clock read just before the start marker was (re-)recorded
     end_event: Any = None
+    end_recorded_after = 0.0
+    seen_complete = 0.0  # resolver: a host time at which all its markers were known complete
+    first_complete_seen = 0.0  # resolver: when it first found them complete (waiting for calibration)
 
 
 class StepHandle(TimedUnit):
@@ -84,10 +89,9 @@ class StepHandle(TimedUnit):
         if rt.annotate is not None:
             self._annotation = rt.annotate(self.step)
         self.host_start = self.dispatch = _perf()
-        stream = rt.stream_device
-        if stream is not None:
-            self.device = stream
-            self.start_event = rt.device_call(stream.event)
+        device = rt.backends.stream_for_unit()
+        if device is not None:
+            rt.start_markers(self, device)
         return self
 
     def wait_for(self, *values: Any) -> None:
@@ -106,22 +110,33 @@ class StepHandle(TimedUnit):
                 self.values = self.values + values  # several wait_for calls: wait for all of them
             return
         self.waited = True
-        if values and self.device is HOST:
-            device = rt.device_for(values)
-            if device is not HOST:
-                self.values = values
-                self.device = device
-                # Hand over now so the resolver starts waiting while the host runs ahead.
-                self.submitted = True
-                rt.resolver.submit(self, urgent=True)
+        if not values:
+            return
+        backends = rt.backends
+        device = backends.for_values(values)
+        if device is None or device is self.device or backends.forced_stream is not None:
+            return  # the values do not say, or forced markers time every step
+        if device.uses_events:
+            # CUDA tensors: timed by markers (an end marker at exit even without a start marker).
+            self.device = device
+            return
+        # A value device (JAX), or HOST for values computed synchronously (CPU tensors).
+        if self.start_event is not None:
+            rt.drop_markers(self)
+        self.device = device
+        backends.timed_by_values = True
+        if device is not HOST:
+            self.values = values
+            # Hand over now so the resolver starts waiting while the host runs ahead.
+            self.submitted = True
+            rt.resolver.submit(self, urgent=True)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         rt = self._rt
         if rt.current is not self:
             return False
-        stream = self.device if self.start_event is not None else None
-        if stream is not None:
-            self.end_event = rt.device_call(stream.event)
+        if self.device.uses_events:
+            rt.end_marker(self)
         end = _perf()
         if exc_type is not None:
             self.status = "error"
@@ -142,9 +157,10 @@ class StepHandle(TimedUnit):
         self.host_end = end
         if not self.submitted:
             self.submitted = True
-            # Stream-device steps need their exit marker observed promptly; a host step's
-            # end is already known, so it waits for the resolver's next round (no wake-up cost).
-            rt.resolver.submit(self, urgent=self.end_event is not None)
+            # No wake-up (it costs the training thread microseconds): a host step's end is
+            # known, and a stream step's markers carry their own device times, so neither
+            # depends on when the resolver looks; it polls at its own pace.
+            rt.resolver.submit(self)
         return False  # never swallow the user's exception
 
 
@@ -161,21 +177,30 @@ class MicrobatchHandle(TimedUnit):
 
     def __enter__(self) -> "MicrobatchHandle":
         self.host_start = self.dispatch = _perf()
-        stream = self._rt.stream_device
-        if stream is not None:
-            self.device = stream
-            self.start_event = self._rt.device_call(stream.event)
+        rt = self._rt
+        step_device = self._step.device
+        device = step_device if step_device.uses_events else rt.backends.stream_for_unit()
+        if device is not None:
+            rt.start_markers(self, device)
         return self
 
     def wait_for(self, *values: Any) -> None:
         """The microbatch's device work ends when ``values`` are ready (JAX)."""
-        if values and self.device is HOST:
+        if not values:
+            return
+        backends = self._rt.backends
+        device = backends.for_values(values)
+        if device is None or device.uses_events or backends.forced_stream is not None:
+            return
+        if self.start_event is not None:
+            self._rt.drop_markers(self)
+        self.device = device
+        if device is not HOST:
             self.values = values
-            self.device = self._rt.device_for(values)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if self.start_event is not None:
-            self.end_event = self._rt.device_call(self.device.event)
+        if self.device.uses_events:
+            self._rt.end_marker(self)
         self.host_end = _perf()
         step = self._step
         if step.microbatches:
@@ -282,15 +307,11 @@ class CheckpointHandle:
 class Runtime:
     """One initialised steptrace: configuration, the training-thread state and the background threads."""
 
-    def __init__(self, config: Config, resolver: Resolver, *,
-                 forced_value_device: Device | None, stream_device: Device | None, auto: bool):
+    def __init__(self, config: Config, resolver: Resolver, backends: Backends):
         self.config = config
         self.strict = config.strict
         self.resolver = resolver
-        self.chooser = DeviceChooser()
-        self.forced_value_device = forced_value_device
-        self.stream_device = stream_device
-        self.auto = auto
+        self.backends = backends
         self.current: StepHandle | None = None
         self.last_step: int | None = None
         self.open_spans: list[SpanHandle] = []
@@ -307,30 +328,68 @@ class Runtime:
         self.resolver.count_drop("misuse")
         misuse(message, strict=self.strict, stacklevel=4)
 
-    def device_call(self, fn: Callable[[], Any]) -> Any:
+    def device_failed(self, exc: Exception) -> None:
+        """A marker could not be recorded: that unit falls back to host timing (counted, warned once)."""
+        self._device_errors += 1
+        self.resolver.count_drop("device_marker_error")
+        if self._device_errors == 1:
+            misuse(f"steptrace could not record a device marker ({exc!r}); such steps fall back to host "
+                   "timing", strict=False, stacklevel=5)
+
+    def start_markers(self, unit: TimedUnit, device: Any) -> None:
+        """Record ``unit``'s start marker on ``device``'s current stream (training thread)."""
         try:
-            return fn()
+            stream = device.current_stream()
+            if stream is None:
+                return  # a graph capture is in progress: no marker may go on this stream
+            unit.start_event = device.record(stream)
         except Exception as exc:  # a broken backend must not kill training
-            self._device_errors += 1
-            if self._device_errors == 1:
-                misuse(f"steptrace device marker failed ({exc!r}); steps fall back to host timing",
-                       strict=False, stacklevel=5)
-            return None
+            self.device_failed(exc)
+            return
+        unit.device = device
+        unit.stream = stream
+        unit.start_recorded_after = unit.host_start
+
+    def end_marker(self, unit: TimedUnit) -> None:
+        """Record ``unit``'s end marker; without one the unit is host-timed."""
+        device = unit.device
+        try:
+            stream = unit.stream
+            if stream is None:
+                stream = unit.stream = device.current_stream()
+            if stream is not None:
+                unit.end_recorded_after = _perf()
+                unit.end_event = device.record(stream)
+        except Exception as exc:
+            self.device_failed(exc)
+        if unit.end_event is None:
+            self.drop_markers(unit)
+            unit.device = HOST
+
+    def drop_markers(self, unit: TimedUnit) -> None:
+        """Give back markers a unit will not be timed by (its values decided another device)."""
+        device = unit.device
+        for marker in (unit.start_event, unit.end_event):
+            if marker is not None:
+                try:
+                    device.release(marker)
+                except Exception:
+                    pass
+        unit.start_event = unit.end_event = unit.stream = None
 
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
         current = self.current
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
         if current is not None and not current.waited and end > current.dispatch:
             # DESIGN §2: host spans inside a step come before its device work, so the
-            # end of the last one is the step's dispatch point.
+            # end of the last one is the step's dispatch point: the start marker moves there.
             current.dispatch = end
             if current.start_event is not None:
-                current.start_event = self.device_call(current.device.event)
-
-    def device_for(self, values: tuple[Any, ...]) -> Device:
-        """The device that computes ``values`` (forced by config, else chosen by type; cached)."""
-        return (self.forced_value_device or self.chooser.by_type.get(type(values[0]))
-                or self.chooser.for_values(values))
+                try:
+                    current.device.record(current.stream, current.start_event)
+                    current.start_recorded_after = end
+                except Exception as exc:
+                    self.device_failed(exc)
 
     def take_closed_spans(self) -> list[ClosedSpan]:
         closed, self.closed_spans = self.closed_spans, []
@@ -419,10 +478,6 @@ class Runtime:
         self._setup_done = True
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
-        if self.auto and self.stream_device is None and torch_cuda_in_use():
-            from steptrace.adapters.torch import TorchCudaDevice
-
-            self.stream_device = TorchCudaDevice()
         annotators = []
         if "jax" in sys.modules and self.config.backend in ("auto", "jax"):
             from steptrace.adapters import jax as jax_adapter
@@ -433,7 +488,7 @@ class Runtime:
         if "torch" in sys.modules and self.config.annotate and self.config.backend in ("auto", "torch"):
             from steptrace.adapters import torch as torch_adapter
 
-            annotators.append(torch_adapter.step_annotator(self.stream_device is not None))
+            annotators.append(torch_adapter.step_annotator())
         if len(annotators) == 1:
             self.annotate = annotators[0]
         elif annotators:

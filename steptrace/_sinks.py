@@ -103,6 +103,8 @@ class SinkWorker:
         self._done = 0
         self._stopping = False
         self._failures = 0
+        #: CPU seconds this sink's thread has used (it holds the GIL for nearly all of them).
+        self.cpu_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name=f"steptrace-sink-{self.name}", daemon=True)
         self._thread.start()
 
@@ -115,7 +117,9 @@ class SinkWorker:
         self._wake.set()
 
     def _run(self) -> None:
+        cpu_start = time.thread_time()
         while True:
+            self.cpu_seconds = time.thread_time() - cpu_start
             self._wake.wait(0.1)
             while self._queue:
                 batch = []
@@ -130,6 +134,7 @@ class SinkWorker:
                         log.exception("steptrace sink %s failed; its records are dropped and counted", self.name)
                 self._done += len(batch)
             if self._stopping and not self._queue:
+                self.cpu_seconds = time.thread_time() - cpu_start
                 return
 
     def flush(self, deadline: float) -> bool:

@@ -11,17 +11,22 @@
                 s.wait_for(device.run(0.02))     # 20 ms of "device" work, dispatched asynchronously
     assert sink.steps()[1]["compute_seconds"] == pytest.approx(0.02, rel=0.2)
 
-:class:`SimulatedDevice` is a real background worker executing queued work of
-given durations in order, like one accelerator stream. It implements the same
-device protocol the resolver uses for JAX and CUDA: pass its work handles to
-``wait_for`` (value-style, like JAX), or pass the device itself as
-``init(backend=device)`` to time steps with stream markers (like CUDA events).
+:class:`SimulatedDevice` executes queued work of given durations in order,
+like one accelerator stream, asynchronously to the host. It implements the
+same device protocols the resolver uses for JAX and CUDA: pass its work
+handles to ``wait_for`` (value-style, like JAX), or pass the device itself as
+``init(backend=device)`` to time steps with stream markers and a drifting
+device clock (like CUDA events). :func:`hold_gil` stalls the calling thread
+without releasing the GIL, like ``torch.save``'s pickling.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
+import ctypes
+import ctypes.util
+import struct
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -83,92 +88,224 @@ def capture(**settings: Any) -> Iterator[MemorySink]:
 
 
 class SimulatedWork:
-    """A unit of queued simulated device work; ready when the worker has executed it."""
+    """A unit of queued simulated device work; ready once the stream has executed it."""
 
-    __slots__ = ("seconds", "label", "enqueued", "start_time", "end_time", "_done", "_steptrace_device")
+    __slots__ = ("seconds", "label", "enqueued", "start_time", "end_time", "_steptrace_device")
 
-    def __init__(self, device: "SimulatedDevice", seconds: float, label: str | None):
-        self._steptrace_device = device
+    def __init__(self, device: "SimulatedDevice", seconds: float, label: str | None, start: float):
+        # What steptrace's backend choice reads: handles given to wait_for are timed by value.
+        self._steptrace_device = device.values
         self.seconds = seconds
         self.label = label
-        self.enqueued = _perf()
-        self.start_time: float | None = None
-        self.end_time: float | None = None
-        self._done = threading.Event()
+        self.enqueued = start
+        #: Host ``perf_counter`` times the stream runs it (known at dispatch: the stream is in order).
+        self.start_time = start
+        self.end_time = start + seconds
 
     def is_ready(self) -> bool:
-        return self._done.is_set()
+        return _perf() >= self.end_time
 
     def block_until_ready(self) -> "SimulatedWork":
         """Synchronise the calling thread with this work (what sync-every-step loops do)."""
-        self._done.wait()
+        _sleep_until(self.end_time)
         return self
 
 
+class SimulatedMarker:
+    """A stream marker (like a CUDA event): reached when the stream has executed what was queued before it."""
+
+    __slots__ = ("recorded_at", "done_at", "pooled")
+
+    def __init__(self) -> None:
+        self.recorded_at = 0.0
+        self.done_at = 0.0
+        self.pooled = False
+
+
+class _SimulatedValues:
+    """A :class:`SimulatedDevice` seen as a value device (its ``run()`` handles given to ``wait_for``)."""
+
+    uses_events = False
+
+    def __init__(self, device: "SimulatedDevice"):
+        self.name = device.name
+        self.wait_values = device.wait_values
+
+
 class SimulatedDevice:
-    """One in-order device stream executed by a background thread (``time.sleep`` per work item).
+    """One in-order device stream, with a device clock of its own.
 
     ``run(seconds)`` enqueues work and returns at once, like an asynchronous
-    kernel launch. ``event()`` enqueues a zero-length marker, like
-    ``torch.cuda.Event.record()``: it completes when the stream reaches it.
+    kernel launch. The stream's timeline is computed at dispatch (each item
+    starts when both it was queued and the previous item ended), so the
+    simulated device keeps executing while the training thread is stuck in a
+    GIL-holding call (:func:`hold_gil`), as a real GPU does.
+
+    As a **value device** (pass ``run()`` handles to ``wait_for``) it returns
+    the exact end time when ``report_end_times`` (``end_source: "device"``), or
+    makes the resolver observe completion like JAX (``"observed"``).
+
+    As a **stream device** (``init(backend=device)`` with ``uses_events=True``,
+    the default) it behaves like CUDA events: markers are pooled, ``query``
+    never blocks, and ``elapsed`` is the difference of two markers on the
+    device's clock, which runs ``clock_drift_ppm`` fast against the host and
+    is returned as float32 milliseconds (as ``cudaEventElapsedTime``), so the
+    resolver has to calibrate it exactly as it does a GPU. ``side_stream_blocked``
+    makes calibration markers wait behind the main stream, like
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
     """
 
     name = "simulated"
 
-    def __init__(self, *, uses_events: bool = True):
+    def __init__(self, *, uses_events: bool = True, report_end_times: bool = True,
+                 clock_drift_ppm: float = 0.0, clock_offset_s: float = 1000.0,
+                 record_latency_s: float = 5e-6, side_stream_blocked: bool = False):
         #: When passed as ``init(backend=device)``: True times steps by stream markers.
         self.uses_events = uses_events
-        self._queue: queue.SimpleQueue[SimulatedWork | None] = queue.SimpleQueue()
-        self.executed: list[SimulatedWork] = []
-        self._thread = threading.Thread(target=self._run, name="steptrace-simulated-device", daemon=True)
-        self._thread.start()
+        self.report_end_times = report_end_times
+        self.clock_drift_ppm = clock_drift_ppm
+        self.clock_offset_s = clock_offset_s
+        self.record_latency_s = record_latency_s
+        self.side_stream_blocked = side_stream_blocked
+        self._origin = _perf()
+        self._busy_until = self._origin
+        self._lock = threading.Lock()
+        #: Every work item dispatched, in stream order.
+        self.dispatched: list[SimulatedWork] = []
+        self._free: list[SimulatedMarker] = []
+        #: Markers created (pool high-water mark) and currently handed out (not released).
+        self.markers_created = 0
+        self.markers_outstanding = 0
+        #: This device as a value device: what ``wait_for(device.run(...))`` is timed by.
+        self.values = _SimulatedValues(self)
+
+    @property
+    def executed(self) -> list[SimulatedWork]:
+        """The work items the stream has finished by now."""
+        now = _perf()
+        return [w for w in self.dispatched if w.end_time <= now]
 
     def run(self, seconds: float, label: str | None = None) -> SimulatedWork:
         """Dispatch ``seconds`` of device work asynchronously; returns its handle."""
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
-        work = SimulatedWork(self, seconds, label)
-        self._queue.put(work)
+        with self._lock:
+            start = max(_perf(), self._busy_until)
+            work = SimulatedWork(self, seconds, label, start)
+            self._busy_until = work.end_time
+            self.dispatched.append(work)
         return work
 
     def synchronize(self) -> None:
         """Block until everything dispatched so far has executed."""
-        self.run(0.0).block_until_ready()
+        _sleep_until(self._busy_until)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5)
+        """Nothing to stop (the stream is a computed timeline); kept for symmetry with real devices."""
 
-    def _run(self) -> None:
-        while True:
-            work = self._queue.get()
-            if work is None:
-                return
-            work.start_time = _perf()
-            if work.seconds:
-                time.sleep(work.seconds)
-            work.end_time = _perf()
-            self.executed.append(work)
-            work._done.set()
+    def device_clock(self, host_time: float) -> float:
+        """The device clock's reading (seconds) at a host ``perf_counter`` time."""
+        return (host_time - self._origin) * (1.0 + self.clock_drift_ppm * 1e-6) + self.clock_offset_s
 
-    # -- the device protocol the resolver uses (see steptrace._devices.Device) ----------
-    def event(self) -> SimulatedWork:
-        return self.run(0.0, "marker")
-
-    def wait_event(self, event: SimulatedWork) -> float:
-        event._done.wait()
-        return event.end_time  # type: ignore[return-value]
-
-    def elapsed(self, start_event: SimulatedWork, end_event: SimulatedWork) -> float:
-        return end_event.end_time - start_event.end_time  # type: ignore[operator]
-
+    # -- the value-device protocol (steptrace._devices.ValueDevice) -----------------------
     def wait_values(self, values: tuple[Any, ...]) -> float | None:
         latest = None
         for work in _leaves(values):
             if isinstance(work, SimulatedWork):
-                work._done.wait()
                 latest = work.end_time if latest is None else max(latest, work.end_time)
-        return latest
+        if latest is None:
+            return None
+        _sleep_until(latest)
+        return latest if self.report_end_times else None
+
+    # -- the stream-device protocol (steptrace._devices.StreamDevice) ---------------------
+    def current_stream(self) -> str:
+        return "stream0"
+
+    def record(self, stream: Any, marker: SimulatedMarker | None = None) -> SimulatedMarker:
+        if marker is None:
+            marker = self._take_marker()
+        self.stamp(marker, side=stream == "side")
+        return marker
+
+    def query(self, marker: SimulatedMarker) -> bool:
+        return _perf() >= marker.done_at
+
+    def elapsed(self, start: SimulatedMarker, end: SimulatedMarker) -> float:
+        if not (self.query(start) and self.query(end)):
+            raise RuntimeError("both markers must be complete before reading elapsed time (as CUDA)")
+        seconds = self.device_clock(end.done_at) - self.device_clock(start.done_at)
+        # cudaEventElapsedTime returns float32 milliseconds.
+        return struct.unpack("f", struct.pack("f", seconds * 1000.0))[0] / 1000.0
+
+    def release(self, marker: SimulatedMarker) -> None:
+        with self._lock:
+            if marker.pooled:
+                raise RuntimeError("marker released twice")
+            marker.pooled = True
+            self.markers_outstanding -= 1
+            self._free.append(marker)
+
+    def clock_marker(self) -> SimulatedMarker:
+        return self.record("side")
+
+    def stamp(self, marker: SimulatedMarker, *, side: bool = False) -> None:
+        """Record ``marker`` now on the main stream (reached after the work queued so far) or on an
+        idle side stream (reached at once, unless ``side_stream_blocked``)."""
+        with self._lock:
+            now = _perf()
+            marker.recorded_at = now
+            floor = self._busy_until if (not side or self.side_stream_blocked) else now
+            marker.done_at = max(now + self.record_latency_s, floor)
+
+    def _take_marker(self) -> SimulatedMarker:
+        with self._lock:
+            if self._free:
+                marker = self._free.pop()
+            else:
+                marker = SimulatedMarker()
+                self.markers_created += 1
+            marker.pooled = False
+            self.markers_outstanding += 1
+        return marker
+
+
+def hold_gil(seconds: float) -> None:
+    """Block the calling thread for ``seconds`` *without releasing the GIL*.
+
+    What ``torch.save``'s pickling, a large ``sorted()`` or a GC pass do to every
+    other Python thread: none of them runs, so none can read a clock. Used to
+    check that steptrace's times do not depend on when its threads get to run.
+    Calls the C library's ``usleep`` through ``ctypes.PyDLL`` (which keeps the GIL).
+    """
+    if seconds <= 0:
+        return
+    libc = _libc()
+    libc.usleep(ctypes.c_uint(int(seconds * 1e6)))
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        if name is None and sys.platform.startswith("linux"):
+            name = "libc.so.6"
+        if name is None:
+            raise OSError("hold_gil needs the C library's usleep (Linux or macOS)")
+        _LIBC = ctypes.PyDLL(name)
+        _LIBC.usleep.argtypes = [ctypes.c_uint]
+    return _LIBC
+
+
+def _sleep_until(deadline: float) -> None:
+    while True:
+        left = deadline - _perf()
+        if left <= 0:
+            return
+        time.sleep(left)
 
 
 def _leaves(value: Any) -> Iterator[Any]:

@@ -30,12 +30,19 @@ def test_device_idle_until_dispatch_is_idle_not_compute():
     assert t.idle_seconds == pytest.approx(0.75)
 
 
-def test_device_measured_compute_replaces_host_estimate():
-    # CUDA events measured 0.5 s between the dispatch marker and the end marker.
-    t = unit_timing(prev_end=2.0, dispatch=2.1, end=3.0, device_compute=0.5)
+def test_device_clock_start_replaces_the_dispatch_time():
+    # The start marker was recorded at 2.1 but the stream reached it at 2.5 (work queued
+    # outside any step ran first): the device was not computing this step before 2.5.
+    t = unit_timing(prev_end=2.0, dispatch=2.1, end=3.0, device_start=2.5)
     assert t.start == pytest.approx(2.5)
     assert t.compute_seconds == pytest.approx(0.5)
     assert t.idle_seconds == pytest.approx(0.5)
+
+
+def test_device_start_before_the_previous_end_starts_at_the_previous_end():
+    # Calibration noise can place a start a microsecond before the previous end: intervals still tile.
+    t = unit_timing(prev_end=2.0, dispatch=1.5, end=3.0, device_start=1.999999)
+    assert t.start == 2.0 and t.compute_seconds == pytest.approx(1.0) and t.idle_seconds == 0.0
 
 
 def test_end_before_previous_end_is_clamped_so_intervals_tile():

@@ -1,0 +1,256 @@
+"""The CUDA path on a CPU machine: the real TorchCudaDevice against a simulated GPU (tests/fake_cuda.py).
+
+The simulated stream keeps executing while the training thread holds the GIL
+(steptrace.testing.hold_gil), and its events carry the device's own drifting
+clock, so these tests check what the GPU tests in tests/gpu/ check against a
+real kernel timeline: every time comes from the device clock, never from when
+the resolver got to look. Ground truth is the simulated stream's timeline
+(each kernel's start and end), converted to the records' unix seconds.
+Tolerances are the calibration's (microseconds), with room for a loaded CI
+machine; they are not speed thresholds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+import steptrace
+from steptrace.testing import SimulatedDevice, capture, hold_gil
+
+torch = pytest.importorskip("torch", reason="the CUDA path is torch's: pip install steptrace[torch]")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from fake_cuda import FakeCuda, FakeCudaTensor  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+MS = 1e-3
+TOL = 0.5 * MS  # calibration error is microseconds; this leaves room for a loaded machine
+
+
+class Truth:
+    """The simulated stream's own timeline, on the records' unix clock."""
+
+    def __init__(self):
+        self.offset = None
+
+    def anchor(self, record_host_start_unix: float, perf_at_entry: float) -> None:
+        # steptrace read host_start just before the test's own perf_counter() inside the block.
+        self.offset = record_host_start_unix - perf_at_entry
+
+    def unix(self, perf_time: float) -> float:
+        return perf_time + self.offset
+
+
+def test_steps_around_a_gil_holding_call_keep_their_device_times(monkeypatch):
+    """A 30 ms GIL-holding call between steps (a C sort, pickling) used to delay the resolver's
+    reading of the clock and move time between steps; device-clock times do not move."""
+    fake = FakeCuda(monkeypatch)
+    kernels = {}
+    entries = {}
+    with capture() as sink:
+        for n in range(12):
+            with steptrace.step(n):
+                entries[n] = time.perf_counter()
+                kernels[n] = [fake.run(4 * MS) for _ in range(4)]  # 16 ms of device work
+            if n % 3 == 1:
+                hold_gil(0.03)  # while the device finishes step n, nobody else can run Python
+    steps = {r["step"]: r for r in sink.steps()}
+    truth = Truth()
+    truth.anchor(steps[0]["host_start_time"], entries[0])
+    assert fake.event_synchronize_calls == 0
+    for n in range(12):
+        r = steps[n]
+        assert r["backend"] == "torch-cuda" and r["end_source"] == "device_clock"
+        first, last = kernels[n][0], kernels[n][-1]
+        assert r["end_time"] == pytest.approx(truth.unix(last.end_time), abs=TOL), n
+        assert r["compute_seconds"] == pytest.approx(last.end_time - first.start_time, abs=TOL), n
+        if n:
+            prev_last = kernels[n - 1][-1]
+            assert r["interval_seconds"] == pytest.approx(last.end_time - prev_last.end_time, abs=TOL), n
+
+
+def test_checkpoint_blocking_and_the_saved_step_are_true_when_the_save_holds_the_gil(monkeypatch):
+    """torch.save pickles holding the GIL: the saved step's end must not be stamped after it."""
+    fake = FakeCuda(monkeypatch)
+    with capture() as sink:
+        for n in range(5):
+            with steptrace.step(n):
+                if n == 0:
+                    entry = time.perf_counter()
+                last = fake.run(20 * MS)
+                if n == 2:
+                    saved_end = last.end_time
+            if n == 2:
+                with steptrace.checkpoint(n):
+                    hold_gil(0.1)  # starts while steps 0-2 (60 ms) still run on the device
+    steps = {r["step"]: r for r in sink.steps()}
+    (ckpt,) = sink.checkpoints()
+    truth = Truth()
+    truth.anchor(steps[0]["host_start_time"], entry)
+    assert steps[2]["end_time"] == pytest.approx(truth.unix(saved_end), abs=TOL)
+    true_blocking = ckpt["end_time"] - max(ckpt["start_time"], truth.unix(saved_end))
+    assert ckpt["blocking_seconds"] == pytest.approx(true_blocking, abs=TOL)
+    assert ckpt["blocking_seconds"] == pytest.approx(0.1 - 60 * MS, abs=5 * MS)  # the save began mid-step
+    # The save is the next step's checkpoint idle, and nothing of it is "other" idle of the saved step.
+    assert steps[2]["idle_breakdown"].get("other", 0.0) < TOL
+    assert steps[3]["idle_breakdown"]["checkpoint"] == pytest.approx(ckpt["blocking_seconds"], abs=TOL)
+
+
+def test_each_microbatch_has_its_own_markers_and_the_bubble_is_true(monkeypatch):
+    """Four microbatches per step, with host gaps that starve the stage: every microbatch keeps its own
+    device time (they used to collapse to ~0.02 ms) and the bubble ratio matches the stream's."""
+    fake = FakeCuda(monkeypatch)
+    plan = [2 * MS, 7 * MS, 3 * MS, 5 * MS]
+    launched = {}
+    with capture() as sink:
+        for n in range(4):
+            with steptrace.step(n):
+                for i, seconds in enumerate(plan):
+                    with steptrace.microbatch(i, stage=0, kind="forward"):
+                        launched[n, i] = fake.run(seconds)
+                    if i < 3:
+                        time.sleep(4 * MS)  # host work between microbatches: the device waits
+            if n == 1:
+                hold_gil(0.03)
+    mbs = sink.microbatches()
+    assert len(mbs) == 16
+    for m in mbs:
+        assert m["end_source"] == "device_clock"
+        assert m["compute_seconds"] == pytest.approx(plan[m["microbatch"]], abs=TOL), m
+    for r in sink.steps():
+        n = r["step"]
+        true_compute = launched[n, 3].end_time - launched[n, 0].start_time
+        true_bubble = 1 - sum(plan) / true_compute
+        assert r["compute_seconds"] == pytest.approx(true_compute, abs=TOL)
+        assert r["pipeline_bubble_ratio"]["0"] == pytest.approx(true_bubble, abs=0.02)
+
+
+def test_cuda_steps_need_no_wait_for_and_cuda_tensors_keep_event_timing(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    with capture() as sink:
+        with steptrace.step(0):
+            fake.run(5 * MS)
+        with steptrace.step(1) as s:
+            fake.run(5 * MS)
+            s.wait_for(FakeCudaTensor())
+    assert [(r["backend"], r["end_source"]) for r in sink.steps()] == [("torch-cuda", "device_clock")] * 2
+    assert [r["compute_seconds"] for r in sink.steps()] == [pytest.approx(5 * MS, abs=TOL)] * 2
+
+
+def test_jax_arrays_are_timed_by_jax_even_with_torch_cuda_initialised(monkeypatch):
+    """A JAX program that imports torch (a DataLoader with pin_memory initialises CUDA) used to be timed
+    on an empty torch stream."""
+    jax = pytest.importorskip("jax")
+    FakeCuda(monkeypatch)
+    f = jax.jit(lambda x: (x @ x).sum())
+    x = jax.numpy.ones((256, 256))
+    f(x).block_until_ready()
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n) as s:
+                s.wait_for(f(x))
+    assert [r["backend"] for r in sink.steps()] == ["jax"] * 3
+    assert [r["end_source"] for r in sink.steps()] == ["observed"] * 3
+
+
+def test_cpu_torch_on_a_gpu_machine_is_host_timed(monkeypatch):
+    """CUDA available but never initialised (the program trains on CPU): host timing, labelled host."""
+    fake = FakeCuda(monkeypatch, initialized=False)
+    model = torch.nn.Linear(64, 64)
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n):
+                model(torch.randn(32, 64)).sum().backward()
+    assert [(r["backend"], r["end_source"]) for r in sink.steps()] == [("host", "host")] * 3
+    assert fake.events_created == 0
+
+
+def test_cpu_tensors_in_wait_for_make_the_step_host_timed_even_with_cuda_initialised(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n) as s:
+                loss = torch.ones(4).sum()
+                s.wait_for(loss)
+    assert [(r["backend"], r["end_source"]) for r in sink.steps()] == [("host", "host")] * 3
+    # The first step's speculative markers went back to the pool; later steps recorded none.
+    assert fake.events_created <= 2
+
+
+def test_events_come_from_a_pool_and_all_go_back(monkeypatch):
+    """Steady state allocates no event on the training thread, and no marker is leaked."""
+    device = SimulatedDevice(clock_drift_ppm=-40.0)
+    fake = FakeCuda(monkeypatch, device)
+    with capture() as sink:
+        for n in range(200):
+            with steptrace.step(n):
+                fake.run(0.2 * MS)
+            time.sleep(MS)  # host work between steps
+    assert len(sink.steps()) == 200
+    # About one poll's worth of steps (20 ms) is in flight at a time; 200 steps need 400 markers
+    # without a pool.
+    assert fake.events_created < 120
+
+
+def test_the_resolver_polls_and_never_spins_or_synchronises(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    with capture() as sink:
+        with steptrace.step(0):
+            fake.run(0.4)  # a long device step
+        time.sleep(0.45)
+    assert sink.steps()[0]["compute_seconds"] == pytest.approx(0.4, abs=TOL)
+    assert fake.event_synchronize_calls == 0
+    # Polling every 20 ms is ~20 queries in 0.4 s (plus calibration); a spin would be hundreds of thousands.
+    assert fake.query_calls < 400
+
+
+def test_no_marker_is_recorded_while_a_cuda_graph_is_being_captured(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    fake.capturing = True
+    with capture() as sink:
+        with steptrace.step(0):
+            fake.run(MS)
+    assert fake.events_created == 0
+    assert sink.steps()[0]["backend"] == "host"
+
+
+def test_a_side_stream_queued_behind_the_training_stream_degrades_gracefully(monkeypatch):
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 a calibration marker waits behind queued kernels. Samples taken
+    then place nothing: finished steps wait (up to a bound) for a sample taken while the device is idle
+    (here a data stall), so their times stay true."""
+    device = SimulatedDevice(side_stream_blocked=True, clock_drift_ppm=50.0)
+    fake = FakeCuda(monkeypatch, device)
+    kernels = {}
+    with capture() as sink:
+        for n in range(20):
+            with steptrace.step(n):
+                if n == 0:
+                    entry = time.perf_counter()
+                kernels[n] = fake.run(10 * MS)
+            if n % 4 == 3:
+                device.synchronize()  # the loop reads a grad norm: the stream drains for a moment
+            if n == 11:
+                time.sleep(0.1)  # a data stall: the device idles
+    steps = {r["step"]: r for r in sink.steps()}
+    truth = Truth()
+    truth.anchor(steps[0]["host_start_time"], entry)
+    for n in range(20):
+        assert steps[n]["end_time"] == pytest.approx(truth.unix(kernels[n].end_time), abs=TOL), n
+    (run,) = sink.of_type("run")
+    assert run["device_clock"]["torch-cuda"]["anchors_unplaced"] >= 1
+
+
+def test_the_run_record_reports_the_device_clock_and_background_cpu(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    with capture() as sink:
+        for n in range(5):
+            with steptrace.step(n):
+                fake.run(2 * MS)
+    (run,) = sink.of_type("run")
+    assert run["device_clock"]["torch-cuda"]["anchors"] >= 1
+    assert run["device_clock"]["torch-cuda"]["max_uncertainty_seconds"] < 50e-6
+    assert set(run["background_cpu_seconds"]) == {"resolver", "sink:memory"}
+    assert run["background_cpu_seconds"]["resolver"] > 0
