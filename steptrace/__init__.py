@@ -242,9 +242,12 @@ def config() -> Config | None:
 
 def stats() -> dict[str, Any]:
     """Counters of the current run: steps resolved, records emitted, records dropped by reason,
-    and the sinks' endpoints (e.g. ``{"prometheus": "http://127.0.0.1:9464/metrics"}``)."""
+    the sinks' endpoints (e.g. ``{"prometheus": "http://127.0.0.1:9464/metrics"}``), the CPU
+    seconds steptrace's background threads used (``background_cpu_seconds``, by thread: what
+    they took from the GIL), and each stream device's clock calibration (``device_clock``)."""
     if not isinstance(_runtime, Runtime):
-        return {"steps": 0, "records": 0, "dropped": {}, "endpoints": {}}
+        return {"steps": 0, "records": 0, "dropped": {}, "endpoints": {}, "background_cpu_seconds": {},
+                "device_clock": {}}
     resolver = _runtime.resolver
     endpoints = {}
     for worker in resolver.sinks:
@@ -252,4 +255,5 @@ def stats() -> dict[str, Any]:
         if endpoint:
             endpoints[worker.name] = endpoint
     return {"steps": resolver.steps_resolved, "records": resolver.records_emitted,
-            "dropped": resolver.dropped_snapshot(), "endpoints": endpoints}
+            "dropped": resolver.dropped_snapshot(), "endpoints": endpoints,
+            "background_cpu_seconds": resolver.background_cpu_seconds(), "device_clock": resolver.clock_stats()}

@@ -271,3 +271,82 @@ def test_microbatches_on_a_stream_device_are_timed_by_markers():
     assert (mbs[0]["stage"], mbs[0]["chunk"]) == (1, 0)
     (step,) = sink.steps()
     assert step["pipeline_bubble_ratio"]["1"] == approx(0.0, abs=0.1)
+
+
+def test_hold_gil_stops_every_other_thread_while_the_device_keeps_running(device):
+    """The simulation's GIL-holding call is what torch.save's pickling does to steptrace's threads."""
+    from steptrace.testing import hold_gil
+
+    progress = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            progress.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    time.sleep(0.01)
+    work = device.run(0.02)
+    before = time.perf_counter()
+    hold_gil(0.06)
+    after = time.perf_counter()
+    stop.set()
+    thread.join()
+    assert after - before >= 0.06
+    # The other thread made no progress during the hold: its timestamps show one gap as long as the
+    # hold (a timestamp it read just before the hold may be appended just after, so gaps, not bounds).
+    gaps = [b - a for a, b in zip(progress, progress[1:]) if b > before and a < after]
+    assert max(gaps) >= 0.05
+    # ...while the device executed its work on time.
+    assert work.end_time == pytest.approx(work.start_time + 0.02) and work.end_time < after
+
+
+def test_stream_device_times_come_from_its_drifting_clock_not_from_when_the_resolver_looked():
+    """Markers carry the device's own clock (running 200 ppm fast, float32 milliseconds): a GIL hold on
+    the training thread at the moment steps end changes no time."""
+    from steptrace.testing import hold_gil
+
+    device = SimulatedDevice(clock_drift_ppm=200.0)
+    work = {}
+    with capture(backend=device) as sink:
+        for n in range(8):
+            with steptrace.step(n):
+                if n == 0:
+                    entry = time.perf_counter()
+                work[n] = device.run(U / 2)
+            if n % 2:
+                hold_gil(U)  # the step ends on the device while no other thread can run
+    steps = by_step(sink)
+    offset = steps[0]["host_start_time"] - entry
+    for n in range(8):
+        assert steps[n]["end_source"] == "device_clock"
+        assert steps[n]["end_time"] == pytest.approx(work[n].end_time + offset, abs=5e-4), n
+        assert steps[n]["compute_seconds"] == pytest.approx(U / 2, abs=5e-4), n
+    assert device.markers_outstanding <= 2  # only the newest calibration anchor keeps a marker
+
+
+def test_an_observed_end_says_so(device):
+    """A device that cannot report when its values became ready (JAX) is observed by the resolver, which a
+    GIL-holding call can delay; the record says the end was observed, never device-timed."""
+    from steptrace.testing import hold_gil
+
+    observed = SimulatedDevice(report_end_times=False)
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n) as s:
+                if n == 0:
+                    entry = time.perf_counter()
+                work = observed.run(U / 4)
+                s.wait_for(work)
+            hold_gil(U)
+        with steptrace.step(3) as s:
+            s.wait_for(device.run(U / 4))
+        with steptrace.step(4):
+            pass
+    steps = by_step(sink)
+    assert [steps[n]["end_source"] for n in range(5)] == ["observed"] * 3 + ["device", "host"]
+    offset = steps[0]["host_start_time"] - entry
+    # Observed ends are never early; they may be late by the GIL hold.
+    assert steps[2]["end_time"] >= work.end_time + offset - 1e-6
