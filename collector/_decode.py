@@ -40,6 +40,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from steptrace._ids import run_id_problem
+
 __all__ = [
     "MEDIA_JSON",
     "MEDIA_PROTOBUF",
@@ -69,7 +71,6 @@ INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_ou
 
 _STEP_SPAN = "train.step"
 _BUBBLE_PREFIX = "train.pipeline.bubble_ratio."
-_MAX_RUN_ID = 200
 _MAX_LABEL = 64  # status and stage names end up as JSON keys and metric labels
 _MAX_STAGES = 256
 #: Ranks beyond this are taken for garbage: a rank set is kept as a bitmask.
@@ -247,8 +248,7 @@ class _Invalid(Exception):
 
 def safe_run_id(run_id: Any) -> bool:
     """Whether ``run_id`` can name a directory under the run dir (no path tricks, printable)."""
-    return (isinstance(run_id, str) and 0 < len(run_id) <= _MAX_RUN_ID and run_id not in (".", "..")
-            and "/" not in run_id and "\\" not in run_id and run_id.isprintable())
+    return run_id_problem(run_id) is None
 
 
 def _scalar(value: Any) -> Any:

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from ._ids import run_id_problem
+
 #: Set to ``1``/``true`` to turn every steptrace call into a no-op.
 ENV_DISABLED = "STEPTRACE_DISABLED"
 #: Directory that holds one sub-directory per run (default ``steptrace-runs``).
@@ -262,8 +264,9 @@ def _validate(config: Config) -> None:
         raise ValueError(f"local_rank must be >= 0, got {config.local_rank}")
     if config.max_queue < 16:
         raise ValueError(f"max_queue must be >= 16, got {config.max_queue}")
-    if not config.run_id or "/" in config.run_id or config.run_id in (".", ".."):
-        raise ValueError(f"run_id must be a non-empty name without '/', got {config.run_id!r}")
+    problem = run_id_problem(config.run_id)
+    if problem is not None:
+        raise ValueError(f"run_id {problem}, got {config.run_id!r} (the collector refuses such a run)")
     if isinstance(config.backend, str) and config.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or a backend object, got {config.backend!r}")
     if config.peak_tflops is not None and not config.peak_tflops > 0:

@@ -23,6 +23,28 @@ from __future__ import annotations
 
 import hashlib
 
+#: The longest run id a rank accepts and the collector stores (it names a directory).
+MAX_RUN_ID_LENGTH = 200
+
+
+def run_id_problem(run_id: object) -> str | None:
+    """Why ``run_id`` cannot name a run (a directory under the run dir), or None if it can.
+
+    The one rule for both sides: ``init`` refuses what the collector would refuse, so a
+    rank never sends spans that are all rejected.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        return "must be a non-empty string"
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        return f"is {len(run_id)} characters; at most {MAX_RUN_ID_LENGTH}"
+    if run_id in (".", ".."):
+        return "cannot be '.' or '..'"
+    if "/" in run_id or "\\" in run_id:
+        return "cannot contain '/' or '\\'"
+    if not run_id.isprintable():
+        return "must be printable (no tabs, newlines or NUL bytes)"
+    return None
+
 
 def trace_id(run_id: str, step: int) -> int:
     """The 128-bit trace id of step ``step`` of run ``run_id``, shared by all ranks."""

@@ -65,6 +65,11 @@ def test_disabled_by_environment():
         ({}, {"peak_tflops": -1.0}, "peak_tflops"),
         ({"STEPTRACE_DISABLED": "maybe"}, {}, "STEPTRACE_DISABLED"),
         ({}, {"run_id": "a/b"}, "run_id"),
+        # What the collector would refuse is refused here, so no rank sends spans that are all rejected.
+        ({}, {"run_id": "x" * 250}, "run_id"),
+        ({}, {"run_id": "a\tb"}, "run_id"),
+        ({}, {"run_id": "a\x00b"}, "run_id"),
+        ({"STEPTRACE_RUN_ID": "a\\b"}, {}, "run_id"),
         ({}, {"max_queue": 1}, "max_queue"),
         ({}, {"colour": "blue"}, "colour"),
         ({"STEPTRACE_PROMETHEUS_PORT": "http"}, {}, "STEPTRACE_PROMETHEUS_PORT"),
