@@ -1,0 +1,169 @@
+"""CUDA step, microbatch and checkpoint times against CUPTI's kernel timeline of the same run.
+
+Tolerances are the CUDA timing issue's: step compute median error <= 1 %, p95 <= 3 % (step 0
+aside); microbatch compute median <= 2 %; bubble ratio within 0.02; checkpoint blocking within 3 %;
+steps around a GIL-holding host call within 3 %. These are accuracy bounds against the device's own
+timeline, not timing thresholds on this machine's speed.
+"""
+
+import random
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU suite needs torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+
+import steptrace  # noqa: E402
+from kernel_timeline import relative_error  # noqa: E402
+from steptrace.testing import capture  # noqa: E402
+
+from .conftest import by_step, median_and_p95  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def _work(x, reps):
+    for _ in range(reps):
+        x = torch.tanh(x @ x) * 0.5
+    return x
+
+
+def _square(n=4096):
+    x = torch.randn(n, n, device="cuda")
+    torch.cuda.synchronize()
+    return x
+
+
+def _check_steps(sink, timeline, steps, median_max=0.01, p95_max=0.03):
+    records = by_step(sink)
+    errors, interval_errors = [], []
+    for n in steps:
+        record = records[n]
+        assert (record["backend"], record["end_source"]) == ("torch-cuda", "device_clock"), record
+        window = timeline.window(f"steptrace.step.{n}")
+        errors.append(relative_error(record["compute_seconds"], window.seconds))
+        if n - 1 in records and n - 1 >= 1:
+            previous = timeline.window(f"steptrace.step.{n - 1}")
+            interval_errors.append(relative_error(record["end_time"] - records[n - 1]["end_time"],
+                                                  window.end - previous.end))
+    median, p95 = median_and_p95(errors)
+    assert median <= median_max and p95 <= p95_max, (median, p95, errors)
+    if interval_errors:
+        median, p95 = median_and_p95(interval_errors)
+        assert median <= median_max and p95 <= p95_max, ("step ends", median, p95, interval_errors)
+
+
+def test_gpu_bound_steps_match_their_kernel_windows(profiled):
+    x = _square()
+    reps = [3, 3, 3, 9, 3, 1, 3, 6] * 3
+    with capture() as sink, profiled.run():
+        for n, r in enumerate(reps):
+            with steptrace.step(n):
+                x = _work(x, r)
+    _check_steps(sink, profiled.timeline, range(1, len(reps)))
+
+
+def test_steps_around_a_gil_holding_host_call(profiled):
+    """``sorted()`` of a large list holds the GIL for tens of ms between steps: the resolver cannot run
+    while steps end, and their times must not change (the issue saw 0.5 ms against 16 ms)."""
+    x = _square()
+    data = [random.random() for _ in range(400_000)]
+    with capture() as sink, profiled.run():
+        for n in range(24):
+            with steptrace.step(n):
+                x = _work(x, 4)
+            if n % 3 == 1:
+                sorted(data)
+    _check_steps(sink, profiled.timeline, range(1, 24), median_max=0.03, p95_max=0.03)
+
+
+def test_work_on_a_side_stream_joined_by_the_current_stream_is_inside_the_step(profiled):
+    x, y = _square(), _square()
+    side = torch.cuda.Stream()
+    with capture() as sink, profiled.run():
+        for n in range(12):
+            with steptrace.step(n):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    y = _work(y, 3)
+                x = _work(x, 1)
+                torch.cuda.current_stream().wait_stream(side)
+    _check_steps(sink, profiled.timeline, range(1, 12))
+
+
+def test_microbatches_and_bubble_match_the_kernel_timeline(profiled):
+    """4 microbatches per step with host gaps between them: every microbatch has its own events (the
+    issue saw 56 of 64 microbatches at ~0.02 ms and a bubble of 0.93 against 0.17-0.20)."""
+    x = _square()
+    with capture() as sink, profiled.run():
+        for n in range(8):
+            with steptrace.step(n):
+                for i in range(4):
+                    with steptrace.microbatch(i, stage=0), torch.profiler.record_function(f"truth.mb.{n}.{i}"):
+                        x = _work(x, 2)
+                    if i == 1:
+                        # The host waits for the device, then prepares the next microbatch while the
+                        # device runs dry: a real ~2 ms bubble inside the step.
+                        torch.cuda.current_stream().synchronize()
+                        time.sleep(0.002)
+    timeline = profiled.timeline
+    mbs = {(r["step"], r["microbatch"]): r for r in sink.of_type("microbatch")}
+    assert len(mbs) == 32
+    errors = []
+    steps = by_step(sink)
+    for n in range(1, 8):
+        busy = 0.0
+        for i in range(4):
+            window = timeline.window(f"truth.mb.{n}.{i}")
+            assert mbs[(n, i)]["end_source"] == "device_clock"
+            errors.append(relative_error(mbs[(n, i)]["compute_seconds"], window.seconds))
+            busy += window.seconds
+        step_window = timeline.window(f"steptrace.step.{n}")
+        true_bubble = 1.0 - busy / step_window.seconds
+        assert steps[n]["pipeline_bubble_ratio"]["0"] == pytest.approx(true_bubble, abs=0.02), n
+    median, _ = median_and_p95(errors)
+    assert median <= 0.02, errors
+
+
+def test_checkpoint_blocking_and_the_saved_step(profiled, tmp_path):
+    """``torch.save`` copies to the host (a sync) and pickles holding the GIL: blocking is the part of the
+    save after the saved step's device work ended, and the saved step keeps its true compute (the
+    issue saw -13 to -15 % blocking and 120-174 ms of false ``other`` idle)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(6)]).cuda().to(torch.bfloat16)
+    batch = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    with capture() as sink, profiled.run():
+        for n in range(10):
+            with steptrace.step(n):
+                for _ in range(4):
+                    model(batch)
+            if n == 5:
+                with steptrace.checkpoint(n), torch.profiler.record_function("truth.save"):
+                    torch.save(model.state_dict(), tmp_path / "model.pt")
+    timeline = profiled.timeline
+    ((save_start, save_end),) = timeline.annotations["truth.save"]
+    saved_step_end = timeline.window("steptrace.step.5").end
+    true_blocking = save_end - max(save_start, saved_step_end)
+    (ckpt,) = sink.checkpoints()
+    assert relative_error(ckpt["blocking_seconds"], true_blocking) <= 0.03, (ckpt, true_blocking)
+    _check_steps(sink, timeline, [4, 5, 6, 7], median_max=0.03, p95_max=0.03)
+
+
+def test_cuda_graph_replays_are_timed(profiled):
+    """Steps that replay CUDA graphs (``torch.compile(mode="reduce-overhead")``)."""
+    pytest.importorskip("triton", reason="torch.compile needs triton")
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    batch = torch.randn(4096, 4096, device="cuda")
+    with torch.no_grad():
+        for _ in range(4):  # compile and capture before anything is measured
+            compiled(batch)
+        torch.cuda.synchronize()
+        with capture() as sink, profiled.run():
+            for n in range(12):
+                with steptrace.step(n):
+                    for _ in range(3):
+                        compiled(batch)
+    _check_steps(sink, profiled.timeline, range(1, 12), median_max=0.02, p95_max=0.03)

@@ -1,0 +1,137 @@
+"""The GPU's own timeline, read from a ``torch.profiler`` (Kineto) Chrome trace: ground truth for tests.
+
+Each device operation (kernel, memcpy, memset) carries the correlation id of the host call that
+launched it (``cudaLaunchKernel``, ``cudaGraphLaunch``, ``cuLaunchKernelEx``, ...). A device operation
+belongs to an annotated host range (``record_function``, or steptrace's own ``steptrace.step.N``) when
+its launch happened inside that range. This is how the CUDA timing issue's measurements were taken,
+and it uses no host clock read of ours: only CUPTI's device timestamps, which Kineto puts on the
+same time base as the host events of the same trace.
+
+Times are seconds on the trace's own clock; compare differences and durations, never absolute
+times, with steptrace's records.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+ANNOTATION_CATEGORIES = frozenset({"user_annotation"})
+
+
+@dataclass(frozen=True)
+class Window:
+    """Device work launched inside one host range: first start, last end, and busy time (union)."""
+
+    start: float
+    end: float
+    busy: float
+    operations: int
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class KernelTimeline:
+    #: (start, end, correlation id) of every device operation, sorted by start
+    device_ops: list[tuple[float, float, int]] = field(default_factory=list)
+    #: correlation id -> host time of the launch call
+    launches: dict[int, float] = field(default_factory=dict)
+    #: annotation name -> [(start, end)] host ranges, in order
+    annotations: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    @classmethod
+    def from_trace(cls, trace: dict[str, Any]) -> "KernelTimeline":
+        timeline = cls()
+        for event in trace.get("traceEvents", []):
+            if event.get("ph") != "X":
+                continue
+            cat = event.get("cat", "")
+            start = float(event["ts"]) / 1e6
+            end = start + float(event.get("dur", 0.0)) / 1e6
+            args = event.get("args") or {}
+            if cat in DEVICE_CATEGORIES and "correlation" in args:
+                timeline.device_ops.append((start, end, int(args["correlation"])))
+            elif cat in LAUNCH_CATEGORIES and "correlation" in args:
+                timeline.launches[int(args["correlation"])] = start
+            elif cat in ANNOTATION_CATEGORIES:
+                timeline.annotations.setdefault(event["name"], []).append((start, end))
+        timeline.device_ops.sort()
+        for ranges in timeline.annotations.values():
+            ranges.sort()
+        return timeline
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KernelTimeline":
+        return cls.from_trace(load_json(path))
+
+    def window(self, name: str, occurrence: int = 0) -> Window:
+        """The device work launched inside the ``occurrence``-th host range called ``name``."""
+        ranges = self.annotations.get(name)
+        if not ranges or occurrence >= len(ranges):
+            raise KeyError(f"no annotation {name!r} (occurrence {occurrence}) in the trace")
+        lo, hi = ranges[occurrence]
+        ops = [(s, e) for s, e, corr in self.device_ops
+               if corr in self.launches and lo <= self.launches[corr] <= hi]
+        if not ops:
+            raise ValueError(f"no device work was launched inside {name!r}")
+        return Window(start=min(s for s, _ in ops), end=max(e for _, e in ops), busy=_union(ops),
+                      operations=len(ops))
+
+    def last_device_end_before(self, t: float) -> float | None:
+        """The end of the latest device operation that started before ``t`` (on the trace clock)."""
+        starts = [s for s, _, _ in self.device_ops]
+        i = bisect.bisect_left(starts, t)
+        return max((e for _, e, _ in self.device_ops[:i]), default=None)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def relative_error(measured: float, true: float) -> float:
+    return abs(measured - true) / true
+
+
+def xla_module_windows(trace: dict[str, Any] | list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start, end) of every XLA program execution on a GPU, in order, from a ``jax.profiler`` trace
+    (``create_perfetto_trace=True``): the events of the "XLA Modules" line of each ``/device:GPU:N``
+    process, which XLA's profiler derives from the kernels of one executable run."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu_pids = {pid for pid, name in process.items() if name.startswith("/device:GPU")}
+    modules = [(float(e["ts"]) / 1e6, (float(e["ts"]) + float(e.get("dur", 0.0))) / 1e6) for e in events
+               if e.get("ph") == "X" and e.get("pid") in gpu_pids
+               and thread.get((e["pid"], e.get("tid"))) == "XLA Modules"]
+    if not modules:
+        lines = sorted({name for (pid, _), name in thread.items() if pid in gpu_pids})
+        raise ValueError(f"no 'XLA Modules' line on a GPU in this trace; GPU lines: {lines}")
+    return sorted(modules)
+
+
+def load_json(path: str | Path) -> Any:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
