@@ -106,6 +106,9 @@ def step_annotator() -> Callable[[int], Any]:
     profiler_enabled = torch.autograd._profiler_enabled
     try:
         nvtx = torch.cuda.nvtx if torch.cuda.is_available() else None
+        if nvtx is not None:  # probe once: a build without NVTX raises here, never inside a step
+            nvtx.range_push("steptrace")
+            nvtx.range_pop()
     except Exception:
         nvtx = None
 

@@ -1,0 +1,234 @@
+"""steptrace on a CUDA GPU: training-thread cost, background cost, process CPU, and throughput.
+
+Usage::
+
+    python bench/bench_gpu.py            # 7 rounds
+    python bench/bench_gpu.py --quick    # 3 rounds, shorter loops
+    python bench/bench_gpu.py --json out.json
+
+Without a CUDA GPU it prints why and exits 0 (CI and the 2-core dev machines have none).
+
+What is timed
+-------------
+Every loop is a torch loop on ``cuda:0``; variants run interleaved within each round (so drifts hit
+all alike), and ratios are paired within a round, then the median over rounds is printed.
+
+* **Training-thread cost**: a trivial step (one ``x.add_(1)`` on a small tensor), ``--iters`` steps.
+  ``empty with`` is ``with contextlib.nullcontext():``; ``steptrace`` is ``with steptrace.step(n):``
+  with a ``MemorySink`` (``jsonl=False``). The interpreter's switch interval is raised to 1 s during
+  the loop so the background threads cannot take the GIL in the middle: the difference is the
+  work done on the training thread per step (the issue's target: at most 10 µs).
+* **Background cost**: ``steptrace.stats()["background_cpu_seconds"]`` (the CPU time of the
+  resolver and sink threads, which is GIL time for these pure-Python threads) divided by steps,
+  measured over the GPU-bound loop with the default switch interval.
+* **Throughput**: steps/s of a *host-bound* loop (``--host-ops`` tiny kernels per step, ~3-4 ms of
+  launch work, the device mostly idle) and a *GPU-bound* loop (4096² fp32 matmuls, ~5 ms per step),
+  each run as: uninstrumented; steptrace; ``sync every step`` (the naive way:
+  ``torch.cuda.synchronize()`` and two ``perf_counter()`` reads per step); ``CUDA events`` (the usual
+  hand-rolled way: an event pair per step, ``elapsed_time`` read one step later, which synchronizes on
+  the previous step's end event). Ratios are to the uninstrumented loop of the same round.
+* **Process CPU**: ``time.process_time()`` per wall-clock second of each throughput loop: a resolver
+  that spins in ``event.synchronize()`` shows here as ~1 extra CPU-second per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+perf = time.perf_counter
+
+
+def _median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--iters", type=int, help="steps per training-thread-cost loop")
+    parser.add_argument("--steps", type=int, help="steps per throughput loop")
+    parser.add_argument("--host-ops", type=int, default=300, help="tiny kernels per host-bound step")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("bench_gpu: torch is not installed; nothing to measure")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); nothing to measure")
+        return 0
+    import steptrace
+    from steptrace.testing import MemorySink
+
+    rounds = args.rounds or (3 if args.quick else 7)
+    iters = args.iters or (2000 if args.quick else 10000)
+    steps = args.steps or (100 if args.quick else 300)
+
+    device = torch.device("cuda")
+    small = torch.zeros(256, device=device)
+    big = torch.randn(4096, 4096, device=device)
+    tiny = torch.zeros(16, device=device)
+    torch.cuda.synchronize()
+
+    def host_bound_work():
+        for _ in range(args.host_ops):
+            tiny.add_(1.0)
+
+    def gpu_bound_work():
+        nonlocal big
+        for _ in range(2):
+            big = torch.tanh(big @ big) * 0.5
+
+    # ---- the loops -------------------------------------------------------------------------------
+    def loop_plain(work, n):
+        for _ in range(n):
+            work()
+
+    def loop_steptrace(work, n, base):
+        for i in range(n):
+            with steptrace.step(base + i):
+                work()
+
+    def loop_sync(work, n):
+        times = []
+        for _ in range(n):
+            t0 = perf()
+            work()
+            torch.cuda.synchronize()
+            times.append(perf() - t0)
+        return times
+
+    def loop_events(work, n):
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2)]
+        times = []
+        for i in range(n):
+            start, end = pairs[i % 2]
+            start.record()
+            work()
+            end.record()
+            if i:
+                prev_start, prev_end = pairs[(i - 1) % 2]
+                times.append(prev_start.elapsed_time(prev_end) / 1e3)  # waits for the previous step
+        return times
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        wall0, cpu0 = perf(), time.process_time()
+        fn()
+        torch.cuda.synchronize()
+        wall, cpu = perf() - wall0, time.process_time() - cpu0
+        return wall, cpu / wall
+
+    base = [0]
+
+    def background_cpu():
+        return sum(steptrace.stats()["background_cpu_seconds"].values())
+
+    def next_base(n):
+        base[0] += n
+        return base[0] - n
+
+    steptrace.init(jsonl=False, sinks=[MemorySink()], run_id="bench-gpu", prometheus_port=None)
+    try:
+        # warm-up: kernels, cuBLAS, steptrace's pool and clock anchors
+        for work in (host_bound_work, gpu_bound_work):
+            loop_plain(work, 20)
+            loop_steptrace(work, 20, next_base(20))
+            loop_sync(work, 5)
+            loop_events(work, 5)
+        steptrace.flush()
+
+        thread = {"empty with": [], "steptrace": []}
+        throughput = {(kind, v): [] for kind in ("host-bound", "GPU-bound")
+                      for v in ("uninstrumented", "steptrace", "sync every step", "CUDA events")}
+        cpu_per_s = {key: [] for key in throughput}
+        background_per_step = []
+        for _ in range(rounds):
+            # training-thread cost: background threads kept off the GIL during the loop
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(1.0)
+            try:
+                torch.cuda.synchronize()
+                t0 = perf()
+                for _i in range(iters):
+                    with contextlib.nullcontext():
+                        small.add_(1.0)
+                empty = perf() - t0
+                steptrace.flush()
+                b = next_base(iters)
+                torch.cuda.synchronize()
+                t0 = perf()
+                for i in range(iters):
+                    with steptrace.step(b + i):
+                        small.add_(1.0)
+                traced = perf() - t0
+            finally:
+                sys.setswitchinterval(old)
+            steptrace.flush()
+            thread["empty with"].append(empty / iters)
+            thread["steptrace"].append(traced / iters)
+
+            for kind, work in (("host-bound", host_bound_work), ("GPU-bound", gpu_bound_work)):
+                variants = {
+                    "uninstrumented": lambda: loop_plain(work, steps),
+                    "steptrace": lambda: loop_steptrace(work, steps, next_base(steps)),
+                    "sync every step": lambda: loop_sync(work, steps),
+                    "CUDA events": lambda: loop_events(work, steps),
+                }
+                for name, fn in variants.items():
+                    if name == "steptrace":
+                        bg0 = background_cpu()
+                    wall, cpu = timed(fn)
+                    if name == "steptrace":
+                        steptrace.flush()
+                        if kind == "GPU-bound":
+                            background_per_step.append(
+                                (background_cpu() - bg0) / steps)
+                    throughput[(kind, name)].append(steps / wall)
+                    cpu_per_s[(kind, name)].append(cpu)
+        clock = steptrace.stats().get("device_clock")
+    finally:
+        steptrace.shutdown()
+
+    # ---- report ----------------------------------------------------------------------------------
+    props = torch.cuda.get_device_properties(0)
+    print(f"bench_gpu: {props.name}, torch {torch.__version__}, {rounds} rounds, "
+          f"{iters} trivial steps, {steps} steps per throughput loop")
+    print()
+    print("training-thread cost per step (switch interval 1 s during the loop)")
+    e, s = _median(thread["empty with"]), _median(thread["steptrace"])
+    paired = _median([b - a for a, b in zip(thread["empty with"], thread["steptrace"])])
+    print(f"  empty with     {e * 1e6:8.2f} µs")
+    print(f"  steptrace      {s * 1e6:8.2f} µs   (+{paired * 1e6:.2f} µs over the empty with, median of paired)")
+    print(f"  background     {_median(background_per_step) * 1e6:8.2f} µs CPU (GIL) per step, resolver + sinks")
+    print()
+    print(f"{'loop':<12}{'variant':<18}{'steps/s':>10}{'x uninstr.':>12}{'CPU-s/s':>10}")
+    results = {}
+    for kind in ("host-bound", "GPU-bound"):
+        ref = throughput[(kind, "uninstrumented")]
+        for name in ("uninstrumented", "steptrace", "sync every step", "CUDA events"):
+            values = throughput[(kind, name)]
+            ratio = _median([v / r for v, r in zip(values, ref)])
+            cpu = _median(cpu_per_s[(kind, name)])
+            results[f"{kind}/{name}"] = {"steps_per_s": _median(values), "ratio": ratio, "cpu_per_s": cpu}
+            print(f"{kind:<12}{name:<18}{_median(values):>10.1f}{ratio:>12.3f}{cpu:>10.2f}")
+    if clock:
+        print()
+        print(f"device clock: {clock}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props.name, "torch": torch.__version__, "rounds": rounds,
+                       "thread_seconds": thread, "background_cpu_per_step": background_per_step,
+                       "throughput": results, "device_clock": clock}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
