@@ -76,7 +76,8 @@ log = logging.getLogger("steptrace")
 _RUN_LABELS = ("run_id", "rank")
 # Drop reasons exported at 0 from the start (see _dropped_family).
 _KNOWN_DROP_REASONS = {reason: 0 for reason in (
-    "resolver_queue", "misuse", "device_wait_error", "unresolved_at_shutdown",
+    "resolver_queue", "misuse", "device_wait_error", "unresolved_at_shutdown", "resolver_error",
+    "device_marker_error", "device_clock_error",
     "sink:jsonl", "sink:prometheus", "sink:otlp")}
 
 
