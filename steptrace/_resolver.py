@@ -156,6 +156,9 @@ class Resolver:
         clocks = self.clock_stats()
         if clocks:
             run_record["device_clock"] = clocks
+        if not self._thread.is_alive():  # give the anchors' markers back (the thread no longer uses them)
+            for clock in self._clocks.values():
+                clock.close()
         for worker in self.sinks:
             worker.offer([run_record])
         for worker in self.sinks:

@@ -254,3 +254,14 @@ def test_the_run_record_reports_the_device_clock_and_background_cpu(monkeypatch)
     assert run["device_clock"]["torch-cuda"]["max_uncertainty_seconds"] < 50e-6
     assert set(run["background_cpu_seconds"]) == {"resolver", "sink:memory"}
     assert run["background_cpu_seconds"]["resolver"] > 0
+
+
+def test_shutdown_gives_every_marker_back_including_the_clock_anchors():
+    device = SimulatedDevice(clock_drift_ppm=25.0)
+    with capture(backend=device) as sink:
+        for n in range(50):
+            with steptrace.step(n):
+                device.run(0.2 * MS)
+            time.sleep(0.2 * MS)
+    assert len(sink.steps()) == 50 and device.markers_created > 0
+    assert device.markers_outstanding == 0
