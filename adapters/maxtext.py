@@ -214,7 +214,7 @@ def _make_buffer_and_write(original: Any) -> Any:
                                  is_training: bool = True) -> Any:
         if is_training:
             _close_eval_span()
-            handle = steptrace._runtime.current_step() if hasattr(steptrace._runtime, "current_step") else None
+            handle = steptrace.current_step()
             if handle is not None and not handle.waited:
                 loss = _loss_of(metrics)
                 if loss is not None:

@@ -128,7 +128,7 @@ def _arg_reader(fn: Any, name: str) -> Callable[[tuple, dict], Any]:
 
 def _current_step() -> Any:
     """The open steptrace step of this process, or None (also when steptrace is off)."""
-    return getattr(steptrace._runtime, "current", None)  # the runtime object, see steptrace._install
+    return steptrace.current_step()
 
 
 def _pipeline_rank() -> int | None:
@@ -304,7 +304,7 @@ def _hook_save_checkpoint_and_time(original: Callable[..., Any]) -> Callable[...
         if not steptrace.enabled():
             return original(*args, **kwargs)
         # The save holds the state after the last step run; steptrace ties it to that step.
-        step = getattr(steptrace._runtime, "last_step", None)
+        step = steptrace.last_step()
         if step is None:
             step = max(_state.next_step - 1, 0)
         async_save = _async_save_on()

@@ -154,7 +154,7 @@ def run_once(data_fn, switch: float | None, steps: int) -> dict:
     old = sys.getswitchinterval()
     steptrace.init(jsonl=False, sinks=[sink], run_id="bench-latency", backend=dev, strict=False)
     # Records carry unix seconds = perf_counter + the resolver's offset.
-    offset = steptrace._runtime.resolver.unix_offset
+    offset = steptrace._active.resolver.unix_offset
     works = []
     try:
         if switch is not None:

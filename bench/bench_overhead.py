@@ -212,7 +212,7 @@ class Bench:
         # milliseconds apart: every hand-over then also wakes it (Event.set), and that is timed.
         gc.collect()
         time.sleep(0.02)
-        resolver = getattr(steptrace._runtime, "resolver", None)
+        resolver = getattr(steptrace._active, "resolver", None)
         idle_at_start = getattr(resolver, "_sleeping", None)
         elapsed = self._timed(self._steptrace_loop(value, base), collect=False)
         t = pc()

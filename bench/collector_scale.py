@@ -202,7 +202,7 @@ class _Template:
         from opentelemetry.proto.resource.v1.resource_pb2 import Resource
         from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-        from steptrace import __version__
+        from steptrace._version import __version__
 
         self.run_id, self.rank = run_id, rank
         self.interval_ns = round(interval * 1e9)

@@ -33,7 +33,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
-from steptrace import __version__
+from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
 __all__ = ["ClusterMetrics", "JOIN_LAG_BUCKETS_S"]

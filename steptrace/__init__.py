@@ -26,25 +26,26 @@ from typing import Any, Iterable
 
 from steptrace._config import Config, resolve_config
 from steptrace._errors import SteptraceWarning
-from steptrace._runtime import NULL_CHECKPOINT, NULL_MICROBATCH, NULL_SPAN, NULL_STEP, Runtime
+from steptrace._handles import NULL_CHECKPOINT, NULL_MICROBATCH, NULL_SPAN, NULL_STEP
+from steptrace._runtime import Runtime
+from steptrace._version import __version__ as __version__
 
 __all__ = [
     "Config",
     "SteptraceWarning",
     "checkpoint",
     "config",
+    "current_step",
     "enabled",
     "flush",
     "init",
+    "last_step",
     "microbatch",
     "shutdown",
     "span",
     "stats",
     "step",
 ]
-
-__version__ = "0.1.0"
-
 
 class _Disabled:
     """The runtime before init() and when disabled: every call returns a shared no-op."""
@@ -79,7 +80,7 @@ class _Disabled:
         return True
 
 
-_runtime: Any = _Disabled(warn_uninitialised=True)
+_active: Any = _Disabled(warn_uninitialised=True)
 _HOT_CALLS = ("step", "span", "checkpoint", "microbatch")
 
 
@@ -92,8 +93,8 @@ def _install(runtime: Any) -> None:
     that did ``from steptrace import step`` keeps the delegating function,
     which stays correct across init/shutdown.
     """
-    global _runtime
-    _runtime = runtime
+    global _active
+    _active = runtime
     namespace = globals()
     for name in _HOT_CALLS:
         namespace[name] = getattr(runtime, name)
@@ -126,8 +127,8 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             raise ValueError(f"sinks: {sink!r} must have export(records), force_flush(timeout_s) "
                              "and shutdown(timeout_s)")
     with _lock:
-        if isinstance(_runtime, Runtime):
-            _runtime.shutdown(_runtime.config.shutdown_timeout_s)
+        if isinstance(_active, Runtime):
+            _active.shutdown(_active.config.shutdown_timeout_s)
         _config = config
         if not config.enabled:
             _install(_Disabled(warn_uninitialised=False))
@@ -188,35 +189,35 @@ def step(n: int, *, tokens: int | float | None = None, flops: int | float | None
     device compute time). Extra keyword arguments are recorded as ``attrs``.
     Inside the block call ``s.wait_for(outputs)`` with the step's device outputs.
     """
-    return _runtime.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
+    return _active.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
 
 
 def span(name: str, **attrs: Any) -> Any:
     """Time a host span (``"data"``, ``"eval"``, ...). Idle device time it covers is charged to ``name``."""
-    return _runtime.span(name, **attrs)
+    return _active.span(name, **attrs)
 
 
 def checkpoint(step: int, *, async_save: bool = False) -> Any:
     """Time a checkpoint save of ``step``; its ``blocking_seconds`` is the host time after that step's
     device work finished. With ``async_save=True`` call ``.async_done()`` when the background commit ends."""
-    return _runtime.checkpoint(step, async_save=async_save)
+    return _active.checkpoint(step, async_save=async_save)
 
 
 def microbatch(index: int, *, stage: int | None = None, chunk: int | None = None, kind: str = "forward") -> Any:
     """Time one pipeline microbatch (``kind`` is ``"forward"`` or ``"backward"``) inside the current step."""
-    return _runtime.microbatch(index, stage=stage, chunk=chunk, kind=kind)
+    return _active.microbatch(index, stage=stage, chunk=chunk, kind=kind)
 
 
 def flush(timeout_s: float | None = None) -> bool:
     """Block until everything recorded so far is finalized and exported. False on timeout."""
-    return _runtime.flush(timeout_s)
+    return _active.flush(timeout_s)
 
 
 def shutdown(timeout_s: float | None = None) -> bool:
     """Finalize, export and stop. Returns within ``timeout_s`` (default from config); False if
     something could not be finished in time (it is counted as dropped). Later calls are no-ops."""
     with _lock:
-        runtime = _runtime
+        runtime = _active
         _install(_Disabled(warn_uninitialised=False))
     if timeout_s is None:
         timeout_s = runtime.config.shutdown_timeout_s if isinstance(runtime, Runtime) else 0.0
@@ -232,7 +233,20 @@ def _shutdown_at_exit() -> None:
 
 def enabled() -> bool:
     """True when steptrace is initialised and recording."""
-    return isinstance(_runtime, Runtime)
+    return isinstance(_active, Runtime)
+
+
+def current_step() -> Any:
+    """The step open on the training thread now (its handle: ``.step`` is the number, ``.wait_for``
+    and ``.status`` as inside ``with steptrace.step(n) as s``), or None: between steps, before
+    ``init()``, or when disabled. Framework hooks use this instead of steptrace's internals."""
+    return _active.current if isinstance(_active, Runtime) else None
+
+
+def last_step() -> int | None:
+    """The number of the most recent step entered (open or closed), or None before the first one
+    or when steptrace is not recording. Hooks use it to name the step a checkpoint saves."""
+    return _active.last_step if isinstance(_active, Runtime) else None
 
 
 def config() -> Config | None:
@@ -245,10 +259,10 @@ def stats() -> dict[str, Any]:
     the sinks' endpoints (e.g. ``{"prometheus": "http://127.0.0.1:9464/metrics"}``), the CPU
     seconds steptrace's background threads used (``background_cpu_seconds``, by thread: what
     they took from the GIL), and each stream device's clock calibration (``device_clock``)."""
-    if not isinstance(_runtime, Runtime):
+    if not isinstance(_active, Runtime):
         return {"steps": 0, "records": 0, "dropped": {}, "endpoints": {}, "background_cpu_seconds": {},
                 "device_clock": {}}
-    resolver = _runtime.resolver
+    resolver = _active.resolver
     endpoints = {}
     for worker in resolver.sinks:
         endpoint = getattr(worker.sink, "endpoint", None)

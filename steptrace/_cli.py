@@ -8,7 +8,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from steptrace import __version__, report, timeline
+    from steptrace import report, timeline
+    from steptrace._version import __version__
 
     parser = argparse.ArgumentParser(prog="steptrace", description="steptrace: device-true training step timings.")
     parser.add_argument("--version", action="version", version=f"steptrace {__version__}")

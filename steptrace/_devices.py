@@ -22,7 +22,7 @@ Which device times a step follows the work, not the imports (DESIGN §2); see
 from __future__ import annotations
 
 import sys
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class Device(Protocol):
@@ -136,6 +136,29 @@ class Backends:
         else:
             raise ValueError(f"backend: unknown backend {backend!r}")
 
+    # -- at the first step --------------------------------------------------------------
+    def framework_hooks(self, runtime: Any, backend: Any, annotate: bool) -> Callable[[int], Any] | None:
+        """Set up, once at the first step, what depends on the frameworks the program imported: JAX's
+        compile listener, and the per-step profiler annotation (JAX, torch, or both). Returns the
+        annotator (``annotate(n)`` → an open range with ``__exit__``) or None.
+
+        With ``_devices`` choosing backends, this is the only place the core imports an adapter.
+        """
+        annotators = []
+        if "jax" in sys.modules and backend in ("auto", "jax"):
+            from steptrace.adapters import jax as jax_adapter
+
+            jax_adapter.install_compile_listener(runtime)
+            if annotate:
+                annotators.append(jax_adapter.step_annotator())
+        if "torch" in sys.modules and annotate and backend in ("auto", "torch"):
+            from steptrace.adapters import torch as torch_adapter
+
+            annotators.append(torch_adapter.step_annotator())
+        if len(annotators) == 1:
+            return annotators[0]
+        return _AllAnnotations(annotators) if annotators else None
+
     # -- at step / microbatch entry ------------------------------------------------------
     def stream_for_unit(self) -> Any:
         """The stream device to record markers on for a unit starting now, or None."""
@@ -219,3 +242,26 @@ class Backends:
 
 
 _MISSING = object()
+
+
+class _AllAnnotations:
+    """Both frameworks imported: open each one's step annotation, close them in reverse."""
+
+    __slots__ = ("_annotators", "_opened")
+
+    def __init__(self, annotators: list[Callable[[int], Any]]):
+        self._annotators = annotators
+        self._opened: list[Any] = []
+
+    def __call__(self, n: int) -> Any:
+        opened = [a for a in (annotate(n) for annotate in self._annotators) if a is not None]
+        if not opened:
+            return None
+        combined = _AllAnnotations(self._annotators)
+        combined._opened = opened
+        return combined
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for annotation in reversed(self._opened):
+            annotation.__exit__(exc_type, exc, tb)
+

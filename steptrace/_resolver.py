@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 from steptrace import _attribution as attribution
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
+from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
 from steptrace._ids import trace_id_hex
 from steptrace._sinks import SinkWorker
 from steptrace._wakeup import Wakeup
 
 if TYPE_CHECKING:
     from steptrace._config import Config
-    from steptrace._runtime import CheckpointHandle, ClosedSpan, MicrobatchHandle, StepHandle, TimedUnit
 
 log = logging.getLogger("steptrace")
 _perf = time.perf_counter
@@ -271,8 +271,6 @@ class Resolver:
         return {clock.device.name: clock.stats() for clock in list(self._clocks.values())}
 
     def _handle(self, item: Any) -> None:
-        from steptrace._runtime import CheckpointHandle, StepHandle
-
         if isinstance(item, StepHandle):
             self._emit(self._resolve_step(item))
         elif isinstance(item, CheckpointHandle):

@@ -1,307 +1,37 @@
-"""The training-thread side: step/span/checkpoint/microbatch handles.
+"""The runtime: one initialised steptrace, the state the handles share on the training thread.
 
-Everything here runs on the user's training thread, so it only reads clocks,
-records device markers and appends to the resolver's queue. Waiting, the
-timing model and export happen on background threads (``_resolver``,
-``_sinks``). Misuse is reported through :func:`steptrace._errors.misuse` and
-never raises into the loop unless ``strict`` is on.
+The handles (``_handles``) call back into it to record device markers and to
+report misuse; it owns the resolver (``_resolver``) that turns finished units
+into records on a background thread. Misuse is reported through
+:func:`steptrace._errors.misuse` and never raises into the loop unless
+``strict`` is on.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any, Callable
 
 from steptrace._config import Config
-from steptrace._devices import HOST, Backends, Device
+from steptrace._devices import HOST, Backends
 from steptrace._errors import misuse
+from steptrace._handles import (
+    MICROBATCH_KINDS,
+    NULL_CHECKPOINT,
+    NULL_MICROBATCH,
+    NULL_SPAN,
+    NULL_STEP,
+    CheckpointHandle,
+    ClosedSpan,
+    MicrobatchHandle,
+    SpanHandle,
+    StepHandle,
+    TimedUnit,
+)
 from steptrace._resolver import Resolver
 
 _perf = time.perf_counter
-MICROBATCH_KINDS = ("forward", "backward")
-
-
-class ClosedSpan:
-    """A host span that has ended; the resolver charges idle time to it."""
-
-    __slots__ = ("name", "start", "end", "step", "attrs", "emit")
-
-    def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True):
-        self.name = name
-        self.start = start
-        self.end = end
-        self.step = step
-        self.attrs = attrs
-        self.emit = emit  # False when another record (a checkpoint) already describes it
-
-
-class TimedUnit:
-    """Fields shared by steps and microbatches: host times and device markers.
-
-    Defaults live on the class so that creating a handle on the training
-    thread only sets what differs (this is the hot path).
-    """
-
-    host_start = 0.0
-    host_end: float | None = None
-    dispatch = 0.0
-    values: tuple | None = None
-    device: Device = HOST
-    stream: Any = None  # the stream device's stream the markers go on
-    start_event: Any = None
-    start_recorded_after = 0.0  # host clock read just before the start marker was (re-)recorded
-    end_event: Any = None
-    end_recorded_after = 0.0
-    seen_complete = 0.0  # resolver: a host time at which all its markers were known complete
-    first_complete_seen = 0.0  # resolver: when it first found them complete (waiting for calibration)
-
-
-class StepHandle(TimedUnit):
-    """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside."""
-
-    status = "ok"
-    error: str | None = None
-    spans: "list[ClosedSpan] | tuple" = ()
-    open_spans: "list[ClosedSpan] | tuple" = ()
-    microbatches: "list[MicrobatchHandle] | tuple" = ()
-    submitted = False
-    waited = False
-    _annotation: Any = None
-
-    def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
-        self._rt = rt
-        self.step = n
-        self.tokens = tokens
-        self.flops = flops
-        self.samples = samples
-        self.attrs = attrs
-
-    def __enter__(self) -> "StepHandle":
-        rt = self._rt
-        if rt.current is not None:
-            # Entering twice (or a nested step created earlier) is misuse; keep the outer step.
-            rt.misuse(f"step({self.step}) entered while step({rt.current.step}) is still open; "
-                      "steps cannot nest: close the outer step first")
-            return self
-        rt.current = self
-        if rt.annotate is not None:
-            self._annotation = rt.annotate(self.step)
-        self.host_start = self.dispatch = _perf()
-        device = rt.backends.stream_for_unit()
-        if device is not None:
-            rt.start_markers(self, device)
-        return self
-
-    def wait_for(self, *values: Any) -> None:
-        """Mark ``values`` (arrays, pytrees) as this step's device outputs.
-
-        The step ends, on the device, when they are ready. The resolver waits
-        for them on a background thread; this call returns at once.
-        """
-        rt = self._rt
-        if rt.current is not self:
-            rt.misuse("wait_for() called outside its step: call it inside `with steptrace.step(n) as s:`, "
-                      "before the block ends")
-            return
-        if self.waited:
-            if self.values is not None and not self.submitted:
-                self.values = self.values + values  # several wait_for calls: wait for all of them
-            return
-        self.waited = True
-        if not values:
-            return
-        backends = rt.backends
-        device = backends.for_values(values)
-        if device is None or device is self.device or backends.forced_stream is not None:
-            return  # the values do not say, or forced markers time every step
-        if device.uses_events:
-            # CUDA tensors: timed by markers (an end marker at exit even without a start marker).
-            self.device = device
-            return
-        # A value device (JAX), or HOST for values computed synchronously (CPU tensors).
-        if self.start_event is not None:
-            rt.drop_markers(self)
-        self.device = device
-        backends.timed_by_values = True
-        if device is not HOST:
-            self.values = values
-            # Hand over now so the resolver starts waiting while the host runs ahead.
-            self.submitted = True
-            rt.resolver.submit(self, urgent=True)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        rt = self._rt
-        if rt.current is not self:
-            return False
-        if self.device.uses_events:
-            rt.end_marker(self)
-        end = _perf()
-        if exc_type is not None:
-            self.status = "error"
-            self.error = f"{exc_type.__name__}: {exc}"
-        if self._annotation is not None:
-            try:
-                self._annotation.__exit__(exc_type, exc, tb)
-            except Exception:
-                pass
-        rt.current = None
-        rt.last_step = self.step
-        if rt.closed_spans:
-            self.spans = rt.take_closed_spans()
-        if rt.open_spans:
-            self.open_spans = [ClosedSpan(s.name, s.start, end, None, {}, False) for s in rt.open_spans]
-        # Published last: a device step handed over at wait_for() is finalized by the
-        # resolver as soon as host_end is set, so status and spans must be in place first.
-        self.host_end = end
-        if not self.submitted:
-            self.submitted = True
-            # No wake-up (it costs the training thread microseconds): a host step's end is
-            # known, and a stream step's markers carry their own device times, so neither
-            # depends on when the resolver looks; it polls at its own pace.
-            rt.resolver.submit(self)
-        return False  # never swallow the user's exception
-
-
-class MicrobatchHandle(TimedUnit):
-    """One pipeline microbatch inside a step; device-timed like a step."""
-
-    def __init__(self, rt: "Runtime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
-        self._rt = rt
-        self._step = step
-        self.index = index
-        self.stage = stage
-        self.chunk = chunk
-        self.kind = kind
-
-    def __enter__(self) -> "MicrobatchHandle":
-        self.host_start = self.dispatch = _perf()
-        rt = self._rt
-        step_device = self._step.device
-        device = step_device if step_device.uses_events else rt.backends.stream_for_unit()
-        if device is not None:
-            rt.start_markers(self, device)
-        return self
-
-    def wait_for(self, *values: Any) -> None:
-        """The microbatch's device work ends when ``values`` are ready (JAX)."""
-        if not values:
-            return
-        backends = self._rt.backends
-        device = backends.for_values(values)
-        if device is None or device.uses_events or backends.forced_stream is not None:
-            return
-        if self.start_event is not None:
-            self._rt.drop_markers(self)
-        self.device = device
-        if device is not HOST:
-            self.values = values
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if self.device.uses_events:
-            self._rt.end_marker(self)
-        self.host_end = _perf()
-        step = self._step
-        if step.microbatches:
-            step.microbatches.append(self)
-        else:
-            step.microbatches = [self]
-        return False
-
-
-class SpanHandle:
-    """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name."""
-
-    __slots__ = ("_rt", "name", "attrs", "start")
-
-    def __init__(self, rt: "Runtime", name: str, attrs: dict):
-        self._rt = rt
-        self.name = name
-        self.attrs = attrs
-        self.start = 0.0
-
-    def __enter__(self) -> "SpanHandle":
-        self.start = _perf()
-        self._rt.open_spans.append(self)
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        rt = self._rt
-        end = _perf()
-        try:
-            rt.open_spans.remove(self)
-        except ValueError:
-            pass
-        rt.close_span(self.name, self.start, end, self.attrs)
-        return False
-
-
-class CheckpointHandle:
-    """Returned by :func:`steptrace.checkpoint`; the save's host span, tied to the step it saves.
-
-    For an asynchronous save, create it with ``async_save=True`` and call
-    :meth:`async_done` (or :meth:`track` a future) when the background commit
-    finishes: that time is reported as ``async_seconds`` and never charged to a step.
-    """
-
-    __slots__ = ("_rt", "step", "host_start", "host_end", "async_save", "async_end", "status", "error", "_lock")
-
-    def __init__(self, rt: "Runtime", step: int, async_save: bool):
-        self._rt = rt
-        self.step = step
-        self.async_save = async_save
-        self.host_start = 0.0
-        self.host_end: float | None = None
-        self.async_end: float | None = None
-        self.status = "ok"
-        self.error: str | None = None
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> "CheckpointHandle":
-        self.host_start = _perf()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        rt = self._rt
-        self.host_end = _perf()
-        if exc_type is not None:
-            self.status = "error"
-            self.error = f"{exc_type.__name__}: {exc}"
-        # The save's host time is a span too: it is what the next step's idle time waited on.
-        rt.close_span("checkpoint", self.host_start, self.host_end, {"checkpoint_step": self.step}, emit=False)
-        if self.async_save and exc_type is None:
-            rt.pending_async.add(self)
-            with self._lock:
-                done = self.async_end is not None
-            if done:
-                self._submit()
-        else:
-            rt.resolver.submit(self)
-        return False
-
-    def async_done(self) -> None:
-        """Call (from any thread) when the background part of the save has finished."""
-        with self._lock:
-            if self.async_end is not None:
-                return
-            self.async_end = _perf()
-        if self.host_end is not None:
-            self._submit()
-
-    def track(self, future: Any) -> None:
-        """Call :meth:`async_done` when ``future`` (anything with ``add_done_callback``) completes."""
-        future.add_done_callback(lambda _f: self.async_done())
-
-    def _submit(self) -> None:
-        # Called from the training thread (exit) and the committing thread (async_done):
-        # whichever comes second submits, exactly once.
-        rt = self._rt
-        with self._lock:
-            if self not in rt.pending_async:
-                return
-            rt.pending_async.discard(self)
-        rt.resolver.submit(self)
 
 
 class Runtime:
@@ -478,21 +208,7 @@ class Runtime:
         self._setup_done = True
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
-        annotators = []
-        if "jax" in sys.modules and self.config.backend in ("auto", "jax"):
-            from steptrace.adapters import jax as jax_adapter
-
-            jax_adapter.install_compile_listener(self)
-            if self.config.annotate:
-                annotators.append(jax_adapter.step_annotator())
-        if "torch" in sys.modules and self.config.annotate and self.config.backend in ("auto", "torch"):
-            from steptrace.adapters import torch as torch_adapter
-
-            annotators.append(torch_adapter.step_annotator())
-        if len(annotators) == 1:
-            self.annotate = annotators[0]
-        elif annotators:
-            self.annotate = _AllAnnotations(annotators)
+        self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
 
     def flush(self, timeout_s: float | None) -> bool:
         closed = self.take_closed_spans()
@@ -508,53 +224,3 @@ class Runtime:
             ckpt.status = "incomplete"
             ckpt._submit()
         return self.resolver.shutdown(self.take_closed_spans(), timeout_s)
-
-
-class _AllAnnotations:
-    """Both frameworks imported: open each one's step annotation, close them in reverse."""
-
-    __slots__ = ("_annotators", "_opened")
-
-    def __init__(self, annotators: list[Callable[[int], Any]]):
-        self._annotators = annotators
-        self._opened: list[Any] = []
-
-    def __call__(self, n: int) -> Any:
-        opened = [a for a in (annotate(n) for annotate in self._annotators) if a is not None]
-        if not opened:
-            return None
-        combined = _AllAnnotations(self._annotators)
-        combined._opened = opened
-        return combined
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        for annotation in reversed(self._opened):
-            annotation.__exit__(exc_type, exc, tb)
-
-
-# -- no-op objects: disabled steptrace, or a misused call --------------------------------
-class _NullContext:
-    """Does nothing, fast. Shared singletons; safe to re-enter."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> "_NullContext":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        return False
-
-    def wait_for(self, *values: Any) -> None:
-        return None
-
-    def async_done(self) -> None:
-        return None
-
-    def track(self, future: Any) -> None:
-        return None
-
-
-NULL_STEP = _NullContext()
-NULL_SPAN = NULL_STEP
-NULL_CHECKPOINT = NULL_STEP
-NULL_MICROBATCH = NULL_STEP

@@ -136,7 +136,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
         "pip install 'steptrace[otlp]'"
     ) from exc
 
-from steptrace import __version__
+from steptrace._version import __version__
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
 from steptrace._ids import orphan_span_ids, span_id, trace_id

@@ -64,7 +64,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
         "steptrace's Prometheus exporter needs prometheus_client: pip install 'steptrace[prometheus]'"
     ) from _exc
 
-from steptrace import __version__
+from steptrace._version import __version__
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex

@@ -497,7 +497,7 @@ def build_trace(run: Run, ranks: Iterable[int] | None = None,
 
     # Parents before children at equal start: some importers nest by order.
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-    from steptrace import __version__
+    from steptrace._version import __version__
 
     return {
         "traceEvents": meta + events,
