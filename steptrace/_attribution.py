@@ -1,17 +1,31 @@
-"""The timing model of DESIGN.md section 2, as pure functions.
+"""The timing model of DESIGN.md section 2: the whole of it, as pure functions.
 
-Nothing here reads a clock or touches a thread: the resolver feeds observed
-times in and gets finished numbers out, which keeps the contract unit-testable.
+Nothing here reads a clock or touches a thread: the training thread and the
+resolver feed observed times in and get finished numbers out, which keeps the
+contract unit-testable. Every rule that decides a number in a record is here.
 
 For step ``n`` (all times on one host clock, seconds)::
 
-    start(n)    = max(end(n-1), dispatch(n))
-    interval(n) = end(n) - end(n-1)        # first step: end(0) - host_start(0)
+    dispatch(n) = host_start(n), moved to the end of each host span that closes
+                  inside the step before wait_for()          (dispatch_after_span)
+    end(n)      = the device's end (CUDA event placed on the host clock, or JAX
+                  outputs seen ready), else host_end(n)      (unit_end)
+    prev_end    = end(n-1); for the first step host_start(0) (previous_end)
+    start(n)    = max(end(n-1), dispatch(n)), or the device's own start when a
+                  start marker says when the stream reached it
+    interval(n) = end(n) - end(n-1)
     compute(n)  = end(n) - start(n)
     idle(n)     = interval(n) - compute(n) = the window [end(n-1), start(n)]
 
 The idle window is split by the host spans covering it (innermost wins) and
-``other`` for what no span covers.
+``other`` for what no span covers (idle_segments); spans that ended before a
+step's end can never cover a later window (spans_after).
+
+Microbatches chain the same way inside their step, from the previous step's
+end, and none ends after its step does (microbatch_timings). Pipeline bubble
+per stage = 1 - sum(microbatch compute) / step compute (bubble_ratios).
+A checkpoint's blocking time is its host span after the saved step's end
+(blocking_seconds).
 """
 
 from __future__ import annotations
@@ -60,6 +74,45 @@ def unit_timing(
     interval = end - prev_end
     compute = end - start
     return Timing(start, end, interval, compute, interval - compute)
+
+
+def dispatch_after_span(dispatch: float, waited: bool, span_end: float) -> float | None:
+    """The step's new dispatch point when a host span closes inside it at ``span_end``, or None.
+
+    Host spans inside a step come before its device work (DESIGN §2), so the end of the last one
+    that closed before ``wait_for`` is where the device work was handed over.
+    """
+    if not waited and span_end > dispatch:
+        return span_end
+    return None
+
+
+def previous_end(prev_end: float | None, host_start: float) -> float:
+    """When the device finished the unit before this step: the first step starts at its host start."""
+    return host_start if prev_end is None else prev_end
+
+
+def unit_end(host_end: float, device_end: float | None) -> float:
+    """A unit ends when the device says it did; a synchronous (host-timed) unit at its host exit."""
+    return host_end if device_end is None else device_end
+
+
+def microbatch_timings(prev_end: float, step_end: float,
+                       units: Iterable[tuple[float, float | None, float]]) -> list[Timing]:
+    """Place a step's microbatches, each ``(dispatch, device_start, end)``, one after the other from
+    ``prev_end`` (the previous step's end). A microbatch is part of its step: it cannot end after
+    the step did."""
+    timings = []
+    for dispatch, device_start, end in units:
+        t = unit_timing(prev_end=prev_end, dispatch=dispatch, end=min(end, step_end), device_start=device_start)
+        prev_end = t.end
+        timings.append(t)
+    return timings
+
+
+def spans_after(spans: Iterable[HostSpan], t: float) -> list:
+    """The spans that can still cover an idle window after ``t`` (those ending later)."""
+    return [s for s in spans if s.end > t]
 
 
 def idle_segments(window_start: float, window_end: float, spans: Iterable[HostSpan]) -> list[HostSpan]:

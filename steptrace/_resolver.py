@@ -375,7 +375,7 @@ class Resolver:
             time.sleep(0.0002)
 
     def _resolve_step(self, step: "StepHandle") -> list[dict[str, Any]]:
-        prev_end = step.host_start if self._prev_end is None else self._prev_end
+        prev_end = attribution.previous_end(self._prev_end, step.host_start)
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
         waited = list(step.microbatches)
@@ -387,7 +387,7 @@ class Resolver:
         if step.device.uses_events or any(mb.device.uses_events for mb in step.microbatches):
             self._prune_clocks(step)
 
-        end = host_end if end_seen is None else end_seen
+        end = attribution.unit_end(host_end, end_seen)
         timing = attribution.unit_timing(
             prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start)
 
@@ -395,7 +395,7 @@ class Resolver:
         self._recent.extend(step.open_spans)
         segments = attribution.idle_segments(prev_end, timing.start, self._recent)
         # Nothing that ended before this step's end can cover a later idle window.
-        self._recent = [s for s in self._recent if s.end > timing.end]
+        self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
         self._step_ends[step.step] = timing.end
         if len(self._step_ends) > _STEP_ENDS_KEPT:
@@ -420,13 +420,11 @@ class Resolver:
         records = []
         compute_by_stage: list[tuple[Any, float]] = []
         cfg = self.config
-        for mb, (device_start, end_seen, end_source) in zip(step.microbatches, results):
-            host_end = mb.host_end if mb.host_end is not None else mb.host_start
-            # A microbatch is part of its step: it cannot end after the step did.
-            end = min(host_end if end_seen is None else end_seen, step_end)
-            t = attribution.unit_timing(prev_end=prev_end, dispatch=mb.dispatch, end=end,
-                                        device_start=device_start)
-            prev_end = t.end
+        host_ends = [mb.host_end if mb.host_end is not None else mb.host_start for mb in step.microbatches]
+        timings = attribution.microbatch_timings(prev_end, step_end, [
+            (mb.dispatch, device_start, attribution.unit_end(host_end, end_seen))
+            for mb, host_end, (device_start, end_seen, _) in zip(step.microbatches, host_ends, results)])
+        for mb, host_end, t, (_, _, end_source) in zip(step.microbatches, host_ends, timings, results):
             compute_by_stage.append((mb.stage, t.compute_seconds))
             records.append({
                 "type": "microbatch", "run_id": cfg.run_id, "rank": cfg.rank, "step": step.step,

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from steptrace import _attribution as attribution
 from steptrace._config import Config
 from steptrace._devices import HOST, Backends
 from steptrace._errors import misuse
@@ -110,10 +111,10 @@ class Runtime:
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
         current = self.current
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
-        if current is not None and not current.waited and end > current.dispatch:
-            # DESIGN §2: host spans inside a step come before its device work, so the
-            # end of the last one is the step's dispatch point: the start marker moves there.
-            current.dispatch = end
+        moved = None if current is None else attribution.dispatch_after_span(current.dispatch, current.waited, end)
+        if moved is not None:
+            # The step's device work starts after this span: the start marker moves there.
+            current.dispatch = moved
             if current.start_event is not None:
                 try:
                     current.device.record(current.stream, current.start_event)

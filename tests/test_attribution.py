@@ -91,3 +91,21 @@ def test_checkpoint_blocking_excludes_time_the_saved_step_was_still_computing():
 def test_bubble_ratio_per_stage():
     ratios = bubble_ratios(10.0, [(0, 2.0), (0, 3.0), (1, 8.0)])
     assert ratios == {"0": pytest.approx(0.5), "1": pytest.approx(0.2)}
+
+
+def test_the_rest_of_the_timing_model_lives_beside_unit_timing():
+    from steptrace import _attribution as a
+
+    # dispatch moves to the end of a host span closing inside the step, before wait_for only
+    assert a.dispatch_after_span(1.0, waited=False, span_end=1.5) == 1.5
+    assert a.dispatch_after_span(1.0, waited=True, span_end=1.5) is None
+    assert a.dispatch_after_span(2.0, waited=False, span_end=1.5) is None
+    # the first step starts at its host start; a host-timed unit ends at its host exit
+    assert a.previous_end(None, 3.0) == 3.0 and a.previous_end(2.0, 3.0) == 2.0
+    assert a.unit_end(5.0, None) == 5.0 and a.unit_end(5.0, 4.5) == 4.5
+    # microbatches chain from the previous step's end and never end after their step
+    t0, t1 = a.microbatch_timings(10.0, 12.0, [(10.1, None, 11.0), (11.2, 11.3, 13.0)])
+    assert (t0.start, t0.end, t0.compute_seconds) == (10.1, 11.0, pytest.approx(0.9))
+    assert (t1.start, t1.end, t1.idle_seconds) == (11.3, 12.0, pytest.approx(0.3))
+    spans = [a.HostSpan("data", 0.0, 1.0), a.HostSpan("eval", 0.0, 3.0)]
+    assert a.spans_after(spans, 2.0) == [spans[1]]
