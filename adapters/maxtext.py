@@ -41,14 +41,11 @@ a checkpoint save (which blocks on the state) is charged to the next step.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
-import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import steptrace
-from steptrace._errors import SteptraceWarning
+from steptrace.adapters._hooks import Hooks, start_steptrace
 
 __all__ = ["install", "installed", "main", "uninstall"]
 
@@ -56,7 +53,7 @@ TRAIN_MODULE = "maxtext.trainers.pre_train.train"
 # jax_device_state entries that run a training step and return (state, metrics).
 _TRAIN_PROGRAMS = ("p_train_step", "p_train_step_dropless", "p_train_step_first_phase")
 
-_installed: dict[str, tuple[Any, str, Any]] = {}  # hook name -> (owner, attribute, original)
+_hooks = Hooks("MaxText", lambda: f"maxtext {maxtext_version()}")
 
 
 def maxtext_version() -> str:
@@ -75,47 +72,6 @@ def _require_maxtext() -> None:
         raise ImportError("steptrace.adapters.maxtext needs MaxText (Python >= 3.12): "
                           "pip install maxtext, plus its CPU/TPU/GPU dependencies "
                           "(see requirements-maxtext.txt or `make maxtext-env`)") from exc
-
-
-def _warn_disabled(name: str, why: str) -> None:
-    warnings.warn(f"steptrace: MaxText hook {name} disabled ({why}; maxtext {maxtext_version()}); "
-                  "the run continues without it", SteptraceWarning, stacklevel=3)
-
-
-def _params(fn: Any) -> tuple[str, ...] | None:
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
-def _patch(name: str, module_name: str, qualname: str, expected: tuple[str, ...],
-           make: Callable[[Any], Any]) -> bool:
-    """Replace ``module_name.qualname`` by ``make(original)`` when its parameters are ``expected``."""
-    if name in _installed:
-        return True
-    try:
-        import importlib
-
-        owner: Any = importlib.import_module(module_name)
-        parts = qualname.split(".")
-        for part in parts[:-1]:
-            owner = getattr(owner, part)
-        attr = parts[-1]
-        original = inspect.getattr_static(owner, attr)
-    except (ImportError, AttributeError) as exc:
-        _warn_disabled(name, f"not found: {exc}")
-        return False
-    params = _params(original)
-    if params != expected:
-        _warn_disabled(name, f"signature {params} is not the expected {expected}")
-        return False
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)
-    wrapper.__steptrace_original__ = original
-    setattr(owner, attr, wrapper)
-    _installed[name] = (owner, attr, original)
-    return True
 
 
 # -- the hooks ------------------------------------------------------------------------
@@ -262,26 +218,24 @@ _HOOKS = (
 def install(**init_settings: Any) -> list[str]:
     """Install the MaxText hooks; returns the names of those installed.
 
-    Starts steptrace with ``init_settings`` (and ``STEPTRACE_*``) unless it is
-    already running. Idempotent.
+    The contract of every steptrace framework hook (``steptrace.adapters._hooks``): starts
+    steptrace with ``init_settings`` (and ``STEPTRACE_*``) unless it is already running and no
+    settings are given. Idempotent.
     """
     _require_maxtext()
-    if not steptrace.enabled() or init_settings:
-        steptrace.init(**init_settings)
+    start_steptrace(init_settings)
     for name, module, attr, expected, make in _HOOKS:
-        _patch(name, module, attr, expected, make)
+        _hooks.patch(name, module, attr, make, exact=expected)
     return installed()
 
 
 def installed() -> list[str]:
-    return list(_installed)
+    return _hooks.installed()
 
 
 def uninstall() -> None:
     """Put the original attributes back."""
-    for owner, attr, original in _installed.values():
-        setattr(owner, attr, original)
-    _installed.clear()
+    _hooks.uninstall()
     _close_eval_span()
 
 

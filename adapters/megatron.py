@@ -50,11 +50,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from typing import Any, Callable
 
 import steptrace
-from steptrace._errors import SteptraceWarning
+from steptrace.adapters._hooks import Hooks, start_steptrace
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -73,7 +72,7 @@ _EXPECTED = {
     "maybe_finalize_async_save": ("blocking",),
 }
 
-_patches: list[tuple[Any, str, Any]] = []  # (module, attribute, original), undone by uninstall()
+_hooks = Hooks("Megatron", lambda: _megatron_version())
 
 
 def require_megatron() -> Any:
@@ -92,21 +91,6 @@ def _megatron_version() -> str:
         return f"megatron-core {version('megatron-core')}"
     except Exception:
         return "megatron-core (version unknown)"
-
-
-def _signature_ok(name: str, fn: Any) -> bool:
-    """True when ``fn`` takes the parameters the hook reads; otherwise warn once and skip the hook."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = None
-    missing = [p for p in _EXPECTED[name] if params is None or p not in params]
-    if missing:
-        warnings.warn(f"steptrace.adapters.megatron: {name}() in {_megatron_version()} does not take "
-                      f"{', '.join(missing)}; the {name} hook is disabled and the run continues without it",
-                      SteptraceWarning, stacklevel=3)
-        return False
-    return True
 
 
 def _arg_reader(fn: Any, name: str) -> Callable[[tuple, dict], Any]:
@@ -349,22 +333,18 @@ def _hook_maybe_finalize_async_save(original: Callable[..., Any], module: Any) -
 
 
 # -- installation ---------------------------------------------------------------------
-def _patch(module: Any, name: str, make: Callable[[Any], Any]) -> bool:
-    original = getattr(module, name, None)
-    if original is None or getattr(original, "__steptrace_hook__", False):
-        return False
-    if not _signature_ok(name, original):
-        return False
-    hooked = make(original)
-    hooked.__steptrace_hook__ = True
-    setattr(module, name, hooked)
-    _patches.append((module, name, original))
-    return True
+def _patch(module: Any, name: str, make: Callable[[Any], Any], rebind_in: tuple = ()) -> bool:
+    # Megatron-LM's modules are optional (not in the megatron-core wheel): absent is not a changed API.
+    return _hooks.patch(f"{module.__name__}.{name}", module, name, make, requires=_EXPECTED[name],
+                        rebind_in=rebind_in, missing_ok=True)
 
 
-def install() -> list[str]:
+def install(**init_settings: Any) -> list[str]:
     """Install the hooks (idempotent) and return the names of the functions hooked.
 
+    The contract of every steptrace framework hook (``steptrace.adapters._hooks``): starts
+    steptrace with ``init_settings`` (and ``STEPTRACE_*``) unless it is already running and no
+    settings are given, so call it after ``steptrace.init(...)`` or pass the settings here.
     Call it before the training loop, ideally before importing ``megatron.training``
     (modules that imported ``get_forward_backward_func`` by name before are patched too
     when they are known: ``megatron.core.pipeline_parallel``, ``megatron.training.training``).
@@ -372,29 +352,20 @@ def install() -> list[str]:
     """
     schedules = require_megatron()
     import importlib
-    import sys
 
-    if _patches:
+    start_steptrace(init_settings)
+    if _hooks.installed():
         return installed()
     _patch(schedules, "forward_step", _hook_forward_step)
     _patch(schedules, "backward_step", _hook_backward_step)
-    original_get = getattr(schedules, "get_forward_backward_func", None)
-    if _patch(schedules, "get_forward_backward_func", _hook_get_forward_backward_func):
-        hooked_get = schedules.get_forward_backward_func
-        for module_name in (_PIPELINE_PACKAGE, _TRAINING):
-            module = sys.modules.get(module_name)
-            if module is not None and getattr(module, "get_forward_backward_func", None) is original_get:
-                setattr(module, "get_forward_backward_func", hooked_get)
-                _patches.append((module, "get_forward_backward_func", original_get))
+    _patch(schedules, "get_forward_backward_func", _hook_get_forward_backward_func,
+           rebind_in=(_PIPELINE_PACKAGE, _TRAINING))
     # megatron.training is Megatron-LM, not in the megatron-core wheel: skip quietly without it.
     try:
         training = importlib.import_module(_TRAINING)
     except Exception:
         training = None
     if training is not None:
-        if getattr(training, "get_forward_backward_func", None) is original_get and original_get is not None:
-            training.get_forward_backward_func = schedules.get_forward_backward_func
-            _patches.append((training, "get_forward_backward_func", original_get))
         _patch(training, "train_step", _hook_train_step)
         _patch(training, "save_checkpoint_and_time", _hook_save_checkpoint_and_time)
         try:
@@ -402,23 +373,17 @@ def install() -> list[str]:
         except Exception:
             async_utils = None
         if async_utils is not None:
-            original_finalize = getattr(async_utils, "maybe_finalize_async_save", None)
-            if _patch(async_utils, "maybe_finalize_async_save",
-                      lambda fn: _hook_maybe_finalize_async_save(fn, async_utils)):
-                if getattr(training, "maybe_finalize_async_save", None) is original_finalize:
-                    training.maybe_finalize_async_save = async_utils.maybe_finalize_async_save
-                    _patches.append((training, "maybe_finalize_async_save", original_finalize))
+            _patch(async_utils, "maybe_finalize_async_save",
+                   lambda fn: _hook_maybe_finalize_async_save(fn, async_utils), rebind_in=(training,))
     return installed()
 
 
 def installed() -> list[str]:
     """``module.function`` names currently hooked."""
-    return [f"{module.__name__}.{name}" for module, name, _ in _patches]
+    return _hooks.installed()
 
 
 def uninstall() -> None:
     """Restore every hooked attribute (for tests and for runs that want the originals back)."""
-    while _patches:
-        module, name, original = _patches.pop()
-        setattr(module, name, original)
+    _hooks.uninstall()
     _state.__init__()

@@ -85,7 +85,9 @@ def test_a_hook_whose_target_signature_differs_disables_itself_with_one_warning(
 
 
 def test_hooks_pass_calls_through_unchanged_when_steptrace_is_off(hooks):
-    hooks.install()
+    hooks.install()  # the shared install() contract started steptrace; stopping it leaves the hooks inert
+    assert steptrace.enabled()
+    steptrace.shutdown()
     calls = []
 
     def fake_schedule(**kwargs):
