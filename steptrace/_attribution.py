@@ -23,7 +23,9 @@ step's end can never cover a later window (spans_after).
 
 Microbatches chain the same way inside their step, from the previous step's
 end, and none ends after its step does (microbatch_timings). Pipeline bubble
-per stage = 1 - sum(microbatch compute) / step compute (bubble_ratios).
+per stage = 1 - sum(microbatch compute) / the stage's pipeline window
+[start(n), end of its last microbatch] (bubble_ratios); the step's time after
+its last microbatch (gradient finalization, optimizer) is optimizer_seconds.
 A checkpoint's blocking time is its host span after the saved step's end
 (blocking_seconds).
 """
@@ -167,12 +169,31 @@ def blocking_seconds(host_start: float, host_end: float, saved_step_end: float |
     return max(0.0, host_end - max(host_start, saved_step_end))
 
 
-def bubble_ratios(step_compute: float, microbatches: Iterable[tuple[object, float]]) -> dict[str, float]:
-    """``1 - Σ microbatch compute / step compute`` per pipeline stage."""
-    per_stage: dict[str, float] = {}
-    for stage, compute in microbatches:
+def bubble_ratios(step_start: float, microbatches: Iterable[tuple[object, float, float]]) -> dict[str, float]:
+    """Per pipeline stage, ``1 - Σ microbatch compute / pipeline window``; ``microbatches`` are
+    ``(stage, end, compute)``.
+
+    A stage's pipeline window is ``[start(n), end of its last microbatch]``: the schedule, with its
+    fill, p2p waits and drain as seen by that stage. What the step does after its last microbatch
+    (gradient finalization, the optimizer update) is not pipeline time and is not bubble; it is
+    :func:`optimizer_seconds`.
+    """
+    busy: dict[str, float] = {}
+    last_end: dict[str, float] = {}
+    for stage, end, compute in microbatches:
         key = "0" if stage is None else str(stage)
-        per_stage[key] = per_stage.get(key, 0.0) + compute
-    if step_compute <= 0:
-        return {stage: 0.0 for stage in per_stage}
-    return {stage: max(0.0, 1.0 - busy / step_compute) for stage, busy in per_stage.items()}
+        busy[key] = busy.get(key, 0.0) + compute
+        if end > last_end.get(key, step_start):
+            last_end[key] = end
+    ratios = {}
+    for key, compute in busy.items():
+        window = last_end.get(key, step_start) - step_start
+        ratios[key] = max(0.0, 1.0 - compute / window) if window > 0 else 0.0
+    return ratios
+
+
+def optimizer_seconds(step_start: float, step_end: float, microbatches: Iterable[tuple[object, float, float]]) -> float:
+    """The step's device time after its last microbatch ended (``(stage, end, compute)`` as for
+    :func:`bubble_ratios`): gradient finalization and the optimizer update of a pipelined step."""
+    last = max((end for _, end, _ in microbatches), default=step_end)
+    return max(0.0, step_end - max(last, step_start))

@@ -59,6 +59,10 @@ END_OBSERVED = "observed"  # the resolver saw the wait return (late by any GIL h
 END_HOST = "host"  # synchronous work: the host clock at the end of the block
 
 
+def _positive(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
 class _Tail:
     """Spans closed after the last step, handed over by flush()/shutdown()."""
 
@@ -425,7 +429,7 @@ class Resolver:
             (mb.dispatch, device_start, attribution.unit_end(host_end, end_seen))
             for mb, host_end, (device_start, end_seen, _) in zip(step.microbatches, host_ends, results)])
         for mb, host_end, t, (_, _, end_source) in zip(step.microbatches, host_ends, timings, results):
-            compute_by_stage.append((mb.stage, t.compute_seconds))
+            compute_by_stage.append((mb.stage, t.end, t.compute_seconds))
             records.append({
                 "type": "microbatch", "run_id": cfg.run_id, "rank": cfg.rank, "step": step.step,
                 "microbatch": mb.index, "stage": mb.stage, "chunk": mb.chunk, "kind": mb.kind,
@@ -437,12 +441,15 @@ class Resolver:
         return records, compute_by_stage
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
-                     mb_compute: list[tuple[Any, float]], end_source: str) -> dict[str, Any]:
+                     mb_compute: list[tuple[Any, float, float]], end_source: str) -> dict[str, Any]:
         cfg = self.config
         off = self.unix_offset
         compute = timing.compute_seconds
         interval = timing.interval_seconds
         tflops = step.flops / compute / 1e12 if step.flops is not None and compute > 0 else None
+        # MFU's peak: the configured one, else one the step was given (a framework hook that
+        # knows the device, e.g. the Megatron hooks' table of bf16 dense peaks).
+        peak = cfg.peak_tflops or _positive(step.attrs.get("peak_tflops"))
         record: dict[str, Any] = {
             "type": "step",
             "run_id": cfg.run_id,
@@ -469,13 +476,14 @@ class Resolver:
             "tokens_per_second": step.tokens / interval if step.tokens is not None and interval > 0 else None,
             "samples_per_second": step.samples / interval if step.samples is not None and interval > 0 else None,
             "tflops_per_second": tflops,
-            "mfu": tflops / cfg.peak_tflops if tflops is not None and cfg.peak_tflops else None,
+            "mfu": tflops / peak if tflops is not None and peak else None,
             "attrs": step.attrs,
         }
         if step.error is not None:
             record["error"] = step.error
         if mb_compute:
-            record["pipeline_bubble_ratio"] = attribution.bubble_ratios(compute, mb_compute)
+            record["pipeline_bubble_ratio"] = attribution.bubble_ratios(timing.start, mb_compute)
+            record["optimizer_seconds"] = attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
         return record
 
     def _checkpoint_record(self, ckpt: "CheckpointHandle") -> dict[str, Any]:

@@ -10,6 +10,7 @@ from steptrace._attribution import (
     breakdown,
     bubble_ratios,
     idle_segments,
+    optimizer_seconds,
     unit_timing,
 )
 
@@ -88,9 +89,20 @@ def test_checkpoint_blocking_excludes_time_the_saved_step_was_still_computing():
     assert blocking_seconds(10.0, 15.0, saved_step_end=None) == 5.0
 
 
-def test_bubble_ratio_per_stage():
-    ratios = bubble_ratios(10.0, [(0, 2.0), (0, 3.0), (1, 8.0)])
-    assert ratios == {"0": pytest.approx(0.5), "1": pytest.approx(0.2)}
+def test_bubble_ratio_per_stage_is_measured_over_the_stages_pipeline_window():
+    # Step starts at 0; stage 0's last microbatch ends at 10, stage 1's at 8.
+    ratios = bubble_ratios(0.0, [(0, 4.0, 2.0), (0, 10.0, 3.0), (1, 8.0, 8.0)])
+    assert ratios == {"0": pytest.approx(0.5), "1": pytest.approx(0.0)}
+
+
+def test_the_optimizer_after_the_last_microbatch_is_not_bubble():
+    """A step [0, 14] whose microbatches fill [0, 10] back to back, then 4 s of gradient
+    finalization and optimizer: bubble 0 (the old step-window rule said 4/14), optimizer 4 s."""
+    mbs = [(0, 5.0, 5.0), (0, 10.0, 5.0)]
+    assert bubble_ratios(0.0, mbs) == {"0": pytest.approx(0.0)}
+    assert optimizer_seconds(0.0, 14.0, mbs) == pytest.approx(4.0)
+    assert optimizer_seconds(0.0, 14.0, []) == 0.0
+    assert bubble_ratios(3.0, [(None, 3.0, 0.0)]) == {"0": 0.0}  # an empty window is no bubble
 
 
 def test_the_rest_of_the_timing_model_lives_beside_unit_timing():

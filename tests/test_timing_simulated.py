@@ -188,6 +188,27 @@ def test_microbatches_are_device_timed_and_give_a_bubble_ratio(device):
     assert steps[1]["pipeline_bubble_ratio"]["0"] == approx(1 - 2 * U / (6.5 * U), abs=0.1)
 
 
+def test_the_optimizer_after_the_last_microbatch_is_reported_apart_from_the_bubble():
+    """Back-to-back microbatches then 2U of optimizer on the device: the bubble is measured over the
+    pipeline window and stays ~0; the optimizer is `optimizer_seconds`. MFU takes a step's own
+    `peak_tflops` when the configuration has none (what framework hooks that know the device pass)."""
+    device = SimulatedDevice(uses_events=True)
+    try:
+        with capture(backend=device) as sink:
+            with steptrace.step(0, flops=1e12, peak_tflops=50.0):
+                for i in range(4):
+                    with steptrace.microbatch(i, stage=0, kind="forward"):
+                        device.run(U / 2)
+                device.run(2 * U)  # gradient finalization + optimizer
+    finally:
+        device.close()
+    (step,) = sink.steps()
+    assert step["compute_seconds"] == approx(4 * U)
+    assert step["pipeline_bubble_ratio"]["0"] == approx(0.0, abs=0.1)  # the old rule gave 0.5
+    assert step["optimizer_seconds"] == approx(2 * U, rel=0.1)
+    assert step["mfu"] == pytest.approx(step["tflops_per_second"] / 50.0)
+
+
 def test_async_checkpoint_commit_is_reported_separately_and_never_charged_to_a_step(device):
     with capture() as sink:
         for n in range(4):
