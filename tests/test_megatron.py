@@ -106,6 +106,61 @@ def test_install_without_megatron_core_names_the_pip_install(monkeypatch):
         megatron_hooks.require_megatron()
 
 
+def test_the_version_in_warnings_is_the_megatron_core_actually_imported(hooks, monkeypatch):
+    """Megatron-LM run from a checkout on PYTHONPATH imports its own megatron.core, whatever the
+    installed wheel's metadata says: the warning names package_info's version and where it is."""
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.20.0rc0")
+    version = hooks._megatron_version()
+    assert version.startswith("megatron-core 0.20.0rc0 from ")
+    assert os.path.dirname(os.path.dirname(package_info.__file__)).startswith(version.split(" from ")[1])
+
+
+def _forget_megatron_training() -> None:
+    """Drop every imported megatron.training module, so the next import finds it afresh."""
+    import megatron
+
+    for name in [m for m in sys.modules if m.startswith("megatron.training")]:
+        sys.modules.pop(name, None)
+    if "training" in vars(megatron):
+        delattr(megatron, "training")
+
+
+@pytest.fixture
+def forget_megatron_training():
+    _forget_megatron_training()
+    yield
+    _forget_megatron_training()
+
+
+def _fake_megatron_lm(tmp_path, monkeypatch, training_source: str) -> None:
+    """A `megatron.training` package in tmp_path, found by importlib under the real `megatron`."""
+    import megatron
+
+    root = tmp_path / "megatron"
+    (root / "training").mkdir(parents=True)
+    (root / "training" / "__init__.py").write_text("")
+    (root / "training" / "training.py").write_text(training_source)
+    monkeypatch.setattr(megatron, "__path__", list(megatron.__path__) + [str(root)])
+    _forget_megatron_training()
+
+
+def test_a_megatron_lm_module_that_exists_but_fails_to_import_warns_naming_it_and_the_error(
+        hooks, tmp_path, monkeypatch, forget_megatron_training):
+    """Skipping only when Megatron-LM is absent: a present module that fails to import (a missing
+    dependency, say) turns its hooks off with one warning, never silently."""
+    _fake_megatron_lm(tmp_path, monkeypatch, "import steptrace_no_such_dependency\n")
+    with pytest.warns(SteptraceWarning) as caught:
+        names = hooks.install()
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, SteptraceWarning)]
+    assert "megatron.training.training" in message
+    assert "ModuleNotFoundError" in message and "steptrace_no_such_dependency" in message
+    assert "megatron-core 0.16.1" in message
+    assert f"{schedules.__name__}.forward_step" in names  # the core hooks still work
+    assert not [n for n in names if "megatron.training" in n]
+
+
 @pytest.fixture
 def single_process_megatron(monkeypatch, tmp_path):
     """A world of one (gloo) with Megatron's parallel state, plus the test-side CPU shims."""
@@ -366,3 +421,174 @@ def test_timeline_png_draws_the_interleaved_run(interleaved, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+# -- Megatron-LM's training loop hooks, on a stand-in (Megatron-LM is not on PyPI) -----------
+FAKE_MEGATRON_LM = Path(__file__).parent / "megatron_scripts" / "fake_megatron_lm" / "megatron"
+
+
+@pytest.fixture
+def megatron_lm(monkeypatch, single_process_megatron, forget_megatron_training):
+    """tests/megatron_scripts/fake_megatron_lm as `megatron.training`, over megatron-core 0.16.1."""
+    import types
+
+    import megatron
+
+    monkeypatch.setattr(megatron, "__path__", list(megatron.__path__) + [str(FAKE_MEGATRON_LM)])
+    import megatron.training as training_package
+    import megatron.training.async_utils as async_utils
+    import megatron.training.training as training
+
+    monkeypatch.setattr(training_package, "ARGS", types.SimpleNamespace(**vars(training_package.ARGS)))
+    from megatron.core import num_microbatches_calculator
+
+    monkeypatch.setattr(num_microbatches_calculator, "get_num_microbatches", lambda: training.NUM_MICROBATCHES)
+    return types.SimpleNamespace(args=training_package.ARGS, training=training, async_utils=async_utils)
+
+
+def _tiny_model():
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.config = config
+            self.model_type = ModelType.encoder_or_decoder
+
+        def set_input_tensor(self, tensors):
+            pass
+
+        def forward(self, x):
+            return self.linear(x)
+
+    def forward_step_func(data_iterator, m):
+        out = m(next(data_iterator))
+        return out, lambda o: (o.pow(2).mean(), {"loss": o.pow(2).mean().detach()})
+
+    return Tiny(), forward_step_func
+
+
+def _train(lm, iterations):
+    model, forward_step_func = _tiny_model()
+    for iteration in iterations:
+        lm.args.curr_iteration = iteration
+        data = iter([torch.ones(2, 1, 8) * i for i in range(lm.training.NUM_MICROBATCHES)])
+        lm.training.train_step(forward_step_func, data, model, None, None, None,
+                               schedules.get_forward_backward_func(), iteration=iteration)
+
+
+def test_train_step_is_the_step_numbered_by_megatrons_iteration_with_tokens_and_flops(hooks, megatron_lm):
+    """Step n = Megatron's `iteration` argument (iterations done before it); attrs carry the
+    iteration Megatron logs and names the checkpoint after (n + 1). Tokens: this rank's share of
+    the global batch (microbatches × micro batch × sequence); FLOPs: Megatron-LM's own
+    num_floating_point_operations(args, global batch) / world size."""
+    from steptrace.testing import capture
+
+    lm = megatron_lm
+    lm.args.world_size, lm.args.data_parallel_size = 4, 1  # e.g. TP=4: FLOPs split over 4 GPUs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SteptraceWarning)
+        with capture() as sink:
+            names = hooks.install()
+            _train(lm, [9, 10])  # resumed from iter_0000009
+            lm.training.save_checkpoint_and_time(11, None, None, None, 0, None)
+    assert {"megatron.training.training.train_step", "megatron.training.training.save_checkpoint_and_time",
+            "megatron.training.async_utils.maybe_finalize_async_save"} <= set(names)
+    steps = sink.steps()
+    assert [s["step"] for s in steps] == [9, 10]
+    assert [s["attrs"]["megatron_iteration"] for s in steps] == [10, 11]
+    tokens = lm.training.NUM_MICROBATCHES * lm.args.micro_batch_size * lm.args.seq_length
+    flops = lm.training.num_floating_point_operations(lm.args, lm.training.NUM_MICROBATCHES * lm.args.micro_batch_size) / 4
+    for s in steps:
+        assert s["tokens"] == tokens and s["flops"] == pytest.approx(flops)
+        assert s["tokens_per_second"] == pytest.approx(tokens / s["interval_seconds"])
+        assert s["tflops_per_second"] == pytest.approx(flops / s["compute_seconds"] / 1e12)
+        assert "peak_tflops" not in s["attrs"] and s["mfu"] is None  # CPU: no device peak, none configured
+    (ckpt,) = sink.checkpoints()
+    assert ckpt["step"] == 10  # iter_0000011 holds the state after step 10
+
+
+def test_the_optimizer_after_the_schedule_is_its_own_part_of_the_step_not_bubble(hooks, megatron_lm):
+    """train_step = schedule (3 microbatches, no pipelining) + 50 ms of optimizer. The bubble is
+    measured over the pipeline window, so the optimizer is `optimizer_seconds`, not bubble."""
+    from steptrace.testing import capture
+
+    with capture() as sink:
+        hooks.install()
+        _train(megatron_lm, [0, 1])
+    for step in sink.steps():
+        mbs = [m for m in sink.microbatches() if m["step"] == step["step"]]
+        assert len(mbs) == 6
+        assert step["optimizer_seconds"] >= megatron_lm.training.OPTIMIZER_S
+        busy = sum(m["compute_seconds"] for m in mbs)
+        window = max(m["end_time"] for m in mbs) - step["start_time"]
+        # (record times are unix seconds: ~1e-7 s of float resolution)
+        assert step["pipeline_bubble_ratio"]["0"] == pytest.approx(max(0.0, 1 - busy / window), abs=1e-6 / window)
+        assert window + step["optimizer_seconds"] == pytest.approx(step["compute_seconds"], abs=1e-5)
+        assert step["pipeline_bubble_ratio"]["0"] < 1 - busy / step["compute_seconds"]  # the old rule
+
+
+@pytest.mark.parametrize("device_name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                               ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H200", 989.0),
+                                               ("NVIDIA GeForce RTX 3090", None)])
+def test_device_peak_table(device_name, peak):
+    assert megatron_hooks.peak_tflops_of(device_name) == peak
+
+
+def test_mfu_uses_the_devices_bf16_peak_only_when_no_peak_is_configured(hooks, megatron_lm, monkeypatch):
+    from steptrace.testing import capture
+
+    monkeypatch.setattr(megatron_hooks, "_cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    with capture() as sink:
+        hooks.install()
+        _train(megatron_lm, [0])
+    (step,) = sink.steps()
+    assert step["attrs"]["peak_tflops"] == 989.0
+    assert step["mfu"] == pytest.approx(step["tflops_per_second"] / 989.0)
+    hooks.uninstall()
+    with capture(peak_tflops=500.0) as sink:
+        hooks.install()
+        _train(megatron_lm, [0])
+    (step,) = sink.steps()
+    assert "peak_tflops" not in step["attrs"]
+    assert step["mfu"] == pytest.approx(step["tflops_per_second"] / 500.0)
+
+
+def test_async_finalize_work_is_checkpoint_and_commit_time_ends_with_the_write(hooks, megatron_lm):
+    """--async-save: the non-blocking finalize that checks a save in flight (a collective, then the
+    finalize fns: 20 ms here) is a `checkpoint` span, charged as checkpoint in the next step's idle,
+    not `other`; with nothing in flight it is not. The last save's commit ends when the blocking
+    finalize saw the write end, before `terminate=True` shuts the worker down (0.5 s here)."""
+    from steptrace.testing import capture
+
+    lm = megatron_lm
+    lm.args.async_save = True
+    au = lm.async_utils
+    with capture() as sink:
+        hooks.install()
+        _train(lm, [0])
+        au.maybe_finalize_async_save(blocking=False)  # nothing in flight: no span
+        lm.training.save_checkpoint_and_time(1, None, None, None, 0, None)
+        _train(lm, [1])
+        au.maybe_finalize_async_save(blocking=False)  # in flight, not done: exposed check
+        _train(lm, [2])
+        au._async_calls_queue.finish_writes()
+        au.maybe_finalize_async_save(blocking=False)  # done: finalized here
+        _train(lm, [3])
+        lm.training.save_checkpoint_and_time(4, None, None, None, 0, None)
+        au.maybe_finalize_async_save(blocking=True, terminate=True)
+    assert au._async_calls_queue.closed
+    spans = [s for s in sink.spans() if s["name"] == "checkpoint"]
+    assert len(spans) == 3 and all(s["seconds"] >= au.CHECK_S for s in spans)
+    steps = {s["step"]: s for s in sink.steps()}
+    for n in (2, 3):  # the step after each non-blocking finalize that had work
+        assert steps[n]["idle_breakdown"].get("checkpoint", 0.0) >= au.CHECK_S * 0.99
+    first, last = sorted(sink.checkpoints(), key=lambda c: c["step"])
+    assert (first["step"], last["step"]) == (0, 3)
+    assert first["async_seconds"] is not None and last["async_seconds"] is not None
+    # The last commit: the 50 ms write wait and the finalize check, not the 500 ms shutdown.
+    assert au.WRITE_S <= last["async_seconds"] < au.SHUTDOWN_S
