@@ -31,6 +31,7 @@ from steptrace._handles import (
     TimedUnit,
 )
 from steptrace._resolver import Resolver
+from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE
 
 _perf = time.perf_counter
 
@@ -56,13 +57,13 @@ class Runtime:
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
-        self.resolver.count_drop("misuse")
+        self.resolver.count_drop(DROP_MISUSE)
         misuse(message, strict=self.strict, stacklevel=4)
 
     def device_failed(self, exc: Exception) -> None:
         """A marker could not be recorded: that unit falls back to host timing (counted, warned once)."""
         self._device_errors += 1
-        self.resolver.count_drop("device_marker_error")
+        self.resolver.count_drop(DROP_DEVICE_MARKER_ERROR)
         if self._device_errors == 1:
             misuse(f"steptrace could not record a device marker ({exc!r}); such steps fall back to host "
                    "timing", strict=False, stacklevel=5)

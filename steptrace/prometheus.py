@@ -68,6 +68,7 @@ from steptrace._version import __version__
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
+from steptrace._schema import KNOWN_DROP_REASONS
 
 __all__ = ["PrometheusSink"]
 
@@ -75,10 +76,7 @@ log = logging.getLogger("steptrace")
 
 _RUN_LABELS = ("run_id", "rank")
 # Drop reasons exported at 0 from the start (see _dropped_family).
-_KNOWN_DROP_REASONS = {reason: 0 for reason in (
-    "resolver_queue", "misuse", "device_wait_error", "unresolved_at_shutdown", "resolver_error",
-    "device_marker_error", "device_clock_error",
-    "sink:jsonl", "sink:prometheus", "sink:otlp")}
+_KNOWN_DROP_REASONS = {reason: 0 for reason in KNOWN_DROP_REASONS}
 
 
 class PrometheusSink:
