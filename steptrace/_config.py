@@ -58,6 +58,8 @@ ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_OTLP_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
 ENV_OTLP_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_TAGS = "STEPTRACE_TAGS"
+MAX_TAGS = 64
 
 BACKENDS = ("auto", "host", "jax", "torch")
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
@@ -93,6 +95,7 @@ class Config:
     otlp_timeout_s: float = 10.0
     otlp_metrics_interval_s: float = 10.0
     service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
+    tags: tuple[tuple[str, str], ...] = ()  # user labels for the run (metadata record, compare)
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -218,9 +221,40 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         otlp_metrics_interval_s=_first(code.get("otlp_metrics_interval_s"),
                                        _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
         service_name=_first(code.get("service_name"), env.get(ENV_SERVICE_NAME) or None),
+        tags=_parse_tags(_first(code.get("tags"), env.get(ENV_TAGS) or None, ())),
     )
     _validate(config)
     return config
+
+
+def _parse_tags(value: Any) -> tuple[tuple[str, str], ...]:
+    """``{"k": "v"}`` or ``k1=v1,k2=v2`` (STEPTRACE_TAGS): short printable names and values."""
+    if isinstance(value, str):
+        items = []
+        for item in value.split(","):
+            if item.strip():
+                key, sep, val = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{ENV_TAGS} must be key=value pairs separated by commas, got {item!r}")
+                items.append((key.strip(), val.strip()))
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"tags must be a dict of str to str (or {ENV_TAGS}=k=v,...), got {type(value).__name__}")
+    if len(items) > MAX_TAGS:
+        raise ValueError(f"tags: at most {MAX_TAGS}, got {len(items)}")
+    tags = []
+    for key, val in items:
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            val = str(val)
+        if not (isinstance(key, str) and isinstance(val, str) and key and key.isprintable() and val.isprintable()
+                and len(key) <= 128 and len(val) <= 1024):
+            raise ValueError(f"tags: {key!r}={val!r} must be a printable name (<= 128 characters) and a "
+                             "printable str or number value (<= 1024 characters)")
+        tags.append((key, val))
+    return tuple(tags)
 
 
 def _parse_headers(value: Any) -> tuple[tuple[str, str], ...]:

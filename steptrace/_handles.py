@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from steptrace._devices import HOST, Device
+from steptrace._devices import HOST, Device, scalar_reader
 
 if TYPE_CHECKING:
     from steptrace._runtime import Runtime
@@ -69,6 +69,8 @@ class StepHandle(TimedUnit):
     microbatches: "list[MicrobatchHandle] | tuple" = ()
     submitted = False
     waited = False
+    #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
+    scalars: dict[str, Any] | None = None
     _annotation: Any = None
 
     def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
@@ -131,6 +133,27 @@ class StepHandle(TimedUnit):
             # Hand over now so the resolver starts waiting while the host runs ahead.
             self.submitted = True
             rt.resolver.submit(self, urgent=True)
+
+    def log(self, **scalars: Any) -> None:
+        """Record named scalars of this step, e.g. ``s.log(loss=loss, grad_norm=g)``.
+
+        Device scalars (a ``jax.Array`` or CUDA tensor of one element) are read by the resolver
+        after the step has ended on the device: their copy to the host starts here and nothing
+        waits. Host numbers are taken as they are. Anything else is misuse (warned, dropped).
+        """
+        rt = self._rt
+        if rt.current is not self:
+            rt.misuse("log() called outside its step: call it inside `with steptrace.step(n) as s:`")
+            return
+        logged = self.scalars if self.scalars is not None else {}
+        for name, value in scalars.items():
+            reader = scalar_reader(value)
+            if reader is None:
+                rt.misuse(f"log({name}=...): a {type(value).__name__} is not a scalar (a number, or a device "
+                          "array or tensor of one element); it is dropped")
+                continue
+            logged[name] = reader
+        self.scalars = logged
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         rt = self._rt
@@ -318,6 +341,9 @@ class _NullContext:
         return False
 
     def wait_for(self, *values: Any) -> None:
+        return None
+
+    def log(self, **scalars: Any) -> None:
         return None
 
     def async_done(self) -> None:

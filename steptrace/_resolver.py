@@ -33,6 +33,7 @@ from steptrace._schema import (
     DROP_DEVICE_WAIT_ERROR,
     DROP_RESOLVER_ERROR,
     DROP_RESOLVER_QUEUE,
+    DROP_SCALAR_ERROR,
     DROP_UNRESOLVED_AT_SHUTDOWN,
     RecordBuilder,
 )
@@ -64,6 +65,16 @@ END_DEVICE_CLOCK = "device_clock"  # a stream marker's device timestamp, placed 
 END_DEVICE = "device"  # the device reported the completion time itself
 END_OBSERVED = "observed"  # the resolver saw the wait return (late by any GIL hold meanwhile)
 END_HOST = "host"  # synchronous work: the host clock at the end of the block
+
+
+class RunStart:
+    """Queued at the first step: the resolver writes the run's metadata record (off the training thread)."""
+
+    __slots__ = ("host_start", "tags")
+
+    def __init__(self, host_start: float, tags: dict[str, str]):
+        self.host_start = host_start
+        self.tags = tags
 
 
 class _Tail:
@@ -275,6 +286,10 @@ class Resolver:
             self._emit(self._resolve_step(item))
         elif isinstance(item, CheckpointHandle):
             self._emit([self._checkpoint_record(item)])
+        elif isinstance(item, RunStart):
+            from steptrace import _metadata
+
+            self._emit([self.records.metadata(start=item.host_start, facts=_metadata.collect(item.tags))])
         elif isinstance(item, _Tail):
             self._recent.extend(item.spans)
             self._emit([self._span_record(s) for s in item.spans if s.emit])
@@ -437,7 +452,29 @@ class Resolver:
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
             dispatch=step.dispatch, timing=timing, segments=segments, breakdown=attribution.breakdown(segments),
             tokens=step.tokens, samples=step.samples, flops=step.flops, attrs=step.attrs,
-            bubble=attribution.bubble_ratios(timing.compute_seconds, mb_compute) if mb_compute else None)
+            bubble=attribution.bubble_ratios(timing.compute_seconds, mb_compute) if mb_compute else None,
+            scalars=self._read_scalars(step), device_memory=self._memory(step.device))
+
+    def _read_scalars(self, step: "StepHandle") -> dict[str, float] | None:
+        # The step has ended on the device, so device scalars' copies (queued before its end) are done.
+        if not step.scalars:
+            return None
+        values = {}
+        for name, reader in step.scalars.items():
+            try:
+                values[name] = reader() if callable(reader) else reader
+            except Exception:
+                self.count_drop(DROP_SCALAR_ERROR)
+        return values
+
+    def _memory(self, device: Any) -> dict[str, float] | None:
+        read = getattr(device, "memory_stats", None)
+        if read is None:
+            return None
+        try:
+            return read()
+        except Exception:
+            return None
 
     def _checkpoint_record(self, ckpt: "CheckpointHandle") -> dict[str, Any]:
         host_end = ckpt.host_end if ckpt.host_end is not None else ckpt.host_start

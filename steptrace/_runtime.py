@@ -30,7 +30,7 @@ from steptrace._handles import (
     StepHandle,
     TimedUnit,
 )
-from steptrace._resolver import Resolver
+from steptrace._resolver import Resolver, RunStart
 from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE
 
 _perf = time.perf_counter
@@ -211,6 +211,7 @@ class Runtime:
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
+        self.resolver.submit(RunStart(_perf(), dict(self.config.tags)))
 
     def flush(self, timeout_s: float | None) -> bool:
         closed = self.take_closed_spans()

@@ -20,7 +20,7 @@ from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 from steptrace._ids import trace_id_hex
 
 
-RECORD_TYPES = ("step", "microbatch", "checkpoint", "span", "run")
+RECORD_TYPES = ("metadata", "step", "microbatch", "checkpoint", "span", "run")
 
 # -- drop reasons: records that never reached a sink, counted (stats()["dropped"], the run
 # record, steptrace_dropped_records_total, steptrace.dropped_records) ------------------------
@@ -29,11 +29,13 @@ DROP_MISUSE = "misuse"  # a misused call was ignored
 DROP_DEVICE_WAIT_ERROR = "device_wait_error"  # waiting for a unit's values raised
 DROP_UNRESOLVED_AT_SHUTDOWN = "unresolved_at_shutdown"  # still pending when shutdown gave up
 DROP_RESOLVER_ERROR = "resolver_error"  # the resolver failed on a unit (a bug: logged)
+DROP_SCALAR_ERROR = "scalar_error"  # a logged scalar could not be read (the step record is written without it)
 # Degraded, not dropped: the record is written, host-timed instead of device-timed.
 DROP_DEVICE_MARKER_ERROR = "device_marker_error"  # a device marker could not be recorded
 DROP_DEVICE_CLOCK_ERROR = "device_clock_error"  # a marker could not be placed on the host clock
 RESOLVER_DROP_REASONS = (DROP_RESOLVER_QUEUE, DROP_MISUSE, DROP_DEVICE_WAIT_ERROR, DROP_UNRESOLVED_AT_SHUTDOWN,
-                         DROP_RESOLVER_ERROR, DROP_DEVICE_MARKER_ERROR, DROP_DEVICE_CLOCK_ERROR)
+                         DROP_RESOLVER_ERROR, DROP_SCALAR_ERROR, DROP_DEVICE_MARKER_ERROR,
+                         DROP_DEVICE_CLOCK_ERROR)
 BUILTIN_SINKS = ("jsonl", "prometheus", "otlp")
 
 
@@ -79,6 +81,10 @@ class StepRecord(_Common):
     mfu: float | None
     attrs: dict[str, Any]
     pipeline_bubble_ratio: NotRequired[dict[str, float]]  # stage -> ratio, steps with microbatches
+    scalars: NotRequired[dict[str, float]]  # s.log(name=value), read after the step ended
+    # Device memory after the step, where the backend reports it: in_use_bytes, peak_bytes,
+    # limit_bytes, peak_percent (peak / limit * 100).
+    device_memory: NotRequired[dict[str, float]]
 
 
 class MicrobatchRecord(_Common):
@@ -115,6 +121,18 @@ class SpanRecord(_Common):
     attrs: dict[str, Any]
 
 
+class MetadataRecord(_Common):
+    """Written once per run and rank, before its first step: what a comparison must know."""
+
+    world_size: int
+    start_time: float
+    hostname: str
+    versions: dict[str, str]  # python, steptrace, and jax, jaxlib, torch, cuda, ... as imported
+    devices: dict[str, Any]  # platform, kind, count (global_count with JAX)
+    git_commit: str | None  # of the working directory, when it is in a git repository
+    tags: dict[str, str]  # init(tags=...) / STEPTRACE_TAGS
+
+
 class RunRecord(_Common):
     world_size: int
     steps: int
@@ -142,7 +160,8 @@ class RecordBuilder:
              host_start: float, host_end: float, dispatch: float, timing: Any,
              segments: Sequence[Any], breakdown: dict[str, float], tokens: float | None,
              samples: float | None, flops: float | None, attrs: dict[str, Any],
-             bubble: dict[str, float] | None) -> StepRecord:
+             bubble: dict[str, float] | None, scalars: dict[str, float] | None = None,
+             device_memory: dict[str, float] | None = None) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         tflops = flops / compute / 1e12 if flops is not None and compute > 0 else None
@@ -166,6 +185,13 @@ class RecordBuilder:
             record["error"] = error
         if bubble is not None:
             record["pipeline_bubble_ratio"] = bubble
+        if scalars:
+            record["scalars"] = scalars
+        if device_memory:
+            memory = dict(device_memory)
+            if memory.get("limit_bytes") and "peak_bytes" in memory:
+                memory["peak_percent"] = 100.0 * memory["peak_bytes"] / memory["limit_bytes"]
+            record["device_memory"] = memory
         return record
 
     def microbatch(self, *, step: int, index: Any, stage: Any, chunk: Any, kind: str, host_start: float,
@@ -198,6 +224,11 @@ class RecordBuilder:
             "seconds": end - start, "attrs": attrs,
         }
 
+    def metadata(self, *, start: float, facts: dict[str, Any]) -> MetadataRecord:
+        return {"type": "metadata", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+                "start_time": start + self.unix_offset, "hostname": facts["hostname"], "versions": facts["versions"],
+                "devices": facts["devices"], "git_commit": facts["git_commit"], "tags": facts["tags"]}
+
     def run(self, *, steps: int, dropped: dict[str, int], background_cpu_seconds: dict[str, float],
             device_clock: dict[str, Any] | None) -> RunRecord:
         record: RunRecord = {
@@ -211,6 +242,6 @@ class RecordBuilder:
 
 def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
-    cls = {"step": StepRecord, "microbatch": MicrobatchRecord, "checkpoint": CheckpointRecord,
+    cls = {"metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord, "checkpoint": CheckpointRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

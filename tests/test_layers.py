@@ -19,7 +19,7 @@ ROOT = Path(steptrace.__file__).parent
 
 LAYER = {
     "_version": 0, "_errors": 0, "_ids": 0, "_buckets": 0, "_wakeup": 0, "_config": 0,
-    "_attribution": 0, "_clock": 0, "_devices": 0, "_schema": 0,
+    "_attribution": 0, "_clock": 0, "_devices": 0, "_schema": 0, "_metadata": 0,
     "_handles": 1,
     "_sinks": 2,
     "_resolver": 3,

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _check(record):
-    cls = {"step": _schema.StepRecord, "microbatch": _schema.MicrobatchRecord,
+    cls = {"metadata": _schema.MetadataRecord, "step": _schema.StepRecord, "microbatch": _schema.MicrobatchRecord,
            "checkpoint": _schema.CheckpointRecord, "span": _schema.SpanRecord, "run": _schema.RunRecord}[record["type"]]
     hints = typing.get_type_hints(cls, include_extras=True)
     optional = {k for k, v in hints.items() if typing.get_origin(v) is typing.NotRequired}
@@ -32,7 +32,7 @@ def test_every_record_type_matches_its_typed_definition():
             with steptrace.checkpoint(n):
                 pass
     kinds = {r["type"] for r in sink.records}
-    assert {"step", "microbatch", "checkpoint", "span", "run"} <= kinds
+    assert set(_schema.RECORD_TYPES) <= kinds
     for record in sink.records:
         _check(record)
 
