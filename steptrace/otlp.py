@@ -592,6 +592,10 @@ class OtlpSink:
             _put(attrs, f"train.idle.{reason}_seconds", seconds)
         for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():
             _put(attrs, f"train.pipeline.bubble_ratio.{stage}", ratio)
+        for name, value in (r.get("scalars") or {}).items():
+            _put(attrs, f"train.scalar.{name}", value)
+        for key, value in (r.get("device_memory") or {}).items():
+            _put(attrs, f"train.device_memory.{key}", value)
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
         spans = [self._span("train.step", trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,

@@ -30,6 +30,8 @@ name                                                   type       extra labels
 ``steptrace_mfu``                                      gauge      (only with ``peak_tflops``)
 ``steptrace_goodput_ratio``                            gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
+``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
+``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
 ``steptrace_microbatch_seconds``                       histogram  ``kind, stage, chunk``
 ``steptrace_checkpoint_blocking_seconds``              histogram
 ``steptrace_checkpoint_async_seconds``                 histogram
@@ -75,6 +77,7 @@ __all__ = ["PrometheusSink"]
 log = logging.getLogger("steptrace")
 
 _RUN_LABELS = ("run_id", "rank")
+_MAX_SCALAR_NAMES = 64
 # Drop reasons exported at 0 from the start (see _dropped_family).
 _KNOWN_DROP_REASONS = {reason: 0 for reason in KNOWN_DROP_REASONS}
 
@@ -179,6 +182,11 @@ class PrometheusSink:
                                      buckets=CHECKPOINT_BUCKETS_S)
         self._checkpoints = Counter("steptrace_checkpoints", "Checkpoint saves finalized, by status "
                                     "(ok, error, incomplete).", run + ("status",), registry=reg)
+        self._scalar = Gauge("steptrace_step_scalar", "Scalars the last step logged with s.log(name=value) "
+                             f"(the first {_MAX_SCALAR_NAMES} names).", run + ("name",), registry=reg)
+        self._scalar_names: set[str] = set()
+        self._memory = Gauge("steptrace_device_memory_bytes", "Device memory after the last step: in use, "
+                             "peak, and the device's limit.", run + ("kind",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
 
@@ -243,6 +251,9 @@ class PrometheusSink:
         tflops = _optional(r.get("tflops_per_second"))
         mfu = _optional(r.get("mfu"))
         bubble = {str(k): float(v) for k, v in (r.get("pipeline_bubble_ratio") or {}).items()}
+        scalars = {str(k): float(v) for k, v in (r.get("scalars") or {}).items()}
+        memory = {str(k).removesuffix("_bytes"): float(v) for k, v in (r.get("device_memory") or {}).items()
+                  if str(k).endswith("_bytes")}
         trace_id = r.get("trace_id")
         if not (isinstance(trace_id, str) and len(trace_id) == 32):
             # prometheus_client checks an exemplar only after counting the observation: never pass a bad one.
@@ -267,6 +278,13 @@ class PrometheusSink:
                 self._mfu.labels(*labels).set(mfu if mfu is not None else tflops / self._peak_tflops)
         for stage, ratio in bubble.items():
             self._bubble.labels(*labels, stage).set(ratio)
+        for name, value in scalars.items():
+            # Names are the user's: cap the series a run can create.
+            if name in self._scalar_names or len(self._scalar_names) < _MAX_SCALAR_NAMES:
+                self._scalar_names.add(name)
+                self._scalar.labels(*labels, name).set(value)
+        for kind, value in memory.items():
+            self._memory.labels(*labels, kind).set(value)
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
         self._window.append((compute, interval))

@@ -166,6 +166,7 @@ def test_step_span_attributes_and_error_status(receiver, device):
     steptrace.init(sinks=[memory], otlp_endpoint=receiver.url, jsonl=False, run_id=RUN, rank=1, world_size=4,
                    peak_tflops=500.0)
     with steptrace.step(0, tokens=4096, flops=3 * 10**19, lr=0.5, tag="warmup") as s:  # flops beyond int64
+        s.log(loss=2.5)
         s.wait_for(device.run(0.01))
     with pytest.raises(RuntimeError, match="boom"):
         with steptrace.step(1) as s:
@@ -184,6 +185,7 @@ def test_step_span_attributes_and_error_status(receiver, device):
     assert a["train.tokens"] == 4096 and a["train.flops"] == pytest.approx(3e19)
     assert a["train.mfu"] == pytest.approx(ok["tflops_per_second"] / 500.0)
     assert a["train.attrs.lr"] == 0.5 and a["train.attrs.tag"] == "warmup"
+    assert a["train.scalar.loss"] == 2.5
     for reason, seconds in ok["idle_breakdown"].items():
         assert a[f"train.idle.{reason}_seconds"] == seconds
     assert "train.samples" not in a and "train.samples_per_second" not in a  # None is skipped
