@@ -30,7 +30,7 @@ A checkpoint's blocking time is its host span after the saved step's end
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Protocol
 
 OTHER = "other"
 
@@ -41,6 +41,17 @@ class HostSpan(NamedTuple):
     name: str
     start: float
     end: float
+
+
+class Interval(Protocol):
+    """Anything with a name and a host interval: a :class:`HostSpan`, or the runtime's closed spans."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def start(self) -> float: ...
+    @property
+    def end(self) -> float: ...
 
 
 class Timing(NamedTuple):
@@ -110,12 +121,12 @@ def microbatch_timings(prev_end: float, step_end: float,
     return timings
 
 
-def spans_after(spans: Iterable[HostSpan], t: float) -> list:
+def spans_after(spans: Iterable[Interval], t: float) -> list:
     """The spans that can still cover an idle window after ``t`` (those ending later)."""
     return [s for s in spans if s.end > t]
 
 
-def idle_segments(window_start: float, window_end: float, spans: Iterable[HostSpan]) -> list[HostSpan]:
+def idle_segments(window_start: float, window_end: float, spans: Iterable[Interval]) -> list[HostSpan]:
     """Split ``[window_start, window_end]`` by the spans covering it.
 
     At every instant the innermost covering span wins (the one that started
@@ -135,7 +146,7 @@ def idle_segments(window_start: float, window_end: float, spans: Iterable[HostSp
     pieces: list[HostSpan] = []
     for lo, hi in zip(edges, edges[1:]):
         mid = (lo + hi) / 2
-        best: HostSpan | None = None
+        best: Interval | None = None
         for s in inside:
             if s.start <= mid < s.end and (
                 best is None or s.start > best.start or (s.start == best.start and s.end < best.end)

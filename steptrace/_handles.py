@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from steptrace._devices import HOST, Device, scalar_reader
+from steptrace._devices import HOST, scalar_reader
 
 if TYPE_CHECKING:
     from steptrace._runtime import Runtime
@@ -49,7 +49,7 @@ class TimedUnit:
     host_end: float | None = None
     dispatch = 0.0
     values: tuple | None = None
-    device: Device = HOST
+    device: Any = HOST  # a Device: HOST, a ValueDevice or a StreamDevice (see _devices)
     stream: Any = None  # the stream device's stream the markers go on
     start_event: Any = None
     start_recorded_after = 0.0  # host clock read just before the start marker was (re-)recorded
@@ -155,7 +155,7 @@ class StepHandle(TimedUnit):
             logged[name] = reader
         self.scalars = logged
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         if rt.current is not self:
             return False
@@ -222,12 +222,12 @@ class MicrobatchHandle(TimedUnit):
         if device is not HOST:
             self.values = values
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if self.device.uses_events:
             self._rt.end_marker(self)
         self.host_end = _perf()
         step = self._step
-        if step.microbatches:
+        if isinstance(step.microbatches, list):
             step.microbatches.append(self)
         else:
             step.microbatches = [self]
@@ -250,7 +250,7 @@ class SpanHandle:
         self._rt.open_spans.append(self)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         end = _perf()
         try:
@@ -286,7 +286,7 @@ class CheckpointHandle:
         self.host_start = _perf()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         self.host_end = _perf()
         if exc_type is not None:
@@ -337,7 +337,7 @@ class _NullContext:
     def __enter__(self) -> "_NullContext":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         return False
 
     def wait_for(self, *values: Any) -> None:

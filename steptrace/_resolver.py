@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
 from steptrace._clock import DeviceClock
@@ -35,7 +35,10 @@ from steptrace._schema import (
     DROP_RESOLVER_QUEUE,
     DROP_SCALAR_ERROR,
     DROP_UNRESOLVED_AT_SHUTDOWN,
+    CheckpointRecord,
     RecordBuilder,
+    SpanRecord,
+    StepRecord,
 )
 from steptrace._sinks import SinkWorker
 from steptrace._wakeup import Wakeup
@@ -295,7 +298,7 @@ class Resolver:
             self._emit([self._span_record(s) for s in item.spans if s.emit])
             item.done.set()
 
-    def _emit(self, records: list[dict[str, Any]]) -> None:
+    def _emit(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not records:
             return
         self.records_emitted += len(records)
@@ -389,7 +392,7 @@ class Resolver:
                 return
             time.sleep(0.0002)
 
-    def _resolve_step(self, step: "StepHandle") -> list[dict[str, Any]]:
+    def _resolve_step(self, step: "StepHandle") -> list[Mapping[str, Any]]:
         prev_end = attribution.previous_end(self._prev_end, step.host_start)
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
@@ -417,7 +420,7 @@ class Resolver:
             self._step_ends.popitem(last=False)
         self.steps_resolved += 1
 
-        records = [self._span_record(s) for s in step.spans if s.emit]
+        records: list[Mapping[str, Any]] = [self._span_record(s) for s in step.spans if s.emit]
         mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
         records += mb_records
         records.append(self._step_record(step, timing, segments, mb_compute, end_source))
@@ -446,7 +449,7 @@ class Resolver:
         return records, compute_by_stage
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
-                     mb_compute: list[tuple[Any, float]], end_source: str) -> dict[str, Any]:
+                     mb_compute: list[tuple[Any, float]], end_source: str) -> StepRecord:
         return self.records.step(
             step=step.step, status=step.status, error=step.error, backend=step.device.name,
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
@@ -476,7 +479,7 @@ class Resolver:
         except Exception:
             return None
 
-    def _checkpoint_record(self, ckpt: "CheckpointHandle") -> dict[str, Any]:
+    def _checkpoint_record(self, ckpt: "CheckpointHandle") -> CheckpointRecord:
         host_end = ckpt.host_end if ckpt.host_end is not None else ckpt.host_start
         saved_end = self._step_ends.get(ckpt.step)
         return self.records.checkpoint(
@@ -484,5 +487,5 @@ class Resolver:
             blocking_seconds=attribution.blocking_seconds(ckpt.host_start, host_end, saved_end),
             async_end=ckpt.async_end)
 
-    def _span_record(self, span: "ClosedSpan") -> dict[str, Any]:
+    def _span_record(self, span: "ClosedSpan") -> SpanRecord:
         return self.records.span(name=span.name, step=span.step, start=span.start, end=span.end, attrs=span.attrs)

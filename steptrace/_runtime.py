@@ -112,7 +112,9 @@ class Runtime:
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
         current = self.current
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
-        moved = None if current is None else attribution.dispatch_after_span(current.dispatch, current.waited, end)
+        if current is None:
+            return
+        moved = attribution.dispatch_after_span(current.dispatch, current.waited, end)
         if moved is not None:
             # The step's device work starts after this span: the start marker moves there.
             current.dispatch = moved

@@ -242,6 +242,7 @@ class RecordBuilder:
 
 def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
-    cls = {"metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord, "checkpoint": CheckpointRecord,
+    cls = {"metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
+           "checkpoint": CheckpointRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from steptrace._wakeup import Wakeup
 
@@ -28,7 +28,7 @@ class Sink(Protocol):
 
     name: str
 
-    def export(self, records: list[dict[str, Any]]) -> None: ...
+    def export(self, records: Sequence[Mapping[str, Any]]) -> None: ...
 
     def force_flush(self, timeout_s: float) -> bool: ...
 
@@ -57,7 +57,7 @@ class JsonlSink:
         except OSError as exc:
             raise ValueError(f"run_dir: cannot write {self.path}: {exc.strerror or exc}") from exc
 
-    def export(self, records: list[dict[str, Any]]) -> None:
+    def export(self, records: Sequence[Mapping[str, Any]]) -> None:
         text = "".join(json.dumps(r, default=_json_default, separators=(",", ":")) + "\n" for r in records)
         self._file.write(text)
 
@@ -97,7 +97,7 @@ class SinkWorker:
         self.name = getattr(sink, "name", type(sink).__name__)
         self._max_queue = max_queue
         self._count_drop = count_drop
-        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queue: collections.deque[Mapping[str, Any]] = collections.deque()
         self._wake = Wakeup()
         self._offered = 0
         self._done = 0
@@ -108,7 +108,7 @@ class SinkWorker:
         self._thread = threading.Thread(target=self._run, name=f"steptrace-sink-{self.name}", daemon=True)
         self._thread.start()
 
-    def offer(self, records: list[dict[str, Any]]) -> None:
+    def offer(self, records: Sequence[Mapping[str, Any]]) -> None:
         if len(self._queue) + len(records) > self._max_queue:
             self._count_drop(f"sink:{self.name}", len(records))
             return
@@ -122,7 +122,7 @@ class SinkWorker:
             self.cpu_seconds = time.thread_time() - cpu_start
             self._wake.wait(0.1)
             while self._queue:
-                batch = []
+                batch: list[Mapping[str, Any]] = []
                 while self._queue and len(batch) < 1024:
                     batch.append(self._queue.popleft())
                 try:

@@ -544,7 +544,8 @@ def _summary_panel(summary: dict, title: str):
     grid.add_column()
 
     errors = summary["error_steps"]
-    grid.add_row("steps", str(summary["steps"]), f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else "")
+    error_text = f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else ""
+    grid.add_row("steps", str(summary["steps"]), error_text)
     grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "sum of step intervals")
     grid.add_row("compute", f"{summary['compute_seconds']:.3f} s", "")
     grid.add_row("goodput", _pct(summary["goodput"]), "compute / wall")

@@ -38,7 +38,8 @@ def test_otlp_settings_from_standard_variables_code_wins():
     assert cfg.otlp_endpoint == "http://127.0.0.1:4318" and cfg.otlp_protocol == "grpc"
     assert cfg.otlp_headers == (("authorization", "Bearer t"), ("x-team", "ml"))
     assert cfg.otlp_compression == "gzip" and cfg.service_name == "trainer"
-    cfg = resolve_config(env, otlp_endpoint="http://10.0.0.1:4318", otlp_headers={"a": "b"}, otlp_protocol="http/protobuf")
+    cfg = resolve_config(env, otlp_endpoint="http://10.0.0.1:4318", otlp_headers={"a": "b"},
+                         otlp_protocol="http/protobuf")
     assert cfg.otlp_endpoint == "http://10.0.0.1:4318" and cfg.otlp_headers == (("a", "b"),)
     assert cfg.otlp_protocol == "http/protobuf"
     assert resolve_config({}).otlp_endpoint is None  # off unless asked for

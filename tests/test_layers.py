@@ -72,7 +72,8 @@ def test_modules_import_only_from_layers_below(path):
         elif layer == 0:
             assert imported_layer == 0, f"leaf module {path.name} imports steptrace.{imported}"
         else:
-            assert imported_layer < layer, f"{path.name} (layer {layer}) imports steptrace.{imported} (layer {imported_layer})"
+            assert imported_layer < layer, (
+                f"{path.name} (layer {layer}) imports steptrace.{imported} (layer {imported_layer})")
 
 
 def test_no_import_circle_at_all():

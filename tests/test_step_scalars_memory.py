@@ -106,7 +106,7 @@ def test_cpu_torch_scalars():
         with steptrace.step(0) as s:
             loss = torch.tensor(1.25)
             s.log(loss=loss, vec_ok=torch.ones(1))
-            with pytest.raises(Exception):
+            with pytest.raises(ValueError, match="not a scalar"):
                 s.log(bad=torch.ones(2))  # strict capture: misuse raises
     assert sink.steps()[0]["scalars"] == {"loss": 1.25, "vec_ok": 1.0}
 
