@@ -11,6 +11,8 @@ import pytest
 from rich.console import Console
 
 from steptrace import report
+from steptrace.analysis import palette, plotting
+from steptrace.analysis import report as report_view
 from steptrace.report import RunDirError, find_run, load_run, percentile, summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -327,10 +329,10 @@ def test_multi_rank_report(tmp_path):
 
 
 def test_top_reasons_largest_first_without_noise():
-    assert report._top_reasons({"other": 0.001, "checkpoint": 18.6, "data": 0.01}) == (
+    assert report_view._top_reasons({"other": 0.001, "checkpoint": 18.6, "data": 0.01}) == (
         "checkpoint 18.60, data 0.01")
-    assert report._top_reasons({"a": 4, "b": 3, "c": 2, "d": 1}) == "a 4.00, b 3.00, c 2.00"
-    assert report._top_reasons(None) == ""
+    assert report_view._top_reasons({"a": 4, "b": 3, "c": 2, "d": 1}) == "a 4.00, b 3.00, c 2.00"
+    assert report_view._top_reasons(None) == ""
 
 
 def test_warnings_rendered(tmp_path):
@@ -382,17 +384,17 @@ def test_cli_plot_writes_png(small_run, tmp_path, capsys):
 def test_reason_colours_are_stable():
     # Built-in reasons have fixed colours; user reasons hash (crc32, not the
     # per-process salted hash()) into a palette distinct from the fixed ones.
-    assert report._reason_colour("checkpoint") == "#d62728"
-    user = report._reason_colour("my_span")
-    assert user in report._USER_PALETTE
-    assert user not in report._REASON_COLOURS.values()
-    assert report._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
+    assert palette._reason_colour("checkpoint") == "#d62728"
+    user = palette._reason_colour("my_span")
+    assert user in palette._USER_PALETTE
+    assert user not in palette._REASON_COLOURS.values()
+    assert palette._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
         "checkpoint", "data", "alpha", "zeta", "other"]
 
 
 def test_plot_long_run_uses_bands(tmp_path):
     run_dir = tmp_path / "r1"
-    steps = [step_record(i, 0.6, 0.5, {"data": 0.1}) for i in range(report._MAX_BARS + 100)]
+    steps = [step_record(i, 0.6, 0.5, {"data": 0.1}) for i in range(plotting._MAX_BARS + 100)]
     write_rank(run_dir, 0, steps + [checkpoint_record(10, 0.2)])
     out = report.plot_timeline(load_run(run_dir), tmp_path / "long.png")
     assert out.read_bytes().startswith(PNG_SIGNATURE)
