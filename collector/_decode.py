@@ -41,6 +41,19 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from steptrace._ids import run_id_problem
+from steptrace._schema import (
+    ATTR_BUBBLE_PREFIX,
+    ATTR_COMPUTE_SECONDS,
+    ATTR_IDLE_SECONDS,
+    ATTR_INTERVAL_SECONDS,
+    ATTR_PREFIX,
+    ATTR_RANK,
+    ATTR_RUN_ID,
+    ATTR_STATUS,
+    ATTR_STEP,
+    ATTR_WORLD_SIZE,
+    SPAN_STEP,
+)
 
 __all__ = [
     "MEDIA_JSON",
@@ -69,8 +82,8 @@ REJECTION_REASONS = ("malformed", "too_large", "unsupported_media_type", "unsupp
 #: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
 INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range")
 
-_STEP_SPAN = "train.step"
-_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."
+_STEP_SPAN = SPAN_STEP
+_BUBBLE_PREFIX = ATTR_BUBBLE_PREFIX
 _MAX_LABEL = 64  # status and stage names end up as JSON keys and metric labels
 _MAX_STAGES = 256
 #: Ranks beyond this are taken for garbage: a rank set is kept as a bitmask.
@@ -280,23 +293,23 @@ def _seconds(attrs: dict[str, Any], key: str, *, required: bool = True) -> float
 
 
 def _step_span(span: Any, world_size: int | None) -> StepSpan:
-    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith("train.")}
-    run_id = attrs.get("train.run_id")
+    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith(ATTR_PREFIX)}
+    run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
         raise _Invalid("missing_attribute")
     if not safe_run_id(run_id):
         raise _Invalid("bad_run_id")
-    step = _int(attrs, "train.step", minimum=0)
-    rank = _int(attrs, "train.rank", minimum=0)
+    step = _int(attrs, ATTR_STEP, minimum=0)
+    rank = _int(attrs, ATTR_RANK, minimum=0)
     if rank >= MAX_RANK:
         raise _Invalid("rank_out_of_range")
-    span_world = _int(attrs, "train.world_size", minimum=1, required=False)
+    span_world = _int(attrs, ATTR_WORLD_SIZE, minimum=1, required=False)
     if world_size is not None and rank >= world_size:
         raise _Invalid("rank_out_of_range")
-    compute = _seconds(attrs, "train.compute_seconds")
-    interval = _seconds(attrs, "train.interval_seconds")
-    idle = _seconds(attrs, "train.idle_seconds", required=False)
-    status = attrs.get("train.status", "ok")
+    compute = _seconds(attrs, ATTR_COMPUTE_SECONDS)
+    interval = _seconds(attrs, ATTR_INTERVAL_SECONDS)
+    idle = _seconds(attrs, ATTR_IDLE_SECONDS, required=False)
+    status = attrs.get(ATTR_STATUS, "ok")
     if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
         status = "unknown"
     bubble: dict[str, float] = {}
@@ -319,7 +332,7 @@ def _resource_run_id(scope_spans: Any) -> str:
     for scope in scope_spans:
         for span in scope.spans:
             for kv in span.attributes:
-                if kv.key == "train.run_id":
+                if kv.key == ATTR_RUN_ID:
                     value = _scalar(kv.value)
                     return value if safe_run_id(value) else ""
             return ""

@@ -24,7 +24,6 @@ rejected request has no run anyone can trust.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 from typing import Any, Callable, Iterable
 
@@ -33,6 +32,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
+from steptrace._attribution import GoodputWindow
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
@@ -49,7 +49,7 @@ class _RunState:
     __slots__ = ("window", "last_step", "last_complete", "stages", "straggler_ranks")
 
     def __init__(self, window_steps: int):
-        self.window: collections.deque[tuple[float, float]] = collections.deque(maxlen=window_steps)
+        self.window = GoodputWindow(window_steps)
         self.last_step = -1
         self.last_complete = -1
         self.stages: set[str] = set()
@@ -182,11 +182,10 @@ class ClusterMetrics:
             self.incomplete.labels(run_id).inc()
         if r["reason"] == "evicted":
             self.evicted.labels(run_id).inc()
-        state.window.append((r["compute_sum_seconds"], r["interval_sum_seconds"]))
-        compute = math.fsum(c for c, _ in state.window)
-        interval = math.fsum(i for _, i in state.window)
-        if interval > 0:
-            self.goodput.labels(run_id).set(compute / interval)
+        state.window.add(r["compute_sum_seconds"], r["interval_sum_seconds"])
+        goodput = state.window.ratio()
+        if goodput is not None:
+            self.goodput.labels(run_id).set(goodput)
         if step >= state.last_step:
             state.last_step = step
             self.last_step.labels(run_id).set(step)

@@ -30,6 +30,8 @@ A checkpoint's blocking time is its host span after the saved step's end
 
 from __future__ import annotations
 
+import collections
+import math
 from typing import Iterable, NamedTuple, Protocol
 
 OTHER = "other"
@@ -187,3 +189,46 @@ def bubble_ratios(step_compute: float, microbatches: Iterable[tuple[object, floa
     if step_compute <= 0:
         return {stage: 0.0 for stage in per_stage}
     return {stage: max(0.0, 1.0 - busy / step_compute) for stage, busy in per_stage.items()}
+
+
+class GoodputWindow:
+    """Goodput over the last ``steps`` steps: Σ compute / Σ interval, in [0, 1].
+
+    The one implementation every exporter uses (each rank's Prometheus and OTLP metrics, and
+    the collector across ranks, which adds each joined step's sums over ranks). O(1) per step:
+    running sums, re-added exactly once per window so float error cannot accumulate.
+    """
+
+    __slots__ = ("_window", "_compute", "_interval", "_added")
+
+    def __init__(self, steps: int):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {steps!r}")
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=steps)
+        self._compute = 0.0
+        self._interval = 0.0
+        self._added = 0
+
+    @property
+    def steps(self) -> int:
+        return self._window.maxlen or 0
+
+    def add(self, compute: float, interval: float) -> None:
+        window = self._window
+        if len(window) == window.maxlen:
+            old_compute, old_interval = window[0]
+            self._compute -= old_compute
+            self._interval -= old_interval
+        window.append((compute, interval))
+        self._compute += compute
+        self._interval += interval
+        self._added += 1
+        if self._added % self.steps == 0:
+            self._compute = math.fsum(c for c, _ in window)
+            self._interval = math.fsum(i for _, i in window)
+
+    def ratio(self) -> float | None:
+        """The goodput now, or None before any step with a positive interval."""
+        if self._interval <= 0:
+            return None
+        return min(1.0, max(0.0, self._compute / self._interval))

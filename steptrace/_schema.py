@@ -47,6 +47,25 @@ def sink_drop_reason(sink_name: str) -> str:
 KNOWN_DROP_REASONS = RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS)
 
 
+# -- OTLP: the train.* attributes the OTLP exporter writes and the collector reads ------------
+ATTR_PREFIX = "train."
+SPAN_STEP = "train.step"  # the span name of a step (attribute ATTR_STEP holds its number)
+ATTR_RUN_ID = "train.run_id"
+ATTR_RANK = "train.rank"
+ATTR_STEP = "train.step"
+ATTR_WORLD_SIZE = "train.world_size"
+ATTR_STATUS = "train.status"
+ATTR_INTERVAL_SECONDS = "train.interval_seconds"
+ATTR_COMPUTE_SECONDS = "train.compute_seconds"
+ATTR_IDLE_SECONDS = "train.idle_seconds"
+ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
+
+
+def step_field_attribute(field: str) -> str:
+    """The attribute a step record's field is exported as: ``train.<field>``."""
+    return ATTR_PREFIX + field
+
+
 # -- records ---------------------------------------------------------------------------------
 class _Common(TypedDict):
     type: str

@@ -51,7 +51,6 @@ misuse, steps still unresolved at shutdown, failed device waits) are
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import socket
@@ -67,6 +66,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
     ) from _exc
 
 from steptrace._version import __version__
+from steptrace._attribution import GoodputWindow
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
@@ -96,15 +96,12 @@ class PrometheusSink:
                  rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
-        if isinstance(goodput_window_steps, bool) or not isinstance(goodput_window_steps, int) \
-                or goodput_window_steps < 1:
-            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {goodput_window_steps!r}")
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {peak_tflops!r}")
         self._run_id = str(run_id)
         self._rank = str(rank)
         self._labels = (self._run_id, self._rank)
-        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=goodput_window_steps)
+        self._window = GoodputWindow(goodput_window_steps)  # raises ValueError for a bad size
         self._drop_counter: Callable[[], dict[str, int]] | None = None
         self._invalid_records = 0
         self._drop_counter_failed = False
@@ -168,7 +165,7 @@ class PrometheusSink:
             self._mfu = Gauge("steptrace_mfu", f"Model FLOPs utilization in the last step (TFLOP/s per device "
                               f"/ peak {peak_tflops:g}).", run, registry=reg)
         self._goodput = Gauge("steptrace_goodput_ratio", "Sum of compute over sum of interval in the last "
-                              f"{self._window.maxlen} steps.", run, registry=reg)
+                              f"{self._window.steps} steps.", run, registry=reg)
         self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / step compute per "
                              "pipeline stage, in the last step with microbatches.", run + ("stage",), registry=reg)
         self._microbatch = histogram("steptrace_microbatch_seconds", "Device compute time per pipeline "
@@ -232,12 +229,10 @@ class PrometheusSink:
                                 "counted in steptrace_dropped_records_total{reason=\"invalid_record\"}", kind, exc)
                 continue
             steps = steps or kind == "step"
-        if steps and self._window:
+        goodput = self._window.ratio() if steps else None
+        if goodput is not None:
             # Once per batch, not per step: only the value at scrape time matters.
-            compute = math.fsum(c for c, _ in self._window)
-            interval = math.fsum(i for _, i in self._window)
-            if interval > 0:
-                self._goodput.labels(*self._labels).set(compute / interval)
+            self._goodput.labels(*self._labels).set(goodput)
 
     def _step(self, r: dict[str, Any]) -> None:
         # Read and check everything first, so a bad field skips the record without half-applying it.
@@ -287,7 +282,7 @@ class PrometheusSink:
             self._memory.labels(*labels, kind).set(value)
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
-        self._window.append((compute, interval))
+        self._window.add(compute, interval)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])

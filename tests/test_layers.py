@@ -95,11 +95,14 @@ def test_no_import_circle_at_all():
         visit(module, [])
 
 
-def test_the_api_module_is_not_shadowed():
-    """``steptrace._runtime`` is the submodule, and hooks read the open step through the public API."""
-    import steptrace._runtime as runtime_module
+def test_no_submodule_is_shadowed_by_a_global_of_the_package():
+    """``steptrace._runtime`` and ``steptrace._config`` are the submodules (hooks read the open step
+    through the public API, not through a package global)."""
+    import importlib
 
-    assert steptrace._runtime is runtime_module
+    for path in _core_modules():
+        if path.parent == ROOT and path.stem not in ("__init__", "__main__"):
+            assert getattr(steptrace, path.stem, None) in (None, importlib.import_module(f"steptrace.{path.stem}"))
 
 
 def test_current_step_and_last_step_are_public():

@@ -31,7 +31,7 @@ RUN = {"run_id": "r", "rank": "0"}
 
 def step_record(n, interval, compute, *, status="ok", idle=None, tokens=None, flops=None, mfu=None,
                 bubble=None, backend="simulated"):
-    """A step record as the resolver writes it (README, "Records")."""
+    """A step record as the resolver writes it (docs/records.md)."""
     record = {
         "type": "step", "run_id": "r", "rank": 0, "world_size": 1, "step": n,
         "trace_id": trace_id_hex("r", n), "status": status, "backend": backend,
