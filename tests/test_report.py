@@ -422,3 +422,21 @@ def test_import_is_cheap():
                             text=True, env=env, check=True)
     assert result.stdout.strip() == "[]"
 
+
+
+def test_report_shows_logged_scalars_and_peak_memory(tmp_path):
+    from steptrace.analysis.summary import summarize
+
+    steps = [{"type": "step", "step": n, "interval_seconds": 1.0, "compute_seconds": 0.5,
+              "scalars": {"loss": 3.0 - n}, "device_memory": {"peak_bytes": 2**30 * (n + 1), "peak_percent": 10.0 * (n + 1)}}
+             for n in range(3)]
+    summary = summarize(steps)
+    assert summary["scalars"]["loss"] == {"last": 1.0, "mean": 2.0}
+    assert (summary["memory_peak_bytes"], summary["memory_peak_percent"]) == (3 * 2**30, 30.0)
+    console = Console(file=io.StringIO(), width=200)
+    from steptrace.analysis.report import _summary_panel
+
+    console.print(_summary_panel(summary, "r"))
+    text = console.file.getvalue()
+    assert "loss" in text and "3.00 GiB" in text and "30.0% of the device's limit" in text
+    assert summarize(steps[:0])["memory_peak_bytes"] is None

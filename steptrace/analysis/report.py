@@ -173,6 +173,12 @@ def _summary_panel(summary: dict, title: str):
     grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
     grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"), "per second of compute")
     grid.add_row("MFU", _pct(summary["mfu"]), "mean over steps")
+    for name, value in summary.get("scalars", {}).items():
+        grid.add_row(name, _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
+    if summary.get("memory_peak_bytes") is not None:
+        percent = summary.get("memory_peak_percent")
+        grid.add_row("peak device memory", f"{summary['memory_peak_bytes'] / 2**30:.2f} GiB",
+                     "" if percent is None else f"{percent:.1f}% of the device's limit")
     grid.add_row(
         "checkpoint blocking",
         f"{summary['checkpoint_blocking_seconds']:.3f} s",

@@ -83,6 +83,13 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
         "mfu": sum(mfus) / len(mfus) if mfus else None,
         "checkpoints": len(checkpoints),
         "checkpoint_blocking_seconds": _sum_field(checkpoints, "blocking_seconds"),
+        # s.log(...) scalars: the last value and the mean of each name
+        "scalars": _scalar_summary(steps),
+        # device memory, where the backend reported it: the largest peak and its share of the limit
+        "memory_peak_bytes": max(_present([s.get("device_memory") or {} for s in steps], "peak_bytes"),
+                                 default=None),
+        "memory_peak_percent": max(_present([s.get("device_memory") or {} for s in steps], "peak_percent"),
+                                   default=None),
     }
 
 
@@ -129,3 +136,15 @@ def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
 
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{value * 100:.1f}%"
+
+
+def _scalar_summary(steps: Sequence[dict]) -> dict[str, dict[str, float]]:
+    values: dict[str, list[float]] = {}
+    for step in steps:
+        scalars = step.get("scalars")
+        if isinstance(scalars, dict):
+            for name, value in scalars.items():
+                number = _num(value)
+                if number is not None:
+                    values.setdefault(str(name), []).append(number)
+    return {name: {"last": v[-1], "mean": sum(v) / len(v)} for name, v in values.items()}
