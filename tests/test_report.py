@@ -428,7 +428,8 @@ def test_report_shows_logged_scalars_and_peak_memory(tmp_path):
     from steptrace.analysis.summary import summarize
 
     steps = [{"type": "step", "step": n, "interval_seconds": 1.0, "compute_seconds": 0.5,
-              "scalars": {"loss": 3.0 - n}, "device_memory": {"peak_bytes": 2**30 * (n + 1), "peak_percent": 10.0 * (n + 1)}}
+              "scalars": {"loss": 3.0 - n},
+              "device_memory": {"peak_bytes": 2**30 * (n + 1), "peak_percent": 10.0 * (n + 1)}}
              for n in range(3)]
     summary = summarize(steps)
     assert summary["scalars"]["loss"] == {"last": 1.0, "mean": 2.0}
