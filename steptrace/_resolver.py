@@ -167,6 +167,13 @@ class Resolver:
         unresolved = sum(1 for item in self._queue if not isinstance(item, _Tail)) + (1 if self._busy else 0)
         if unresolved:
             self.count_drop(DROP_UNRESOLVED_AT_SHUTDOWN, unresolved)
+        # Stop the sinks first, so their counts are final (records still queued, a batch stuck in
+        # an export that never returned): the run record then carries the final numbers. It is
+        # the one record those counts cannot include (it is written after them).
+        for worker in self.sinks:
+            worker.begin_stop()
+        for worker in self.sinks:
+            complete = worker.stop(deadline) and complete
         run_record = self.records.run(steps=self.steps_resolved, dropped=self.dropped_snapshot(),
                                       background_cpu_seconds=self.background_cpu_seconds(),
                                       device_clock=self.clock_stats())
@@ -174,9 +181,9 @@ class Resolver:
             for clock in self._clocks.values():
                 clock.close()
         for worker in self.sinks:
-            worker.offer([run_record])
+            worker.deliver_last([run_record])
         for worker in self.sinks:
-            complete = worker.shutdown(deadline) and complete
+            complete = worker.close(deadline) and complete
         return complete and not unresolved
 
     # -- resolver thread ---------------------------------------------------------------

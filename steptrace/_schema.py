@@ -44,7 +44,13 @@ def sink_drop_reason(sink_name: str) -> str:
     return f"sink:{sink_name}"
 
 
-KNOWN_DROP_REASONS = RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS)
+def invalid_record_reason(sink_name: str) -> str:
+    """A record the sink could not encode (it is dropped alone): ``invalid:<name>``."""
+    return f"invalid:{sink_name}"
+
+
+KNOWN_DROP_REASONS = RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS) + (
+    invalid_record_reason("jsonl"),)
 
 
 # -- OTLP: the train.* attributes the OTLP exporter writes and the collector reads ------------

@@ -330,6 +330,8 @@ class PrometheusSink:
         for reason, count in sorted(counts.items()):
             if reason.startswith("sink:"):
                 family.add_metric([*self._labels, reason[len("sink:"):], "queue_full_or_error"], count)
+            elif reason.startswith("invalid:"):
+                family.add_metric([*self._labels, reason[len("invalid:"):], "invalid_record"], count)
             else:
                 family.add_metric([*self._labels, "resolver", reason], count)
         family.add_metric([*self._labels, self.name, "invalid_record"], self._invalid_records)

@@ -82,35 +82,41 @@ def find_run(path: str | Path) -> Path:
     return newest[1]
 
 
-def _read_rank_file(file: Path, warnings: list[str]) -> list[dict]:
-    """Parse one JSONL file, skipping a truncated final line with a warning."""
+def _read_rank_file(file: Path, warnings: list[str], skipped: dict[str, int] | None = None) -> list[dict]:
+    """Parse one JSONL file, skipping every line that is not a JSON object, wherever it is.
+
+    A crash mid-write leaves a torn last line; a restart with the same run_id, or a disk that
+    filled up and was freed, can leave one in the middle. Neither may cost the rest of the run:
+    each bad line is skipped and counted (``skipped[str(file)]``), and one warning per file
+    names the count and the first bad line.
+    """
     records: list[dict] = []
-    # A bad line is only an error if something follows it; a bad *last* line
-    # is what a crash mid-write leaves behind, so it is held back until we
-    # know whether more lines come.
-    pending: tuple[int, str] | None = None
+    bad = 0
+    first: tuple[int, str] | None = None
     with file.open("rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
-            if pending is not None:
-                raise RunDirError(f"{file} line {pending[0]}: {pending[1]}")
+            problem = None
             try:
                 record = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                pending = (lineno, "invalid UTF-8")
-                continue
+                problem = "invalid UTF-8"
             except json.JSONDecodeError as exc:
-                pending = (lineno, f"invalid JSON ({exc.msg})")
-                continue
-            if not isinstance(record, dict):
-                pending = (lineno, "not a JSON object")
+                problem = f"invalid JSON ({exc.msg})"
+            else:
+                if not isinstance(record, dict):
+                    problem = "not a JSON object"
+            if problem is not None:
+                bad += 1
+                first = first or (lineno, problem)
                 continue
             records.append(record)
-    if pending is not None:
-        warnings.append(
-            f"{file} line {pending[0]}: skipped truncated last line ({pending[1]})"
-        )
+    if bad:
+        if skipped is not None:
+            skipped[str(file)] = bad
+        warnings.append(f"{file}: skipped {bad} unreadable line{'' if bad == 1 else 's'} "
+                        f"(first: line {first[0]}, {first[1]})")
     return records
 
 
@@ -127,6 +133,8 @@ class Run:
     path: Path
     records_by_rank: dict[int, list[dict]]
     warnings: list[str] = field(default_factory=list)
+    #: file -> lines skipped because they were not a JSON object (torn or garbage lines)
+    skipped_lines: dict[str, int] = field(default_factory=dict)
     #: The collector's records (``cluster.jsonl``), in file order; empty without a collector.
     cluster_records: list[dict] = field(default_factory=list)
 
@@ -237,11 +245,13 @@ def load_run(path: str | Path) -> Run:
     """Load a run directory (or the newest run under a parent run_dir)."""
     run_path = find_run(path)
     warnings: list[str] = []
+    skipped: dict[str, int] = {}
     records_by_rank = {
-        rank: _read_rank_file(file, warnings)
+        rank: _read_rank_file(file, warnings, skipped)
         for rank, file in sorted(_rank_files(run_path).items())
     }
     cluster_file = run_path / CLUSTER_FILE
     # The same torn-last-line tolerance as the rank files: a killed collector leaves one too.
-    cluster = _read_rank_file(cluster_file, warnings) if cluster_file.is_file() else []
-    return Run(path=run_path, records_by_rank=records_by_rank, warnings=warnings, cluster_records=cluster)
+    cluster = _read_rank_file(cluster_file, warnings, skipped) if cluster_file.is_file() else []
+    return Run(path=run_path, records_by_rank=records_by_rank, warnings=warnings, cluster_records=cluster,
+               skipped_lines=skipped)
