@@ -137,6 +137,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from steptrace._version import __version__
 from steptrace._attribution import GoodputWindow
+from steptrace._ratelimit import limit_otel_exporter_logs
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
 from steptrace._schema import (
@@ -419,6 +420,8 @@ class OtlpSink:
         self._provider = MeterProvider(metric_readers=[self._reader], resource=self.resource, views=views,
                                        shutdown_on_exit=False)
         self._metrics = _Metrics(self._provider, base, goodput_window_steps)
+        # The exporters log a line per failed batch: at most one a minute per kind, with a count.
+        limit_otel_exporter_logs()
 
         self._lock = threading.Lock()  # span-building state and exporter calls: sink thread vs flush/shutdown
         self._pending: list[dict[str, Any]] = []  # spans closed between steps, waiting for the next step
