@@ -26,24 +26,27 @@ SAMPLES = 16
 OPTIMIZER_STEPS = SAMPLES // MICRO_BATCH // ACCUMULATE  # 4
 
 
-class TinyRegression(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-        self.losses = []
+def _tiny_regression(namespace):
+    class TinyRegression(namespace.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.losses = []
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.layer(x), y)
-        self.losses.append(loss.item())
-        return loss
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.losses.append(loss.item())
+            return loss
 
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return TinyRegression()
 
 
 def _loader(seed):
@@ -53,11 +56,12 @@ def _loader(seed):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH)
 
 
-def _fit(tmp_path, callbacks):
-    pl.seed_everything(0, verbose=False)
-    model = TinyRegression()
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    trainer = pl.Trainer(
+def _fit(tmp_path, callbacks, namespace=pl):
+    namespace.seed_everything(0, verbose=False)
+    model = _tiny_regression(namespace)
+    checkpoint = namespace.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                     save_top_k=-1)
+    trainer = namespace.Trainer(
         max_epochs=1, accelerator="cpu", devices=1, accumulate_grad_batches=ACCUMULATE,
         val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=1,
         callbacks=[*callbacks, checkpoint], logger=False, enable_progress_bar=False,
@@ -155,6 +159,15 @@ def test_a_running_steptrace_is_used_and_left_running(tmp_path):
     assert steptrace.enabled() and steptrace.config().run_id == "outer"
     steptrace.shutdown()
     assert len(sink.steps()) == OPTIMIZER_STEPS
+
+
+def test_the_same_callback_works_with_the_pytorch_lightning_package(tmp_path):
+    pytorch_lightning = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed")
+    sink = MemorySink()
+    _, trainer = _fit(tmp_path, [lightning_adapter.StepTrace(sinks=[sink], jsonl=False)], pytorch_lightning)
+    assert isinstance(trainer, pytorch_lightning.Trainer)
+    assert [s["step"] for s in sink.steps()] == list(range(OPTIMIZER_STEPS))
+    assert [c["step"] for c in sink.checkpoints()] == [1, 3]
 
 
 def test_bad_tokens_per_sample_fails_at_construction():
