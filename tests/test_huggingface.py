@@ -120,7 +120,7 @@ def test_a_changed_save_checkpoint_signature_turns_checkpoints_off_with_one_warn
     monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", _save_checkpoint)
     sink = MemorySink()
     with pytest.warns(SteptraceWarning) as caught:
-        trainer, losses = _train(tmp_path, [hf_adapter.StepTrace(sinks=[sink], jsonl=False)])
+        trainer, _ = _train(tmp_path, [hf_adapter.StepTrace(sinks=[sink], jsonl=False)])
     messages = [str(w.message) for w in caught if issubclass(w.category, SteptraceWarning)]
     assert len(messages) == 1
     assert "_save_checkpoint" in messages[0] and "trial" in messages[0]

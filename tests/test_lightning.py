@@ -14,7 +14,8 @@ from steptrace import SteptraceWarning
 from steptrace.testing import MemorySink
 
 torch = pytest.importorskip("torch", reason="the Lightning tests need torch: pip install 'steptrace[torch]'")
-pl = pytest.importorskip("lightning.pytorch", reason="the Lightning tests need lightning: pip install 'steptrace[lightning]'")
+pl = pytest.importorskip("lightning.pytorch",
+                         reason="the Lightning tests need lightning: pip install 'steptrace[lightning]'")
 
 from steptrace.adapters import lightning as lightning_adapter  # noqa: E402
 
@@ -131,7 +132,7 @@ def test_a_changed_save_checkpoint_signature_turns_checkpoints_off_with_one_warn
     monkeypatch.setattr(pl.Trainer, "save_checkpoint", save_checkpoint)
     sink = MemorySink()
     with pytest.warns(SteptraceWarning) as caught:
-        model, trainer = _fit(tmp_path, [lightning_adapter.StepTrace(sinks=[sink], jsonl=False)])
+        _, trainer = _fit(tmp_path, [lightning_adapter.StepTrace(sinks=[sink], jsonl=False)])
     messages = [str(w.message) for w in caught if issubclass(w.category, SteptraceWarning)]
     assert len(messages) == 1
     assert "save_checkpoint" in messages[0] and "filepath" in messages[0]
