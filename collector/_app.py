@@ -73,6 +73,7 @@ class CollectorConfig:
     max_open_steps: int = 4096
     goodput_window_steps: int = 100
     max_runs: int = 64
+    max_runs_per_token: int | None = None  # default: max_runs // 4, for each --token-file line
     read_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     max_connections: int = 1024
@@ -109,6 +110,7 @@ class CollectorConfig:
                      "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps"):
             integer(name, 1)
         integer("max_conflicts_per_run", 0)
+        integer("max_runs_per_token", 1, optional=True)
         if not isinstance(self.run_idle_s, (int, float)) or isinstance(self.run_idle_s, bool) or \
                 not 0 <= self.run_idle_s < math.inf:
             raise ValueError(f"run_idle_s must be a number of seconds >= 0, got {self.run_idle_s!r}")
@@ -169,7 +171,9 @@ class Collector:
         self._tls = config.tls_context()
         self.joiner = Joiner(world_size=config.world_size, window_s=config.window_s,
                              max_open_steps=config.max_open_steps, max_emitted=config.max_emitted_steps,
-                             max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history)
+                             max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history,
+                             max_runs_per_owner=config.max_runs_per_token if config.max_runs_per_token is not None
+                             else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
                                       open_steps=lambda: self.joiner.open_steps)
         self.log = ClusterLog(config.run_dir, max_open=3 * config.max_runs,
@@ -315,12 +319,12 @@ class Collector:
             with self._lock:
                 if self._closed:  # close() flushed the joiner already
                     raise Rejected(503, "shutting_down", "the collector is shutting down; retry")
-                admitted = {run: self.joiner.admitted(run) for run in {s.run_id for s in chunk}}
+                admitted = {run: self.joiner.admitted(run, grant.owner) for run in {s.run_id for s in chunk}}
                 taken = [s for s in chunk if admitted[s.run_id]]
                 refused += len(chunk) - len(taken)
                 # Journal first: once we answer 200 the spans must survive a crash.
                 self.log.journal(taken)
-                self._publish(self.joiner.add(taken))
+                self._publish(self.joiner.add(taken, grant.owner))
         if refused:
             extracted.invalid["too_many_runs"] = extracted.invalid.get("too_many_runs", 0) + refused
         # Spans of runs that were not admitted are counted without their run id: no series for them.

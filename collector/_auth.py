@@ -1,7 +1,8 @@
 """Who may send, which runs, and who may read ``/metrics``.
 
 A token file has one token per line, optionally followed by the run ids it
-may write, as shell globs (``fnmatch``)::
+may write, as shell globs (``fnmatch``); each line is one owner, holding at most
+``--max-runs-per-token`` runs at a time::
 
     # token              runs
     3f9a...c1            llama-8b-*
@@ -26,9 +27,15 @@ __all__ = ["ANY_RUN", "Grant", "Tokens", "authorized_grant", "read_token_file"]
 
 @dataclass(frozen=True)
 class Grant:
-    """What a token allows: ``runs`` globs, or None for any run."""
+    """What a token allows: ``runs`` globs, or None for any run.
+
+    ``owner`` names the token-file line it came from ("" for the one shared token or
+    no authentication): the collector admits at most ``--max-runs-per-token`` runs per
+    owner, so one job's token cannot take every run slot.
+    """
 
     runs: tuple[str, ...] | None
+    owner: str = ""
 
     def allows(self, run_id: str) -> bool:
         return self.runs is None or any(fnmatch.fnmatchcase(run_id, glob) for glob in self.runs)
@@ -79,7 +86,7 @@ def read_token_file(path: str, field: str = "token_file") -> list[tuple[str, Gra
         token, globs = words[0], tuple(words[1:])
         if len(token) < 8:
             raise ValueError(f"{field}: {path}:{number}: a token must be at least 8 characters")
-        entries.append((token, Grant(globs or None)))
+        entries.append((token, Grant(globs or None, owner=f"{os.path.basename(path)}:{number}")))
     if not entries:
         raise ValueError(f"{field}: {path!r} holds no token")
     return entries

@@ -82,6 +82,8 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="steps in steptrace_cluster_goodput_ratio's sliding window (default: 100)")
     parser.add_argument("--max-runs", type=_positive_int, default=64,
                         help="runs kept in /metrics at once; the least recently active is dropped (default: 64)")
+    parser.add_argument("--max-runs-per-token", type=_positive_int, default=None,
+                        help="runs one --token-file line may hold at once (default: --max-runs / 4)")
     parser.add_argument("--run-idle-s", type=_non_negative_seconds, default=300.0,
                         help="with --max-runs runs admitted, a new run replaces the least recently active one only "
                              "if it has no open step and was idle this long; else its spans are refused (default: 300)")
@@ -134,7 +136,7 @@ def run_collector(args: argparse.Namespace) -> int:
             token_file=args.token_file, metrics_token_file=args.metrics_token_file, tls_cert=args.tls_cert,
             tls_key=args.tls_key, max_body_bytes=args.max_body_bytes, window_s=args.window_s,
             max_open_steps=args.max_open_steps, goodput_window_steps=args.goodput_window_steps,
-            max_runs=args.max_runs, run_idle_s=args.run_idle_s, max_connections=args.max_connections,
+            max_runs=args.max_runs, max_runs_per_token=args.max_runs_per_token, run_idle_s=args.run_idle_s, max_connections=args.max_connections,
             max_connections_per_peer=args.max_connections_per_peer, request_timeout_s=args.request_timeout_s,
             max_world_size=args.max_world_size, max_step=args.max_step,
             max_spans_per_request=args.max_spans_per_request, max_emitted_steps=args.max_emitted_steps,

@@ -112,12 +112,13 @@ class _Emitted:
 
 
 class _Run:
-    __slots__ = ("emitted", "last_active", "open")
+    __slots__ = ("emitted", "last_active", "open", "owner")
 
-    def __init__(self, now: float):
+    def __init__(self, now: float, owner: str):
         self.emitted: collections.OrderedDict[int, _Emitted] = collections.OrderedDict()
         self.open = 0
         self.last_active = now
+        self.owner = owner
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Joiner:
 
     def __init__(self, *, world_size: int | None = None, window_s: float = 10.0, max_open_steps: int = 4096,
                  max_emitted: int = 8192, rerun_gap_s: float = 60.0, max_runs: int = 64, run_idle_s: float = 300.0,
+                 max_runs_per_owner: int | None = None,
                  history: Callable[[str], Iterable[tuple[int, Iterable[HistoryRank], float | None]]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.world_size = world_size
@@ -153,6 +155,8 @@ class Joiner:
         self.max_emitted = max_emitted
         self.max_runs = max_runs
         self.run_idle_s = run_idle_s
+        self.max_runs_per_owner = max_runs_per_owner
+        self._owned: dict[str, int] = {}
         self._history = history
         self._clock = clock
         self._wall = wall_clock
@@ -178,16 +182,20 @@ class Joiner:
         """Whether ``run_id`` is admitted now (admits nothing)."""
         return run_id in self._runs
 
-    def admitted(self, run_id: str) -> bool:
+    def admitted(self, run_id: str, owner: str = "") -> bool:
         """Whether spans of ``run_id`` are taken: admits it if there is room (see the module doc)."""
-        return self._admit(run_id, self._clock()) is not None
+        return self._admit(run_id, self._clock(), owner) is not None
 
-    def add(self, spans: Iterable[StepSpan]) -> JoinResult:
-        """Add step spans; returns the steps they completed (or evicted), the late spans and conflicts."""
+    def add(self, spans: Iterable[StepSpan], owner: str = "") -> JoinResult:
+        """Add step spans; returns the steps they completed (or evicted), the late spans and conflicts.
+
+        ``owner`` (a token) admits new runs against its own quota, ``max_runs_per_owner``;
+        "" (no tokens, or the one shared token) has none.
+        """
         result = JoinResult()
         now = self._clock()
         for span in spans:
-            run = self._admit(span.run_id, now)
+            run = self._admit(span.run_id, now, owner)
             if run is None:
                 result.refused += 1
                 continue
@@ -262,19 +270,38 @@ class Joiner:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _admit(self, run_id: str, now: float) -> _Run | None:
+    def _admit(self, run_id: str, now: float, owner: str = "") -> _Run | None:
         run = self._runs.get(run_id)
         if run is not None:
             self._runs.move_to_end(run_id)
             return run
+        if owner and self.max_runs_per_owner is not None and self._owned.get(owner, 0) >= self.max_runs_per_owner:
+            # This owner's quota is full: its own least recently active idle run may give way.
+            for old_id, old in self._runs.items():
+                if old.owner == owner:
+                    if old.open or now - old.last_active < self.run_idle_s:
+                        return None
+                    self._drop(old_id)
+                    break
         if len(self._runs) >= self.max_runs:
             old_id, old = next(iter(self._runs.items()))
             if old.open or now - old.last_active < self.run_idle_s:
                 return None
-            del self._runs[old_id]
-        run = self._runs[run_id] = _Run(now)
+            self._drop(old_id)
+        run = self._runs[run_id] = _Run(now, owner)
+        if owner:
+            self._owned[owner] = self._owned.get(owner, 0) + 1
         self._seed(run_id, run)
         return run
+
+    def _drop(self, run_id: str) -> None:
+        run = self._runs.pop(run_id)
+        if run.owner:
+            left = self._owned.get(run.owner, 1) - 1
+            if left > 0:
+                self._owned[run.owner] = left
+            else:
+                self._owned.pop(run.owner, None)
 
     def _seed(self, run_id: str, run: _Run) -> None:
         if self._history is None:

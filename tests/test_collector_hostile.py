@@ -186,6 +186,18 @@ def test_one_request_naming_many_runs_creates_at_most_max_runs_directories(make_
     assert joiner.add([span(run_id="b", world_size=1)]).refused == 0
 
 
+def test_one_token_cannot_take_every_run_slot(make_collector, tmp_path):
+    """With 5,000 run ids under a token of its own, an attacker once kept the real job's run out."""
+    c = make_collector(world_size=1, max_runs=8, token_file=token_file(tmp_path, "evil-token-1 evil-*\n"
+                                                                                  "honest-token honest-*\n"))
+    evil = {"Authorization": "Bearer evil-token-1"}
+    assert send(c, *[step_span(run_id=f"evil-{i}", world_size=1) for i in range(100)], headers=evil) == 200
+    assert invalid(c, "too_many_runs") == 98  # 8 // 4 = 2 runs for that token
+    assert send(c, step_span(run_id="honest-run", world_size=1), headers={"Authorization": "Bearer honest-token"}) \
+        == 200
+    assert len(read_records(cluster(c, "honest-run"))) == 1
+
+
 # -- connections: slots, deadlines and answers ------------------------------------------------------------
 
 
