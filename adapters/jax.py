@@ -64,14 +64,22 @@ class JaxDevice:
 
 
 def scalar_reader(value: Any) -> Any:
-    """A logged ``jax.Array`` scalar: start its copy to the host now (no wait), read it later."""
+    """A logged ``jax.Array`` scalar: start its copy to the host now (no wait), read it later.
+
+    The read must not dispatch device work: an op issued from the resolver (``value.reshape``,
+    arithmetic) queues behind every step the training thread has dispatched since, so the
+    resolver would wait for those and observe the following steps' ends late, in bunches.
+    ``numpy.asarray`` only copies the buffer, which is ready soon after this step's outputs.
+    """
+    import numpy
+
     try:
         if value.size != 1:
             return None
         value.copy_to_host_async()
     except Exception:
         return None
-    return lambda: float(value.reshape(()))
+    return lambda: float(numpy.asarray(value).reshape(()))
 
 
 def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any) -> None:
