@@ -2,7 +2,8 @@
 # and installed on first use; changing pyproject.toml reinstalls.
 #
 #   make demo        the JAX demo: naive timing vs steptrace, then the steptrace report
-#   make test        pytest (extra arguments: make test PYTEST_ARGS='-k report -x')
+#   make test        lint, then pytest (extra arguments: make test PYTEST_ARGS='-k report -x')
+#   make lint        ruff on everything, mypy on the core (part of make test)
 #   make bench       every bench/bench_*.py, then bench/collector_scale.py
 #   make clean       run directories, caches, build outputs
 #   make distclean   clean + the virtualenv
@@ -23,7 +24,7 @@ VENV_PYTHON := $(VENV)/bin/python
 PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])" 2>/dev/null || cksum < pyproject.toml | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 
-.PHONY: demo test bench install clean distclean help maxtext-env
+.PHONY: demo test lint bench install clean distclean help maxtext-env
 .DEFAULT_GOAL := help
 
 help:
@@ -42,7 +43,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV_PYTHON) examples/train_jax.py $(DEMO_ARGS)
 
-test: $(STAMP) maxtext-env
+lint: $(STAMP)
+	$(VENV_PYTHON) -m ruff check .
+	$(VENV_PYTHON) -m mypy
+
+test: $(STAMP) maxtext-env lint
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -136,7 +136,8 @@ def main() -> None:
     n = 0
     for _ in range(rounds):
         steptrace.init(jsonl=False, sinks=[_Discard()], backend="host")
-        variants = [("bare", fwd, bwd, False), ("microbatch only", fwd, bwd, True), ("hooked", hooked_fwd, hooked_bwd, False)]
+        variants = [("bare", fwd, bwd, False), ("microbatch only", fwd, bwd, True),
+                    ("hooked", hooked_fwd, hooked_bwd, False)]
         for name, f, b, by_hand in variants:
             best = None
             for _ in range(repeats):

@@ -502,7 +502,8 @@ def test_train_step_is_the_step_numbered_by_megatrons_iteration_with_tokens_and_
     assert [s["step"] for s in steps] == [9, 10]
     assert [s["attrs"]["megatron_iteration"] for s in steps] == [10, 11]
     tokens = lm.training.NUM_MICROBATCHES * lm.args.micro_batch_size * lm.args.seq_length
-    flops = lm.training.num_floating_point_operations(lm.args, lm.training.NUM_MICROBATCHES * lm.args.micro_batch_size) / 4
+    global_batch = lm.training.NUM_MICROBATCHES * lm.args.micro_batch_size
+    flops = lm.training.num_floating_point_operations(lm.args, global_batch) / 4
     for s in steps:
         assert s["tokens"] == tokens and s["flops"] == pytest.approx(flops)
         assert s["tokens_per_second"] == pytest.approx(tokens / s["interval_seconds"])

@@ -299,8 +299,9 @@ def training() -> dash_b.Dashboard:
 
     d = d.with_row(dash_b.Row("Pipeline"))
     d = d.with_panel(series(
-        "Pipeline bubble per stage", "1 - microbatch compute / step compute in the last step with "
-        "microbatches, mean over the selected ranks of each stage.",
+        "Pipeline bubble per stage",
+        "1 - microbatch compute / pipeline window (step start to the stage's last microbatch end) "
+        "in the last step with microbatches, mean over the selected ranks of each stage.",
         [(f"avg by (stage) (steptrace_pipeline_bubble_ratio{{{RANKS}}})", "stage {{stage}}")],
         unit="percentunit", max_val=1, w=8))
     d = d.with_panel(series(
@@ -417,7 +418,7 @@ def cluster() -> dash_b.Dashboard:
     d = d.with_row(dash_b.Row("Pipeline and goodput"))
     d = d.with_panel(series(
         "Pipeline bubble per stage (joined steps)",
-        "1 - microbatch compute / step compute per stage (mean over the stage's ranks), in the "
+        "1 - microbatch compute / pipeline window per stage (mean over the stage's ranks), in the "
         "latest complete step.",
         [(latest("steptrace_cluster_pipeline_bubble_ratio", "stage"), "stage {{stage}}")],
         unit="percentunit", max_val=1))
