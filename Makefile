@@ -7,7 +7,7 @@
 #   make clean       run directories, caches, build outputs
 #   make distclean   clean + the virtualenv
 #   make maxtext-env the Python 3.12 env (.venv-maxtext) the MaxText hook tests run in
-#   make axlearn-env the Python 3.11 env (.venv-axlearn, ~1.7 GB) the AXLearn hook tests run in;
+#   make axlearn-env the Python 3.11 env (.venv-axlearn, ~1.8 GB) the AXLearn hook tests run in;
 #                    opt-in: make test does not build it, and those tests skip without it
 #
 # PYTHON picks the interpreter the virtualenv is made from (3.11 or newer).
@@ -96,8 +96,8 @@ maxtext-env: $(MAXTEXT_STAMP)
 # --- AXLearn (tests/test_axlearn.py) --------------------------------------------------
 # The newest axlearn on PyPI pins jax 0.4.21 and tensorflow 2.14 (no Python 3.12 wheels), so the
 # AXLearn tests run it in its own Python 3.11 venv, installed from the pinned CPU set in
-# requirements-axlearn.txt with --no-deps, plus steptrace itself (-e .). ~1.7 GB (tensorflow-cpu
-# is ~0.9 GB), about 2 minutes: opt-in, `make test` does not build it (the tests skip, naming
+# requirements-axlearn.txt with --no-deps, plus steptrace itself (-e .). ~1.8 GB (tensorflow-cpu
+# is ~0.9 GB), about 2.5 minutes: opt-in, `make test` does not build it (the tests skip, naming
 # this target). PYTHON311: a working python3.11 on PATH, else pyenv's 3.11.x.
 PYTHON311 ?= $(shell for c in python3.11 $(HOME)/.pyenv/versions/3.11*/bin/python3.11; do $$c -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null && { command -v $$c; break; }; done)
 AXLEARN_VENV ?= .venv-axlearn
