@@ -47,6 +47,40 @@ class JaxDevice:
         # this returns (end_source "observed"), late by whatever held the GIL meanwhile.
         return None
 
+    def memory_stats(self) -> dict[str, int] | None:
+        """This process's first local device's memory (``Device.memory_stats()``; None on CPU)."""
+        try:
+            stats = self._jax.local_devices()[0].memory_stats()
+        except Exception:
+            return None
+        if not stats or "bytes_in_use" not in stats:
+            return None
+        memory = {"in_use_bytes": int(stats["bytes_in_use"])}
+        if "peak_bytes_in_use" in stats:
+            memory["peak_bytes"] = int(stats["peak_bytes_in_use"])  # since the process started
+        if stats.get("bytes_limit"):
+            memory["limit_bytes"] = int(stats["bytes_limit"])
+        return memory
+
+
+def scalar_reader(value: Any) -> Any:
+    """A logged ``jax.Array`` scalar: start its copy to the host now (no wait), read it later.
+
+    The read must not dispatch device work: an op issued from the resolver (``value.reshape``,
+    arithmetic) queues behind every step the training thread has dispatched since, so the
+    resolver would wait for those and observe the following steps' ends late, in bunches.
+    ``numpy.asarray`` only copies the buffer, which is ready soon after this step's outputs.
+    """
+    import numpy
+
+    try:
+        if value.size != 1:
+            return None
+        value.copy_to_host_async()
+    except Exception:
+        return None
+    return lambda: float(numpy.asarray(value).reshape(()))
+
 
 def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any) -> None:
     if not event.startswith(_COMPILE_PREFIX):

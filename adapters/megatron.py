@@ -224,7 +224,7 @@ def _pair_backward(output: Any) -> tuple[Any, Any]:
     if entry is None:
         # Not recognised (a schedule that copies outputs): the oldest unpaired forward, in
         # schedule order, which is the 1F1B order within a chunk.
-        for chunk, queue in _state.fifo.items():
+        for queue in _state.fifo.values():
             while queue:
                 entry = _state.by_output.get(queue[0])
                 if entry is not None:

@@ -49,6 +49,7 @@ class TorchCudaDevice:
         self._side_stream: Any = None
         #: Events created so far (the pool's high-water mark).
         self.events_created = 0
+        self._total_memory: int | None = None
 
     def current_stream(self) -> Any:
         # A timing event recorded inside a graph capture would be captured (or break it).
@@ -75,11 +76,48 @@ class TorchCudaDevice:
     def release(self, marker: Any) -> None:
         self._free.append(marker)
 
+    def memory_stats(self) -> dict[str, int] | None:
+        """Memory of the current CUDA device: in use now, the peak since the previous call (the
+        previous step's record), and the device's total memory as the limit."""
+        cuda = self._torch.cuda
+        try:
+            memory = {"in_use_bytes": int(cuda.memory_allocated()), "peak_bytes": int(cuda.max_memory_allocated())}
+            cuda.reset_peak_memory_stats()
+            if self._total_memory is None:
+                self._total_memory = int(cuda.get_device_properties(cuda.current_device()).total_memory)
+            memory["limit_bytes"] = self._total_memory
+        except Exception:
+            return None
+        return memory
+
     def clock_marker(self) -> Any:
         if self._side_stream is None:
             # Created here, on the resolver thread: the training thread's stream choice is untouched.
             self._side_stream = self._torch.cuda.Stream(device=self.device_index)
         return self.record(self._side_stream)
+
+
+def scalar_reader(value: Any) -> Any:
+    """A logged torch scalar: a CPU tensor is read now (it is computed); a CUDA tensor's copy to
+    pinned host memory is queued on the current stream now and read by the resolver after the
+    step, behind an event recorded after the copy (so nothing waits on the training thread)."""
+    try:
+        if value.numel() != 1:
+            return None
+        if not value.is_cuda:
+            return float(value.detach().reshape(()))
+        torch = require_torch()
+        host = value.detach().reshape(()).to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    except Exception:
+        return None
+
+    def read() -> float:
+        copied.synchronize()  # already complete once the step has ended on the device
+        return float(host)
+
+    return read
 
 
 class _Ranges:

@@ -119,7 +119,7 @@ def run(rounds: int, iters: int) -> dict:
     bench = Bench(iters)
     per = {label: {"thread": [], "bg": [], "checks": []} for label, _ in VARIANTS}
     try:
-        for label, settings in VARIANTS:  # untimed warm-up: imports, first-step setup
+        for _label, settings in VARIANTS:  # untimed warm-up: imports, first-step setup
             bench.run_variant(settings)
         for _ in range(rounds):
             for label, settings in VARIANTS:

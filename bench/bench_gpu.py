@@ -177,10 +177,10 @@ def main() -> int:
 
             for kind, work in (("host-bound", host_bound_work), ("GPU-bound", gpu_bound_work)):
                 variants = {
-                    "uninstrumented": lambda: loop_plain(work, steps),
-                    "steptrace": lambda: loop_steptrace(work, steps, next_base(steps)),
-                    "sync every step": lambda: loop_sync(work, steps),
-                    "CUDA events": lambda: loop_events(work, steps),
+                    "uninstrumented": lambda work=work: loop_plain(work, steps),
+                    "steptrace": lambda work=work: loop_steptrace(work, steps, next_base(steps)),
+                    "sync every step": lambda work=work: loop_sync(work, steps),
+                    "CUDA events": lambda work=work: loop_events(work, steps),
                 }
                 for name, fn in variants.items():
                     if name == "steptrace":

@@ -149,8 +149,8 @@ class Bench:
         def loop():
             t = pc()
             for _n in range(self.iters):
-                t0 = pc()
-                t1 = pc()
+                pc()
+                pc()
             return pc() - t
         return self._timed(loop), 0, None
 
@@ -322,7 +322,7 @@ def run(rounds: int, iters: int) -> dict:
         # One untimed warm-up round: first-step setup (jax adapter import, listener), OTel import.
         for _, m in VARIANTS:
             getattr(bench, m)()
-        for r in range(rounds):
+        for _round in range(rounds):
             for _, m in VARIANTS:
                 thread_ns, bg_ns, check = getattr(bench, m)()
                 per[m]["thread"].append(thread_ns / iters)

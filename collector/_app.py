@@ -2,10 +2,13 @@
 
 Threads: the HTTP server runs one thread per connection (bounded), gRPC a
 small pool; each decodes its request without any lock, then takes the
-collector's lock only to hand the step spans to the :class:`Joiner` and
-publish what it emitted (a file append and a few gauge updates). A ticker
-thread expires join windows. :meth:`Collector.close` stops the receivers,
-emits every step still open (``reason: "shutdown"``), and closes the files.
+collector's lock only to journal a chunk of step spans, hand it to the
+:class:`Joiner` and publish what it emitted (a file append and a few gauge
+updates). A large request takes the lock once per ``_CHUNK`` spans, so the
+other senders get in between. A ticker thread expires join windows.
+:meth:`Collector.start` replays the journals a killed collector left;
+:meth:`Collector.close` stops the receivers, emits every step still open
+(``reason: "shutdown"``), and closes the files.
 """
 
 from __future__ import annotations
@@ -13,25 +16,35 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
+import ssl
 import threading
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client.exposition import MetricsHandler
 
-from steptrace.collector._decode import Rejected, count_data_points, extract_steps
-from steptrace.collector._join import JoinResult, Joiner
+from steptrace.collector._auth import ANY_RUN, Grant, Tokens, read_token_file
+from steptrace.collector._decode import (
+    DEFAULT_MAX_STEP,
+    DEFAULT_MAX_WORLD_SIZE,
+    MAX_RANK,
+    Rejected,
+    count_data_points,
+    count_items,
+    extract_steps,
+)
+from steptrace.collector._join import Joiner, JoinResult
 from steptrace.collector._metrics import ClusterMetrics, served_registry
 from steptrace.collector._runlog import ClusterLog
 
-__all__ = ["Collector", "CollectorConfig", "ENV_TOKEN"]
+__all__ = ["ENV_TOKEN", "Collector", "CollectorConfig"]
 
 log = logging.getLogger("steptrace.collector")
 
-#: The bearer token, when ``--token`` is not given.
+#: The bearer token, when neither ``--token-file`` nor ``--token`` is given.
 ENV_TOKEN = "STEPTRACE_COLLECTOR_TOKEN"
+
+_CHUNK = 512  # step spans joined per hold of the lock
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,11 @@ class CollectorConfig:
 
     Ports may be 0 (any free port; read the bound ones from the collector).
     ``grpc_port=None`` serves no gRPC. ``world_size=None`` takes each step's
-    world size from its first span's ``train.world_size``.
+    world size from its first span's ``train.world_size`` (at most
+    ``max_world_size``). ``token`` and the lines of ``token_file`` are the
+    accepted bearer tokens (see :mod:`._auth` for run-scoped lines);
+    ``metrics_token_file`` guards ``/metrics``. ``tls_cert``/``tls_key`` (PEM
+    files) make every port serve TLS only.
     """
 
     host: str = "127.0.0.1"
@@ -56,9 +73,22 @@ class CollectorConfig:
     max_open_steps: int = 4096
     goodput_window_steps: int = 100
     max_runs: int = 64
+    max_runs_per_token: int | None = None  # default: max_runs // 4, for each --token-file line
     read_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     max_connections: int = 1024
+    max_connections_per_peer: int = 128
+    max_world_size: int = DEFAULT_MAX_WORLD_SIZE
+    max_step: int = DEFAULT_MAX_STEP
+    max_spans_per_request: int = 16384
+    max_emitted_steps: int = 8192
+    run_idle_s: float = 300.0
+    max_conflicts_per_run: int = 1000
+    journal: bool = True
+    token_file: str | None = None
+    metrics_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         def integer(name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
@@ -73,9 +103,19 @@ class CollectorConfig:
         for name in ("port", "metrics_port"):
             integer(name, 0, 65535)
         integer("grpc_port", 0, 65535, optional=True)
-        integer("world_size", 1, 1 << 20, optional=True)
-        for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections"):
+        integer("max_world_size", 1, MAX_RANK)
+        integer("world_size", 1, self.max_world_size, optional=True)
+        integer("max_step", 0, (1 << 63) - 1)
+        for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
+                     "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps"):
             integer(name, 1)
+        integer("max_conflicts_per_run", 0)
+        integer("max_runs_per_token", 1, optional=True)
+        if not isinstance(self.run_idle_s, (int, float)) or isinstance(self.run_idle_s, bool) or \
+                not 0 <= self.run_idle_s < math.inf:
+            raise ValueError(f"run_idle_s must be a number of seconds >= 0, got {self.run_idle_s!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both PEM files or neither")
         for name in ("window_s", "read_timeout_s", "request_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -86,6 +126,31 @@ class CollectorConfig:
             raise ValueError("token must be a non-empty string (or None for no authentication)")
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a directory path, got {self.run_dir!r}")
+
+    def tokens(self) -> Tokens | None:
+        """The accepted tokens (``token`` and ``token_file``'s lines), or None when anyone may send."""
+        entries: list[tuple[str, Grant]] = []
+        if self.token is not None:
+            entries.append((self.token, ANY_RUN))
+        if self.token_file is not None:
+            entries += read_token_file(self.token_file, "token_file")
+        return Tokens(entries) if entries else None
+
+    def metrics_tokens(self) -> Tokens | None:
+        if self.metrics_token_file is None:
+            return None
+        return Tokens(read_token_file(self.metrics_token_file, "metrics_token_file"))
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls_cert/tls_key: cannot load {self.tls_cert!r} and {self.tls_key!r}: {exc}") from None
+        return context
 
 
 class Collector:
@@ -100,12 +165,20 @@ class Collector:
     def __init__(self, config: CollectorConfig | None = None, **settings: Any):
         self.config = config = config if config is not None else CollectorConfig(**settings)
         self._lock = threading.Lock()
+        # Read now, so a bad token file or certificate fails at construction, naming the setting.
+        self.tokens = config.tokens()
+        self._metrics_tokens = config.metrics_tokens()
+        self._tls = config.tls_context()
         self.joiner = Joiner(world_size=config.world_size, window_s=config.window_s,
-                             max_open_steps=config.max_open_steps, history=self._history)
+                             max_open_steps=config.max_open_steps, max_emitted=config.max_emitted_steps,
+                             max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history,
+                             max_runs_per_owner=config.max_runs_per_token if config.max_runs_per_token is not None
+                             else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
                                       open_steps=lambda: self.joiner.open_steps)
-        self.log = ClusterLog(config.run_dir, max_open=config.max_runs,
-                              on_error=lambda n: self.metrics.write_errors.inc(n))
+        self.log = ClusterLog(config.run_dir, max_open=3 * config.max_runs,
+                              on_error=lambda n: self.metrics.write_errors.inc(n),
+                              max_conflicts=config.max_conflicts_per_run, journal=config.journal)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self._metrics_server: Any = None
@@ -120,25 +193,28 @@ class Collector:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> "Collector":
+    def start(self) -> Collector:
         """Bind and serve. A port that cannot be bound raises ``ValueError`` naming the setting."""
         from steptrace.collector._http import OtlpHttpServer
 
         c = self.config
         os.makedirs(c.run_dir, exist_ok=True)
+        if c.journal:
+            self._replay()
         try:
             try:
-                self._http = OtlpHttpServer((c.host, c.port), self, token=c.token, max_body_bytes=c.max_body_bytes,
+                self._http = OtlpHttpServer((c.host, c.port), self, tokens=self.tokens,
+                                            max_body_bytes=c.max_body_bytes,
                                             read_timeout_s=min(c.read_timeout_s, c.request_timeout_s),
                                             request_timeout_s=c.request_timeout_s,
-                                            max_connections=c.max_connections)
+                                            max_connections=c.max_connections,
+                                            max_connections_per_peer=c.max_connections_per_peer, tls=self._tls)
             except OSError as exc:
                 raise ValueError(f"port: cannot serve OTLP/HTTP on {c.host}:{c.port}: {exc.strerror or exc}") from exc
             self.port = self._http.server_address[1]
             metrics_host = c.metrics_host or c.host
             try:
-                self._metrics_server = _MetricsServer((metrics_host, c.metrics_port),
-                                                      MetricsHandler.factory(served_registry(self.metrics)))
+                self._metrics_server = _metrics_server((metrics_host, c.metrics_port), self)
             except OSError as exc:
                 raise ValueError(f"metrics_port: cannot serve /metrics on {metrics_host}:{c.metrics_port}: "
                                  f"{exc.strerror or exc}") from exc
@@ -147,7 +223,12 @@ class Collector:
                 from steptrace.collector._grpc import start_grpc_server
 
                 try:
-                    self._grpc, self.grpc_port = start_grpc_server(self, c.host, c.grpc_port, c.max_body_bytes)
+                    tls = None
+                    if c.tls_cert is not None and c.tls_key is not None:
+                        with open(c.tls_key, "rb") as key, open(c.tls_cert, "rb") as cert:
+                            tls = (key.read(), cert.read())
+                    self._grpc, self.grpc_port = start_grpc_server(self, c.host, c.grpc_port, c.max_body_bytes,
+                                                                   tls)
                 except OSError as exc:
                     raise ValueError(f"grpc_port: cannot serve OTLP/gRPC on {c.host}:{c.grpc_port}: {exc}") from exc
         except BaseException:
@@ -186,43 +267,74 @@ class Collector:
                 self._metrics_server.shutdown()
             self._metrics_server.server_close()
 
-    def __enter__(self) -> "Collector":
+    def __enter__(self) -> Collector:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
     def endpoint(self) -> str:
         """The OTLP/HTTP base URL ranks export to (``otlp_endpoint``)."""
-        return f"http://{_url_host(self.config.host)}:{self.port}"
+        return f"{self._scheme}://{_url_host(self.config.host)}:{self.port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_url_host(self.config.metrics_host or self.config.host)}:{self.metrics_port}/metrics"
+        return f"{self._scheme}://{_url_host(self.config.metrics_host or self.config.host)}:{self.metrics_port}/metrics"
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self._tls is not None else "http"
 
     # -- the data path -----------------------------------------------------------------------------
 
-    def accept(self, signal: str, message: Any, transport: str) -> tuple[int, str]:
+    def accept(self, signal: str, message: Any, transport: str, grant: Grant = ANY_RUN) -> tuple[int, str]:
         """Take one decoded export request; returns (items rejected, why) for ``partial_success``.
 
-        Raises :class:`Rejected` (503, retryable for OTLP exporters) once :meth:`close` began.
+        Raises :class:`Rejected`: 503 (retryable for OTLP exporters) once :meth:`close` began,
+        413 beyond ``max_spans_per_request``, 403 for a run ``grant`` does not cover.
         """
+        c = self.config
         if self._closed:
             raise Rejected(503, "shutting_down", "the collector is shutting down; retry")
-        self.metrics.request(signal, transport)
+        items = count_items(signal, message)
+        if items > c.max_spans_per_request:
+            raise Rejected(413, "too_many_spans", f"{items} {'data points' if signal == 'metrics' else 'spans'} in "
+                                                  f"one request; at most {c.max_spans_per_request}")
         if signal == "metrics":
+            self.metrics.request(signal, transport)
             self.metrics.data_points.inc(count_data_points(message))
             return 0, ""
-        extracted = extract_steps(message, self.config.world_size)
-        self.metrics.spans_received(extracted.spans_by_run)
-        if extracted.invalid:
-            self.metrics.invalid_spans(extracted.invalid)
-        if extracted.steps:
+        extracted = extract_steps(message, c.world_size, max_world_size=c.max_world_size, max_step=c.max_step)
+        if grant.runs is not None:
+            runs = {s.run_id for s in extracted.steps} | {r for r in extracted.spans_by_run if r}
+            denied = sorted(r for r in runs if not grant.allows(r))
+            if denied:
+                raise Rejected(403, "forbidden", f"this token may not write run(s) {', '.join(denied[:5])[:300]}")
+        self.metrics.request(signal, transport)
+        refused = 0
+        steps = extracted.steps
+        for start in range(0, len(steps), _CHUNK):
+            chunk = steps[start:start + _CHUNK]
             with self._lock:
                 if self._closed:  # close() flushed the joiner already
                     raise Rejected(503, "shutting_down", "the collector is shutting down; retry")
-                self._publish(self.joiner.add(extracted.steps))
+                admitted = {run: self.joiner.admitted(run, grant.owner) for run in {s.run_id for s in chunk}}
+                taken = [s for s in chunk if admitted[s.run_id]]
+                refused += len(chunk) - len(taken)
+                # Journal first: once we answer 200 the spans must survive a crash.
+                self.log.journal(taken)
+                self._publish(self.joiner.add(taken, grant.owner))
+        if refused:
+            extracted.invalid["too_many_runs"] = extracted.invalid.get("too_many_runs", 0) + refused
+        # Spans of runs that were not admitted are counted without their run id: no series for them.
+        by_run: dict[str, int] = {}
+        for run, n in extracted.spans_by_run.items():
+            key = run if run and self.joiner.known(run) else ""
+            by_run[key] = by_run.get(key, 0) + n
+        self.metrics.spans_received(by_run)
+        if extracted.invalid:
+            self.metrics.invalid_spans(extracted.invalid)
         rejected = extracted.invalid_total
         note = ""
         if rejected:
@@ -239,10 +351,35 @@ class Collector:
         if result.records:
             self.log.write(result.records)
             self.metrics.publish(result.records)
+            for run_id in {r["run_id"] for r in result.records}:
+                if self.joiner.open_in(run_id) == 0:
+                    self.log.reset_journal(run_id)
+                elif self.log.journal_needs_compaction(run_id):
+                    self.log.reset_journal(run_id, self.joiner.open_spans(run_id))
+        if result.conflicts:
+            self.log.write_conflicts(result.conflicts)
+            by_run: dict[str, int] = {}
+            for record in result.conflicts:
+                by_run[record["run_id"]] = by_run.get(record["run_id"], 0) + 1
+            self.metrics.conflicting_spans(by_run)
         if result.duplicates:
             self.metrics.duplicate_spans(result.duplicates)
 
-    def _history(self, run_id: str) -> list[tuple[int, list[int], float | None]]:
+    def _replay(self) -> None:
+        """Join again what a killed collector had accepted but not emitted (its journals)."""
+        spans = self.log.replay()
+        if not spans:
+            return
+        with self._lock:
+            for start in range(0, len(spans), _CHUNK):
+                self._publish(self.joiner.add(spans[start:start + _CHUNK]))
+            for run_id in {s.run_id for s in spans}:
+                if self.joiner.open_in(run_id) == 0:
+                    self.log.reset_journal(run_id)
+        log.info("steptrace collector: replayed %d journaled spans; %d steps open again", len(spans),
+                 self.joiner.open_steps)
+
+    def _history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None]]:
         return self.log.history(run_id)
 
     def _tick(self) -> None:
@@ -254,16 +391,33 @@ class Collector:
                 log.exception("steptrace collector: expiring join windows failed")
 
 
-class _MetricsServer(ThreadingHTTPServer):
-    """``/metrics`` (prometheus_client's handler on a server whose shutdown does not take 0.5 s)."""
+def _metrics_server(address: tuple[str, int], collector: Collector) -> Any:
+    """``/metrics``: prometheus_client's handler behind the same connection bounds, deadline, TLS, and a token."""
+    from steptrace.collector._http import BoundedServer, DeadlineHandler, count_refusal
 
-    daemon_threads = True
-    block_on_close = False
+    c = collector.config
+    tokens = collector._metrics_tokens
+    class Handler(DeadlineHandler):
+        registry = served_registry(collector.metrics)
+        timeout = min(c.read_timeout_s, c.request_timeout_s)
+        request_timeout_s = c.request_timeout_s
+        protocol_version = "HTTP/1.0"  # one scrape per connection, as prometheus_client serves it
 
-    def __init__(self, address: tuple[str, int], handler: Any):
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
+        def do_GET(self) -> None:
+            if tokens is not None and tokens.check(self.headers.get("Authorization")) is None:
+                count_refusal(collector, "unauthorized", "/metrics without a valid token", self.client_address)
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="steptrace-collector-metrics"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            MetricsHandler.do_GET(self)  # type: ignore[arg-type]
+
+        def _refused(self, reason: str, detail: str) -> None:
+            count_refusal(collector, reason, f"/metrics: {detail}", self.client_address)
+
+    return BoundedServer(address, Handler, max_connections=64, max_connections_per_peer=16, tls=collector._tls,
+                  on_refuse=lambda reason, peer: count_refusal(collector, reason, "/metrics: no free slot", peer))
 
 
 def _url_host(host: str) -> str:

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["add_collector_arguments", "main", "run_collector"]
 
@@ -61,8 +61,17 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                              "(default: each step's train.world_size attribute)")
     parser.add_argument("--run-dir", default="steptrace-runs",
                         help="where <run_id>/cluster.jsonl is written (default: steptrace-runs)")
+    parser.add_argument("--token-file", default=None,
+                        help="accepted bearer tokens, one per line, each optionally followed by the run id globs it "
+                             "may write ('TOKEN llama-*'); default: $" + ENV_TOKEN + ", else anyone may send")
     parser.add_argument("--token", default=None,
-                        help=f"require 'Authorization: Bearer TOKEN' (default: ${ENV_TOKEN}, else none)")
+                        help="INSECURE (the token shows in the process list): one accepted bearer token; use "
+                             "--token-file or $" + ENV_TOKEN)
+    parser.add_argument("--metrics-token-file", default=None,
+                        help="require a bearer token from this file on /metrics (default: open)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve OTLP/HTTP, gRPC and /metrics "
+                                                          "over TLS only (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20,
                         help="largest request body, compressed or not (default: 16 MiB)")
     parser.add_argument("--window-s", type=_seconds, default=10.0,
@@ -73,13 +82,37 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="steps in steptrace_cluster_goodput_ratio's sliding window (default: 100)")
     parser.add_argument("--max-runs", type=_positive_int, default=64,
                         help="runs kept in /metrics at once; the least recently active is dropped (default: 64)")
+    parser.add_argument("--max-runs-per-token", type=_positive_int, default=None,
+                        help="runs one --token-file line may hold at once (default: --max-runs / 4)")
+    parser.add_argument("--run-idle-s", type=_non_negative_seconds, default=300.0,
+                        help="with --max-runs runs admitted, a new run replaces the least recently active one only "
+                             "if it has no open step and was idle this long; else its spans are refused (default: 300)")
     parser.add_argument("--max-connections", type=_positive_int, default=1024,
                         help="OTLP/HTTP connections served at once; more get 503 (default: 1024)")
+    parser.add_argument("--max-connections-per-peer", type=_positive_int, default=128,
+                        help="OTLP/HTTP connections from one IP address at once; more get 503 (default: 128)")
     parser.add_argument("--request-timeout-s", type=_seconds, default=30.0,
-                        help="a request body must arrive within this time (default: 30)")
+                        help="a whole request, headers included, must arrive within this time (default: 30)")
+    parser.add_argument("--max-world-size", type=_positive_int, default=65536,
+                        help="largest train.world_size and rank accepted (default: 65536)")
+    parser.add_argument("--max-step", type=_positive_int, default=1 << 53,
+                        help="largest step number accepted (default: 2**53)")
+    parser.add_argument("--max-spans-per-request", type=_positive_int, default=16384,
+                        help="spans (or metric points) in one request; more is 413 (default: 16384)")
+    parser.add_argument("--max-emitted-steps", type=_positive_int, default=8192,
+                        help="emitted steps remembered per run to tell late spans and retries apart (default: 8192)")
+    parser.add_argument("--no-journal", action="store_true",
+                        help="do not journal open steps' spans (a killed collector then loses them)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="log level on stderr (default: INFO)")
     return parser
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def run_collector(args: argparse.Namespace) -> int:
@@ -91,14 +124,24 @@ def run_collector(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"steptrace collector: {exc}", file=sys.stderr)
         return 2
-    token = args.token if args.token is not None else (os.environ.get(ENV_TOKEN) or None)
+    if args.token is not None:
+        logging.getLogger("steptrace.collector").warning(
+            "steptrace collector: --token puts the secret in the process list; use --token-file or $%s", ENV_TOKEN)
+    token = args.token if args.token is not None else (
+        os.environ.get(ENV_TOKEN) or None if args.token_file is None else None)
     try:
         config = CollectorConfig(
             host=args.host, port=args.port, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
             grpc_port=args.grpc_port, world_size=args.world_size, run_dir=args.run_dir, token=token,
-            max_body_bytes=args.max_body_bytes, window_s=args.window_s, max_open_steps=args.max_open_steps,
-            goodput_window_steps=args.goodput_window_steps, max_runs=args.max_runs,
-            max_connections=args.max_connections, request_timeout_s=args.request_timeout_s)
+            token_file=args.token_file, metrics_token_file=args.metrics_token_file, tls_cert=args.tls_cert,
+            tls_key=args.tls_key, max_body_bytes=args.max_body_bytes, window_s=args.window_s,
+            max_open_steps=args.max_open_steps, goodput_window_steps=args.goodput_window_steps,
+            max_runs=args.max_runs, max_runs_per_token=args.max_runs_per_token, run_idle_s=args.run_idle_s,
+            max_connections=args.max_connections,
+            max_connections_per_peer=args.max_connections_per_peer, request_timeout_s=args.request_timeout_s,
+            max_world_size=args.max_world_size, max_step=args.max_step,
+            max_spans_per_request=args.max_spans_per_request, max_emitted_steps=args.max_emitted_steps,
+            journal=not args.no_journal)
         collector = Collector(config).start()
     except (ValueError, OSError) as exc:
         print(f"steptrace collector: {exc}", file=sys.stderr)
@@ -115,7 +158,7 @@ def run_collector(args: argparse.Namespace) -> int:
     print(f"steptrace collector: otlp_http={_addr(args.host)}:{collector.port} otlp_grpc={grpc} "
           f"metrics={_addr(args.metrics_host or args.host)}:{collector.metrics_port} run_dir={config.run_dir} "
           f"world_size={config.world_size if config.world_size is not None else 'from-spans'} "
-          f"auth={'bearer' if token else 'off'}", flush=True)
+          f"auth={'bearer' if collector.tokens else 'off'} tls={'on' if config.tls_cert else 'off'}", flush=True)
     try:
         while not stop.wait(1.0):
             pass

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,19 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from steptrace._ids import run_id_problem
+from steptrace._schema import (
+    ATTR_BUBBLE_PREFIX,
+    ATTR_COMPUTE_SECONDS,
+    ATTR_IDLE_SECONDS,
+    ATTR_INTERVAL_SECONDS,
+    ATTR_PREFIX,
+    ATTR_RANK,
+    ATTR_RUN_ID,
+    ATTR_STATUS,
+    ATTR_STEP,
+    ATTR_WORLD_SIZE,
+    SPAN_STEP,
+)
 
 __all__ = [
     "MEDIA_JSON",
@@ -49,6 +63,7 @@ __all__ = [
     "Rejected",
     "StepSpan",
     "count_data_points",
+    "count_items",
     "decompress",
     "encode_error",
     "encode_response",
@@ -56,24 +71,31 @@ __all__ = [
     "media_type",
     "parse_request",
     "safe_run_id",
+    "span_fingerprint",
 ]
 
 MEDIA_PROTOBUF = "application/x-protobuf"
 MEDIA_JSON = "application/json"
 
 #: Rejection reasons, the ``reason`` label values of ``steptrace_collector_rejected_requests_total``.
-REJECTION_REASONS = ("malformed", "too_large", "unsupported_media_type", "unsupported_encoding", "unauthorized",
-                     "not_found", "method_not_allowed", "length_required", "timeout", "overloaded", "shutting_down",
-                     "internal")
+REJECTION_REASONS = ("malformed", "too_large", "too_many_spans", "unsupported_media_type", "unsupported_encoding",
+                     "unauthorized", "forbidden", "not_found", "method_not_allowed", "length_required",
+                     "uri_too_long", "headers_too_large", "unsupported_version", "tls", "timeout", "overloaded",
+                     "peer_overloaded", "shutting_down", "internal")
 
 #: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
-INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range")
+INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range", "step_out_of_range",
+                        "world_size_out_of_range", "too_many_runs")
 
-_STEP_SPAN = "train.step"
-_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."
+#: Default bounds on what a span may claim (``--max-world-size``, ``--max-step``).
+DEFAULT_MAX_WORLD_SIZE = 65536
+DEFAULT_MAX_STEP = 1 << 53
+
+_STEP_SPAN = SPAN_STEP
+_BUBBLE_PREFIX = ATTR_BUBBLE_PREFIX
 _MAX_LABEL = 64  # status and stage names end up as JSON keys and metric labels
 _MAX_STAGES = 256
-#: Ranks beyond this are taken for garbage: a rank set is kept as a bitmask.
+#: The largest ``--max-world-size`` there is.
 MAX_RANK = 1 << 20
 
 _SIGNALS = {
@@ -165,7 +187,7 @@ def encode_error(media: str | None, status: int, message: str) -> tuple[bytes, s
     except ImportError:  # pragma: no cover - googleapis-common-protos comes with the OTLP exporters
         return message.encode(), "text/plain; charset=utf-8"
     # gRPC codes for the HTTP statuses we send (google.rpc.Code).
-    code = {400: 3, 401: 16, 404: 5, 405: 12, 408: 4, 411: 3, 413: 8, 415: 3, 503: 14}.get(status, 13)
+    code = {400: 3, 401: 16, 403: 7, 404: 5, 405: 12, 408: 4, 411: 3, 413: 8, 415: 3, 503: 14}.get(status, 13)
     payload = status_pb2.Status(code=code, message=message)
     if media == MEDIA_JSON:
         return json.dumps(json_format.MessageToDict(payload)).encode(), MEDIA_JSON
@@ -279,24 +301,36 @@ def _seconds(attrs: dict[str, Any], key: str, *, required: bool = True) -> float
     return float(value)
 
 
-def _step_span(span: Any, world_size: int | None) -> StepSpan:
-    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith("train.")}
-    run_id = attrs.get("train.run_id")
+def span_fingerprint(compute_seconds: float, interval_seconds: float) -> int:
+    """32 bits that tell two spans of one (run, step, rank) apart: a retry has the same, a forgery not.
+
+    Only what ``cluster.jsonl`` keeps per rank goes in, so a restarted collector can compute
+    it for the steps it wrote before.
+    """
+    return zlib.crc32(struct.pack("<dd", compute_seconds, interval_seconds))
+
+
+def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
+               max_step: int = DEFAULT_MAX_STEP) -> StepSpan:
+    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith(ATTR_PREFIX)}
+    run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
         raise _Invalid("missing_attribute")
     if not safe_run_id(run_id):
         raise _Invalid("bad_run_id")
-    step = _int(attrs, "train.step", minimum=0)
-    rank = _int(attrs, "train.rank", minimum=0)
-    if rank >= MAX_RANK:
+    step = _int(attrs, ATTR_STEP, minimum=0)
+    if step > max_step:
+        raise _Invalid("step_out_of_range")
+    rank = _int(attrs, ATTR_RANK, minimum=0)
+    if rank >= (world_size if world_size is not None else max_world_size):
         raise _Invalid("rank_out_of_range")
-    span_world = _int(attrs, "train.world_size", minimum=1, required=False)
-    if world_size is not None and rank >= world_size:
-        raise _Invalid("rank_out_of_range")
-    compute = _seconds(attrs, "train.compute_seconds")
-    interval = _seconds(attrs, "train.interval_seconds")
-    idle = _seconds(attrs, "train.idle_seconds", required=False)
-    status = attrs.get("train.status", "ok")
+    span_world = _int(attrs, ATTR_WORLD_SIZE, minimum=1, required=False)
+    if span_world is not None and span_world > max_world_size:
+        raise _Invalid("world_size_out_of_range")
+    compute = _seconds(attrs, ATTR_COMPUTE_SECONDS)
+    interval = _seconds(attrs, ATTR_INTERVAL_SECONDS)
+    idle = _seconds(attrs, ATTR_IDLE_SECONDS, required=False)
+    status = attrs.get(ATTR_STATUS, "ok")
     if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
         status = "unknown"
     bubble: dict[str, float] = {}
@@ -319,18 +353,22 @@ def _resource_run_id(scope_spans: Any) -> str:
     for scope in scope_spans:
         for span in scope.spans:
             for kv in span.attributes:
-                if kv.key == "train.run_id":
+                if kv.key == ATTR_RUN_ID:
                     value = _scalar(kv.value)
                     return value if safe_run_id(value) else ""
             return ""
     return ""
 
 
-def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = None) -> Extracted:
+def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = None, *,
+                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, max_step: int = DEFAULT_MAX_STEP) -> Extracted:
     """The ``train.step`` spans of ``request``; other spans are only counted.
 
-    With ``world_size`` (the collector's ``--world-size``), a rank outside
-    ``[0, world_size)`` is skipped as ``rank_out_of_range``.
+    A rank outside ``[0, world_size)`` (the collector's ``--world-size``, else
+    ``max_world_size``) is skipped as ``rank_out_of_range``; a ``train.world_size``
+    above ``max_world_size`` as ``world_size_out_of_range``; a step above
+    ``max_step`` as ``step_out_of_range``. What one span can make the collector
+    hold is bounded by these, whoever sent it.
     """
     out = Extracted()
     for resource_spans in request.resource_spans:
@@ -341,7 +379,7 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
                 if span.name != _STEP_SPAN:
                     continue
                 try:
-                    out.steps.append(_step_span(span, world_size))
+                    out.steps.append(_step_span(span, world_size, max_world_size, max_step))
                 except _Invalid as bad:
                     out.invalid[bad.reason] = out.invalid.get(bad.reason, 0) + 1
         if count:
@@ -349,6 +387,13 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
             out.spans_by_run[run] = out.spans_by_run.get(run, 0) + count
         out.spans += count
     return out
+
+
+def count_items(signal: str, request: Any) -> int:
+    """Spans (traces) or data points (metrics) in a request: checked against ``--max-spans-per-request``."""
+    if signal == "metrics":
+        return count_data_points(request)
+    return sum(len(scope.spans) for resource in request.resource_spans for scope in resource.scope_spans)
 
 
 def count_data_points(request: ExportMetricsServiceRequest) -> int:

@@ -1,9 +1,16 @@
 """OTLP/gRPC on ``--grpc-port``: the trace and metrics services of opentelemetry-proto.
 
-gRPC itself decodes the messages, handles gzip and enforces the size limit
-(``grpc.max_receive_message_length`` = ``--max-body-bytes``; such refusals
-happen inside gRPC and are not counted). The bearer token is checked from the
-``authorization`` metadata; a refusal is ``UNAUTHENTICATED`` and counted.
+The services are registered as generic handlers that receive the raw message
+bytes, so decoding happens here: a body that does not decode is
+``INVALID_ARGUMENT``, counted (``malformed``) and logged in one rate-limited
+line, not the six-line traceback gRPC's own deserializer would log for each.
+Every refusal is counted in ``steptrace_collector_rejected_requests_total``:
+a missing or wrong token (``UNAUTHENTICATED``), a run the token does not cover
+(``PERMISSION_DENIED``), too many spans (``RESOURCE_EXHAUSTED``), shutting
+down (``UNAVAILABLE``, retryable). gRPC itself enforces the size limit
+(``grpc.max_receive_message_length`` = ``--max-body-bytes``) and answers
+``RESOURCE_EXHAUSTED`` before any of our code runs: those refusals cannot be
+counted here. With ``--tls-cert``/``--tls-key`` the port serves TLS only.
 """
 
 from __future__ import annotations
@@ -13,66 +20,87 @@ from typing import TYPE_CHECKING, Any
 
 try:
     import grpc
-    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 except ImportError as _exc:  # pragma: no cover - exercised by users without grpcio
     raise ImportError(f"--grpc-port needs grpcio ({_exc}): pip install grpcio 'steptrace[otlp]'") from _exc
 
+from steptrace.collector._auth import authorized_grant
 from steptrace.collector._decode import Rejected
-from steptrace.collector._http import _authorized
+from steptrace.collector._http import count_refusal
 
 if TYPE_CHECKING:  # pragma: no cover
     from steptrace.collector._app import Collector
 
 __all__ = ["start_grpc_server"]
 
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          403: grpc.StatusCode.PERMISSION_DENIED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE}
 
-def _check(collector: "Collector", context: Any) -> None:
-    token = collector.config.token
-    if token is None:
-        return
-    metadata = dict(context.invocation_metadata())
-    if not _authorized(metadata.get("authorization"), token):
-        collector.metrics.reject("unauthorized")
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+_SERVICES = {
+    "traces": ("opentelemetry.proto.collector.trace.v1.TraceService", trace_service_pb2.ExportTraceServiceRequest,
+               trace_service_pb2.ExportTraceServiceResponse),
+    "metrics": ("opentelemetry.proto.collector.metrics.v1.MetricsService",
+                metrics_service_pb2.ExportMetricsServiceRequest, metrics_service_pb2.ExportMetricsServiceResponse),
+}
 
 
-def _accept(collector: "Collector", signal: str, request: Any, context: Any) -> tuple[int, str]:
+def _export(collector: Collector, signal: str, data: bytes, context: Any) -> Any:
+    _, request_type, response_type = _SERVICES[signal]
     try:
-        return collector.accept(signal, request, "grpc")
-    except Rejected as exc:  # shutting down: UNAVAILABLE is retryable for OTLP exporters
-        collector.metrics.reject(exc.reason)
-        context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
+        metadata = dict(context.invocation_metadata())
+        grant = authorized_grant(collector.tokens, metadata.get("authorization"))
+        if grant is None:
+            raise Rejected(401, "unauthorized", "missing or wrong bearer token")
+        try:
+            message = request_type.FromString(data)
+        except Exception as exc:  # DecodeError and friends: a bad body
+            raise Rejected(400, "malformed", f"cannot decode the {signal} request: {type(exc).__name__}") from None
+        rejected, note = collector.accept(signal, message, "grpc", grant)
+    except Rejected as exc:
+        count_refusal(collector, exc.reason, f"gRPC {exc.message}", _peer(context))
+        context.abort(_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
         raise  # not reached: abort raises
+    response = response_type()
+    if rejected:
+        if signal == "traces":
+            response.partial_success.rejected_spans = rejected
+        else:
+            response.partial_success.rejected_data_points = rejected
+        response.partial_success.error_message = note
+    return response
 
 
-def start_grpc_server(collector: "Collector", host: str, port: int, max_body_bytes: int) -> tuple[Any, int]:
-    """Start the gRPC server; returns (server, bound port). Raises ``OSError`` when the port is taken."""
+def _peer(context: Any) -> tuple[str, int] | None:
+    peer = context.peer() or ""  # "ipv4:127.0.0.1:5678", "ipv6:[::1]:5678"
+    _, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return (host, 0) if host else None
 
-    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the service's name
-            _check(collector, context)
-            rejected, note = _accept(collector, "traces", request, context)
-            response = trace_service_pb2.ExportTraceServiceResponse()
-            if rejected:
-                response.partial_success.rejected_spans = rejected
-                response.partial_success.error_message = note
-            return response
 
-    class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
-            _check(collector, context)
-            _accept(collector, "metrics", request, context)
-            return metrics_service_pb2.ExportMetricsServiceResponse()
+def start_grpc_server(collector: Collector, host: str, port: int, max_body_bytes: int,
+                      tls: tuple[bytes, bytes] | None = None) -> tuple[Any, int]:
+    """Start the gRPC server; returns (server, bound port). Raises ``OSError`` when the port is taken.
 
+    ``tls`` is (private key PEM, certificate chain PEM).
+    """
+    handlers = []
+    for signal, (service, _, _) in _SERVICES.items():
+        method = grpc.unary_unary_rpc_method_handler(
+            lambda data, context, signal=signal: _export(collector, signal, data, context),
+            request_deserializer=None, response_serializer=lambda message: message.SerializeToString())
+        handlers.append(grpc.method_handlers_generic_handler(service, {"Export": method}))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="steptrace-collector-grpc"),
+                         handlers=handlers,
                          options=[("grpc.max_receive_message_length", max_body_bytes),
                                   ("grpc.so_reuseport", 0)])
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if tls is not None:
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpcio raises RuntimeError for a port it cannot bind
         raise OSError(f"cannot bind {address}: {exc}") from exc
     if bound == 0:

@@ -2,36 +2,52 @@
 
 A ``ThreadingHTTPServer`` with bounds, so that no client can stop the others:
 
-* at most ``max_connections`` connections are served at once; the next one
-  gets ``503`` (retryable for OTLP exporters) and is closed;
-* each socket read waits at most ``read_timeout_s``, and a whole body must
-  arrive within ``request_timeout_s`` (else ``408``), so a slow client holds
-  one thread for a bounded time;
+* at most ``max_connections`` connections are served at once, and at most
+  ``max_connections_per_peer`` from one IP address; the next one gets ``503``
+  (retryable for OTLP exporters) and is closed, so a few slow peers cannot
+  take every slot;
+* a whole request, request line and headers included, must arrive within
+  ``request_timeout_s`` of the connection starting to wait for it (every
+  socket read is given only what is left of that deadline, and at most
+  ``read_timeout_s``), so a client trickling one header byte at a time holds
+  a thread for a bounded time; past it the request is ``408`` and closed;
 * ``Content-Length`` is checked before anything is read (``413``); a body
-  without one is ``411``.
+  without one is ``411``. A refused body is read and discarded (up to
+  ``_DRAIN_LIMIT`` bytes and the deadline) after the answer is sent, so a
+  client that writes its whole body before reading (urllib, requests, the
+  OTLP exporters) gets the ``413`` instead of a broken pipe;
+* with a TLS context, the handshake happens in the connection's thread under
+  the same deadline.
 
 Checks run in this order: path (``404``), method (``405``), bearer token
 (``401``), content type (``415``), length (``411``/``413``), then the body is
 read, decompressed (``413`` for a gzip bomb, ``400`` for a broken stream) and
-decoded (``400``); a request arriving while the collector shuts down is
-``503`` with ``Retry-After`` (the exporter retries against the restarted
-collector). Every refusal is counted in
-``steptrace_collector_rejected_requests_total{reason}``; an unexpected
-exception while handling one request is logged and answered ``500``
-(``reason="internal"``) and the server carries on.
+decoded (``400``); more than ``--max-spans-per-request`` spans is ``413``
+(``too_many_spans``); a step span of a run the token does not cover is ``403``;
+a request arriving while the collector shuts down is ``503`` with
+``Retry-After`` (the exporter retries against the restarted collector).
+What the standard library refuses before us (a request line over 64 KiB:
+``414``; too many or too long headers: ``431``; a bad request line or an
+HTTP/2 preface: ``400``/``505``) is counted too. Every refusal is counted in
+``steptrace_collector_rejected_requests_total{reason}`` and logged without a
+traceback, once per reason per 10 s; an unexpected exception while handling
+one request is logged and answered ``500`` (``reason="internal"``) and the
+server carries on.
 """
 
 from __future__ import annotations
 
-import hmac
+import io
 import logging
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from steptrace.collector._auth import Tokens, authorized_grant
 from steptrace.collector._decode import (
     Rejected,
     decompress,
@@ -40,51 +56,82 @@ from steptrace.collector._decode import (
     media_type,
     parse_request,
 )
+from steptrace.collector._ratelog import RateLimitedLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from steptrace.collector._app import Collector
 
-__all__ = ["OtlpHttpServer"]
+__all__ = ["OtlpHttpServer", "refusal_log"]
 
 log = logging.getLogger("steptrace.collector")
+#: Refusals are counted; the log says so once per reason per 10 s.
+refusal_log = RateLimitedLog(log, 10.0)
 
 _PATHS = {"/v1/traces": "traces", "/v1/metrics": "metrics"}
-_DRAIN_LIMIT = 1 << 20  # bytes read and discarded from a refused body, so the client sees our answer
+_DRAIN_SMALL = 1 << 20  # a refused body this small is read before answering, and the connection kept
+_DRAIN_LIMIT = 64 << 20  # a larger one is read (after answering) up to this, then the connection closed
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
+         b"Connection: close\r\n\r\n")
+# Statuses the standard library's request parsing answers with, and their reasons.
+_STDLIB_REASONS = {400: "malformed", 408: "timeout", 414: "uri_too_long", 431: "headers_too_large",
+                   501: "method_not_allowed", 505: "unsupported_version"}
 
 
-class OtlpHttpServer(ThreadingHTTPServer):
-    """The OTLP/HTTP receiver of one :class:`~steptrace.collector._app.Collector`."""
+def count_refusal(collector: Collector, reason: str, detail: str, peer: Any = None) -> None:
+    collector.metrics.reject(reason)
+    who = peer[0] if isinstance(peer, tuple) and peer else "a client"
+    refusal_log.warning(reason, "steptrace collector: refused a request from %s (%s): %s; counted in "
+                                "steptrace_collector_rejected_requests_total{reason=%r}", who, reason, detail, reason)
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server with a cap on connections, overall and per peer address, and optional TLS."""
 
     daemon_threads = True
     block_on_close = False
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], collector: "Collector", *, token: str | None,
-                 max_body_bytes: int, read_timeout_s: float, request_timeout_s: float, max_connections: int):
-        self.collector = collector
-        self.token = token
-        self.max_body_bytes = max_body_bytes
-        self.request_timeout_s = request_timeout_s
+    def __init__(self, address: tuple[str, int], handler: Any, *, max_connections: int,
+                 max_connections_per_peer: int, tls: ssl.SSLContext | None, on_refuse: Any):
         self._slots = threading.BoundedSemaphore(max_connections)
-        handler = type("_BoundHandler", (_Handler,), {"timeout": read_timeout_s})
+        self._per_peer = max_connections_per_peer
+        self._peers: dict[str, int] = {}
+        self._peers_lock = threading.Lock()
+        self.tls = tls
+        self._on_refuse = on_refuse
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
 
+    def get_request(self) -> tuple[Any, Any]:
+        sock, address = super().get_request()
+        if self.tls is not None:  # the handshake runs in the connection's thread, under its deadline
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.collector.metrics.reject("overloaded")
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
-                                b"Connection: close\r\n\r\n")
-            except OSError:
-                pass
+        peer = client_address[0] if isinstance(client_address, tuple) else ""
+        with self._peers_lock:
+            peer_full = self._peers.get(peer, 0) >= self._per_peer
+            if not peer_full:
+                self._peers[peer] = self._peers.get(peer, 0) + 1
+        if peer_full or not self._slots.acquire(blocking=False):
+            if not peer_full:
+                self._release_peer(peer)
+            self._on_refuse("peer_overloaded" if peer_full else "overloaded", client_address)
+            if self.tls is None:  # under TLS the client would read our bytes as a broken handshake
+                try:
+                    request.setblocking(False)
+                    request.send(_BUSY)
+                except OSError:
+                    pass
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
             self._slots.release()
+            self._release_peer(peer)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -92,19 +139,122 @@ class OtlpHttpServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+            self._release_peer(client_address[0] if isinstance(client_address, tuple) else "")
+
+    def _release_peer(self, peer: str) -> None:
+        with self._peers_lock:
+            left = self._peers.get(peer, 1) - 1
+            if left > 0:
+                self._peers[peer] = left
+            else:
+                self._peers.pop(peer, None)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that vanished mid-request is routine; anything else is worth a log line.
         log.debug("steptrace collector: error serving %s", client_address, exc_info=True)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _DeadlineReader(io.RawIOBase):
+    """The connection's socket, read with what is left of the handler's request deadline as timeout."""
+
+    def __init__(self, sock: socket.socket, handler: DeadlineHandler):
+        self._sock = sock
+        self._handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        h = self._handler
+        left = h.deadline - time.monotonic()
+        if left <= 0:
+            h.timed_out = True
+            raise TimeoutError("request deadline passed")
+        self._sock.settimeout(min(left, h.timeout or left))
+        try:
+            n = self._sock.recv_into(buffer)
+        except TimeoutError:
+            h.timed_out = True
+            raise
+        h.request_bytes += n
+        return n
+
+
+class DeadlineHandler(BaseHTTPRequestHandler):
+    """A request handler whose every request (line, headers, body) must arrive within ``request_timeout_s``."""
+
     protocol_version = "HTTP/1.1"
+    request_timeout_s = 30.0
+    deadline = 0.0
+    timed_out = False
+    request_bytes = 0
+
+    def setup(self) -> None:
+        super().setup()
+        self.deadline = time.monotonic() + self.request_timeout_s
+        tls = getattr(self.server, "tls", None)
+        if tls is not None:
+            try:
+                self.connection.settimeout(max(0.01, self.deadline - time.monotonic()))
+                self.connection.do_handshake()
+            except (OSError, ssl.SSLError) as exc:
+                self._refused("tls", f"TLS handshake failed: {exc}")
+                self.close_connection = True
+                self.rfile = io.BytesIO()  # handle() then sees no request and returns
+                return
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self), 1 << 16)
+
+    def handle_one_request(self) -> None:
+        self.deadline = time.monotonic() + self.request_timeout_s
+        self.timed_out = False
+        self.request_bytes = 0
+        super().handle_one_request()
+        if self.timed_out:
+            self.close_connection = True
+            if self.request_bytes:  # an idle keep-alive connection timing out is no refusal
+                self._refused("timeout", f"request not received within {self.request_timeout_s:g} s")
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # Only the standard library's parsing calls this (our answers go through _reply).
+        self._refused(_STDLIB_REASONS.get(code, "malformed"), f"{code} {message or ''}".strip())
+        try:
+            self.connection.settimeout(1.0)
+            super().send_error(code, message, explain)
+        except OSError:
+            pass
+        self.close_connection = True
+
+    def _refused(self, reason: str, detail: str) -> None:
+        raise NotImplementedError
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("steptrace collector http: " + format, *args)
+
+
+class OtlpHttpServer(BoundedServer):
+    """The OTLP/HTTP receiver of one :class:`~steptrace.collector._app.Collector`."""
+
+    def __init__(self, address: tuple[str, int], collector: Collector, *, tokens: Tokens | None,
+                 max_body_bytes: int, read_timeout_s: float, request_timeout_s: float, max_connections: int,
+                 max_connections_per_peer: int | None = None, tls: ssl.SSLContext | None = None):
+        self.collector = collector
+        self.tokens = tokens
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout_s = request_timeout_s
+        handler = type("_BoundHandler", (_Handler,), {"timeout": read_timeout_s,
+                                                      "request_timeout_s": request_timeout_s})
+        super().__init__(address, handler, max_connections=max_connections,
+                         max_connections_per_peer=max_connections_per_peer or max_connections, tls=tls,
+                         on_refuse=lambda reason, peer: count_refusal(collector, reason, "no free connection slot",
+                                                                      peer))
+
+
+class _Handler(DeadlineHandler):
     server_version = "steptrace-collector"
     server: OtlpHttpServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        log.debug("steptrace collector http: " + format, *args)
+    def _refused(self, reason: str, detail: str) -> None:
+        count_refusal(self.server.collector, reason, detail, self.client_address)
 
     def do_POST(self) -> None:
         self._serve(post=True)
@@ -118,13 +268,15 @@ class _Handler(BaseHTTPRequestHandler):
         server = self.server
         media: str | None = None
         body_read = False
+        grant = None
         try:
             signal = _PATHS.get(urlsplit(self.path).path)
             if signal is None:
                 raise Rejected(404, "not_found", f"no such path: {self.path[:200]!r} (POST /v1/traces or /v1/metrics)")
             if not post:
                 raise Rejected(405, "method_not_allowed", f"{self.command} {signal}: use POST")
-            if server.token is not None and not _authorized(self.headers.get("Authorization"), server.token):
+            grant = authorized_grant(server.tokens, self.headers.get("Authorization"))
+            if grant is None:
                 raise Rejected(401, "unauthorized", "missing or wrong bearer token")
             media = media_type(self.headers.get("Content-Type"))
             length = self._content_length()
@@ -132,17 +284,23 @@ class _Handler(BaseHTTPRequestHandler):
             body_read = True
             data = decompress(body, self.headers.get("Content-Encoding"), server.max_body_bytes)
             message = parse_request(signal, data, media)
-            rejected, note = server.collector.accept(signal, message, "http")
+            rejected, note = server.collector.accept(signal, message, "http", grant)
             self._reply(200, encode_response(signal, media, rejected, note), media)
         except Rejected as exc:
-            server.collector.metrics.reject(exc.reason)
+            self._refused(exc.reason, f"{exc.status} {exc.message}")
+            large = False
             if not body_read and exc.status != 411:
-                body_read = self._drain()
+                body_read = self._drain(_DRAIN_SMALL)
+                large = not body_read
             payload, content_type = encode_error(media, exc.status, exc.message)
             extra = {"WWW-Authenticate": 'Bearer realm="steptrace-collector"'} if exc.status == 401 else {}
             if exc.status == 503:
                 extra["Retry-After"] = "1"
             self._reply(exc.status, payload, content_type, close=not body_read, headers=extra)
+            if large:
+                # Answer first, then read what the client still sends: closing on unread data
+                # resets the connection and the client sees a broken pipe, not our answer.
+                self._drain(_DRAIN_LIMIT)
         except (OSError, TimeoutError):
             self.close_connection = True  # the client went away or stalled; nobody to answer
         except Exception:
@@ -165,25 +323,24 @@ class _Handler(BaseHTTPRequestHandler):
             raise Rejected(413, "too_large", f"body of {length} bytes exceeds {self.server.max_body_bytes}")
         return length
 
-    def _read_body(self, length: int) -> bytes:
-        deadline = time.monotonic() + self.server.request_timeout_s
+    def _read_body(self, length: int, keep: bool = True) -> bytes:
         chunks = []
         remaining = length
         try:
             while remaining:
-                if time.monotonic() > deadline:
-                    raise Rejected(408, "timeout", f"body not received within {self.server.request_timeout_s:g} s")
                 chunk = self.rfile.read1(min(remaining, 1 << 16))
                 if not chunk:
                     raise Rejected(400, "malformed", "connection closed before the body ended")
-                chunks.append(chunk)
+                if keep:
+                    chunks.append(chunk)
                 remaining -= len(chunk)
-        except (TimeoutError, socket.timeout):
-            raise Rejected(408, "timeout", "timed out reading the body") from None
+        except TimeoutError:
+            self.timed_out = False  # answered here as 408, not counted again by handle_one_request
+            raise Rejected(408, "timeout", f"body not received within {self.server.request_timeout_s:g} s") from None
         return b"".join(chunks)
 
-    def _drain(self) -> bool:
-        """Read and discard a refused request's body (if small), so the connection can go on.
+    def _drain(self, limit: int) -> bool:
+        """Read and discard a refused request's body, up to ``limit`` bytes and the deadline.
 
         Closing with unread data makes the kernel reset the connection, and the
         client may never see our answer. True when the whole body was read.
@@ -192,17 +349,22 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             return False
-        if length < 0 or length > _DRAIN_LIMIT or "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+        if length < 0 or "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             return False
         try:
-            self._read_body(length)
+            if length > limit:
+                self._read_body(limit, keep=False)
+                return False
+            self._read_body(length, keep=False)
         except (Rejected, OSError):
+            self.timed_out = False
             return False
         return True
 
     def _reply(self, status: int, body: bytes, content_type: str, *, close: bool = False,
                headers: dict[str, str] | None = None) -> None:
         try:
+            self.connection.settimeout(self.timeout)
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
@@ -216,9 +378,3 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
 
-
-def _authorized(header: str | None, token: str) -> bool:
-    if not header:
-        return False
-    scheme, _, credentials = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), token.encode())

@@ -16,11 +16,26 @@ the same thing and needs no hashing. A step is emitted
 A span for a step that was already emitted is *late*: it becomes a ``late``
 record (appended to the run's ``cluster.jsonl``, so nothing is lost) and is
 counted; the emitted record is not rewritten. A second span of the same rank
-for the same step (an exporter retry) is a duplicate and is dropped. Which
-ranks each emitted step had is remembered for the last ``max_emitted`` steps
-(as a bitmask, with the step's latest end time); ``history`` seeds that
-memory per run the first time a run is seen, so a restarted collector reads
-its own ``cluster.jsonl`` and does not emit a step twice.
+for the same step is a *duplicate* (an exporter retry; dropped) when it says
+the same (:func:`span_fingerprint`), and a *conflict* when it does not: a
+forged or confused sender. Neither version is trusted: the rank's spans go to
+``conflicts`` (the collector writes them to ``conflicts.jsonl``), the rank is
+left out of the step's statistics and listed in ``conflicting_ranks`` and
+``missing_ranks``, so the step is incomplete and names no straggler. A forged
+span can therefore hide a rank, never stand in for it.
+
+Which ranks each emitted step had (a sorted array of ranks and one of
+fingerprints: memory grows with the ranks that reported, not with their
+numbers) is remembered for the last ``max_emitted`` steps *of each run*, so a
+busy run cannot push another run's steps out; ``history`` seeds that memory
+the first time a run is seen, so a restarted collector reads its own
+``cluster.jsonl`` and does not emit a step twice.
+
+Runs are admitted up to ``max_runs`` at a time; beyond that a new run takes
+the place of the least recently active run only when that one has no open
+step and was idle for ``run_idle_s``. Spans of a run not admitted are
+refused (``too_many_runs``): one request naming 5,000 runs makes at most
+``max_runs`` of them.
 
 A run resumed from a checkpoint under the same ``run_id`` executes some steps
 again. A span that ended more than ``rerun_gap_s`` (60 s) after the emitted
@@ -38,19 +53,25 @@ reported. Not thread-safe: the collector calls it under its lock.
 
 from __future__ import annotations
 
+import array
+import bisect
 import collections
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from steptrace._ids import trace_id_hex
-from steptrace.collector._decode import StepSpan
+from steptrace.collector._decode import StepSpan, span_fingerprint
 
 __all__ = ["JoinResult", "Joiner", "cluster_record"]
 
 #: ``reason`` values of ``cluster_step`` records.
 REASONS = ("all_ranks", "window", "evicted", "shutdown")
+
+#: A history entry: a rank, or (rank, fingerprint); a bare rank matches any span (a duplicate).
+HistoryRank = int | tuple[int, int | None]
 
 
 @dataclass
@@ -63,17 +84,58 @@ class _OpenStep:
     first_seen_time: float  # unix
     ranks: dict[int, StepSpan] = field(default_factory=dict)
     in_range: int = 0  # ranks reported in [0, world_size)
+    conflicted: set[int] = field(default_factory=set)
+
+
+class _Emitted:
+    """The ranks an emitted step had: sorted ranks, their fingerprints (-1: any), the latest end time."""
+
+    __slots__ = ("end", "fingerprints", "ranks")
+
+    def __init__(self, pairs: Iterable[tuple[int, int | None]], end: float | None):
+        ordered = sorted(dict(pairs).items())
+        self.ranks = array.array("q", (r for r, _ in ordered))
+        self.fingerprints = array.array("q", (-1 if f is None else f for _, f in ordered))
+        self.end = end
+
+    def find(self, rank: int) -> int | None:
+        """The fingerprint of ``rank`` (-1: unknown), None when the rank is not in the step."""
+        i = bisect.bisect_left(self.ranks, rank)
+        if i < len(self.ranks) and self.ranks[i] == rank:
+            return self.fingerprints[i]
+        return None
+
+    def add(self, rank: int, fingerprint: int) -> None:
+        i = bisect.bisect_left(self.ranks, rank)
+        self.ranks.insert(i, rank)
+        self.fingerprints.insert(i, fingerprint)
+
+
+class _Run:
+    __slots__ = ("emitted", "last_active", "open", "owner")
+
+    def __init__(self, now: float, owner: str):
+        self.emitted: collections.OrderedDict[int, _Emitted] = collections.OrderedDict()
+        self.open = 0
+        self.last_active = now
+        self.owner = owner
 
 
 @dataclass
 class JoinResult:
-    """What one call emitted: records to write (``cluster_step`` and ``late``), and duplicates by run."""
+    """What one call emitted: records to write (``cluster_step`` and ``late``), duplicates by run, conflicts."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
     duplicates: dict[str, int] = field(default_factory=dict)
+    #: ``conflict`` records (both versions of a rank's span, the first one once)
+    conflicts: list[dict[str, Any]] = field(default_factory=list)
+    #: spans refused because their run was not admitted (``too_many_runs``)
+    refused: int = 0
 
-    def extend(self, other: "JoinResult") -> None:
+    def extend(self, other: JoinResult) -> None:
         self.records += other.records
+        self.conflicts += other.conflicts
+        self.refused += other.refused
         for run, n in other.duplicates.items():
             self.duplicates[run] = self.duplicates.get(run, 0) + n
 
@@ -82,48 +144,79 @@ class Joiner:
     """Groups step spans by ``(run_id, step)`` and emits joined records (see the module doc)."""
 
     def __init__(self, *, world_size: int | None = None, window_s: float = 10.0, max_open_steps: int = 4096,
-                 max_emitted: int = 65536, rerun_gap_s: float = 60.0,
-                 history: Callable[[str], Iterable[tuple[int, Iterable[int], float | None]]] | None = None,
+                 max_emitted: int = 8192, rerun_gap_s: float = 60.0, max_runs: int = 64, run_idle_s: float = 300.0,
+                 max_runs_per_owner: int | None = None,
+                 history: Callable[[str], Iterable[tuple[int, Iterable[HistoryRank], float | None]]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.world_size = world_size
         self.rerun_gap_s = rerun_gap_s
         self.window_s = window_s
         self.max_open_steps = max_open_steps
         self.max_emitted = max_emitted
+        self.max_runs = max_runs
+        self.run_idle_s = run_idle_s
+        self.max_runs_per_owner = max_runs_per_owner
+        self._owned: dict[str, int] = {}
         self._history = history
         self._clock = clock
         self._wall = wall_clock
         # Insertion order is arrival order of each step's first span, so expiry stops at the first young one.
         self._open: collections.OrderedDict[tuple[str, int], _OpenStep] = collections.OrderedDict()
-        # (run_id, step) -> [ranks bitmask, latest end time (unix) or None]
-        self._emitted: collections.OrderedDict[tuple[str, int], list] = collections.OrderedDict()
-        self._runs: set[str] = set()
+        # Admitted runs, least recently active first.
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
 
     @property
     def open_steps(self) -> int:
         return len(self._open)
 
-    def add(self, spans: Iterable[StepSpan]) -> JoinResult:
-        """Add step spans; returns the steps they completed (or evicted) and the late spans."""
+    def open_in(self, run_id: str) -> int:
+        """Open steps of ``run_id``."""
+        run = self._runs.get(run_id)
+        return run.open if run is not None else 0
+
+    def open_spans(self, run_id: str) -> list[StepSpan]:
+        """The spans of ``run_id``'s open steps (what a journal must keep)."""
+        return [s for o in self._open.values() if o.run_id == run_id for s in o.ranks.values()]
+
+    def known(self, run_id: str) -> bool:
+        """Whether ``run_id`` is admitted now (admits nothing)."""
+        return run_id in self._runs
+
+    def admitted(self, run_id: str, owner: str = "") -> bool:
+        """Whether spans of ``run_id`` are taken: admits it if there is room (see the module doc)."""
+        return self._admit(run_id, self._clock(), owner) is not None
+
+    def add(self, spans: Iterable[StepSpan], owner: str = "") -> JoinResult:
+        """Add step spans; returns the steps they completed (or evicted), the late spans and conflicts.
+
+        ``owner`` (a token) admits new runs against its own quota, ``max_runs_per_owner``;
+        "" (no tokens, or the one shared token) has none.
+        """
         result = JoinResult()
         now = self._clock()
         for span in spans:
-            key = (span.run_id, span.step)
-            if span.run_id not in self._runs:
-                self._seed(span.run_id)
-            bit = 1 << span.rank
-            emitted = self._emitted.get(key)
+            run = self._admit(span.run_id, now, owner)
+            if run is None:
+                result.refused += 1
+                continue
+            run.last_active = now
+            fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
+            emitted = run.emitted.get(span.step)
             if emitted is not None:
-                mask, end = emitted
-                if end is not None and span.end_time is not None and span.end_time > end + self.rerun_gap_s:
-                    del self._emitted[key]  # a re-run of the step (resumed run): join it afresh
-                elif mask & bit:
-                    result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
-                    continue
+                if emitted.end is not None and span.end_time is not None and \
+                        span.end_time > emitted.end + self.rerun_gap_s:
+                    del run.emitted[span.step]  # a re-run of the step (resumed run): join it afresh
                 else:
-                    emitted[0] = mask | bit
-                    result.records.append(self._late(span))
+                    have = emitted.find(span.rank)
+                    if have is None:
+                        emitted.add(span.rank, fingerprint)
+                        result.records.append(self._late(span))
+                    elif have in (-1, fingerprint):
+                        result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
+                    else:
+                        result.conflicts.append(self._conflict(span, "after_emit"))
                     continue
+            key = (span.run_id, span.step)
             open_step = self._open.get(key)
             if open_step is None:
                 if len(self._open) >= self.max_open_steps:
@@ -135,8 +228,16 @@ class Joiner:
                     world_size=self.world_size if self.world_size is not None else span.world_size,
                     first_seen=now, first_seen_time=self._wall())
                 self._open[key] = open_step
-            if span.rank in open_step.ranks:
-                result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
+                run.open += 1
+            first = open_step.ranks.get(span.rank)
+            if first is not None:
+                if span_fingerprint(first.compute_seconds, first.interval_seconds) == fingerprint:
+                    result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
+                    continue
+                if span.rank not in open_step.conflicted:
+                    open_step.conflicted.add(span.rank)
+                    result.conflicts.append(self._conflict(first, "open"))
+                result.conflicts.append(self._conflict(span, "open"))
                 continue
             open_step.ranks[span.rank] = span
             world = open_step.world_size
@@ -169,37 +270,69 @@ class Joiner:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _seed(self, run_id: str) -> None:
-        self._runs.add(run_id)
+    def _admit(self, run_id: str, now: float, owner: str = "") -> _Run | None:
+        run = self._runs.get(run_id)
+        if run is not None:
+            self._runs.move_to_end(run_id)
+            return run
+        if owner and self.max_runs_per_owner is not None and self._owned.get(owner, 0) >= self.max_runs_per_owner:
+            # This owner's quota is full: its own least recently active idle run may give way.
+            for old_id, old in self._runs.items():
+                if old.owner == owner:
+                    if old.open or now - old.last_active < self.run_idle_s:
+                        return None
+                    self._drop(old_id)
+                    break
+        if len(self._runs) >= self.max_runs:
+            old_id, old = next(iter(self._runs.items()))
+            if old.open or now - old.last_active < self.run_idle_s:
+                return None
+            self._drop(old_id)
+        run = self._runs[run_id] = _Run(now, owner)
+        if owner:
+            self._owned[owner] = self._owned.get(owner, 0) + 1
+        self._seed(run_id, run)
+        return run
+
+    def _drop(self, run_id: str) -> None:
+        run = self._runs.pop(run_id)
+        if run.owner:
+            left = self._owned.get(run.owner, 1) - 1
+            if left > 0:
+                self._owned[run.owner] = left
+            else:
+                self._owned.pop(run.owner, None)
+
+    def _seed(self, run_id: str, run: _Run) -> None:
         if self._history is None:
             return
         for step, ranks, end in self._history(run_id):
-            mask = 0
-            for rank in ranks:
-                mask |= 1 << rank
-            key = (run_id, step)
-            have = self._emitted.get(key)
+            pairs = [(r, None) if isinstance(r, int) else (r[0], r[1]) for r in ranks]
+            have = run.emitted.get(step)
             if have is not None:
-                mask |= have[0]
-                end = have[1] if end is None else end if have[1] is None else max(end, have[1])
-            self._remember(key, mask, end)
+                pairs += [(r, None if f == -1 else f) for r, f in zip(have.ranks, have.fingerprints)]
+                end = have.end if end is None else end if have.end is None else max(end, have.end)
+            self._remember(run, step, _Emitted(pairs, end))
 
-    def _remember(self, key: tuple[str, int], mask: int, end: float | None) -> None:
-        self._emitted[key] = [mask, end]
-        self._emitted.move_to_end(key)
-        while len(self._emitted) > self.max_emitted:
-            self._emitted.popitem(last=False)
+    def _remember(self, run: _Run, step: int, emitted: _Emitted) -> None:
+        run.emitted[step] = emitted
+        run.emitted.move_to_end(step)
+        while len(run.emitted) > self.max_emitted:
+            run.emitted.popitem(last=False)
 
     def _emit(self, open_step: _OpenStep, reason: str) -> dict[str, Any]:
-        mask = 0
-        for rank in open_step.ranks:
-            mask |= 1 << rank
-        ends = [s.end_time for s in open_step.ranks.values() if s.end_time is not None]
-        self._remember((open_step.run_id, open_step.step), mask, max(ends) if ends else None)
+        run = self._runs.get(open_step.run_id)
+        spans = list(open_step.ranks.values())
+        ends = [s.end_time for s in spans if s.end_time is not None]
+        if run is not None:
+            run.open -= 1
+            pairs = [(s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds)) for s in spans]
+            self._remember(run, open_step.step, _Emitted(pairs, max(ends) if ends else None))
+        trusted = [s for s in spans if s.rank not in open_step.conflicted]
         return cluster_record(open_step.run_id, open_step.step, open_step.trace_id, open_step.world_size,
-                              list(open_step.ranks.values()), reason=reason,
-                              first_seen_time=open_step.first_seen_time, joined_time=self._wall(),
-                              join_seconds=max(0.0, self._clock() - open_step.first_seen))
+                              trusted, reason=reason, first_seen_time=open_step.first_seen_time,
+                              joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
+                              conflicting_ranks=sorted(open_step.conflicted))
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
@@ -210,17 +343,30 @@ class Joiner:
             "end_time": span.end_time, "pipeline_bubble_ratio": dict(span.bubble),
         }
 
+    def _conflict(self, span: StepSpan, when: str) -> dict[str, Any]:
+        record = self._late(span)
+        record["type"] = "conflict"
+        record["when"] = when  # "open": neither version joined; "after_emit": the written record stands
+        return record
 
-def _stats(values: list[float]) -> tuple[float, float, float]:
+
+def _stats(values: list[float]) -> tuple[float | None, float | None, float | None]:
+    if not values:
+        return None, None, None
     return min(values), statistics.median(values), max(values)
 
 
 def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None, spans: list[StepSpan], *,
-                   reason: str, first_seen_time: float, joined_time: float, join_seconds: float) -> dict[str, Any]:
-    """The ``cluster_step`` record of one step from its ranks' spans (the schema is in the README)."""
+                   reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
+                   conflicting_ranks: list[int] | None = None) -> dict[str, Any]:
+    """The ``cluster_step`` record of one step from its ranks' spans (the schema is in the README).
+
+    ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
+    """
     spans = sorted(spans, key=lambda s: s.rank)
     ranks = [s.rank for s in spans]
     reported = set(ranks)
+    # world_size is bounded (--max-world-size), so this list is too.
     missing = [r for r in range(world_size) if r not in reported] if world_size is not None else []
     complete = world_size is not None and not missing
     compute = [s.compute_seconds for s in spans]
@@ -260,10 +406,11 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "interval_min_seconds": i_min,
         "interval_median_seconds": i_median,
         "interval_max_seconds": i_max,
-        "skew_seconds": c_max - c_min,
+        "skew_seconds": c_max - c_min if c_max is not None and c_min is not None else None,
         "straggler_rank": straggler,
         "compute_sum_seconds": sum(compute),
         "interval_sum_seconds": sum(interval),
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},
         "status": status,
+        "conflicting_ranks": list(conflicting_ranks or []),
     }

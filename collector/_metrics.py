@@ -24,19 +24,20 @@ rejected request has no run anyone can trust.
 from __future__ import annotations
 
 import collections
-import math
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
+from steptrace._attribution import GoodputWindow
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
-__all__ = ["ClusterMetrics", "JOIN_LAG_BUCKETS_S"]
+__all__ = ["JOIN_LAG_BUCKETS_S", "ClusterMetrics"]
 
 #: Buckets of ``steptrace_cluster_join_lag_seconds``: first span of a step to its record.
 JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -46,10 +47,10 @@ _STATS = ("min", "median", "max")
 
 
 class _RunState:
-    __slots__ = ("window", "last_step", "last_complete", "stages", "straggler_ranks")
+    __slots__ = ("last_complete", "last_step", "stages", "straggler_ranks", "window")
 
     def __init__(self, window_steps: int):
-        self.window: collections.deque[tuple[float, float]] = collections.deque(maxlen=window_steps)
+        self.window = GoodputWindow(window_steps)
         self.last_step = -1
         self.last_complete = -1
         self.stages: set[str] = set()
@@ -112,6 +113,9 @@ class ClusterMetrics:
                             "Step spans that arrived after their step was emitted (written as late records).")
         self.duplicates = counter("steptrace_collector_duplicate_spans",
                                   "Step spans of a rank already joined for that step (exporter retries), dropped.")
+        self.conflicts = counter("steptrace_collector_conflicting_spans",
+                                 "Step spans that differ from another span of the same run, step and rank "
+                                 "(forged or confused senders); kept in conflicts.jsonl, neither joined.")
         self.evicted = counter("steptrace_collector_evicted_steps",
                                "Steps emitted early because too many steps were open at once.")
         self.invalid = counter("steptrace_collector_invalid_spans",
@@ -163,6 +167,12 @@ class ClusterMetrics:
                 self._touch(run_id)
                 self.duplicates.labels(run_id).inc(count)
 
+    def conflicting_spans(self, by_run: dict[str, int]) -> None:
+        with self._lock:
+            for run_id, count in by_run.items():
+                self._touch(run_id)
+                self.conflicts.labels(run_id).inc(count)
+
     def publish(self, records: Iterable[dict[str, Any]]) -> None:
         """Update the cluster series from emitted ``cluster_step`` and ``late`` records."""
         with self._lock:
@@ -182,11 +192,10 @@ class ClusterMetrics:
             self.incomplete.labels(run_id).inc()
         if r["reason"] == "evicted":
             self.evicted.labels(run_id).inc()
-        state.window.append((r["compute_sum_seconds"], r["interval_sum_seconds"]))
-        compute = math.fsum(c for c, _ in state.window)
-        interval = math.fsum(i for _, i in state.window)
-        if interval > 0:
-            self.goodput.labels(run_id).set(compute / interval)
+        state.window.add(r["compute_sum_seconds"], r["interval_sum_seconds"])
+        goodput = state.window.ratio()
+        if goodput is not None:
+            self.goodput.labels(run_id).set(goodput)
         if step >= state.last_step:
             state.last_step = step
             self.last_step.labels(run_id).set(step)
@@ -225,7 +234,8 @@ class ClusterMetrics:
         if state is None:
             state = self._runs[run_id] = _RunState(self._window_steps)
             # A run's counters exist from its first span, so rate() and increase() see them start at 0.
-            for metric in (self.joined, self.incomplete, self.late, self.duplicates, self.evicted, self.received):
+            for metric in (self.joined, self.incomplete, self.late, self.duplicates, self.evicted, self.received,
+                           self.conflicts):
                 metric.labels(run_id)
             while len(self._runs) > self._max_runs:
                 old_id, old = self._runs.popitem(last=False)
@@ -243,7 +253,7 @@ class ClusterMetrics:
 
         for metric in (self.skew, self.straggler, self.ranks_reporting, self.world_size, self.goodput,
                        self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
-                       self.received, self.late, self.duplicates, self.evicted):
+                       self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)
         for stat in _STATS:
             remove(self.compute, stat)

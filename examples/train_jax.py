@@ -30,7 +30,6 @@ and prints the steptrace report of the run (``steptrace report RUN_DIR``).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time

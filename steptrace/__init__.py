@@ -98,7 +98,7 @@ def _install(runtime: Any) -> None:
     namespace = globals()
     for name in _HOT_CALLS:
         namespace[name] = getattr(runtime, name)
-_config: Config | None = None
+_active_config: Config | None = None  # not `_config`: that name is the submodule
 _lock = threading.Lock()
 _atexit_registered = False
 
@@ -119,7 +119,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
     shuts the previous run down first.
     """
-    global _config, _atexit_registered
+    global _active_config, _atexit_registered
     config = resolve_config(**settings)
     sinks = list(sinks)
     for sink in sinks:
@@ -129,7 +129,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     with _lock:
         if isinstance(_active, Runtime):
             _active.shutdown(_active.config.shutdown_timeout_s)
-        _config = config
+        _active_config = config
         if not config.enabled:
             _install(_Disabled(warn_uninitialised=False))
             return config
@@ -251,7 +251,7 @@ def last_step() -> int | None:
 
 def config() -> Config | None:
     """The configuration of the current run (None before ``init()``)."""
-    return _config
+    return _active_config
 
 
 def stats() -> dict[str, Any]:

@@ -30,7 +30,9 @@ A checkpoint's blocking time is its host span after the saved step's end
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+import collections
+import math
+from typing import Iterable, NamedTuple, Protocol
 
 OTHER = "other"
 
@@ -41,6 +43,17 @@ class HostSpan(NamedTuple):
     name: str
     start: float
     end: float
+
+
+class Interval(Protocol):
+    """Anything with a name and a host interval: a :class:`HostSpan`, or the runtime's closed spans."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def start(self) -> float: ...
+    @property
+    def end(self) -> float: ...
 
 
 class Timing(NamedTuple):
@@ -110,12 +123,12 @@ def microbatch_timings(prev_end: float, step_end: float,
     return timings
 
 
-def spans_after(spans: Iterable[HostSpan], t: float) -> list:
+def spans_after(spans: Iterable[Interval], t: float) -> list:
     """The spans that can still cover an idle window after ``t`` (those ending later)."""
     return [s for s in spans if s.end > t]
 
 
-def idle_segments(window_start: float, window_end: float, spans: Iterable[HostSpan]) -> list[HostSpan]:
+def idle_segments(window_start: float, window_end: float, spans: Iterable[Interval]) -> list[HostSpan]:
     """Split ``[window_start, window_end]`` by the spans covering it.
 
     At every instant the innermost covering span wins (the one that started
@@ -135,7 +148,7 @@ def idle_segments(window_start: float, window_end: float, spans: Iterable[HostSp
     pieces: list[HostSpan] = []
     for lo, hi in zip(edges, edges[1:]):
         mid = (lo + hi) / 2
-        best: HostSpan | None = None
+        best: Interval | None = None
         for s in inside:
             if s.start <= mid < s.end and (
                 best is None or s.start > best.start or (s.start == best.start and s.end < best.end)
@@ -176,3 +189,46 @@ def bubble_ratios(step_compute: float, microbatches: Iterable[tuple[object, floa
     if step_compute <= 0:
         return {stage: 0.0 for stage in per_stage}
     return {stage: max(0.0, 1.0 - busy / step_compute) for stage, busy in per_stage.items()}
+
+
+class GoodputWindow:
+    """Goodput over the last ``steps`` steps: Σ compute / Σ interval, in [0, 1].
+
+    The one implementation every exporter uses (each rank's Prometheus and OTLP metrics, and
+    the collector across ranks, which adds each joined step's sums over ranks). O(1) per step:
+    running sums, re-added exactly once per window so float error cannot accumulate.
+    """
+
+    __slots__ = ("_window", "_compute", "_interval", "_added")
+
+    def __init__(self, steps: int):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {steps!r}")
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=steps)
+        self._compute = 0.0
+        self._interval = 0.0
+        self._added = 0
+
+    @property
+    def steps(self) -> int:
+        return self._window.maxlen or 0
+
+    def add(self, compute: float, interval: float) -> None:
+        window = self._window
+        if len(window) == window.maxlen:
+            old_compute, old_interval = window[0]
+            self._compute -= old_compute
+            self._interval -= old_interval
+        window.append((compute, interval))
+        self._compute += compute
+        self._interval += interval
+        self._added += 1
+        if self._added % self.steps == 0:
+            self._compute = math.fsum(c for c, _ in window)
+            self._interval = math.fsum(i for _, i in window)
+
+    def ratio(self) -> float | None:
+        """The goodput now, or None before any step with a positive interval."""
+        if self._interval <= 0:
+            return None
+        return min(1.0, max(0.0, self._compute / self._interval))

@@ -1,5 +1,5 @@
 """The ``steptrace`` command: ``steptrace report RUN_DIR``, ``steptrace timeline RUN_DIR -o trace.json``,
-``steptrace collector --world-size N --run-dir DIR``."""
+``steptrace compare RUN_A RUN_B``, ``steptrace collector --world-size N --run-dir DIR``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from steptrace import report, timeline
+    from steptrace.analysis import compare
     from steptrace._version import __version__
 
     parser = argparse.ArgumentParser(prog="steptrace", description="steptrace: device-true training step timings.")
@@ -24,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
                                                       "a PNG timeline.")
     timeline.add_timeline_arguments(timeline_parser)
     timeline_parser.set_defaults(handler=timeline.run_timeline)
+    compare_parser = commands.add_parser("compare", help="two runs side by side, with a verdict on noise",
+                                         description="Compare two runs (A, the baseline, and B): steady-state "
+                                                     "step times, throughput, idle, checkpoints, memory, with "
+                                                     "a rank test per metric.")
+    compare.add_compare_arguments(compare_parser)
+    compare_parser.set_defaults(handler=compare.run_compare)
     # Only argparse until it runs: the collector's dependencies load in run_collector.
     from steptrace.collector import _cli as collector_cli
 

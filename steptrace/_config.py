@@ -9,12 +9,16 @@ README and the code cannot drift apart. Validation happens in
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
+import warnings
 import secrets
 import sys
 import time
 from typing import Any
 
+from ._errors import SteptraceWarning
 from ._ids import run_id_problem
 
 #: Set to ``1``/``true`` to turn every steptrace call into a no-op.
@@ -58,6 +62,10 @@ ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_OTLP_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
 ENV_OTLP_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_TAGS = "STEPTRACE_TAGS"
+#: The longest timeout or interval accepted (a day): larger ones overflow the threading primitives.
+MAX_TIMEOUT_S = 86400.0
+MAX_TAGS = 64
 
 BACKENDS = ("auto", "host", "jax", "torch")
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
@@ -93,6 +101,7 @@ class Config:
     otlp_timeout_s: float = 10.0
     otlp_metrics_interval_s: float = 10.0
     service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
+    tags: tuple[tuple[str, str], ...] = ()  # user labels for the run (metadata record, compare)
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -122,9 +131,12 @@ def _env_float(name: str, environ: dict[str, str]) -> float | None:
     if raw is None or raw.strip() == "":
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={raw!r}: expected a finite number")
+    return value
 
 
 def _jax_process(attr: str) -> int | None:
@@ -158,6 +170,20 @@ def generate_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
+def known_variables() -> list[str]:
+    """Every ``STEPTRACE_*`` variable steptrace reads."""
+    return sorted(v for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)
+                  and v.startswith("STEPTRACE_"))
+
+
+def _warn_unknown_variables(env: dict[str, str]) -> None:
+    known = set(known_variables())
+    for name in sorted(n for n in env if n.startswith("STEPTRACE_") and n not in known):
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f"; steptrace reads {', '.join(sorted(known))}"
+        warnings.warn(f"{name} is not a steptrace setting and is ignored{hint}", SteptraceWarning, stacklevel=4)
+
+
 def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config:
     """Merge code arguments (winning), ``STEPTRACE_*`` variables and launcher variables.
 
@@ -167,6 +193,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
     unknown = set(code) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise ValueError(f"init() got unknown argument(s): {', '.join(sorted(unknown))}")
+    _warn_unknown_variables(env)
 
     disabled = _env_bool(ENV_DISABLED, env)
     enabled = _first(code.get("enabled"), None if disabled is None else not disabled, True)
@@ -218,9 +245,40 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         otlp_metrics_interval_s=_first(code.get("otlp_metrics_interval_s"),
                                        _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
         service_name=_first(code.get("service_name"), env.get(ENV_SERVICE_NAME) or None),
+        tags=_parse_tags(_first(code.get("tags"), env.get(ENV_TAGS) or None, ())),
     )
     _validate(config)
     return config
+
+
+def _parse_tags(value: Any) -> tuple[tuple[str, str], ...]:
+    """``{"k": "v"}`` or ``k1=v1,k2=v2`` (STEPTRACE_TAGS): short printable names and values."""
+    if isinstance(value, str):
+        items = []
+        for item in value.split(","):
+            if item.strip():
+                key, sep, val = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{ENV_TAGS} must be key=value pairs separated by commas, got {item!r}")
+                items.append((key.strip(), val.strip()))
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"tags must be a dict of str to str (or {ENV_TAGS}=k=v,...), got {type(value).__name__}")
+    if len(items) > MAX_TAGS:
+        raise ValueError(f"tags: at most {MAX_TAGS}, got {len(items)}")
+    tags = []
+    for key, val in items:
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            val = str(val)
+        if not (isinstance(key, str) and isinstance(val, str) and key and key.isprintable() and val.isprintable()
+                and len(key) <= 128 and len(val) <= 1024):
+            raise ValueError(f"tags: {key!r}={val!r} must be a printable name (<= 128 characters) and a "
+                             "printable str or number value (<= 1024 characters)")
+        tags.append((key, val))
+    return tuple(tags)
 
 
 def _parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
@@ -271,8 +329,13 @@ def _validate(config: Config) -> None:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or a backend object, got {config.backend!r}")
     if config.peak_tflops is not None and not config.peak_tflops > 0:
         raise ValueError(f"peak_tflops must be > 0, got {config.peak_tflops!r}")
-    if not config.shutdown_timeout_s >= 0:
-        raise ValueError(f"shutdown_timeout_s must be >= 0, got {config.shutdown_timeout_s!r}")
+    for field in ("shutdown_timeout_s", "otlp_timeout_s", "otlp_metrics_interval_s", "peak_tflops"):
+        value = getattr(config, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise ValueError(f"{field} must be a finite number, got {value!r}")
+    if not 0 <= config.shutdown_timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"shutdown_timeout_s must be in [0, {MAX_TIMEOUT_S:g}], got {config.shutdown_timeout_s!r}")
     if config.prometheus_port is not None:
         need_int("prometheus_port", config.prometheus_port)
         if not 0 <= config.prometheus_port or config.prometheus_port + config.local_rank > 65535:
@@ -281,9 +344,11 @@ def _validate(config: Config) -> None:
     need_int("goodput_window_steps", config.goodput_window_steps)
     if config.goodput_window_steps < 1:
         raise ValueError(f"goodput_window_steps must be >= 1, got {config.goodput_window_steps}")
-    if config.otlp_endpoint is not None and not config.otlp_endpoint.startswith(("http://", "https://")):
-        raise ValueError(f"otlp_endpoint must start with http:// or https://, got {config.otlp_endpoint!r} "
-                         f"(set by init(otlp_endpoint=...) or {ENV_OTLP_ENDPOINT})")
+    if config.otlp_endpoint is not None:
+        problem = _endpoint_problem(config.otlp_endpoint)
+        if problem:
+            raise ValueError(f"otlp_endpoint {problem}, got {config.otlp_endpoint!r} "
+                             f"(set by init(otlp_endpoint=...) or {ENV_OTLP_ENDPOINT})")
     if config.otlp_protocol not in OTLP_PROTOCOLS:
         raise ValueError(f"otlp_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {config.otlp_protocol!r} "
                          f"(set by init(otlp_protocol=...) or {ENV_OTLP_PROTOCOL})")
@@ -291,5 +356,25 @@ def _validate(config: Config) -> None:
         raise ValueError(f"otlp_compression must be one of {', '.join(OTLP_COMPRESSIONS)}, got "
                          f"{config.otlp_compression!r} (set by init(otlp_compression=...) or {ENV_OTLP_COMPRESSION})")
     for field in ("otlp_timeout_s", "otlp_metrics_interval_s"):
-        if not getattr(config, field) > 0:
-            raise ValueError(f"{field} must be > 0, got {getattr(config, field)!r}")
+        if not 0 < getattr(config, field) <= MAX_TIMEOUT_S:
+            raise ValueError(f"{field} must be in (0, {MAX_TIMEOUT_S:g}], got {getattr(config, field)!r}")
+
+
+def _endpoint_problem(endpoint: Any) -> str | None:
+    """Why ``endpoint`` is not an http(s) URL with a host and a valid port, or None."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+        return "must start with http:// or https://"
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port  # raises ValueError when out of range or not a number
+    except ValueError as exc:
+        return f"has a bad port ({exc})"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "has port 0"
+    if not endpoint.isprintable() or any(c.isspace() for c in endpoint):
+        return "must not contain spaces or control characters"
+    return None

@@ -244,6 +244,32 @@ class Backends:
 _MISSING = object()
 
 
+def scalar_reader(value: Any) -> Any:
+    """How the resolver reads a step scalar logged with ``s.log(name=value)`` without the training
+    thread waiting: a float now (host numbers, CPU tensors, numpy scalars), a callable to call once
+    the step has ended on the device (device scalars, whose copy to the host starts here), or None
+    when ``value`` is not a scalar."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    module = type(value).__module__ or ""
+    if module.startswith(("jax", "jaxlib")):
+        from steptrace.adapters.jax import scalar_reader as jax_reader
+
+        return jax_reader(value)
+    if module.startswith("torch"):
+        from steptrace.adapters.torch import scalar_reader as torch_reader
+
+        return torch_reader(value)
+    if module.startswith("numpy"):
+        try:
+            return float(value.item()) if value.size == 1 else None
+        except (AttributeError, TypeError, ValueError):
+            return None
+    return None
+
+
 class _AllAnnotations:
     """Both frameworks imported: open each one's step annotation, close them in reverse."""
 

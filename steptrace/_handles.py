@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from steptrace._devices import HOST, Device
+from steptrace._devices import HOST, scalar_reader
 
 if TYPE_CHECKING:
     from steptrace._runtime import Runtime
@@ -49,7 +49,7 @@ class TimedUnit:
     host_end: float | None = None
     dispatch = 0.0
     values: tuple | None = None
-    device: Device = HOST
+    device: Any = HOST  # a Device: HOST, a ValueDevice or a StreamDevice (see _devices)
     stream: Any = None  # the stream device's stream the markers go on
     start_event: Any = None
     start_recorded_after = 0.0  # host clock read just before the start marker was (re-)recorded
@@ -69,6 +69,8 @@ class StepHandle(TimedUnit):
     microbatches: "list[MicrobatchHandle] | tuple" = ()
     submitted = False
     waited = False
+    #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
+    scalars: dict[str, Any] | None = None
     _annotation: Any = None
 
     def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
@@ -132,7 +134,28 @@ class StepHandle(TimedUnit):
             self.submitted = True
             rt.resolver.submit(self, urgent=True)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def log(self, **scalars: Any) -> None:
+        """Record named scalars of this step, e.g. ``s.log(loss=loss, grad_norm=g)``.
+
+        Device scalars (a ``jax.Array`` or CUDA tensor of one element) are read by the resolver
+        after the step has ended on the device: their copy to the host starts here and nothing
+        waits. Host numbers are taken as they are. Anything else is misuse (warned, dropped).
+        """
+        rt = self._rt
+        if rt.current is not self:
+            rt.misuse("log() called outside its step: call it inside `with steptrace.step(n) as s:`")
+            return
+        logged = self.scalars if self.scalars is not None else {}
+        for name, value in scalars.items():
+            reader = scalar_reader(value)
+            if reader is None:
+                rt.misuse(f"log({name}=...): a {type(value).__name__} is not a scalar (a number, or a device "
+                          "array or tensor of one element); it is dropped")
+                continue
+            logged[name] = reader
+        self.scalars = logged
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         if rt.current is not self:
             return False
@@ -199,12 +222,12 @@ class MicrobatchHandle(TimedUnit):
         if device is not HOST:
             self.values = values
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if self.device.uses_events:
             self._rt.end_marker(self)
         self.host_end = _perf()
         step = self._step
-        if step.microbatches:
+        if isinstance(step.microbatches, list):
             step.microbatches.append(self)
         else:
             step.microbatches = [self]
@@ -227,7 +250,7 @@ class SpanHandle:
         self._rt.open_spans.append(self)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         end = _perf()
         try:
@@ -263,7 +286,7 @@ class CheckpointHandle:
         self.host_start = _perf()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         self.host_end = _perf()
         if exc_type is not None:
@@ -314,10 +337,13 @@ class _NullContext:
     def __enter__(self) -> "_NullContext":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         return False
 
     def wait_for(self, *values: Any) -> None:
+        return None
+
+    def log(self, **scalars: Any) -> None:
         return None
 
     def async_done(self) -> None:

@@ -22,13 +22,24 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
-from steptrace._ids import trace_id_hex
+from steptrace._schema import (
+    DROP_DEVICE_CLOCK_ERROR,
+    DROP_DEVICE_WAIT_ERROR,
+    DROP_RESOLVER_ERROR,
+    DROP_RESOLVER_QUEUE,
+    DROP_SCALAR_ERROR,
+    DROP_UNRESOLVED_AT_SHUTDOWN,
+    CheckpointRecord,
+    RecordBuilder,
+    SpanRecord,
+    StepRecord,
+)
 from steptrace._sinks import SinkWorker
 from steptrace._wakeup import Wakeup
 
@@ -59,6 +70,16 @@ END_OBSERVED = "observed"  # the resolver saw the wait return (late by any GIL h
 END_HOST = "host"  # synchronous work: the host clock at the end of the block
 
 
+class RunStart:
+    """Queued at the first step: the resolver writes the run's metadata record (off the training thread)."""
+
+    __slots__ = ("host_start", "tags")
+
+    def __init__(self, host_start: float, tags: dict[str, str]):
+        self.host_start = host_start
+        self.tags = tags
+
+
 class _Tail:
     """Spans closed after the last step, handed over by flush()/shutdown()."""
 
@@ -76,6 +97,8 @@ class Resolver:
         self.config = config
         # Records carry unix seconds; the model runs on the monotonic clock.
         self.unix_offset = time.time() - _perf()
+        self.records = RecordBuilder(run_id=config.run_id, rank=config.rank, world_size=config.world_size,
+                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
@@ -107,7 +130,7 @@ class Resolver:
         round (at most ``_IDLE_POLL_S``), which does not change their timings.
         """
         if self._stopping or len(self._queue) >= self.config.max_queue:
-            self.count_drop("resolver_queue")
+            self.count_drop(DROP_RESOLVER_QUEUE)
             return
         self._queue.append(item)
         if urgent and self._sleeping:
@@ -143,26 +166,24 @@ class Resolver:
         self._abandon = True  # a unit still polled for will not be finalized now
         unresolved = sum(1 for item in self._queue if not isinstance(item, _Tail)) + (1 if self._busy else 0)
         if unresolved:
-            self.count_drop("unresolved_at_shutdown", unresolved)
-        run_record = {
-            "type": "run",
-            "run_id": self.config.run_id,
-            "rank": self.config.rank,
-            "world_size": self.config.world_size,
-            "steps": self.steps_resolved,
-            "dropped": self.dropped_snapshot(),
-            "background_cpu_seconds": self.background_cpu_seconds(),
-        }
-        clocks = self.clock_stats()
-        if clocks:
-            run_record["device_clock"] = clocks
+            self.count_drop(DROP_UNRESOLVED_AT_SHUTDOWN, unresolved)
+        # Stop the sinks first, so their counts are final (records still queued, a batch stuck in
+        # an export that never returned): the run record then carries the final numbers. It is
+        # the one record those counts cannot include (it is written after them).
+        for worker in self.sinks:
+            worker.begin_stop()
+        for worker in self.sinks:
+            complete = worker.stop(deadline) and complete
+        run_record = self.records.run(steps=self.steps_resolved, dropped=self.dropped_snapshot(),
+                                      background_cpu_seconds=self.background_cpu_seconds(),
+                                      device_clock=self.clock_stats())
         if not self._thread.is_alive():  # give the anchors' markers back (the thread no longer uses them)
             for clock in self._clocks.values():
                 clock.close()
         for worker in self.sinks:
-            worker.offer([run_record])
+            worker.deliver_last([run_record])
         for worker in self.sinks:
-            complete = worker.shutdown(deadline) and complete
+            complete = worker.close(deadline) and complete
         return complete and not unresolved
 
     # -- resolver thread ---------------------------------------------------------------
@@ -195,7 +216,7 @@ class Resolver:
             try:
                 self._handle(item)
             except Exception:
-                self.count_drop("resolver_error")
+                self.count_drop(DROP_RESOLVER_ERROR)
                 log.exception("steptrace resolver failed on %r; the record is dropped and counted", item)
             finally:
                 self._busy = False
@@ -275,12 +296,16 @@ class Resolver:
             self._emit(self._resolve_step(item))
         elif isinstance(item, CheckpointHandle):
             self._emit([self._checkpoint_record(item)])
+        elif isinstance(item, RunStart):
+            from steptrace import _metadata
+
+            self._emit([self.records.metadata(start=item.host_start, facts=_metadata.collect(item.tags))])
         elif isinstance(item, _Tail):
             self._recent.extend(item.spans)
             self._emit([self._span_record(s) for s in item.spans if s.emit])
             item.done.set()
 
-    def _emit(self, records: list[dict[str, Any]]) -> None:
+    def _emit(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not records:
             return
         self.records_emitted += len(records)
@@ -308,7 +333,7 @@ class Resolver:
             observed = _perf()
         except Exception as exc:
             self._wait_failures += 1
-            self.count_drop("device_wait_error")
+            self.count_drop(DROP_DEVICE_WAIT_ERROR)
             if self._wait_failures == 1:
                 log.warning(
                     "steptrace could not wait on a step's outputs (%r); that step's end is the time the "
@@ -354,7 +379,7 @@ class Resolver:
             return start, end
         except Exception as exc:
             self._clock_failures += 1
-            self.count_drop("device_clock_error")
+            self.count_drop(DROP_DEVICE_CLOCK_ERROR)
             if self._clock_failures == 1:
                 log.warning("steptrace could not place a %s marker on the host clock (%r); such units are "
                             "timed by when the resolver saw them complete", device.name, exc)
@@ -374,7 +399,7 @@ class Resolver:
                 return
             time.sleep(0.0002)
 
-    def _resolve_step(self, step: "StepHandle") -> list[dict[str, Any]]:
+    def _resolve_step(self, step: "StepHandle") -> list[Mapping[str, Any]]:
         prev_end = attribution.previous_end(self._prev_end, step.host_start)
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
@@ -402,7 +427,7 @@ class Resolver:
             self._step_ends.popitem(last=False)
         self.steps_resolved += 1
 
-        records = [self._span_record(s) for s in step.spans if s.emit]
+        records: list[Mapping[str, Any]] = [self._span_record(s) for s in step.spans if s.emit]
         mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
         records += mb_records
         records.append(self._step_record(step, timing, segments, mb_compute, end_source))
@@ -419,93 +444,55 @@ class Resolver:
                             results: list[tuple[float | None, float | None, str]], step_end: float):
         records = []
         compute_by_stage: list[tuple[Any, float]] = []
-        cfg = self.config
         host_ends = [mb.host_end if mb.host_end is not None else mb.host_start for mb in step.microbatches]
         timings = attribution.microbatch_timings(prev_end, step_end, [
             (mb.dispatch, device_start, attribution.unit_end(host_end, end_seen))
             for mb, host_end, (device_start, end_seen, _) in zip(step.microbatches, host_ends, results)])
         for mb, host_end, t, (_, _, end_source) in zip(step.microbatches, host_ends, timings, results):
             compute_by_stage.append((mb.stage, t.compute_seconds))
-            records.append({
-                "type": "microbatch", "run_id": cfg.run_id, "rank": cfg.rank, "step": step.step,
-                "microbatch": mb.index, "stage": mb.stage, "chunk": mb.chunk, "kind": mb.kind,
-                "host_start_time": mb.host_start + self.unix_offset,
-                "host_end_time": host_end + self.unix_offset,
-                "start_time": t.start + self.unix_offset, "end_time": t.end + self.unix_offset,
-                "compute_seconds": t.compute_seconds, "end_source": end_source,
-            })
+            records.append(self.records.microbatch(
+                step=step.step, index=mb.index, stage=mb.stage, chunk=mb.chunk, kind=mb.kind,
+                host_start=mb.host_start, host_end=host_end, timing=t, end_source=end_source))
         return records, compute_by_stage
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
-                     mb_compute: list[tuple[Any, float]], end_source: str) -> dict[str, Any]:
-        cfg = self.config
-        off = self.unix_offset
-        compute = timing.compute_seconds
-        interval = timing.interval_seconds
-        tflops = step.flops / compute / 1e12 if step.flops is not None and compute > 0 else None
-        record: dict[str, Any] = {
-            "type": "step",
-            "run_id": cfg.run_id,
-            "rank": cfg.rank,
-            "world_size": cfg.world_size,
-            "step": step.step,
-            "trace_id": trace_id_hex(cfg.run_id, step.step),
-            "status": step.status,
-            "backend": step.device.name,
-            "end_source": end_source,
-            "host_start_time": step.host_start + off,
-            "host_end_time": (step.host_end or step.host_start) + off,
-            "dispatch_time": step.dispatch + off,
-            "start_time": timing.start + off,
-            "end_time": timing.end + off,
-            "interval_seconds": interval,
-            "compute_seconds": compute,
-            "idle_seconds": timing.idle_seconds,
-            "idle_breakdown": attribution.breakdown(segments),
-            "idle_segments": [[s.name, s.start + off, s.end + off] for s in segments],
-            "tokens": step.tokens,
-            "samples": step.samples,
-            "flops": step.flops,
-            "tokens_per_second": step.tokens / interval if step.tokens is not None and interval > 0 else None,
-            "samples_per_second": step.samples / interval if step.samples is not None and interval > 0 else None,
-            "tflops_per_second": tflops,
-            "mfu": tflops / cfg.peak_tflops if tflops is not None and cfg.peak_tflops else None,
-            "attrs": step.attrs,
-        }
-        if step.error is not None:
-            record["error"] = step.error
-        if mb_compute:
-            record["pipeline_bubble_ratio"] = attribution.bubble_ratios(compute, mb_compute)
-        return record
+                     mb_compute: list[tuple[Any, float]], end_source: str) -> StepRecord:
+        return self.records.step(
+            step=step.step, status=step.status, error=step.error, backend=step.device.name,
+            end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
+            dispatch=step.dispatch, timing=timing, segments=segments, breakdown=attribution.breakdown(segments),
+            tokens=step.tokens, samples=step.samples, flops=step.flops, attrs=step.attrs,
+            bubble=attribution.bubble_ratios(timing.compute_seconds, mb_compute) if mb_compute else None,
+            scalars=self._read_scalars(step), device_memory=self._memory(step.device))
 
-    def _checkpoint_record(self, ckpt: "CheckpointHandle") -> dict[str, Any]:
-        cfg = self.config
+    def _read_scalars(self, step: "StepHandle") -> dict[str, float] | None:
+        # The step has ended on the device, so device scalars' copies (queued before its end) are done.
+        if not step.scalars:
+            return None
+        values = {}
+        for name, reader in step.scalars.items():
+            try:
+                values[name] = reader() if callable(reader) else reader
+            except Exception:
+                self.count_drop(DROP_SCALAR_ERROR)
+        return values
+
+    def _memory(self, device: Any) -> dict[str, float] | None:
+        read = getattr(device, "memory_stats", None)
+        if read is None:
+            return None
+        try:
+            return read()
+        except Exception:
+            return None
+
+    def _checkpoint_record(self, ckpt: "CheckpointHandle") -> CheckpointRecord:
         host_end = ckpt.host_end if ckpt.host_end is not None else ckpt.host_start
         saved_end = self._step_ends.get(ckpt.step)
-        return {
-            "type": "checkpoint",
-            "run_id": cfg.run_id,
-            "rank": cfg.rank,
-            "step": ckpt.step,
-            "status": ckpt.status,
-            **({"error": ckpt.error} if ckpt.error else {}),
-            "start_time": ckpt.host_start + self.unix_offset,
-            "end_time": host_end + self.unix_offset,
-            "host_seconds": host_end - ckpt.host_start,
-            "blocking_seconds": attribution.blocking_seconds(ckpt.host_start, host_end, saved_end),
-            "async_seconds": None if ckpt.async_end is None else max(0.0, ckpt.async_end - host_end),
-        }
+        return self.records.checkpoint(
+            step=ckpt.step, status=ckpt.status, error=ckpt.error, host_start=ckpt.host_start, host_end=host_end,
+            blocking_seconds=attribution.blocking_seconds(ckpt.host_start, host_end, saved_end),
+            async_end=ckpt.async_end)
 
-    def _span_record(self, span: "ClosedSpan") -> dict[str, Any]:
-        cfg = self.config
-        return {
-            "type": "span",
-            "run_id": cfg.run_id,
-            "rank": cfg.rank,
-            "name": span.name,
-            "step": span.step,
-            "start_time": span.start + self.unix_offset,
-            "end_time": span.end + self.unix_offset,
-            "seconds": span.end - span.start,
-            "attrs": span.attrs,
-        }
+    def _span_record(self, span: "ClosedSpan") -> SpanRecord:
+        return self.records.span(name=span.name, step=span.step, start=span.start, end=span.end, attrs=span.attrs)

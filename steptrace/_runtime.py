@@ -30,7 +30,8 @@ from steptrace._handles import (
     StepHandle,
     TimedUnit,
 )
-from steptrace._resolver import Resolver
+from steptrace._resolver import Resolver, RunStart
+from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE
 
 _perf = time.perf_counter
 
@@ -56,13 +57,13 @@ class Runtime:
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
-        self.resolver.count_drop("misuse")
+        self.resolver.count_drop(DROP_MISUSE)
         misuse(message, strict=self.strict, stacklevel=4)
 
     def device_failed(self, exc: Exception) -> None:
         """A marker could not be recorded: that unit falls back to host timing (counted, warned once)."""
         self._device_errors += 1
-        self.resolver.count_drop("device_marker_error")
+        self.resolver.count_drop(DROP_DEVICE_MARKER_ERROR)
         if self._device_errors == 1:
             misuse(f"steptrace could not record a device marker ({exc!r}); such steps fall back to host "
                    "timing", strict=False, stacklevel=5)
@@ -111,7 +112,9 @@ class Runtime:
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
         current = self.current
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
-        moved = None if current is None else attribution.dispatch_after_span(current.dispatch, current.waited, end)
+        if current is None:
+            return
+        moved = attribution.dispatch_after_span(current.dispatch, current.waited, end)
         if moved is not None:
             # The step's device work starts after this span: the start marker moves there.
             current.dispatch = moved
@@ -210,6 +213,7 @@ class Runtime:
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
+        self.resolver.submit(RunStart(_perf(), dict(self.config.tags)))
 
     def flush(self, timeout_s: float | None) -> bool:
         closed = self.take_closed_spans()

@@ -16,8 +16,9 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from steptrace._schema import invalid_record_reason, sink_drop_reason
 from steptrace._wakeup import Wakeup
 
 log = logging.getLogger("steptrace")
@@ -28,7 +29,7 @@ class Sink(Protocol):
 
     name: str
 
-    def export(self, records: list[dict[str, Any]]) -> None: ...
+    def export(self, records: Sequence[Mapping[str, Any]]) -> None: ...
 
     def force_flush(self, timeout_s: float) -> bool: ...
 
@@ -38,38 +39,60 @@ class Sink(Protocol):
 class JsonlSink:
     """The embedded default: ``<run_dir>/<run_id>/rank-<rank>.jsonl``, one record per line.
 
-    Lines are written whole and the file is line-buffered, so every record
-    handed to the OS survives a crash of the training process.
+    Each batch goes to the OS in one unbuffered write, so every record handed over survives a
+    crash of the training process. A record that cannot be encoded (a circular value in its
+    attrs, say) costs that record alone (``invalid_records``, counted as ``invalid:jsonl``). A
+    failed write (a full disk) is cut back to the last whole line before the batch is counted
+    as dropped, so the file never holds a torn line in the middle; where even that fails, the
+    next write starts on a fresh line (and readers skip the torn one).
     """
 
     name = "jsonl"
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
+        #: Records that could not be encoded as JSON (each dropped alone).
+        self.invalid_records = 0
+        self._torn = False
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1, encoding="utf-8")
-            if self._file.tell() > 0 and not _ends_with_newline(self.path):
-                # A crashed earlier writer left half a line: end it, so our first record
-                # starts a line of its own (readers skip the torn line).
-                self._file.write("\n")
+            self._file = open(self.path, "ab", buffering=0)
+            # A crashed earlier writer left half a line: end it, so our first record starts a
+            # line of its own (readers skip the torn line).
+            self._torn = self._file.tell() > 0 and not _ends_with_newline(self.path)
         except OSError as exc:
             raise ValueError(f"run_dir: cannot write {self.path}: {exc.strerror or exc}") from exc
 
-    def export(self, records: list[dict[str, Any]]) -> None:
-        text = "".join(json.dumps(r, default=_json_default, separators=(",", ":")) + "\n" for r in records)
-        self._file.write(text)
+    def export(self, records: Sequence[Mapping[str, Any]]) -> None:
+        lines = []
+        for record in records:
+            try:
+                lines.append(json.dumps(record, default=_json_default, separators=(",", ":")))
+            except (TypeError, ValueError, RecursionError):
+                self.invalid_records += 1
+        if not lines:
+            return
+        data = ("\n" if self._torn else "").encode() + ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        start = self._file.tell()
+        try:
+            view = memoryview(data)
+            while view:
+                written = self._file.write(view)
+                view = view[written:]
+            self._torn = False
+        except OSError:
+            try:
+                self._file.truncate(start)  # never leave half a batch (a torn line) behind
+            except OSError:
+                self._torn = True
+            raise
 
     def force_flush(self, timeout_s: float) -> bool:
-        self._file.flush()
-        return True
+        return True  # unbuffered: every batch is already with the OS
 
     def shutdown(self, timeout_s: float) -> None:
-        try:
-            self._file.flush()
-        finally:
-            self._file.close()
+        self._file.close()
 
 
 def _ends_with_newline(path: str) -> bool:
@@ -97,20 +120,22 @@ class SinkWorker:
         self.name = getattr(sink, "name", type(sink).__name__)
         self._max_queue = max_queue
         self._count_drop = count_drop
-        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queue: collections.deque[Mapping[str, Any]] = collections.deque()
         self._wake = Wakeup()
         self._offered = 0
         self._done = 0
         self._stopping = False
         self._failures = 0
+        self._in_flight = 0  # records in the export call now running
+        self._abandoned = False  # shutdown gave up on a hung export and counted its batch
         #: CPU seconds this sink's thread has used (it holds the GIL for nearly all of them).
         self.cpu_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name=f"steptrace-sink-{self.name}", daemon=True)
         self._thread.start()
 
-    def offer(self, records: list[dict[str, Any]]) -> None:
-        if len(self._queue) + len(records) > self._max_queue:
-            self._count_drop(f"sink:{self.name}", len(records))
+    def offer(self, records: Sequence[Mapping[str, Any]]) -> None:
+        if self._stopping or len(self._queue) + len(records) > self._max_queue:
+            self._count_drop(sink_drop_reason(self.name), len(records))
             return
         self._queue.extend(records)
         self._offered += len(records)
@@ -122,20 +147,35 @@ class SinkWorker:
             self.cpu_seconds = time.thread_time() - cpu_start
             self._wake.wait(0.1)
             while self._queue:
-                batch = []
+                batch: list[Mapping[str, Any]] = []
                 while self._queue and len(batch) < 1024:
                     batch.append(self._queue.popleft())
-                try:
-                    self.sink.export(batch)
-                except Exception:
-                    self._failures += 1
-                    self._count_drop(f"sink:{self.name}", len(batch))
-                    if self._failures == 1:
-                        log.exception("steptrace sink %s failed; its records are dropped and counted", self.name)
+                self._export(batch)
                 self._done += len(batch)
             if self._stopping and not self._queue:
                 self.cpu_seconds = time.thread_time() - cpu_start
                 return
+
+    def _export(self, batch: list[Mapping[str, Any]]) -> None:
+        invalid_before = getattr(self.sink, "invalid_records", 0)
+        self._in_flight = len(batch)
+        failed = False
+        try:
+            self.sink.export(batch)
+        except Exception:
+            failed = True
+            self._failures += 1
+            if self._failures == 1:
+                log.exception("steptrace sink %s failed; its records are dropped and counted", self.name)
+        finally:
+            self._in_flight = 0
+        if self._abandoned:
+            return  # shutdown already counted this batch as dropped
+        invalid = max(0, getattr(self.sink, "invalid_records", 0) - invalid_before)
+        if invalid:
+            self._count_drop(invalid_record_reason(self.name), invalid)
+        if failed:
+            self._count_drop(sink_drop_reason(self.name), len(batch) - invalid)
 
     def flush(self, deadline: float) -> bool:
         """Wait until everything offered so far is exported, then flush the sink."""
@@ -151,20 +191,55 @@ class SinkWorker:
             log.exception("steptrace sink %s failed to flush", self.name)
             return False
 
-    def shutdown(self, deadline: float) -> bool:
-        flushed = self.flush(deadline)
+    def begin_stop(self) -> None:
+        """Let the thread export what is queued and exit (every sink at once: one hung export must
+        not use up the others' time)."""
         self._stopping = True
         self._wake.set()
+
+    def stop(self, deadline: float) -> bool:
+        """Export what is queued (until ``deadline``), stop the thread, and count as dropped whatever
+        did not get out: records still queued and a batch stuck in an export that never returned.
+        After this the drop counts for this sink are final. True when nothing was left."""
+        self.begin_stop()
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        flushed = True
+        if not self._thread.is_alive():
+            try:
+                flushed = bool(self.sink.force_flush(max(0.0, deadline - time.monotonic())))
+            except Exception:
+                log.exception("steptrace sink %s failed to flush", self.name)
+                flushed = False
         left = len(self._queue)
         if left:
             # The thread may still be alive (a hung export): make sure it stops here
             # rather than exporting after shutdown() has returned.
             self._queue.clear()
-            self._count_drop(f"sink:{self.name}", left)
+            self._count_drop(sink_drop_reason(self.name), left)
+        in_flight = self._in_flight if self._thread.is_alive() else 0
+        if in_flight:
+            self._abandoned = True
+            self._count_drop(sink_drop_reason(self.name), in_flight)
+        self._stopped_cleanly = not self._thread.is_alive()
+        return flushed and not left and not in_flight
+
+    def deliver_last(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Export the run's last records (the run record, with the final counts) on this thread,
+        after :meth:`stop`; a sink whose export hung gets nothing more (and counts it)."""
+        if not getattr(self, "_stopped_cleanly", False):
+            self._count_drop(sink_drop_reason(self.name), len(records))
+            return
+        self._export(list(records))
+
+    def close(self, deadline: float) -> bool:
         try:
             self.sink.shutdown(max(0.0, deadline - time.monotonic()))
         except Exception:
             log.exception("steptrace sink %s failed to shut down", self.name)
             return False
-        return flushed and not left
+        return True
+
+    def shutdown(self, deadline: float) -> bool:
+        """stop() then close(): for sinks used on their own."""
+        stopped = self.stop(deadline)
+        return self.close(deadline) and stopped

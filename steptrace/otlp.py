@@ -112,7 +112,6 @@ are logged, not counted (the sink protocol gives those calls no drop counter).
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
@@ -137,8 +136,20 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     ) from exc
 
 from steptrace._version import __version__
+from steptrace._attribution import GoodputWindow
+from steptrace._ratelimit import limit_otel_exporter_logs
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
+from steptrace._schema import (
+    ATTR_BUBBLE_PREFIX,
+    ATTR_COMPUTE_SECONDS,
+    ATTR_RANK,
+    ATTR_RUN_ID,
+    ATTR_STEP,
+    ATTR_WORLD_SIZE,
+    SPAN_STEP,
+    step_field_attribute,
+)
 from steptrace._ids import orphan_span_ids, span_id, trace_id
 
 __all__ = [
@@ -263,9 +274,7 @@ class _Metrics:
         self._tokens: int | float | None = None
         self._last: dict[str, float] = {}
         self._bubble: dict[str, float] = {}
-        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=goodput_window_steps)
-        self._window_sums = [0.0, 0.0]  # Σcompute, Σinterval of the window
-        self._appended = 0
+        self._window = GoodputWindow(goodput_window_steps)
 
         def observe(read: Callable[[], Iterable[tuple[Any, dict[str, Any]]]]) -> Callable[[Any], list[Observation]]:
             def callback(_options: Any) -> list[Observation]:
@@ -341,20 +350,10 @@ class _Metrics:
                 self.mb_compute.record(r["compute_seconds"], attrs)
 
     def _goodput(self, compute: float, interval: float) -> None:
-        window, sums = self._window, self._window_sums
-        if len(window) == window.maxlen:
-            old_compute, old_interval = window[0]
-            sums[0] -= old_compute
-            sums[1] -= old_interval
-        window.append((compute, interval))
-        sums[0] += compute
-        sums[1] += interval
-        self._appended += 1
-        if self._appended % window.maxlen == 0:  # running sums drift by float error: re-add now and then
-            sums[0] = sum(c for c, _ in window)
-            sums[1] = sum(i for _, i in window)
-        if sums[1] > 0:
-            self._last["goodput_ratio"] = min(1.0, max(0.0, sums[0] / sums[1]))
+        self._window.add(compute, interval)
+        goodput = self._window.ratio()
+        if goodput is not None:
+            self._last["goodput_ratio"] = goodput
 
 
 class OtlpSink:
@@ -382,9 +381,7 @@ class OtlpSink:
                 raise ValueError(f"{field} must be > 0, got {value!r}")
         if not run_id:
             raise ValueError("run_id must be a non-empty string")
-        if isinstance(goodput_window_steps, bool) or not isinstance(goodput_window_steps, int) \
-                or goodput_window_steps < 1:
-            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {goodput_window_steps!r}")
+        GoodputWindow(goodput_window_steps)  # a bad size fails here, before any export thread starts
         header_pairs = tuple((str(k), str(v)) for k, v in (headers.items() if isinstance(headers, Mapping)
                                                            else headers))
         self.run_id = str(run_id)
@@ -403,7 +400,7 @@ class OtlpSink:
         self._span_exporter, self._metric_exporter = _exporters(
             protocol, traces_url, metrics_url, header_pairs, compression, self.timeout_s)
 
-        base = {"train.run_id": self.run_id, "train.rank": self.rank}
+        base = {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank}
         self._base = base
         views = [
             View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
@@ -423,6 +420,8 @@ class OtlpSink:
         self._provider = MeterProvider(metric_readers=[self._reader], resource=self.resource, views=views,
                                        shutdown_on_exit=False)
         self._metrics = _Metrics(self._provider, base, goodput_window_steps)
+        # The exporters log a line per failed batch: at most one a minute per kind, with a count.
+        limit_otel_exporter_logs()
 
         self._lock = threading.Lock()  # span-building state and exporter calls: sink thread vs flush/shutdown
         self._pending: list[dict[str, Any]] = []  # spans closed between steps, waiting for the next step
@@ -570,7 +569,7 @@ class OtlpSink:
         )
 
     def _attrs(self, step: int) -> dict[str, Any]:
-        return {"train.run_id": self.run_id, "train.rank": self.rank, "train.step": step}
+        return {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank, ATTR_STEP: step}
 
     def _step_spans(self, r: dict[str, Any]) -> list[ReadableSpan]:
         n = r["step"]
@@ -584,21 +583,25 @@ class OtlpSink:
             error = "step failed"
 
         attrs = self._attrs(n)
-        _put(attrs, "train.world_size", r.get("world_size", self.world_size))
+        _put(attrs, ATTR_WORLD_SIZE, r.get("world_size", self.world_size))
         for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
                     "samples", "flops", "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu"):
-            _put(attrs, f"train.{key}", r.get(key))
+            _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
             _put(attrs, f"train.idle.{reason}_seconds", seconds)
         for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():
-            _put(attrs, f"train.pipeline.bubble_ratio.{stage}", ratio)
+            _put(attrs, f"{ATTR_BUBBLE_PREFIX}{stage}", ratio)
+        for name, value in (r.get("scalars") or {}).items():
+            _put(attrs, f"train.scalar.{name}", value)
+        for key, value in (r.get("device_memory") or {}).items():
+            _put(attrs, f"train.device_memory.{key}", value)
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
-        spans = [self._span("train.step", trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
+        spans = [self._span(SPAN_STEP, trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
                             error)]
 
         compute_attrs = self._attrs(n)
-        _put(compute_attrs, "train.compute_seconds", r.get("compute_seconds"))
+        _put(compute_attrs, ATTR_COMPUTE_SECONDS, r.get("compute_seconds"))
         spans.append(self._span("train.compute", trace, span_id(run, n, rank, "compute"), step_span,
                                 _ns(r["start_time"]), end_ns, compute_attrs))
         for i, segment in enumerate(r.get("idle_segments") or ()):
@@ -629,7 +632,7 @@ class OtlpSink:
 
     def _own_trace_span(self, r: dict[str, Any]) -> ReadableSpan:
         trace, span = _own_trace_ids(self.run_id, self.rank, str(r.get("name")), r["start_time"])
-        attrs = {"train.run_id": self.run_id, "train.rank": self.rank}
+        attrs = {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank}
         _put(attrs, "train.span_seconds", r.get("seconds"))
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)

@@ -30,6 +30,8 @@ name                                                   type       extra labels
 ``steptrace_mfu``                                      gauge      (only with ``peak_tflops``)
 ``steptrace_goodput_ratio``                            gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
+``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
+``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
 ``steptrace_microbatch_seconds``                       histogram  ``kind, stage, chunk``
 ``steptrace_checkpoint_blocking_seconds``              histogram
 ``steptrace_checkpoint_async_seconds``                 histogram
@@ -49,7 +51,6 @@ misuse, steps still unresolved at shutdown, failed device waits) are
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import socket
@@ -65,20 +66,20 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
     ) from _exc
 
 from steptrace._version import __version__
+from steptrace._attribution import GoodputWindow
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
+from steptrace._schema import KNOWN_DROP_REASONS
 
 __all__ = ["PrometheusSink"]
 
 log = logging.getLogger("steptrace")
 
 _RUN_LABELS = ("run_id", "rank")
+_MAX_SCALAR_NAMES = 64
 # Drop reasons exported at 0 from the start (see _dropped_family).
-_KNOWN_DROP_REASONS = {reason: 0 for reason in (
-    "resolver_queue", "misuse", "device_wait_error", "unresolved_at_shutdown", "resolver_error",
-    "device_marker_error", "device_clock_error",
-    "sink:jsonl", "sink:prometheus", "sink:otlp")}
+_KNOWN_DROP_REASONS = {reason: 0 for reason in KNOWN_DROP_REASONS}
 
 
 class PrometheusSink:
@@ -95,15 +96,12 @@ class PrometheusSink:
                  rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
-        if isinstance(goodput_window_steps, bool) or not isinstance(goodput_window_steps, int) \
-                or goodput_window_steps < 1:
-            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {goodput_window_steps!r}")
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {peak_tflops!r}")
         self._run_id = str(run_id)
         self._rank = str(rank)
         self._labels = (self._run_id, self._rank)
-        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=goodput_window_steps)
+        self._window = GoodputWindow(goodput_window_steps)  # raises ValueError for a bad size
         self._drop_counter: Callable[[], dict[str, int]] | None = None
         self._invalid_records = 0
         self._drop_counter_failed = False
@@ -167,7 +165,7 @@ class PrometheusSink:
             self._mfu = Gauge("steptrace_mfu", f"Model FLOPs utilization in the last step (TFLOP/s per device "
                               f"/ peak {peak_tflops:g}).", run, registry=reg)
         self._goodput = Gauge("steptrace_goodput_ratio", "Sum of compute over sum of interval in the last "
-                              f"{self._window.maxlen} steps.", run, registry=reg)
+                              f"{self._window.steps} steps.", run, registry=reg)
         self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / step compute per "
                              "pipeline stage, in the last step with microbatches.", run + ("stage",), registry=reg)
         self._microbatch = histogram("steptrace_microbatch_seconds", "Device compute time per pipeline "
@@ -181,6 +179,11 @@ class PrometheusSink:
                                      buckets=CHECKPOINT_BUCKETS_S)
         self._checkpoints = Counter("steptrace_checkpoints", "Checkpoint saves finalized, by status "
                                     "(ok, error, incomplete).", run + ("status",), registry=reg)
+        self._scalar = Gauge("steptrace_step_scalar", "Scalars the last step logged with s.log(name=value) "
+                             f"(the first {_MAX_SCALAR_NAMES} names).", run + ("name",), registry=reg)
+        self._scalar_names: set[str] = set()
+        self._memory = Gauge("steptrace_device_memory_bytes", "Device memory after the last step: in use, "
+                             "peak, and the device's limit.", run + ("kind",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
 
@@ -226,12 +229,10 @@ class PrometheusSink:
                                 "counted in steptrace_dropped_records_total{reason=\"invalid_record\"}", kind, exc)
                 continue
             steps = steps or kind == "step"
-        if steps and self._window:
+        goodput = self._window.ratio() if steps else None
+        if goodput is not None:
             # Once per batch, not per step: only the value at scrape time matters.
-            compute = math.fsum(c for c, _ in self._window)
-            interval = math.fsum(i for _, i in self._window)
-            if interval > 0:
-                self._goodput.labels(*self._labels).set(compute / interval)
+            self._goodput.labels(*self._labels).set(goodput)
 
     def _step(self, r: dict[str, Any]) -> None:
         # Read and check everything first, so a bad field skips the record without half-applying it.
@@ -245,6 +246,9 @@ class PrometheusSink:
         tflops = _optional(r.get("tflops_per_second"))
         mfu = _optional(r.get("mfu"))
         bubble = {str(k): float(v) for k, v in (r.get("pipeline_bubble_ratio") or {}).items()}
+        scalars = {str(k): float(v) for k, v in (r.get("scalars") or {}).items()}
+        memory = {str(k).removesuffix("_bytes"): float(v) for k, v in (r.get("device_memory") or {}).items()
+                  if str(k).endswith("_bytes")}
         trace_id = r.get("trace_id")
         if not (isinstance(trace_id, str) and len(trace_id) == 32):
             # prometheus_client checks an exemplar only after counting the observation: never pass a bad one.
@@ -269,9 +273,16 @@ class PrometheusSink:
                 self._mfu.labels(*labels).set(mfu if mfu is not None else tflops / self._peak_tflops)
         for stage, ratio in bubble.items():
             self._bubble.labels(*labels, stage).set(ratio)
+        for name, value in scalars.items():
+            # Names are the user's: cap the series a run can create.
+            if name in self._scalar_names or len(self._scalar_names) < _MAX_SCALAR_NAMES:
+                self._scalar_names.add(name)
+                self._scalar.labels(*labels, name).set(value)
+        for kind, value in memory.items():
+            self._memory.labels(*labels, kind).set(value)
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
-        self._window.append((compute, interval))
+        self._window.add(compute, interval)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])
@@ -319,6 +330,8 @@ class PrometheusSink:
         for reason, count in sorted(counts.items()):
             if reason.startswith("sink:"):
                 family.add_metric([*self._labels, reason[len("sink:"):], "queue_full_or_error"], count)
+            elif reason.startswith("invalid:"):
+                family.add_metric([*self._labels, reason[len("invalid:"):], "invalid_record"], count)
             else:
                 family.add_metric([*self._labels, "resolver", reason], count)
         family.add_metric([*self._labels, self.name, "invalid_record"], self._invalid_records)

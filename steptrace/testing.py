@@ -130,6 +130,7 @@ class _SimulatedValues:
     def __init__(self, device: "SimulatedDevice"):
         self.name = device.name
         self.wait_values = device.wait_values
+        self.memory_stats = device.memory_stats
 
 
 class SimulatedDevice:
@@ -159,7 +160,8 @@ class SimulatedDevice:
 
     def __init__(self, *, uses_events: bool = True, report_end_times: bool = True,
                  clock_drift_ppm: float = 0.0, clock_offset_s: float = 1000.0,
-                 record_latency_s: float = 5e-6, side_stream_blocked: bool = False):
+                 record_latency_s: float = 5e-6, side_stream_blocked: bool = False,
+                 memory_limit_bytes: int | None = None):
         #: When passed as ``init(backend=device)``: True times steps by stream markers.
         self.uses_events = uses_events
         self.report_end_times = report_end_times
@@ -176,8 +178,31 @@ class SimulatedDevice:
         #: Markers created (pool high-water mark) and currently handed out (not released).
         self.markers_created = 0
         self.markers_outstanding = 0
+        #: Device memory, reported per step when ``memory_limit_bytes`` is given: set
+        #: ``memory_in_use_bytes`` as the "program" allocates; the peak is tracked since the last report.
+        self.memory_limit_bytes = memory_limit_bytes
+        self._in_use = 0
+        self._peak = 0
         #: This device as a value device: what ``wait_for(device.run(...))`` is timed by.
         self.values = _SimulatedValues(self)
+
+    @property
+    def memory_in_use_bytes(self) -> int:
+        return self._in_use
+
+    @memory_in_use_bytes.setter
+    def memory_in_use_bytes(self, value: int) -> None:
+        self._in_use = value
+        self._peak = max(self._peak, value)
+
+    def memory_stats(self) -> dict[str, int] | None:
+        """In use now, peak since the previous call, and the limit; None without a limit (like a CPU)."""
+        if self.memory_limit_bytes is None:
+            return None
+        stats = {"in_use_bytes": self._in_use, "peak_bytes": max(self._peak, self._in_use),
+                 "limit_bytes": self.memory_limit_bytes}
+        self._peak = self._in_use
+        return stats
 
     @property
     def executed(self) -> list[SimulatedWork]:

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
@@ -44,7 +46,7 @@ def step_span(run_id: str = "run", step: int = 0, rank: int = 0, compute: float 
     for stage, ratio in (bubble or {}).items():
         attrs[f"train.pipeline.bubble_ratio.{stage}"] = ratio
     attrs.update(extra)
-    end_ns = 1_700_000_000_000_000_000 + step * 1_000_000_000
+    end_ns = 1_700_000_000_000_000_000 + min(step, 1 << 30) * 1_000_000_000
     return Span(trace_id=trace_id(run_id, step).to_bytes(16, "big"),
                 span_id=span_id(run_id, step, rank, "step" if name == "train.step" else name).to_bytes(8, "big"),
                 name=name, kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=end_ns - round(interval * 1e9),
@@ -143,3 +145,48 @@ def wait_for(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.02) 
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+# -- hostile peers and secure setups (test_collector_hostile.py, bench/collector_soak.py) ---------------------
+
+
+def raw_exchange(port: int, data: bytes, *, timeout: float = 10.0, source: str | None = None) -> bytes:
+    """Send raw bytes, half-close, return everything the server answers before closing."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                    source_address=(source, 0) if source else None)
+    try:
+        sock.sendall(data)
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        chunks = []
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        sock.close()
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path] | None:
+    """(cert, key) PEM files for CN/SAN 127.0.0.1 and localhost, made with the openssl tool; None without it."""
+    import shutil
+    import subprocess
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key

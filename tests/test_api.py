@@ -38,7 +38,8 @@ def test_otlp_settings_from_standard_variables_code_wins():
     assert cfg.otlp_endpoint == "http://127.0.0.1:4318" and cfg.otlp_protocol == "grpc"
     assert cfg.otlp_headers == (("authorization", "Bearer t"), ("x-team", "ml"))
     assert cfg.otlp_compression == "gzip" and cfg.service_name == "trainer"
-    cfg = resolve_config(env, otlp_endpoint="http://10.0.0.1:4318", otlp_headers={"a": "b"}, otlp_protocol="http/protobuf")
+    cfg = resolve_config(env, otlp_endpoint="http://10.0.0.1:4318", otlp_headers={"a": "b"},
+                         otlp_protocol="http/protobuf")
     assert cfg.otlp_endpoint == "http://10.0.0.1:4318" and cfg.otlp_headers == (("a", "b"),)
     assert cfg.otlp_protocol == "http/protobuf"
     assert resolve_config({}).otlp_endpoint is None  # off unless asked for
@@ -79,6 +80,18 @@ def test_disabled_by_environment():
         ({"OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"}, {}, "OTEL_EXPORTER_OTLP_COMPRESSION"),
         ({"OTEL_EXPORTER_OTLP_HEADERS": "novalue"}, {}, "OTEL_EXPORTER_OTLP_HEADERS"),
         ({}, {"goodput_window_steps": 0}, "goodput_window_steps"),
+        # Infinities and NaNs fail here, not in shutdown() (where inf raised OverflowError).
+        ({"STEPTRACE_SHUTDOWN_TIMEOUT_S": "inf"}, {}, "STEPTRACE_SHUTDOWN_TIMEOUT_S"),
+        ({"STEPTRACE_PEAK_TFLOPS": "nan"}, {}, "STEPTRACE_PEAK_TFLOPS"),
+        ({}, {"shutdown_timeout_s": float("inf")}, "shutdown_timeout_s"),
+        ({}, {"shutdown_timeout_s": 1e20}, "shutdown_timeout_s"),
+        ({}, {"otlp_timeout_s": float("nan")}, "otlp_timeout_s"),
+        ({}, {"peak_tflops": float("inf")}, "peak_tflops"),
+        # Malformed endpoints: no host, a port out of range, port 0, spaces.
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://"}, {}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:99999"}, {}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ({}, {"otlp_endpoint": "http://host:0"}, "otlp_endpoint"),
+        ({}, {"otlp_endpoint": "http://ho st:4318"}, "otlp_endpoint"),
     ],
 )
 def test_bad_configuration_fails_at_init_naming_the_field(env, code, field):
@@ -260,7 +273,7 @@ def test_a_failing_sink_is_counted_and_does_not_stop_other_sinks():
     dropped = steptrace.stats()["dropped"]
     steptrace.shutdown()
     assert len(good.steps()) == 5
-    assert dropped["sink:failing"] == 5
+    assert dropped["sink:failing"] == 6  # 5 steps and the metadata record
 
 
 def test_a_slow_sink_drops_and_counts_instead_of_blocking_the_loop():
@@ -331,3 +344,22 @@ def test_flush_makes_records_visible_mid_run():
         assert steptrace.flush(timeout_s=5)
         assert [r["step"] for r in sink.steps()] == [0, 1, 2]
         assert os.environ.get("STEPTRACE_DISABLED") is None
+
+
+def test_unknown_steptrace_variables_warn_with_the_nearest_name():
+    with pytest.warns(SteptraceWarning, match="STEPTRACE_RUNID is not a steptrace setting.*STEPTRACE_RUN_ID"):
+        resolve_config({"STEPTRACE_RUNID": "x"})
+    with pytest.warns(SteptraceWarning, match="STEPTRACE_ZZZ is not a steptrace setting"):
+        resolve_config({"STEPTRACE_ZZZ": "1"})
+
+
+def test_the_shutdown_at_exit_with_a_finite_timeout_writes_every_step(tmp_path):
+    code = ("import steptrace\n"
+            f"steptrace.init(run_dir={str(tmp_path)!r}, run_id='exit')\n"
+            "for n in range(3):\n"
+            "    with steptrace.step(n):\n"
+            "        pass\n")
+    env = {**os.environ, "STEPTRACE_SHUTDOWN_TIMEOUT_S": "86400"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+    lines = (tmp_path / "exit" / "rank-0.jsonl").read_text().splitlines()
+    assert sum('"type":"step"' in line for line in lines) == 3

@@ -109,3 +109,20 @@ def test_the_rest_of_the_timing_model_lives_beside_unit_timing():
     assert (t1.start, t1.end, t1.idle_seconds) == (11.3, 12.0, pytest.approx(0.3))
     spans = [a.HostSpan("data", 0.0, 1.0), a.HostSpan("eval", 0.0, 3.0)]
     assert a.spans_after(spans, 2.0) == [spans[1]]
+
+
+def test_goodput_window_is_the_one_formula_every_exporter_uses():
+    from steptrace._attribution import GoodputWindow
+
+    window = GoodputWindow(2)
+    assert window.ratio() is None
+    window.add(0.5, 1.0)
+    window.add(1.0, 1.0)
+    assert window.ratio() == pytest.approx(0.75)
+    window.add(0.0, 2.0)  # the first step leaves the window
+    assert window.ratio() == pytest.approx(1.0 / 3.0)
+    for _ in range(10_000):  # running sums stay exact: re-added once per window
+        window.add(0.1, 0.3)
+    assert window.ratio() == pytest.approx(1.0 / 3.0, rel=1e-12)
+    with pytest.raises(ValueError, match="goodput_window_steps"):
+        GoodputWindow(0)

@@ -1,7 +1,7 @@
 """Real AXLearn (PyPI, CPU, a tiny MLP on synthetic batches) with and without the hooks.
 
 AXLearn pins its own jax and tensorflow, so it runs as a subprocess in ``.venv-axlearn``
-(``make axlearn-env``, opt-in: ~1.8 GB). The trainer (tests/axlearn_scripts/train_tiny.py) runs
+(``make axlearn-env``, ~1.8 GB, built by ``make test``). The trainer (tests/axlearn_scripts/train_tiny.py) runs
 ``SpmdTrainer`` for six steps with a tensorstore checkpoint every 2 steps, an ``SpmdEvaler``
 every 3 and a profiler trace started after step 1. No timing thresholds: the machine is small
 and shared; the assertions are on which records exist and how they relate.
@@ -27,8 +27,8 @@ PROFILE_AFTER = 1  # AXLearn traces the 3 steps after it
 AXLEARN_VERSION = "0.0.1.post20240213000026"
 
 if not VENV_PYTHON.exists():
-    pytest.skip("AXLearn tests need the Python 3.11 env .venv-axlearn (~1.8 GB, not built by make test): "
-                "run `make axlearn-env`", allow_module_level=True)
+    pytest.skip("AXLearn tests need the Python 3.11 env .venv-axlearn (~1.8 GB; make test builds it "
+                "where a Python 3.11 exists): run `make axlearn-env`", allow_module_level=True)
 
 LOSS = re.compile(r"step\s+(\d+)\] loss=(\S+)")
 

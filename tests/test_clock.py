@@ -107,7 +107,7 @@ def test_an_hour_of_drift_stays_well_under_a_tenth_of_a_millisecond():
     worst = 0.0
     device.tick(0.5)
     clock.calibrate()
-    for second in range(3600):
+    for _second in range(3600):
         # A step every 100 ms whose end marker is stamped up to 50 ms after it was recorded.
         pending = []
         for _ in range(10):

@@ -399,7 +399,8 @@ def test_exposition_passes_promtool_check_metrics(make_collector):
 
 
 def test_runs_beyond_max_runs_leave_the_exposition(make_collector):
-    c = make_collector(max_runs=2, world_size=1)
+    # run_idle_s=0: an idle run gives its place up at once (the default keeps it 300 s; see test_collector_hostile).
+    c = make_collector(max_runs=2, world_size=1, run_idle_s=0)
     for run_id in ("a", "b", "c"):
         send(c, step_span(run_id=run_id, world_size=1))
     text = scrape(c.metrics_url)

@@ -155,7 +155,7 @@ def test_duplicate_steps_keep_the_fullest_record_and_a_torn_line_is_skipped(tmp_
     write_jsonl(tmp_path / "r1" / "cluster.jsonl", records, tail='{"type": "cluster_st')
     run = load_run(tmp_path / "r1")
     assert [(r["step"], r["ranks_reporting"]) for r in run.cluster_steps()] == [(0, 3), (1, 3)]
-    assert any("cluster.jsonl line 5" in w for w in run.warnings)
+    assert any("cluster.jsonl: skipped 1 unreadable line (first: line 5" in w for w in run.warnings)
 
 
 def test_empty_dir_error_still_names_rank_files(tmp_path):

@@ -27,7 +27,7 @@ PROVISIONING = DASHBOARDS / "provisioning"
 FILES = ("steptrace-training.json", "steptrace-cluster.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
-# What the rank exporter serves (README "Prometheus", steptrace/prometheus.py).
+# What the rank exporter serves (docs/prometheus.md, steptrace/prometheus.py).
 RANK_HISTOGRAMS = {
     "steptrace_step_interval_seconds", "steptrace_step_compute_seconds", "steptrace_microbatch_seconds",
     "steptrace_checkpoint_blocking_seconds", "steptrace_checkpoint_async_seconds",
@@ -256,7 +256,7 @@ def test_every_metric_a_query_reads_is_defined_by_an_exporter_the_collector_or_a
 
 
 def test_the_rank_metric_list_is_the_readmes():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "prometheus.md").read_text()
     for metric in RANK_METRICS:
         histogram = re.sub(r"_(bucket|sum|count)$", "", metric)
         name = histogram if histogram in RANK_HISTOGRAMS else metric

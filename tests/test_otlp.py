@@ -166,6 +166,7 @@ def test_step_span_attributes_and_error_status(receiver, device):
     steptrace.init(sinks=[memory], otlp_endpoint=receiver.url, jsonl=False, run_id=RUN, rank=1, world_size=4,
                    peak_tflops=500.0)
     with steptrace.step(0, tokens=4096, flops=3 * 10**19, lr=0.5, tag="warmup") as s:  # flops beyond int64
+        s.log(loss=2.5)
         s.wait_for(device.run(0.01))
     with pytest.raises(RuntimeError, match="boom"):
         with steptrace.step(1) as s:
@@ -184,6 +185,7 @@ def test_step_span_attributes_and_error_status(receiver, device):
     assert a["train.tokens"] == 4096 and a["train.flops"] == pytest.approx(3e19)
     assert a["train.mfu"] == pytest.approx(ok["tflops_per_second"] / 500.0)
     assert a["train.attrs.lr"] == 0.5 and a["train.attrs.tag"] == "warmup"
+    assert a["train.scalar.loss"] == 2.5
     for reason, seconds in ok["idle_breakdown"].items():
         assert a[f"train.idle.{reason}_seconds"] == seconds
     assert "train.samples" not in a and "train.samples_per_second" not in a  # None is skipped
@@ -484,7 +486,8 @@ def test_flush_keeps_its_timeout_while_the_endpoint_hangs(device):
 
 
 def test_endpoint_down_counts_drops_and_raises_nothing(device):
-    """Nothing listens: every record sent to OTLP is counted under sink:otlp; training is unaffected."""
+    """Nothing listens: every record sent to OTLP is counted under sink:otlp; training is unaffected.
+    (The metadata record is not sent over OTLP: its facts are the resource's.)"""
     memory = MemorySink()
     steptrace.init(sinks=[memory], otlp_endpoint=f"http://127.0.0.1:{free_port()}", otlp_timeout_s=1,
                    jsonl=False, run_id=RUN, otlp_metrics_interval_s=0.2)
@@ -494,7 +497,7 @@ def test_endpoint_down_counts_drops_and_raises_nothing(device):
         with steptrace.step(n) as s:
             s.wait_for(device.run(0.002))
     steptrace.flush(timeout_s=10)
-    exported = len(memory.records)
+    exported = len([r for r in memory.records if r["type"] != "metadata"])
     assert steptrace.stats()["dropped"] == {"sink:otlp": exported}
     start = time.monotonic()
     steptrace.shutdown(timeout_s=5)

@@ -31,7 +31,7 @@ RUN = {"run_id": "r", "rank": "0"}
 
 def step_record(n, interval, compute, *, status="ok", idle=None, tokens=None, flops=None, mfu=None,
                 bubble=None, backend="simulated"):
-    """A step record as the resolver writes it (README, "Records")."""
+    """A step record as the resolver writes it (docs/records.md)."""
     record = {
         "type": "step", "run_id": "r", "rank": 0, "world_size": 1, "step": n,
         "trace_id": trace_id_hex("r", n), "status": status, "backend": backend,
@@ -70,11 +70,11 @@ def samples(text):
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def value(text, name, **labels):
-    """The value of the one sample called ``name`` whose labels include ``labels`` (plus run_id, rank)."""
+def value(text, metric, /, **labels):
+    """The value of the one sample called ``metric`` whose labels include ``labels`` (plus run_id, rank)."""
     want = {**RUN, **{k: str(v) for k, v in labels.items()}}
-    found = [s.value for s in samples(text) if s.name == name and want.items() <= s.labels.items()]
-    assert len(found) == 1, f"{name}{want}: {len(found)} samples"
+    found = [s.value for s in samples(text) if s.name == metric and want.items() <= s.labels.items()]
+    assert len(found) == 1, f"{metric}{want}: {len(found)} samples"
     return found[0]
 
 
@@ -190,6 +190,23 @@ def test_pipeline_bubble_ratio_per_stage(sink):
     text = scrape(sink.endpoint)
     assert value(text, "steptrace_pipeline_bubble_ratio", stage=0) == 0.125
     assert value(text, "steptrace_pipeline_bubble_ratio", stage=1) == 0.375
+
+
+def test_step_scalars_and_device_memory_are_gauges_of_the_last_step(sink):
+    first = step_record(0, 1.0, 1.0)
+    first["scalars"] = {"loss": 2.5, "grad_norm": 1.0}
+    second = step_record(1, 1.0, 1.0)
+    second["scalars"] = {"loss": 2.25}
+    second["device_memory"] = {"in_use_bytes": 10, "peak_bytes": 30, "limit_bytes": 100, "peak_percent": 30.0}
+    third = step_record(2, 1.0, 1.0)
+    third["scalars"] = {f"s{i}": float(i) for i in range(80)}  # a user's unbounded names are capped
+    sink.export([first, second, third])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_step_scalar", name="loss") == 2.25
+    assert value(text, "steptrace_step_scalar", name="grad_norm") == 1.0
+    assert len([s for s in samples(text) if s.name == "steptrace_step_scalar"]) == 64
+    assert value(text, "steptrace_device_memory_bytes", kind="peak") == 30
+    assert value(text, "steptrace_device_memory_bytes", kind="limit") == 100
 
 
 def test_microbatch_histogram_is_labelled_by_kind_stage_and_chunk(sink):

@@ -115,7 +115,7 @@ def test_a_real_prometheus_scrapes_a_jax_run(prometheus_binary, tmp_path):
         # Counters reach their final values only in a scrape after the flush: wait for it.
         server.wait_for(f"sum(steptrace_steps_total{selector})", STEPS)
         server.wait_for(f"sum(steptrace_step_compute_seconds_count{selector})", STEPS)
-        assert server.scalar(f'up{{job="steptrace"}}') == 1
+        assert server.scalar('up{job="steptrace"}') == 1
         assert server.scalar(f"steptrace_last_step{selector}") == STEPS - 1
         assert server.scalar(f"steptrace_tokens_total{selector}") == 256 * STEPS
 

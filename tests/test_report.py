@@ -8,9 +8,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
 from steptrace import report
+from steptrace.analysis import palette, plotting
+from steptrace.analysis import report as report_view
 from steptrace.report import RunDirError, find_run, load_run, percentile, summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -182,7 +186,7 @@ def test_truncated_last_line_is_skipped_with_warning(tmp_path, capsys):
     run = load_run(run_dir)
     assert [s["step"] for s in run.steps()] == [0, 1]
     assert len(run.warnings) == 1
-    assert "rank-0.jsonl line 3" in run.warnings[0]
+    assert "rank-0.jsonl: skipped 1 unreadable line (first: line 3" in run.warnings[0]
     assert "truncated" in run.warnings[0]
 
     # The CLI reports it on stderr and still succeeds.
@@ -203,19 +207,29 @@ def test_truncated_multibyte_last_line_is_skipped(tmp_path):
     assert "line 2" in run.warnings[0]
 
 
-def test_malformed_middle_line_raises(tmp_path):
+def test_a_torn_middle_line_costs_that_line_alone(tmp_path):
+    """A restart with the same run_id after a crash, or a full disk, leaves a bad line mid-file."""
     run_dir = tmp_path / "steptrace-runs" / "r1"
     write_rank(run_dir, 0, [step_record(0, 1.0, 0.5), "{not json",
-                            step_record(1, 1.0, 0.5)])
-    with pytest.raises(RunDirError, match=r"rank-0\.jsonl line 2: invalid JSON"):
-        load_run(run_dir)
+                            step_record(1, 1.0, 0.5), "[1, 2]", step_record(2, 1.0, 0.5)])
+    run = load_run(run_dir)
+    assert [s["step"] for s in run.steps()] == [0, 1, 2]
+    (warning,) = run.warnings
+    assert "skipped 2 unreadable lines" in warning and "line 2, invalid JSON" in warning
+    assert list(run.skipped_lines.values()) == [2]
 
 
-def test_non_object_middle_line_raises(tmp_path):
-    run_dir = tmp_path / "r1"
-    write_rank(run_dir, 0, ["[1, 2]", step_record(0, 1.0, 0.5)])
-    with pytest.raises(RunDirError, match=r"rank-0\.jsonl line 1: not a JSON object"):
-        load_run(run_dir)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.lists(st.one_of(st.integers(min_value=0, max_value=10**6), st.sampled_from(
+    ["{", "{\"type\": \"st", "null", "[1]", "\"text\"", "\x00\x01garbage", "{\"a\":"])), max_size=30))
+def test_any_garbage_anywhere_is_skipped_and_counted(tmp_path, layout):
+    run_dir = tmp_path / f"r{abs(hash(tuple(map(str, layout))))}"
+    lines = [step_record(item, 1.0, 0.5) if isinstance(item, int) else item for item in layout]
+    write_rank(run_dir, 0, [step_record(-1, 1.0, 0.5)] + lines)
+    run = load_run(run_dir)
+    good = [item for item in layout if isinstance(item, int)]
+    assert sorted(s["step"] for s in run.steps()) == sorted([-1] + good)
+    assert sum(run.skipped_lines.values()) == len(layout) - len(good)
 
 
 def test_blank_lines_do_not_count_as_last_line(tmp_path):
@@ -327,10 +341,10 @@ def test_multi_rank_report(tmp_path):
 
 
 def test_top_reasons_largest_first_without_noise():
-    assert report._top_reasons({"other": 0.001, "checkpoint": 18.6, "data": 0.01}) == (
+    assert report_view._top_reasons({"other": 0.001, "checkpoint": 18.6, "data": 0.01}) == (
         "checkpoint 18.60, data 0.01")
-    assert report._top_reasons({"a": 4, "b": 3, "c": 2, "d": 1}) == "a 4.00, b 3.00, c 2.00"
-    assert report._top_reasons(None) == ""
+    assert report_view._top_reasons({"a": 4, "b": 3, "c": 2, "d": 1}) == "a 4.00, b 3.00, c 2.00"
+    assert report_view._top_reasons(None) == ""
 
 
 def test_warnings_rendered(tmp_path):
@@ -382,17 +396,17 @@ def test_cli_plot_writes_png(small_run, tmp_path, capsys):
 def test_reason_colours_are_stable():
     # Built-in reasons have fixed colours; user reasons hash (crc32, not the
     # per-process salted hash()) into a palette distinct from the fixed ones.
-    assert report._reason_colour("checkpoint") == "#d62728"
-    user = report._reason_colour("my_span")
-    assert user in report._USER_PALETTE
-    assert user not in report._REASON_COLOURS.values()
-    assert report._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
+    assert palette._reason_colour("checkpoint") == "#d62728"
+    user = palette._reason_colour("my_span")
+    assert user in palette._USER_PALETTE
+    assert user not in palette._REASON_COLOURS.values()
+    assert palette._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
         "checkpoint", "data", "alpha", "zeta", "other"]
 
 
 def test_plot_long_run_uses_bands(tmp_path):
     run_dir = tmp_path / "r1"
-    steps = [step_record(i, 0.6, 0.5, {"data": 0.1}) for i in range(report._MAX_BARS + 100)]
+    steps = [step_record(i, 0.6, 0.5, {"data": 0.1}) for i in range(plotting._MAX_BARS + 100)]
     write_rank(run_dir, 0, steps + [checkpoint_record(10, 0.2)])
     out = report.plot_timeline(load_run(run_dir), tmp_path / "long.png")
     assert out.read_bytes().startswith(PNG_SIGNATURE)
@@ -420,3 +434,22 @@ def test_import_is_cheap():
                             text=True, env=env, check=True)
     assert result.stdout.strip() == "[]"
 
+
+
+def test_report_shows_logged_scalars_and_peak_memory(tmp_path):
+    from steptrace.analysis.summary import summarize
+
+    steps = [{"type": "step", "step": n, "interval_seconds": 1.0, "compute_seconds": 0.5,
+              "scalars": {"loss": 3.0 - n},
+              "device_memory": {"peak_bytes": 2**30 * (n + 1), "peak_percent": 10.0 * (n + 1)}}
+             for n in range(3)]
+    summary = summarize(steps)
+    assert summary["scalars"]["loss"] == {"last": 1.0, "mean": 2.0}
+    assert (summary["memory_peak_bytes"], summary["memory_peak_percent"]) == (3 * 2**30, 30.0)
+    console = Console(file=io.StringIO(), width=200)
+    from steptrace.analysis.report import _summary_panel
+
+    console.print(_summary_panel(summary, "r"))
+    text = console.file.getvalue()
+    assert "loss" in text and "3.00 GiB" in text and "30.0% of the device's limit" in text
+    assert summarize(steps[:0])["memory_peak_bytes"] is None

@@ -167,3 +167,22 @@ def test_cuda_graph_replays_are_timed(profiled):
                     for _ in range(3):
                         compiled(batch)
     _check_steps(sink, profiled.timeline, range(1, 12), median_max=0.02, p95_max=0.03)
+
+
+def test_cuda_scalars_and_device_memory_are_in_the_records():
+    x = _square()
+    losses = []
+    with capture() as sink:
+        for n in range(5):
+            with steptrace.step(n) as s:
+                x = _work(x, 2)
+                loss = x.float().mean()
+                s.log(loss=loss)
+            losses.append(loss)
+    steps = sorted(sink.steps(), key=lambda r: r["step"])
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    for record, loss in zip(steps, losses):
+        assert record["scalars"]["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        memory = record["device_memory"]
+        assert memory["limit_bytes"] == total and 0 < memory["in_use_bytes"] <= memory["limit_bytes"]
+        assert memory["peak_bytes"] >= 4096 * 4096 * 4  # at least the working matrix

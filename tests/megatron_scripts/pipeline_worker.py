@@ -12,7 +12,6 @@ parameter gradients) so a run with hooks can be compared with one without.
 
 import argparse
 import os
-import sys
 import time
 
 import torch

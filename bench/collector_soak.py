@@ -1,0 +1,385 @@
+"""A bounded soak of one steptrace collector: honest ranks next to hostile peers.
+
+Usage::
+
+    .venv/bin/python bench/collector_soak.py                 # 30 s
+    .venv/bin/python bench/collector_soak.py --seconds 10 --json out.json
+
+What runs
+---------
+One real collector process (``python -m steptrace.collector``, defaults except ports 0,
+``--world-size 8``, ``--window-s 5``, a ``--token-file`` with a token scoped to ``honest-*``, one
+scoped to ``evil-*`` and nothing else) on 127.0.0.1. Against it, for ``--seconds``:
+
+* **honest ranks** (this process): 8 threads, one per rank, each posting its ``train.step`` span
+  of step ``k`` (OTLP/HTTP protobuf, its own keep-alive connection, the honest token) at
+  ``--rate`` steps/s (10). Each request's latency and answer are recorded; a connection error
+  is a failure, and the rank reconnects.
+* **hostile peers** (a child process, threads), each from its own loopback address, so the
+  per-peer connection cap applies to them and not to the honest ranks (127.0.0.1):
+
+  - *slow-loris* (127.0.0.2): keeps ``--loris`` (300) sockets open, each trickling one header
+    byte per second, reopening each one the collector closes;
+  - *huge* (127.0.0.3): in a loop, a 15 MiB body of garbage (under ``--max-body-bytes``, so
+    it is read and decoded: 400), a 64 MiB ``Content-Length`` (413), and a request of 100,000
+    ``train.step`` spans (413 too_many_spans): the 100k-span request that once stalled
+    everyone for 10 s;
+  - *forger* (127.0.0.4): with the ``evil-*`` token, spans of ``honest-run`` (403), spans of
+    5,000 fresh run ids of its own (runs beyond --max-runs refused), world size 5e7 and step
+    2**63-1 spans; and, as an insider holding the honest token, a rank-0 span with compute
+    999 s for each step just ahead of the honest one (a conflict, never a straggler);
+  - *garbage* (127.0.0.5): random bytes as protobuf, HTTP/2 prefaces, 70 KB request lines,
+    150-header requests, wrong tokens.
+
+What is printed
+---------------
+The honest senders' success rate (HTTP 200 / requests) and latency p50/p99/max; the
+share of honest steps written complete with no conflicting ranks and no rank-0 straggler
+named from a forged span; the collector's RSS (sampled from ``/proc``, start and peak);
+how many requests each hostile peer got answered; the collector's
+``rejected_requests_total`` and ``invalid_spans_total`` by reason, and conflicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from steptrace._ids import span_id, trace_id
+
+WORLD = 8
+HONEST_TOKEN = "honest-token-0123456789"
+EVIL_TOKEN = "evil-token-0123456789"
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+
+
+def _attr(key: str, value: Any) -> KeyValue:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(double_value=value))
+
+
+def step_span(run_id: str, step: int, rank: int, compute: float, world_size: int = WORLD) -> Span:
+    end_ns = time.time_ns()
+    attrs = {"train.run_id": run_id, "train.step": step, "train.rank": rank, "train.world_size": world_size,
+             "train.compute_seconds": compute, "train.interval_seconds": 0.1, "train.idle_seconds": 0.1 - compute,
+             "train.status": "ok"}
+    return Span(trace_id=trace_id(run_id, min(step, 1 << 62)).to_bytes(16, "big"),
+                span_id=span_id(run_id, min(step, 1 << 62), rank, "step").to_bytes(8, "big"), name="train.step",
+                start_time_unix_nano=end_ns - 100_000_000, end_time_unix_nano=end_ns,
+                attributes=[_attr(k, v) for k, v in attrs.items()])
+
+
+def body(*spans: Span) -> bytes:
+    request = ExportTraceServiceRequest()
+    rs = ResourceSpans()
+    rs.scope_spans.append(ScopeSpans(spans=list(spans)))
+    request.resource_spans.append(rs)
+    return request.SerializeToString()
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+# -- honest ranks ---------------------------------------------------------------------------------
+
+
+def honest_rank(port: int, rank: int, rate: float, go: float, stop: float, out: list[tuple[float, int]]) -> None:
+    headers = {**PROTOBUF, "Authorization": f"Bearer {HONEST_TOKEN}"}
+    conn = None
+    step = 0
+    while True:
+        due = go + step / rate
+        if due >= stop:
+            break
+        time.sleep(max(0.0, due - time.monotonic()))
+        data = body(step_span("honest-run", step, rank, 0.05 + 0.001 * rank))
+        started = time.monotonic()
+        status = 0
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("POST", "/v1/traces", body=data, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            status = response.status
+            if response.getheader("Connection", "").lower() == "close":
+                conn.close()
+                conn = None
+        except OSError:
+            if conn is not None:
+                conn.close()
+            conn = None
+        out.append((time.monotonic() - started, status))
+        step += 1
+    if conn is not None:
+        conn.close()
+
+
+# -- hostile peers ----------------------------------------------------------------------------------
+
+
+def _connect(port: int, source: str, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0))
+
+
+def _exchange(port: int, source: str, data: bytes) -> bytes:
+    try:
+        with _connect(port, source, 10.0) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            chunks = []
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except OSError:
+        return b""
+
+
+def _post(port: int, source: str, data: bytes, token: str | None = None, length: int | None = None) -> bytes:
+    head = (f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+            f"Content-Length: {len(data) if length is None else length}\r\n"
+            + (f"Authorization: Bearer {token}\r\n" if token else "") + "Connection: close\r\n\r\n").encode()
+    return _exchange(port, source, head + data)
+
+
+def loris(port: int, count: int, stop: float, tally: dict[str, int]) -> None:
+    socks: list[socket.socket | None] = [None] * count
+    while time.monotonic() < stop:
+        for i in range(count):
+            s = socks[i]
+            try:
+                if s is None:
+                    s = socks[i] = _connect(port, "127.0.0.2", 2.0)
+                    s.setblocking(False)
+                    tally["opened"] = tally.get("opened", 0) + 1
+                    s.send(b"POST /v1/traces HTTP/1.1\r\nX: ")
+                else:
+                    s.send(b"a")
+            except OSError:
+                if s is not None:
+                    s.close()
+                socks[i] = None
+                tally["closed_by_collector"] = tally.get("closed_by_collector", 0) + 1
+        time.sleep(1.0)
+    for s in socks:
+        if s is not None:
+            s.close()
+
+
+def huge(port: int, stop: float, tally: dict[str, int]) -> None:
+    garbage = os.urandom(15 << 20)
+    many = body(*[step_span("huge-run", n, 0, 0.05) for n in range(100_000)])
+    cases = [("garbage_15MiB", lambda: _post(port, "127.0.0.3", garbage, HONEST_TOKEN)),
+             ("claims_64MiB", lambda: _post(port, "127.0.0.3", b"\0" * (1 << 20), HONEST_TOKEN, length=64 << 20)),
+             ("spans_100k", lambda: _post(port, "127.0.0.3", many, HONEST_TOKEN))]
+    while time.monotonic() < stop:
+        for name, send in cases:
+            answer = send()
+            status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
+            tally[f"{name}:{status}"] = tally.get(f"{name}:{status}", 0) + 1
+
+
+def forger(port: int, stop: float, tally: dict[str, int], rate: float, go: float) -> None:
+    n = 0
+    while time.monotonic() < stop:
+        step = int((time.monotonic() - go) * rate) + 1  # just ahead of the honest ranks
+        cases = [("other_run", body(step_span("honest-run", step, 3, 0.05)), EVIL_TOKEN),
+                 ("many_runs", body(*[step_span(f"evil-{n}-{i}", 0, 0, 0.05, 1) for i in range(5000)]), EVIL_TOKEN),
+                 ("world_5e7", body(step_span("evil-big", step, 0, 0.05, 50_000_000)), EVIL_TOKEN),
+                 ("step_2e63", body(step_span("evil-big", (1 << 63) - 1, 0, 0.05)), EVIL_TOKEN),
+                 ("insider_rank0", body(step_span("honest-run", step, 0, 999.0)), HONEST_TOKEN)]
+        for name, data, token in cases:
+            answer = _post(port, "127.0.0.4", data, token)
+            status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
+            tally[f"{name}:{status}"] = tally.get(f"{name}:{status}", 0) + 1
+        n += 1
+        time.sleep(0.2)
+
+
+def garbage(port: int, stop: float, tally: dict[str, int]) -> None:
+    rng = random.Random(0)
+    cases = [("random_body", lambda: _post(port, "127.0.0.5", rng.randbytes(rng.randrange(1, 4096)), HONEST_TOKEN)),
+             ("http2_preface", lambda: _exchange(port, "127.0.0.5", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")),
+             ("long_line", lambda: _exchange(port, "127.0.0.5", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n")),
+             ("many_headers", lambda: _exchange(port, "127.0.0.5", b"POST /v1/traces HTTP/1.1\r\n"
+                                                + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n")),
+             ("wrong_token", lambda: _post(port, "127.0.0.5", b"", "wrong-token-000"))]
+    while time.monotonic() < stop:
+        for name, send in cases:
+            answer = send()
+            status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
+            tally[f"{name}:{status}"] = tally.get(f"{name}:{status}", 0) + 1
+        time.sleep(0.05)
+
+
+def hostile_main(port: int, seconds: float, loris_count: int, rate: float, result: Any) -> None:
+    go = time.monotonic()
+    stop = go + seconds
+    tallies: dict[str, dict[str, int]] = {"slow_loris": {}, "huge": {}, "forger": {}, "garbage": {}}
+    threads = [threading.Thread(target=loris, args=(port, loris_count, stop, tallies["slow_loris"])),
+               threading.Thread(target=huge, args=(port, stop, tallies["huge"])),
+               threading.Thread(target=forger, args=(port, stop, tallies["forger"], rate, go)),
+               threading.Thread(target=garbage, args=(port, stop, tallies["garbage"]))]
+    for t in threads:
+        t.daemon = True
+        t.start()
+    for t in threads:
+        t.join(seconds + 30)
+    result.put(tallies)
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def scrape(port: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            m = re.match(r"(steptrace_collector_(?:rejected_requests|invalid_spans|conflicting_spans)_total)"
+                         r"\{(\w+)=\"([^\"]*)\"\} (\S+)", line)
+            if m and float(m.group(4)):
+                out[f"{m.group(1)}{{{m.group(2)}={m.group(3)}}}"] = float(m.group(4))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="soak duration (default: 30)")
+    parser.add_argument("--rate", type=float, default=10.0, help="honest steps/s per rank (default: 10)")
+    parser.add_argument("--loris", type=int, default=300, help="slow-loris sockets (default: 300)")
+    parser.add_argument("--verbose", action="store_true", help="print the collector's log")
+    parser.add_argument("--json", metavar="PATH", help="also write every number measured")
+    args = parser.parse_args(argv)
+
+    workdir = tempfile.mkdtemp(prefix="steptrace-soak-")
+    tokens = os.path.join(workdir, "tokens")
+    with open(tokens, "w") as f:
+        f.write(f"{HONEST_TOKEN} honest-*\n{EVIL_TOKEN} evil-*\n")
+    run_dir = os.path.join(workdir, "runs")
+    proc = subprocess.Popen([sys.executable, "-m", "steptrace.collector", "--port", "0", "--metrics-port", "0",
+                             "--world-size", str(WORLD), "--window-s", "5", "--run-dir", run_dir,
+                             "--token-file", tokens, "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        port = int(line.split("otlp_http=127.0.0.1:")[1].split()[0])
+        metrics_port = int(line.split("metrics=127.0.0.1:")[1].split()[0])
+        rss_start = rss_kib(proc.pid)
+        result: Any = mp.get_context("spawn").Queue()
+        hostile = mp.get_context("spawn").Process(target=hostile_main,
+                                                  args=(port, args.seconds, args.loris, args.rate, result))
+        hostile.start()
+        time.sleep(1.0)  # the hostile peers get going first
+        go = time.monotonic()
+        stop = go + args.seconds - 1.0
+        samples: list[list[tuple[float, int]]] = [[] for _ in range(WORLD)]
+        ranks = [threading.Thread(target=honest_rank, args=(port, r, args.rate, go, stop, samples[r]))
+                 for r in range(WORLD)]
+        for t in ranks:
+            t.start()
+        rss_peak = rss_start
+        while any(t.is_alive() for t in ranks):
+            rss_peak = max(rss_peak, rss_kib(proc.pid))
+            time.sleep(0.2)
+        tallies = result.get(timeout=120)
+        hostile.join(30)
+        rss_end = rss_kib(proc.pid)
+        counters = scrape(metrics_port)
+        proc.terminate()
+        proc.wait(30)
+        stderr_text = proc.stderr.read()
+        stderr_lines = stderr_text.count("\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+    answers = [s for rank in samples for s in rank]
+    ok = [lat for lat, status in answers if status == 200]
+    records = []
+    with open(os.path.join(run_dir, "honest-run", "cluster.jsonl")) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    steps = [r for r in records if r["type"] == "cluster_step"]
+    sent_steps = len(answers) // WORLD
+    clean = [r for r in steps if r["complete"] and not r.get("conflicting_ranks")]
+    conflicted = [r for r in steps if r.get("conflicting_ranks")]
+    # A forged span for a step the real rank never sends (past the end) cannot be told apart; what must
+    # never happen is a forged value in a complete step, where it would name the straggler.
+    forged_straggler = [r for r in steps if r["complete"] and r["compute_max_seconds"] > 100]
+    figures = {
+        "seconds": args.seconds, "honest_requests": len(answers), "honest_success_rate": len(ok) / max(1, len(answers)),
+        "latency_p50_ms": percentile(ok, 0.5) * 1e3, "latency_p99_ms": percentile(ok, 0.99) * 1e3,
+        "latency_max_ms": max(ok) * 1e3 if ok else float("nan"),
+        "honest_steps_sent": sent_steps, "steps_written": len(steps), "steps_complete_clean": len(clean),
+        "steps_with_conflicting_rank0": len(conflicted), "steps_with_forged_value_joined": len(forged_straggler),
+        "rss_start_mib": rss_start / 1024, "rss_peak_mib": rss_peak / 1024, "rss_end_mib": rss_end / 1024,
+        "collector_stderr_lines": stderr_lines, "collector_log": stderr_text.splitlines(),
+        "hostile": tallies, "collector_counters": counters,
+    }
+    print(f"collector soak: {args.seconds:g} s, {WORLD} honest ranks at {args.rate:g} steps/s, "
+          f"{args.loris} slow-loris sockets, huge requests, forged spans, garbage")
+    print(f"honest senders:  {len(ok)}/{len(answers)} answered 200 ({100 * figures['honest_success_rate']:.2f} %), "
+          f"latency p50 {figures['latency_p50_ms']:.1f} ms, p99 {figures['latency_p99_ms']:.1f} ms, "
+          f"max {figures['latency_max_ms']:.1f} ms")
+    print(f"honest steps:    {len(steps)} written; {len(clean)} complete without conflict; {len(conflicted)} with "
+          f"rank 0 conflicting (the insider's forgery, left out); {len(forged_straggler)} complete with a forged value")
+    print(f"collector RSS:   start {figures['rss_start_mib']:.0f} MiB, peak {figures['rss_peak_mib']:.0f} MiB, "
+          f"end {figures['rss_end_mib']:.0f} MiB; {stderr_lines} log lines")
+    for peer, tally in tallies.items():
+        print(f"{peer + ':':16} " + ", ".join(f"{k} x{v}" for k, v in sorted(tally.items())))
+    if args.verbose:
+        print(stderr_text, end="")
+    print("collector counters: " + ", ".join(f"{k} {v:g}" for k, v in sorted(counters.items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Offline analysis of steptrace run directories, apart from the runtime.
+
+=================  ==================================================================
+``runs``           loading run directories (``load_run``, ``find_run``, ``Run``)
+``summary``        summaries of step records (totals, percentiles, goodput, per rank)
+``report``         ``steptrace report``: rich tables and JSON
+``timeline``       ``steptrace timeline``: the Chrome/Perfetto trace of all ranks
+``plotting``       the PNG pictures (the report's plot, the timeline lanes)
+``palette``        one colour per idle reason, everywhere
+=================  ==================================================================
+
+Nothing here is imported by the training-time code; ``steptrace.report`` and
+``steptrace.timeline`` remain as import paths and commands.
+"""

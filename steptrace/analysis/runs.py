@@ -1,0 +1,257 @@
+"""Loading steptrace run directories: each rank's JSONL file and the collector's ``cluster.jsonl``.
+
+A run directory is ``<run_dir>/<run_id>/`` holding one ``rank-<rank>.jsonl`` file per rank and,
+when a steptrace collector joined the run, its ``cluster.jsonl`` (one ``cluster_step`` record per
+step across ranks, plus ``late`` records). :func:`load_run` reads them into a :class:`Run`.
+Only the standard library is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from steptrace.analysis.summary import _num
+
+_RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
+#: Written by the steptrace collector (steptrace.collector): the cross-rank join.
+CLUSTER_FILE = "cluster.jsonl"
+
+
+class RunDirError(ValueError):
+    """A run directory is missing, empty, or contains malformed records."""
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+
+def _rank_files(directory: Path) -> dict[int, Path]:
+    """Map rank -> file for every ``rank-<int>.jsonl`` directly in *directory*."""
+    files: dict[int, Path] = {}
+    for child in directory.iterdir():
+        match = _RANK_FILE.match(child.name)
+        if match and child.is_file():
+            files[int(match.group(1))] = child
+    return files
+
+
+def _run_files(directory: Path) -> list[Path]:
+    """The rank files and the collector's cluster file of *directory*."""
+    files = list(_rank_files(directory).values())
+    cluster = directory / CLUSTER_FILE
+    if cluster.is_file():
+        files.append(cluster)
+    return files
+
+
+def find_run(path: str | Path) -> Path:
+    """Resolve *path* to a run directory.
+
+    *path* is either a run directory (it holds ``rank-*.jsonl`` files, or a
+    collector's ``cluster.jsonl``) or a parent ``run_dir``; for a parent, the
+    run whose files were written most recently is chosen.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise RunDirError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise RunDirError(f"{path}: not a directory")
+    if _run_files(path):
+        return path
+
+    newest: tuple[float, Path] | None = None
+    for child in path.iterdir():
+        if not child.is_dir():
+            continue
+        files = _run_files(child)
+        if not files:
+            continue
+        # Use the rank files' mtime rather than the directory's: appending
+        # records updates the files but not the directory entry.
+        mtime = max(f.stat().st_mtime for f in files)
+        if newest is None or mtime > newest[0]:
+            newest = (mtime, child)
+    if newest is None:
+        raise RunDirError(
+            f"{path}: no rank-*.jsonl files (nor a collector's {CLUSTER_FILE}) here or in any run subdirectory"
+        )
+    return newest[1]
+
+
+def _read_rank_file(file: Path, warnings: list[str], skipped: dict[str, int] | None = None) -> list[dict]:
+    """Parse one JSONL file, skipping every line that is not a JSON object, wherever it is.
+
+    A crash mid-write leaves a torn last line; a restart with the same run_id, or a disk that
+    filled up and was freed, can leave one in the middle. Neither may cost the rest of the run:
+    each bad line is skipped and counted (``skipped[str(file)]``), and one warning per file
+    names the count and the first bad line.
+    """
+    records: list[dict] = []
+    bad = 0
+    first: tuple[int, str] | None = None
+    with file.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            problem = None
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                problem = "invalid UTF-8"
+            except json.JSONDecodeError as exc:
+                problem = f"invalid JSON ({exc.msg})"
+            else:
+                if not isinstance(record, dict):
+                    problem = "not a JSON object"
+            if problem is not None:
+                bad += 1
+                first = first or (lineno, problem)
+                continue
+            records.append(record)
+    if bad:
+        if skipped is not None:
+            skipped[str(file)] = bad
+        warnings.append(f"{file}: skipped {bad} unreadable line{'' if bad == 1 else 's'} "
+                        f"(first: line {first[0]}, {first[1]})")
+    return records
+
+
+def _step_key(record: dict) -> tuple[int, float]:
+    """Sort key by step number; records without a numeric step go last."""
+    step = _num(record.get("step"))
+    return (0, step) if step is not None else (1, 0.0)
+
+
+@dataclass
+class Run:
+    """All records of one run, grouped by rank (from the file name)."""
+
+    path: Path
+    records_by_rank: dict[int, list[dict]]
+    warnings: list[str] = field(default_factory=list)
+    #: file -> lines skipped because they were not a JSON object (torn or garbage lines)
+    skipped_lines: dict[str, int] = field(default_factory=dict)
+    #: The collector's records (``cluster.jsonl``), in file order; empty without a collector.
+    cluster_records: list[dict] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.records_by_rank)
+
+    @property
+    def default_rank(self) -> int:
+        """Rank 0 if present, otherwise the lowest rank."""
+        return 0 if 0 in self.records_by_rank else self.ranks[0]
+
+    @property
+    def run_id(self) -> str:
+        for rank in self.ranks:
+            for record in self.records_by_rank[rank]:
+                if isinstance(record.get("run_id"), str):
+                    return record["run_id"]
+        for record in self.cluster_records:
+            if isinstance(record.get("run_id"), str):
+                return record["run_id"]
+        return self.path.name
+
+    @property
+    def world_size(self) -> int:
+        """World size as recorded, or the number of rank files if unrecorded."""
+        for rank in self.ranks:
+            for record in self.records_by_rank[rank]:
+                size = record.get("world_size")
+                if isinstance(size, int) and not isinstance(size, bool):
+                    return size
+        for record in self.cluster_records:
+            size = record.get("world_size")
+            if isinstance(size, int) and not isinstance(size, bool):
+                return size
+        return len(self.ranks)
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Dropped-record counts per reason, summed over all ranks."""
+        totals: dict[str, int] = {}
+        for record in self.records("run"):
+            dropped = record.get("dropped")
+            if isinstance(dropped, dict):
+                for reason, count in dropped.items():
+                    if _num(count) is not None:
+                        totals[reason] = totals.get(reason, 0) + int(count)
+        return totals
+
+    def resolve_rank(self, rank: int | None) -> int:
+        """Validate *rank*; None means the default rank."""
+        if not self.records_by_rank:
+            raise RunDirError(f"{self.path}: no rank files")
+        if rank is None:
+            return self.default_rank
+        if rank not in self.records_by_rank:
+            have = ", ".join(str(r) for r in self.ranks)
+            raise RunDirError(f"{self.path}: no rank {rank} (ranks: {have})")
+        return rank
+
+    def records(self, type_: str, rank: int | None = None) -> list[dict]:
+        """Records of one type; *rank* None means all ranks."""
+        ranks = self.ranks if rank is None else [self.resolve_rank(rank)]
+        return [
+            r
+            for k in ranks
+            for r in self.records_by_rank[k]
+            if r.get("type") == type_
+        ]
+
+    def steps(self, rank: int | None = None) -> list[dict]:
+        """Step records of *rank* (default: rank 0), sorted by step number."""
+        rank = self.resolve_rank(rank)
+        return sorted(self.records("step", rank), key=_step_key)
+
+    def checkpoints(self, rank: int | None = None) -> list[dict]:
+        """Checkpoint records of *rank* (default: rank 0), sorted by step."""
+        rank = self.resolve_rank(rank)
+        return sorted(self.records("checkpoint", rank), key=_step_key)
+
+    def cluster_steps(self) -> list[dict]:
+        """The collector's ``cluster_step`` records, one per step, sorted by step.
+
+        A step written twice (a collector restarted past the memory of what it
+        emitted) keeps the record with the most ranks; on a tie, the later one.
+        """
+        best: dict[int, dict] = {}
+        for record in self.cluster_records:
+            step = record.get("step")
+            if record.get("type") != "cluster_step" or isinstance(step, bool) or not isinstance(step, int):
+                continue
+            have = best.get(step)
+            if have is None or _ranks_reporting(record) >= _ranks_reporting(have):
+                best[step] = record
+        return [best[k] for k in sorted(best)]
+
+    def late_spans(self) -> list[dict]:
+        """The collector's ``late`` records: a rank's step span that arrived after its step was written."""
+        return [r for r in self.cluster_records if r.get("type") == "late"]
+
+
+def _ranks_reporting(record: dict) -> int:
+    value = _num(record.get("ranks_reporting"))
+    return int(value) if value is not None else 0
+
+
+def load_run(path: str | Path) -> Run:
+    """Load a run directory (or the newest run under a parent run_dir)."""
+    run_path = find_run(path)
+    warnings: list[str] = []
+    skipped: dict[str, int] = {}
+    records_by_rank = {
+        rank: _read_rank_file(file, warnings, skipped)
+        for rank, file in sorted(_rank_files(run_path).items())
+    }
+    cluster_file = run_path / CLUSTER_FILE
+    # The same torn-last-line tolerance as the rank files: a killed collector leaves one too.
+    cluster = _read_rank_file(cluster_file, warnings, skipped) if cluster_file.is_file() else []
+    return Run(path=run_path, records_by_rank=records_by_rank, warnings=warnings, cluster_records=cluster,
+               skipped_lines=skipped)

@@ -1,0 +1,150 @@
+"""Summaries of step records: totals, means, percentiles, goodput, idle by reason, per run and
+across ranks. Pure functions over record dicts; only the standard library."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+def _num(value: Any) -> float | None:
+    """Return *value* as a float if it is a real number (bools excluded), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The *q*-th percentile (0-100) with linear interpolation, like numpy's default."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    position = (len(ordered) - 1) * q / 100.0
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    fraction = position - lower
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * fraction
+
+
+def _sum_field(records: Iterable[dict], key: str) -> float:
+    return sum(_num(r.get(key)) or 0.0 for r in records)
+
+
+def _present(records: Iterable[dict], key: str) -> list[float]:
+    return [v for v in (_num(r.get(key)) for r in records) if v is not None]
+
+
+def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
+    """Aggregate step and checkpoint records of one rank into a summary dict.
+
+    Rates that need optional fields (tokens, flops, mfu) are None when no step
+    carries them; they are computed only over the steps that do.
+    """
+    wall = _sum_field(steps, "interval_seconds")
+    compute = _sum_field(steps, "compute_seconds")
+
+    idle_totals: dict[str, float] = {}
+    for step in steps:
+        breakdown = step.get("idle_breakdown")
+        if isinstance(breakdown, dict):
+            for reason, seconds in breakdown.items():
+                value = _num(seconds)
+                if value is not None:
+                    idle_totals[reason] = idle_totals.get(reason, 0.0) + value
+    # Largest first: that is the order people read them in.
+    idle_totals = dict(sorted(idle_totals.items(), key=lambda kv: -kv[1]))
+
+    with_tokens = [s for s in steps if _num(s.get("tokens")) is not None]
+    token_time = _sum_field(with_tokens, "interval_seconds")
+    with_flops = [s for s in steps if _num(s.get("flops")) is not None]
+    flop_time = _sum_field(with_flops, "compute_seconds")
+    mfus = _present(steps, "mfu")
+
+    return {
+        "steps": len(steps),
+        "error_steps": sum(1 for s in steps if s.get("status") == "error"),
+        "wall_seconds": wall,
+        "compute_seconds": compute,
+        "idle_seconds": _sum_field(steps, "idle_seconds"),
+        "goodput": compute / wall if wall > 0 else None,
+        "idle_breakdown_totals": idle_totals,
+        "compute_p50": percentile(_present(steps, "compute_seconds"), 50),
+        "compute_p90": percentile(_present(steps, "compute_seconds"), 90),
+        "interval_p50": percentile(_present(steps, "interval_seconds"), 50),
+        "tokens_per_second": (
+            _sum_field(with_tokens, "tokens") / token_time
+            if with_tokens and token_time > 0
+            else None
+        ),
+        "tflops_per_second": (
+            _sum_field(with_flops, "flops") / flop_time / 1e12
+            if with_flops and flop_time > 0
+            else None
+        ),
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "checkpoints": len(checkpoints),
+        "checkpoint_blocking_seconds": _sum_field(checkpoints, "blocking_seconds"),
+        # s.log(...) scalars: the last value and the mean of each name
+        "scalars": _scalar_summary(steps),
+        # device memory, where the backend reported it: the largest peak and its share of the limit
+        "memory_peak_bytes": max(_present([s.get("device_memory") or {} for s in steps], "peak_bytes"),
+                                 default=None),
+        "memory_peak_percent": max(_present([s.get("device_memory") or {} for s in steps], "peak_percent"),
+                                   default=None),
+    }
+
+
+def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
+    """Aggregate the collector's ``cluster_step`` records (one per step) into a summary dict.
+
+    Straggler counts and skew percentiles cover complete steps only: in an
+    incomplete step the missing rank may be the slowest, so the collector names
+    no straggler for it.  Rank keys are strings (as in JSON).
+    """
+    complete = [s for s in steps if s.get("complete") is True]
+    stragglers: dict[int, int] = {}
+    for step in complete:
+        rank = step.get("straggler_rank")
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            stragglers[rank] = stragglers.get(rank, 0) + 1
+    missing: dict[int, int] = {}
+    for step in steps:
+        ranks = step.get("missing_ranks")
+        if isinstance(ranks, list):
+            for rank in ranks:
+                if isinstance(rank, int) and not isinstance(rank, bool):
+                    missing[rank] = missing.get(rank, 0) + 1
+    skews = _present(complete, "skew_seconds")
+    compute = _sum_field(steps, "compute_sum_seconds")
+    interval = _sum_field(steps, "interval_sum_seconds")
+    world_sizes = [int(w) for w in _present(steps, "world_size")]
+    return {
+        "steps": len(steps),
+        "complete_steps": len(complete),
+        "incomplete_steps": len(steps) - len(complete),
+        "late_spans": len(late),
+        "world_size": max(world_sizes) if world_sizes else None,
+        # Most frequent straggler first; a tie goes to the lower rank.
+        "straggler_steps": {str(r): n for r, n in sorted(stragglers.items(), key=lambda kv: (-kv[1], kv[0]))},
+        "missing_rank_steps": {str(r): n for r, n in sorted(missing.items(), key=lambda kv: (-kv[1], kv[0]))},
+        "skew_p50": percentile(skews, 50),
+        "skew_p90": percentile(skews, 90),
+        "skew_max": max(skews) if skews else None,
+        "compute_median_p50": percentile(_present(complete, "compute_median_seconds"), 50),
+        "goodput": compute / interval if interval > 0 else None,
+    }
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.1f}%"
+
+
+def _scalar_summary(steps: Sequence[dict]) -> dict[str, dict[str, float]]:
+    values: dict[str, list[float]] = {}
+    for step in steps:
+        scalars = step.get("scalars")
+        if isinstance(scalars, dict):
+            for name, value in scalars.items():
+                number = _num(value)
+                if number is not None:
+                    values.setdefault(str(name), []).append(number)
+    return {name: {"last": v[-1], "mean": sum(v) / len(v)} for name, v in values.items()}

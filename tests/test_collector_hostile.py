@@ -1,0 +1,506 @@
+"""The collector against hostile and broken peers: every bound holds, every refusal is counted.
+
+Each test is one finding of the collector's security review, and failed on the
+collector as it was before the fix (memory that grew with a rank's number, a
+header phase without a deadline, a shared emitted-step memory, uncounted
+refusals, forged spans that won, no TLS, a crash that lost open steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import tracemalloc
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("opentelemetry.proto",
+                    reason="the collector needs opentelemetry-proto (pip install 'steptrace[otlp]')")
+pytest.importorskip("prometheus_client",
+                    reason="the collector needs prometheus_client (pip install 'steptrace[prometheus]')")
+
+from collector_helpers import (
+    PROTOBUF,
+    body,
+    post,
+    raw_exchange,
+    read_records,
+    request,
+    scrape,
+    self_signed_cert,
+    step_span,
+    value,
+    wait_for,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from steptrace._ids import trace_id_hex
+from steptrace.collector import Collector, CollectorConfig
+from steptrace.collector._decode import StepSpan, extract_steps
+from steptrace.collector._join import Joiner
+from steptrace.collector._ratelog import RateLimitedLog
+
+TRACES = "/v1/traces"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def span(step: int = 0, rank: int = 0, compute: float = 0.1, interval: float = 0.2, *, run_id: str = "run",
+         world_size: int | None = 3) -> StepSpan:
+    return StepSpan(run_id=run_id, step=step, rank=rank, world_size=world_size, trace_id=trace_id_hex(run_id, step),
+                    compute_seconds=compute, interval_seconds=interval, idle_seconds=interval - compute,
+                    end_time=1.7e9 + step)
+
+
+@pytest.fixture
+def make_collector(tmp_path):
+    made = []
+
+    def make(**settings) -> Collector:
+        settings.setdefault("port", 0)
+        settings.setdefault("metrics_port", 0)
+        settings.setdefault("run_dir", str(tmp_path / "runs"))
+        settings.setdefault("window_s", 30.0)
+        c = Collector(CollectorConfig(**settings)).start()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def cluster(c: Collector, run_id: str = "run", name: str = "cluster.jsonl"):
+    from pathlib import Path
+
+    return Path(c.config.run_dir) / run_id / name
+
+
+def rejected(c: Collector, reason: str) -> float | None:
+    return value(scrape(c.metrics_url), "steptrace_collector_rejected_requests_total", reason=reason)
+
+
+def invalid(c: Collector, reason: str) -> float | None:
+    return value(scrape(c.metrics_url), "steptrace_collector_invalid_spans_total", reason=reason)
+
+
+def send(c: Collector, *spans, headers=None) -> int:
+    return post(c.port, TRACES, body(*spans), headers=headers)[0]
+
+
+# -- what one span can make the collector hold --------------------------------------------------------------
+
+
+def test_world_size_rank_and_step_beyond_their_caps_are_skipped_not_joined(make_collector):
+    """A forged train.world_size of 5e7 once made a 439 MB line; a forged step 2**63-1 pinned last_step."""
+    c = make_collector(max_world_size=1024)
+    status, _, _ = post(c.port, TRACES, body(
+        step_span(run_id="w", world_size=50_000_000),
+        step_span(run_id="w", rank=(1 << 20) - 1, world_size=None),
+        step_span(run_id="w", step=(1 << 63) - 1, world_size=1)))
+    assert status == 200
+    assert invalid(c, "world_size_out_of_range") == 1
+    assert invalid(c, "rank_out_of_range") == 1
+    assert invalid(c, "step_out_of_range") == 1
+    assert value(scrape(c.metrics_url), "steptrace_cluster_last_step", run_id="w") is None
+    c.close()
+    assert not cluster(c, "w").exists()
+    # Within the caps, the largest world size still joins.
+    parsed = extract_steps(request(step_span(world_size=65536, rank=65535)))
+    assert [(s.rank, s.world_size) for s in parsed.steps] == [(65535, 65536)]
+    assert extract_steps(request(step_span(world_size=65537))).invalid == {"world_size_out_of_range": 1}
+    assert extract_steps(request(step_span(step=(1 << 53) + 1))).invalid == {"step_out_of_range": 1}
+
+
+def test_memory_per_remembered_step_does_not_grow_with_the_rank_number():
+    """Rank 1,048,575 once cost 141 KiB per remembered step (a bitmask); rank 3, 4.4 KiB."""
+
+    def cost(rank: int) -> int:
+        joiner = Joiner(world_size=None, window_s=1.0, max_emitted=1000, clock=FakeClock())
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for step in range(300):
+                joiner.add([span(step=step, rank=rank, world_size=None)])
+            joiner.flush()
+            return tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+
+    low, high = cost(3), cost(65535)
+    assert high < 1.5 * low + 64 * 1024, (low, high)
+
+
+def test_one_run_cannot_push_another_runs_emitted_steps_out():
+    """A burst of 100k spans of one run once made another run's late span start its step again."""
+    clock = FakeClock()
+    joiner = Joiner(world_size=2, window_s=1.0, max_emitted=100, clock=clock)
+    joiner.add([span(run_id="quiet", step=0, rank=0, world_size=2)])
+    clock.now += 2
+    [first] = joiner.expire().records
+    assert (first["run_id"], first["complete"]) == ("quiet", False)
+    for step in range(1000):
+        joiner.add([span(run_id="busy", step=step, rank=r, world_size=2) for r in range(2)])
+    result = joiner.add([span(run_id="quiet", step=0, rank=1, world_size=2)])
+    assert [(r["type"], r["run_id"], r["step"]) for r in result.records] == [("late", "quiet", 0)]
+    assert joiner.open_steps == 0
+
+
+def test_requests_with_more_spans_than_the_limit_are_413_and_counted(make_collector):
+    c = make_collector(world_size=1, max_spans_per_request=100)
+    status, _, _ = post(c.port, TRACES, body(*[step_span(step=n, world_size=1) for n in range(101)]))
+    assert status == 413
+    assert rejected(c, "too_many_spans") == 1
+    assert send(c, *[step_span(step=n, world_size=1) for n in range(100)]) == 200
+    assert len(read_records(cluster(c))) == 100
+
+
+def test_one_request_naming_many_runs_creates_at_most_max_runs_directories(make_collector, tmp_path):
+    """5,000 run ids in one request once made 5,000 directories."""
+    c = make_collector(world_size=1, max_runs=4)
+    assert send(c, *[step_span(run_id=f"r{i}", world_size=1) for i in range(50)]) == 200
+    assert invalid(c, "too_many_runs") == 46
+    c.close()
+    assert len(os.listdir(c.config.run_dir)) == 4
+    # An admitted run keeps being served; an idle run gives its place up only after run_idle_s.
+    clock = FakeClock()
+    joiner = Joiner(world_size=1, max_runs=1, run_idle_s=60, clock=clock)
+    assert joiner.add([span(run_id="a", world_size=1)]).refused == 0
+    assert joiner.add([span(run_id="b", world_size=1)]).refused == 1
+    clock.now += 61
+    assert joiner.add([span(run_id="b", world_size=1)]).refused == 0
+
+
+def test_one_token_cannot_take_every_run_slot(make_collector, tmp_path):
+    """With 5,000 run ids under a token of its own, an attacker once kept the real job's run out."""
+    c = make_collector(world_size=1, max_runs=8, token_file=token_file(tmp_path, "evil-token-1 evil-*\n"
+                                                                                  "honest-token honest-*\n"))
+    evil = {"Authorization": "Bearer evil-token-1"}
+    assert send(c, *[step_span(run_id=f"evil-{i}", world_size=1) for i in range(100)], headers=evil) == 200
+    assert invalid(c, "too_many_runs") == 98  # 8 // 4 = 2 runs for that token
+    assert send(c, step_span(run_id="honest-run", world_size=1), headers={"Authorization": "Bearer honest-token"}) \
+        == 200
+    assert len(read_records(cluster(c, "honest-run"))) == 1
+
+
+# -- connections: slots, deadlines and answers ------------------------------------------------------------
+
+
+def test_slow_peers_cannot_take_every_connection_slot(make_collector):
+    """1,030 sockets trickling header bytes once left correct senders nothing but 503 for a minute."""
+    c = make_collector(world_size=1, max_connections=8, max_connections_per_peer=4)
+    slow = []
+    try:
+        for _ in range(6):  # from another loopback address: one "peer"
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=5, source_address=("127.0.0.2", 0))
+            s.sendall(b"POST /v1/traces HTTP/1.1\r\n")
+            slow.append(s)
+        time.sleep(0.2)
+        answers = []
+        for s in slow[4:]:
+            try:
+                answers.append(s.recv(4096))
+            except OSError as exc:
+                answers.append(repr(exc).encode())
+        assert all(a.startswith(b"HTTP/1.1 503") or b"Reset" in a for a in answers), answers
+        assert send(c, step_span(world_size=1)) == 200  # the honest peer still gets in
+    finally:
+        for s in slow:
+            s.close()
+    assert rejected(c, "peer_overloaded") == 2
+
+
+def test_the_request_deadline_covers_the_headers(make_collector):
+    """--request-timeout-s was not applied while headers were read: one byte per read-timeout held a slot."""
+    c = make_collector(world_size=1, request_timeout_s=1.0)
+    sock = socket.create_connection(("127.0.0.1", c.port), timeout=10)
+    started = time.monotonic()
+    closed_after = None
+    try:
+        for byte in b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                sock.sendall(bytes([byte]))
+                sock.settimeout(0.25)
+                data = sock.recv(4096)
+                if data == b"" or data.startswith(b"HTTP/1.1 408"):
+                    closed_after = time.monotonic() - started
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed_after = time.monotonic() - started
+                break
+    finally:
+        sock.close()
+    # The deadline is 1 s; 10 s is the generous bound (it hung as long as bytes kept coming before).
+    assert closed_after is not None and closed_after < 10
+    assert wait_for(lambda: rejected(c, "timeout") == 1, 5)
+
+
+@pytest.mark.parametrize("client", ["urllib", "requests"])
+def test_an_oversized_body_gets_its_413_through_standard_clients(make_collector, client):
+    """The server once closed while the client was still sending: a broken pipe instead of the 413."""
+    c = make_collector(world_size=1, max_body_bytes=64 * 1024)
+    data = b"\0" * (8 << 20)
+    url = f"{c.endpoint}{TRACES}"
+    if client == "urllib":
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": PROTOBUF}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == 413
+    else:
+        requests = pytest.importorskip("requests")
+        response = requests.post(url, data=data, headers={"Content-Type": PROTOBUF}, timeout=30)
+        assert response.status_code == 413
+    assert rejected(c, "too_large") == 1
+
+
+def test_refusals_the_standard_library_makes_are_counted(make_collector):
+    """414, 431, malformed request lines and HTTP/2 prefaces once left rejected_requests_total unchanged."""
+    c = make_collector(world_size=1)
+    cases = [
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", b"414", "uri_too_long"),
+        (b"POST /v1/traces HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n", b"431",
+         "headers_too_large"),
+        (b"POST /v1/traces HTTP/1.1 extra\r\n\r\n", b"400", "malformed"),
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"505", "unsupported_version"),
+    ]
+    for data, status, reason in cases:
+        answer = raw_exchange(c.port, data)
+        # A bad version line is answered HTTP/0.9 style (no status line): the code is in the body.
+        assert answer.split(b" ", 2)[1] == status or b"Error code: " + status in answer, (reason, answer[:100])
+        assert rejected(c, reason) >= 1, reason
+    raw_exchange(c.port, b"GARBAGE\r\n\r\n")  # an HTTP/0.9 line: answered without a status line, still counted
+    assert rejected(c, "malformed") == 2
+    assert send(c, step_span(world_size=1)) == 200
+
+
+def test_refusals_log_one_line_per_reason_not_one_per_request():
+    clock = FakeClock()
+    logger = logging.getLogger("steptrace.test.ratelog")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        limited = RateLimitedLog(logger, 10.0, clock=clock)
+        assert limited.warning("malformed", "bad body from %s", "a")
+        for _ in range(99):
+            assert not limited.warning("malformed", "bad body from %s", "a")
+        assert limited.warning("timeout", "slow")  # another reason has its own budget
+        clock.now += 10
+        assert limited.warning("malformed", "bad body from %s", "b")
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert messages == ["bad body from a", "slow", "bad body from b (99 more like it in the last 10s not logged)"]
+    assert all(r.exc_info is None for r in records)
+
+
+def test_grpc_refusals_are_counted_and_log_no_traceback(make_collector, caplog):
+    grpc = pytest.importorskip("grpc", reason="OTLP/gRPC needs grpcio")
+    c = make_collector(world_size=1, grpc_port=0, max_spans_per_request=2)
+    caplog.set_level(logging.DEBUG)
+    with grpc.insecure_channel(f"127.0.0.1:{c.grpc_port}") as channel:
+        export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                export(b"\x12\x34garbage", timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            export(body(*[step_span(step=n, world_size=1) for n in range(3)]), timeout=5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        export(body(step_span(world_size=1)), timeout=5)
+    assert rejected(c, "malformed") == 3
+    assert rejected(c, "too_many_spans") == 1
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert len(read_records(cluster(c))) == 1
+
+
+# -- forged spans, tokens, TLS ------------------------------------------------------------------------------
+
+
+def test_a_forged_span_hides_a_rank_but_never_stands_in_for_it(make_collector):
+    """A forged rank-0 span arriving first once made the real one a duplicate: straggler 0, skew 999 s."""
+    c = make_collector(world_size=2)
+    assert send(c, step_span(rank=0, compute=999.0, world_size=2)) == 200  # the forgery, first
+    assert send(c, step_span(rank=0, compute=0.1, world_size=2), step_span(rank=0, compute=0.1, world_size=2),
+                step_span(rank=1, compute=0.2, world_size=2)) == 200
+    [record] = read_records(cluster(c))
+    assert record["conflicting_ranks"] == [0] and record["missing_ranks"] == [0]
+    assert not record["complete"] and record["straggler_rank"] is None
+    assert record["rank_compute_seconds"] == {"1": 0.2} and record["skew_seconds"] == 0
+    conflicts = read_records(cluster(c, name="conflicts.jsonl"))
+    assert sorted(r["compute_seconds"] for r in conflicts) == [0.1, 0.1, 999.0]
+    text = scrape(c.metrics_url)
+    assert value(text, "steptrace_collector_conflicting_spans_total", run_id="run") == 3
+    assert value(text, "steptrace_cluster_straggler_rank", run_id="run") is None
+    # An identical retry of an emitted step stays a harmless duplicate; a different one is a conflict.
+    assert send(c, step_span(rank=1, compute=0.2, world_size=2)) == 200
+    assert send(c, step_span(rank=1, compute=5.0, world_size=2)) == 200
+    text = scrape(c.metrics_url)
+    assert value(text, "steptrace_collector_duplicate_spans_total", run_id="run") == 1
+    assert value(text, "steptrace_collector_conflicting_spans_total", run_id="run") == 4
+    assert len(read_records(cluster(c))) == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.sampled_from([0.1, 0.5, 9.0])), max_size=40),
+       st.integers(0, 39))
+def test_fuzz_no_step_is_written_twice_and_no_conflicting_value_is_joined(events, expire_at):
+    clock = FakeClock()
+    joiner = Joiner(world_size=3, window_s=1.0, clock=clock)
+    records, conflicts = [], []
+    seen: dict[tuple[int, int], set[float]] = {}
+    for i, (step, rank, compute) in enumerate(events):
+        seen.setdefault((step, rank), set()).add(compute)
+        result = joiner.add([span(step=step, rank=rank, compute=compute)])
+        records += result.records
+        conflicts += result.conflicts
+        if i == expire_at:
+            clock.now += 2
+            records += joiner.expire().records
+    records += joiner.flush().records
+    steps = [r["step"] for r in records if r["type"] == "cluster_step"]
+    assert len(steps) == len(set(steps))
+    for r in records:
+        if r["type"] != "cluster_step":
+            continue
+        for rank in r["rank_compute_seconds"]:
+            assert len(seen[(r["step"], int(rank))]) == 1 or int(rank) not in r["conflicting_ranks"]
+        for rank in r["conflicting_ranks"]:
+            assert str(rank) not in r["rank_compute_seconds"] and len(seen[(r["step"], rank)]) > 1
+    assert all(len(seen[(c["step"], c["rank"])]) > 1 for c in conflicts)
+
+
+def token_file(tmp_path, text: str) -> str:
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_scoped_tokens_write_only_their_runs(make_collector, tmp_path):
+    c = make_collector(world_size=1, token_file=token_file(tmp_path, "# token runs\njob-a-token job-a-*\n"
+                                                                      "admin-token-123\n"))
+    job_a = {"Authorization": "Bearer job-a-token"}
+    assert send(c, step_span(run_id="job-a-1", world_size=1), headers=job_a) == 200
+    assert send(c, step_span(run_id="job-b-1", world_size=1), headers=job_a) == 403
+    assert send(c, step_span(run_id="job-a-1", step=1, world_size=1), step_span(run_id="job-b-1", world_size=1),
+                headers=job_a) == 403  # one foreign span refuses the whole request
+    assert send(c, step_span(run_id="job-b-1", world_size=1), headers={"Authorization": "Bearer admin-token-123"}) \
+        == 200
+    assert send(c, step_span(run_id="job-a-1", world_size=1)) == 401
+    assert rejected(c, "forbidden") == 2 and rejected(c, "unauthorized") == 1
+    assert len(read_records(cluster(c, "job-a-1"))) == 1 and len(read_records(cluster(c, "job-b-1"))) == 1
+    grpc = pytest.importorskip("grpc", reason="OTLP/gRPC needs grpcio")
+    g = make_collector(world_size=1, grpc_port=0, token_file=c.config.token_file, run_dir=str(tmp_path / "g"))
+    with grpc.insecure_channel(f"127.0.0.1:{g.grpc_port}") as channel:
+        export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        with pytest.raises(grpc.RpcError) as info:
+            export(body(step_span(run_id="job-b-2", world_size=1)), timeout=5, metadata=[("authorization",
+                                                                                         "Bearer job-a-token")])
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert rejected(g, "forbidden") == 1
+
+
+def test_bad_token_files_fail_at_construction_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match="token_file"):
+        Collector(CollectorConfig(token_file=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="token_file.*no token"):
+        Collector(CollectorConfig(token_file=token_file(tmp_path, "# nothing\n\n")))
+    with pytest.raises(ValueError, match="tls_cert"):
+        CollectorConfig(tls_cert="x.pem")
+
+
+def test_metrics_can_require_a_token(make_collector, tmp_path):
+    c = make_collector(world_size=1, metrics_token_file=token_file(tmp_path, "scrape-token-1\n"))
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(c.metrics_url, timeout=10)
+    assert info.value.code == 401
+    req = urllib.request.Request(c.metrics_url, headers={"Authorization": "Bearer scrape-token-1"})
+    with urllib.request.urlopen(req, timeout=10) as response:
+        text = response.read().decode()
+    assert value(text, "steptrace_collector_rejected_requests_total", reason="unauthorized") == 1
+
+
+def test_tls_on_http_grpc_and_metrics(make_collector, tmp_path):
+    made = self_signed_cert(tmp_path)
+    if made is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = made
+    c = make_collector(world_size=1, tls_cert=str(cert), tls_key=str(key), grpc_port=0)
+    assert c.endpoint.startswith("https://") and c.metrics_url.startswith("https://")
+    context = ssl.create_default_context(cafile=str(cert))
+    req = urllib.request.Request(f"{c.endpoint}{TRACES}", data=body(step_span(world_size=1)),
+                                 headers={"Content-Type": PROTOBUF}, method="POST")
+    with urllib.request.urlopen(req, timeout=10, context=context) as response:
+        assert response.status == 200
+    # Plain HTTP on the TLS port is refused and counted.
+    raw_exchange(c.port, b"POST /v1/traces HTTP/1.1\r\nContent-Length: 0\r\n\r\n", timeout=5)
+    with urllib.request.urlopen(c.metrics_url, timeout=10, context=context) as response:
+        text = response.read().decode()
+    assert value(text, "steptrace_collector_rejected_requests_total", reason="tls") == 1
+    grpc = pytest.importorskip("grpc", reason="OTLP/gRPC needs grpcio")
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{c.grpc_port}", credentials) as channel:
+        export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        export(body(step_span(step=1, world_size=1)), timeout=10)
+    assert len(read_records(cluster(c))) == 2
+
+
+# -- crashes ----------------------------------------------------------------------------------------------
+
+
+def start_collector(run_dir, *extra: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "steptrace.collector", "--port", "0", "--metrics-port", "0",
+                             "--world-size", "3", "--window-s", "60", "--run-dir", str(run_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("steptrace collector: otlp_http=127.0.0.1:"), line
+    return proc, int(line.split("otlp_http=127.0.0.1:")[1].split()[0])
+
+
+def test_a_killed_collector_loses_no_span_it_acknowledged(tmp_path):
+    """Steps open at a SIGKILL once came back incomplete: their first ranks were gone."""
+    run_dir = tmp_path / "runs"
+    proc, port = start_collector(run_dir)
+    try:
+        assert post(port, TRACES, body(*[step_span(step=s, rank=r) for s in range(3) for r in range(3)]))[0] == 200
+        assert post(port, TRACES, body(step_span(step=3, rank=0), step_span(step=3, rank=1)))[0] == 200
+        assert post(port, TRACES, body(step_span(step=4, rank=2)))[0] == 200
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+    proc, port = start_collector(run_dir)
+    try:
+        # A retry of what the first one already wrote, and the ranks still missing.
+        assert post(port, TRACES, body(step_span(step=2, rank=1), step_span(step=3, rank=2),
+                                       step_span(step=4, rank=0), step_span(step=4, rank=1)))[0] == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+        proc.stdout.close()
+    records = [r for r in read_records(run_dir / "run" / "cluster.jsonl") if r["type"] == "cluster_step"]
+    assert [(r["step"], r["complete"]) for r in records] == [(0, True), (1, True), (2, True), (3, True), (4, True)]
+    assert (run_dir / "run" / "journal.jsonl").stat().st_size == 0  # every step emitted: nothing to replay
