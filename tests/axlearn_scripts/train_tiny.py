@@ -10,7 +10,6 @@ is built. Prints one JSON line: the losses by step AXLearn logged, and the last 
 
 import json
 import os
-import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
