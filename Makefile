@@ -8,6 +8,7 @@
 #   make clean       run directories, caches, build outputs
 #   make distclean   clean + the virtualenv
 #   make maxtext-env the Python 3.12 env (.venv-maxtext) the MaxText hook tests run in
+#   make axlearn-env the Python 3.11 env (.venv-axlearn, ~1.8 GB) the AXLearn hook tests run in
 #
 # PYTHON picks the interpreter the virtualenv is made from (3.11 or newer).
 
@@ -24,7 +25,7 @@ VENV_PYTHON := $(VENV)/bin/python
 PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])" 2>/dev/null || cksum < pyproject.toml | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 
-.PHONY: demo test lint bench install clean distclean help maxtext-env
+.PHONY: demo test lint bench install clean distclean help maxtext-env axlearn-env
 .DEFAULT_GOAL := help
 
 help:
@@ -47,7 +48,7 @@ lint: $(STAMP)
 	$(VENV_PYTHON) -m ruff check .
 	$(VENV_PYTHON) -m mypy
 
-test: $(STAMP) maxtext-env lint
+test: $(STAMP) maxtext-env axlearn-env lint
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -66,7 +67,7 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(MAXTEXT_VENV)
+	rm -rf $(VENV) $(MAXTEXT_VENV) $(AXLEARN_VENV)
 
 # --- MaxText (tests/test_maxtext.py) --------------------------------------------------
 # maxtext needs Python >= 3.12 and keeps its dependencies in extras (maxtext[tpu] is ~2.8 GB
@@ -95,3 +96,30 @@ $(MAXTEXT_STAMP):
 	touch $@
 
 maxtext-env: $(MAXTEXT_STAMP)
+
+# --- AXLearn (tests/test_axlearn.py) --------------------------------------------------
+# The newest axlearn on PyPI pins jax 0.4.21 and tensorflow 2.14 (no Python 3.12 wheels), so the
+# AXLearn tests run it in its own Python 3.11 venv, installed from the pinned CPU set in
+# requirements-axlearn.txt with --no-deps, plus steptrace itself (-e .). ~1.8 GB (tensorflow-cpu
+# is ~0.9 GB), about 2.5 minutes; `make test` builds it like the MaxText env, so CI runs the AXLearn
+# tests against the real SpmdTrainer (they skip, naming this target, where no Python 3.11 exists).
+# PYTHON311: a working python3.11 on PATH, else pyenv's 3.11.x.
+PYTHON311 ?= $(shell for c in python3.11 $(HOME)/.pyenv/versions/3.11*/bin/python3.11; do $$c -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null && { command -v $$c; break; }; done)
+AXLEARN_VENV ?= .venv-axlearn
+AXLEARN_HASH := $(shell cat requirements-axlearn.txt pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
+AXLEARN_STAMP := $(AXLEARN_VENV)/.installed-$(AXLEARN_HASH)
+
+$(AXLEARN_STAMP):
+	@set -e; \
+	if [ -z "$(PYTHON311)" ]; then \
+		echo "axlearn-env: WARNING: no Python 3.11 found (set PYTHON311=...); the AXLearn tests will skip"; \
+		exit 0; \
+	fi; \
+	rm -rf $(AXLEARN_VENV); \
+	echo "axlearn-env: building $(AXLEARN_VENV) with $(PYTHON311)"; \
+	$(PYTHON311) -m venv $(AXLEARN_VENV); \
+	$(AXLEARN_VENV)/bin/python -m pip install -q --no-deps -r requirements-axlearn.txt; \
+	$(AXLEARN_VENV)/bin/python -m pip install -q --no-deps -e .; \
+	touch $@
+
+axlearn-env: $(AXLEARN_STAMP)
