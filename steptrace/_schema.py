@@ -52,7 +52,7 @@ def invalid_record_reason(sink_name: str) -> str:
 
 
 KNOWN_DROP_REASONS = RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS) + (
-    invalid_record_reason("jsonl"),)
+    invalid_record_reason("jsonl"), invalid_record_reason("otlp"))
 
 
 # -- OTLP: the train.* attributes the OTLP exporter writes and the collector reads ------------

@@ -101,6 +101,9 @@ Failure
 backoff for at most ``otlp_timeout_s``. When it reports failure, ``export()``
 raises :class:`OtlpExportError`, so the SinkWorker counts the batch's records
 as dropped under ``sink:otlp`` (``stats()["dropped"]``, the ``run`` record).
+A record that cannot be turned into spans costs that record alone
+(``invalid:otlp``); attrs holding nested or self-containing lists are exported
+as their text.
 While the endpoint hangs, records pile up in the SinkWorker's bounded queue and
 are dropped and counted there; the training loop never waits.
 ``force_flush(timeout_s)`` and ``shutdown(timeout_s)`` return within their
@@ -207,11 +210,13 @@ def _attr(value: Any) -> Any:
         except Exception:
             return str(value)
     if isinstance(value, (list, tuple)):
-        values = [_attr(v) for v in value]
-        kinds = {type(v) for v in values}
-        if len(kinds) == 1 and kinds <= {bool, str, int, float}:
-            return tuple(values)
-        return str(list(value))
+        # One level only: OTLP arrays hold one scalar type. A list of lists, mixed types, or a
+        # list that contains itself becomes its text (repr marks the cycle; no recursion).
+        if all(isinstance(v, (bool, str, int, float)) for v in value):
+            values = [_attr(v) for v in value]
+            if len({type(v) for v in values}) == 1:
+                return tuple(values)
+        return str(value) if isinstance(value, list) else str(list(value))
     return str(value)
 
 
@@ -428,6 +433,8 @@ class OtlpSink:
         self._span_ordinals: dict[int, int] = {}
         self._mb_ordinals: dict[int, int] = {}
         self._closed = False
+        #: Records that could not be turned into spans (each dropped alone, ``invalid:otlp``).
+        self.invalid_records = 0
         self._drop_counter_attached = False
         self._stop_ticker = threading.Event()
         self._ticker = threading.Thread(target=self._tick, args=(float(metrics_interval_s),),
@@ -466,21 +473,36 @@ class OtlpSink:
         with self._lock:
             spans: list[ReadableSpan] = []
             for record in records:
-                kind = record.get("type")
-                self._metrics.record(record)
-                if kind == "step":
-                    spans += self._step_spans(record)
-                elif kind == "span":
-                    if record.get("step") is None:
-                        self._pending.append(record)
-                    else:
-                        spans.append(self._user_span(record, record["step"]))
-                elif kind == "microbatch":
-                    spans.append(self._microbatch_span(record))
-                elif kind == "checkpoint":
-                    spans.append(self._checkpoint_span(record))
+                # A record that cannot be turned into spans (a custom sink's malformed dict, a
+                # value that will not convert) costs that record alone, counted by the
+                # SinkWorker as invalid:otlp; the rest of the batch goes out.
+                try:
+                    spans += self._record_spans(record)
+                except Exception as exc:
+                    self.invalid_records += 1
+                    if self.invalid_records == 1:
+                        log.warning("steptrace OTLP: cannot export a %r record (%s: %s); it is dropped and "
+                                    "counted as invalid:otlp", record.get("type"), type(exc).__name__, exc)
             if spans:
                 self._send(spans)
+
+    def _record_spans(self, record: dict[str, Any]) -> list[ReadableSpan]:
+        kind = record.get("type")
+        if kind == "step":
+            spans = self._step_spans(record)
+        elif kind == "span":
+            spans = [] if record.get("step") is None else [self._user_span(record, record["step"])]
+        elif kind == "microbatch":
+            spans = [self._microbatch_span(record)]
+        elif kind == "checkpoint":
+            spans = [self._checkpoint_span(record)]
+        else:
+            spans = []
+        # Metrics after the spans: a record that fails above leaves no half-recorded metrics.
+        self._metrics.record(record)
+        if kind == "span" and record.get("step") is None:
+            self._pending.append(record)  # exported with the next step's trace, or at flush
+        return spans
 
     def force_flush(self, timeout_s: float) -> bool:
         """Export spans closed after the last step and collect/export metrics, within ``timeout_s``."""

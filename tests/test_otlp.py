@@ -570,3 +570,36 @@ def test_forked_children_do_not_export_metrics(receiver, device):
     after_shutdown = len(receiver.of("/v1/metrics"))
     os.waitpid(pid, 0)
     assert len(receiver.of("/v1/metrics")) == after_shutdown
+
+
+def test_a_record_the_otlp_sink_cannot_encode_costs_that_record_alone(receiver):
+    """One bad record used to fail its whole batch (20 steps lost for one circular value)."""
+    from steptrace._sinks import SinkWorker
+
+    counts = {}
+    sink = OtlpSink(receiver.url, run_id=RUN, metrics_interval_s=30)
+    worker = SinkWorker(sink, 1024, lambda reason, n=1: counts.__setitem__(reason, counts.get(reason, 0) + n))
+    good = {"type": "step", "step": 0, "status": "ok", "start_time": 1.0, "end_time": 2.0,
+            "interval_seconds": 1.0, "compute_seconds": 1.0, "attrs": {}}
+    broken = dict(good, step=1)
+    del broken["end_time"]
+    worker.offer([good, broken, dict(good, step=2)])
+    assert worker.flush(time.monotonic() + 10)
+    worker.stop(time.monotonic() + 5)
+    assert counts == {"invalid:otlp": 1}
+    assert sorted({s.attributes["train.step"] for s in by_name(receiver.spans(), "train.step")}) == [0, 2]
+
+
+def test_circular_and_nested_attrs_are_exported_as_text(receiver, device):
+    cycle = []
+    cycle.append(cycle)
+    steptrace.init(otlp_endpoint=receiver.url, jsonl=False, run_id=RUN, otlp_metrics_interval_s=30)
+    with steptrace.step(0, cycle=cycle, nested=[[1, 2], [3]], mixed=[1, "a"], flat=[1, 2]) as s:
+        s.wait_for(device.run(0.0001))
+    assert steptrace.shutdown(timeout_s=10)
+    assert steptrace.stats()["dropped"] == {}
+    (step,) = by_name(receiver.spans(), "train.step")
+    assert step.attributes["train.attrs.cycle"] == "[[...]]"
+    assert step.attributes["train.attrs.nested"] == "[[1, 2], [3]]"
+    assert step.attributes["train.attrs.mixed"] == "[1, 'a']"
+    assert tuple(step.attributes["train.attrs.flat"]) == (1, 2)
