@@ -9,10 +9,11 @@ loop must not fill the disk, so each reason logs once, then stays quiet for
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from steptrace._ratelimit import RateLimiter
 
 __all__ = ["RateLimitedLog"]
 
@@ -24,24 +25,14 @@ class RateLimitedLog:
                  clock: Callable[[], float] = time.monotonic, max_keys: int = 256):
         self._log = logger
         self._interval_s = interval_s
-        self._clock = clock
-        self._max_keys = max_keys
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
+        # Keys are refusal reasons, a fixed set; the key bound only guards against misuse.
+        self._limiter = RateLimiter(interval_s, clock, max_keys)
 
     def warning(self, key: str, msg: str, *args: Any) -> bool:
         """Log ``msg % args`` unless ``key`` logged within the interval; True when it was logged."""
-        now = self._clock()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self._interval_s:
-                self._held[key] = self._held.get(key, 0) + 1
-                return False
-            if last is None and len(self._last) >= self._max_keys:
-                key = "(other)"  # keys are reasons, a fixed set; this only guards against misuse
-            self._last[key] = now
-            held = self._held.pop(key, 0)
+        held = self._limiter.admit(key)
+        if held is None:
+            return False
         if held:
             msg += " (%d more like it in the last %gs not logged)"
             args = (*args, held, self._interval_s)

@@ -45,3 +45,18 @@ def test_the_otlp_sink_limits_the_opentelemetry_exporters_loggers():
             assert any(isinstance(f, RateLimitFilter) for f in logging.getLogger(name).filters), name
     finally:
         sink.shutdown(1)
+
+
+def test_the_limiter_remembers_a_bounded_number_of_keys():
+    """Keys made from input (a peer's garbage) cannot grow it: new keys past the bound share one."""
+    from steptrace._ratelimit import RateLimiter
+
+    now = [0.0]
+    limiter = RateLimiter(10.0, clock=lambda: now[0], max_keys=3)
+    assert [limiter.admit(k) for k in "abc"] == [0, 0, 0]
+    assert limiter.admit("d") == 0  # the first key past the bound passes as the shared one
+    assert limiter.admit("e") is None and limiter.admit("f") is None  # ...which is now held
+    assert limiter.admit("a") is None
+    now[0] = 10.0
+    assert limiter.admit("g") == 2  # the shared key speaks again with its count
+    assert limiter.admit("a") == 1
