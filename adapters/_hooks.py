@@ -15,6 +15,7 @@ settings are given, then installs its hooks (idempotent) and returns their names
 from __future__ import annotations
 
 import functools
+import os
 import importlib
 import inspect
 import warnings
@@ -28,6 +29,20 @@ def start_steptrace(init_settings: dict[str, Any]) -> None:
     """The ``install(**init_settings)`` contract shared by every framework hook."""
     if init_settings or not steptrace.enabled():
         steptrace.init(**init_settings)
+
+
+def start_steptrace_for_trainer(init_settings: dict[str, Any], *, rank: int, world_size: int) -> bool:
+    """The same contract for a trainer callback, whose trainer knows the rank and world size:
+    they fill in ``rank``/``world_size`` when neither the settings nor the environment give them.
+    True when this call started steptrace (the callback then shuts it down at the end)."""
+    if not init_settings and steptrace.enabled():
+        return False
+    settings = dict(init_settings)
+    if world_size > 1 and not any(os.environ.get(v) for v in ("STEPTRACE_RANK", "RANK")):
+        settings.setdefault("rank", rank)
+        settings.setdefault("world_size", world_size)
+    start_steptrace(settings)
+    return True
 
 
 def parameters(fn: Any) -> tuple[str, ...] | None:

@@ -40,11 +40,10 @@ down (flushed) at ``on_train_end`` only if this callback started it.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, start_steptrace
+from steptrace.adapters._hooks import Hooks, start_steptrace_for_trainer
 
 try:
     import transformers
@@ -205,13 +204,8 @@ class StepTrace(TrainerCallback):
         install()  # a changed transformers warns when the Trainer is built, not mid-run
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.init_settings or not steptrace.enabled():
-            settings = dict(self.init_settings)
-            world_size = int(getattr(args, "world_size", 1) or 1)
-            if world_size > 1 and not any(os.environ.get(v) for v in ("STEPTRACE_RANK", "RANK")):
-                settings.setdefault("rank", int(args.process_index))
-                settings.setdefault("world_size", world_size)
-            start_steptrace(settings)
+        if start_steptrace_for_trainer(self.init_settings, rank=int(getattr(args, "process_index", 0) or 0),
+                                       world_size=int(getattr(args, "world_size", 1) or 1)):
             self._started = True
         install()
         self._tokens_at_end = int(getattr(state, "num_input_tokens_seen", 0) or 0)

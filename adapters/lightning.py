@@ -45,12 +45,11 @@ already running and no settings were given; the trainer's ``global_rank``/``worl
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Callable
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, parameters, start_steptrace
+from steptrace.adapters._hooks import Hooks, parameters, start_steptrace_for_trainer
 
 __all__ = ["StepTrace", "installed"]
 
@@ -170,13 +169,8 @@ class StepTrace(*_BASES):  # type: ignore[misc]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        if self.init_settings or not steptrace.enabled():
-            settings = dict(self.init_settings)
-            world_size = int(getattr(trainer, "world_size", 1) or 1)
-            if world_size > 1 and not any(os.environ.get(v) for v in ("STEPTRACE_RANK", "RANK")):
-                settings.setdefault("rank", int(trainer.global_rank))
-                settings.setdefault("world_size", world_size)
-            start_steptrace(settings)
+        if start_steptrace_for_trainer(self.init_settings, rank=int(getattr(trainer, "global_rank", 0) or 0),
+                                       world_size=int(getattr(trainer, "world_size", 1) or 1)):
             self._started = True
         self._reset()
         _active[trainer] = self
