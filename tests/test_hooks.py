@@ -7,7 +7,7 @@ import pytest
 
 import steptrace
 from steptrace import SteptraceWarning
-from steptrace.adapters._hooks import Hooks, start_steptrace
+from steptrace.adapters._hooks import Hooks, start_steptrace, start_steptrace_for_trainer
 
 
 def _framework():
@@ -82,4 +82,21 @@ def test_install_contract_starts_steptrace_once(tmp_path):
     assert steptrace.enabled() and steptrace.config().run_id == "hooks"
     start_steptrace({})  # already running, no settings: the run goes on
     assert steptrace.config().run_id == "hooks"
+    steptrace.shutdown()
+
+
+def test_a_trainer_callback_fills_in_the_trainers_rank_unless_told(monkeypatch):
+    for name in ("STEPTRACE_RANK", "RANK", "STEPTRACE_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert start_steptrace_for_trainer({"jsonl": False, "run_id": "cb"}, rank=2, world_size=4)
+    assert (steptrace.config().rank, steptrace.config().world_size) == (2, 4)
+    # Running already and no settings: the callback leaves the run alone (and will not stop it).
+    assert not start_steptrace_for_trainer({}, rank=3, world_size=4)
+    assert steptrace.config().rank == 2
+    steptrace.shutdown()
+    # The launcher's RANK wins over the trainer's idea of it.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert start_steptrace_for_trainer({"jsonl": False, "run_id": "cb"}, rank=3, world_size=4)
+    assert steptrace.config().rank == 1
     steptrace.shutdown()
