@@ -35,9 +35,14 @@ def build(out_dir: str, max_step: int):
     from axlearn.common.module import Module
     from axlearn.common.trainer import SpmdTrainer
 
-    class SyntheticInput(Module):
+    try:  # current AXLearn: inputs are input_base.Input (the trainer reads its partition_spec)
+        from axlearn.common.input_base import Input as InputBase
+    except ImportError:  # the PyPI releases: any Module that iterates batches
+        InputBase = Module
+
+    class SyntheticInput(InputBase):
         @config_class
-        class Config(Module.Config):
+        class Config(InputBase.Config):
             is_training: Required[bool] = REQUIRED
             num_batches: int = 1000
             seed: int = 0
