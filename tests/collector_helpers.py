@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import time
@@ -19,7 +20,9 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from prometheus_client.parser import text_string_to_metric_families
 
-from steptrace._ids import span_id, trace_id
+from steptrace._ids import span_id, trace_id, trace_id_hex
+from steptrace.collector import Collector, CollectorConfig
+from steptrace.collector._decode import StepSpan
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -190,3 +193,41 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path] | None:
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True, timeout=60)
     return cert, key
+
+
+class FakeClock:
+    """A clock the test moves by hand (``clock.now += 10``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def span(step: int = 0, rank: int = 0, compute: float = 0.1, interval: float = 0.2, *, run_id: str = "run",
+         world_size: int | None = 3, status: str = "ok", bubble: dict[str, float] | None = None) -> StepSpan:
+    """A decoded ``train.step`` span, as the joiner receives it."""
+    return StepSpan(run_id=run_id, step=step, rank=rank, world_size=world_size, trace_id=trace_id_hex(run_id, step),
+                    compute_seconds=compute, interval_seconds=interval, idle_seconds=interval - compute,
+                    status=status, end_time=1.7e9 + step, bubble=bubble or {})
+
+
+@contextlib.contextmanager
+def collectors(run_dir: Path, **defaults: Any):
+    """``make(**settings)`` starts a collector on free ports (closed on exit); ``defaults`` apply to each."""
+    made: list[Collector] = []
+
+    def make(**settings: Any) -> Collector:
+        for key, value in {"port": 0, "metrics_port": 0, "run_dir": str(run_dir), "window_s": 30.0,
+                           **defaults}.items():
+            settings.setdefault(key, value)
+        c = Collector(CollectorConfig(**settings)).start()
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()

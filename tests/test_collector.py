@@ -34,12 +34,15 @@ import steptrace  # noqa: E402
 from collector_helpers import (  # noqa: E402
     JSON,
     PROTOBUF,
+    FakeClock,
     body,
+    collectors,
     otlp_json,
     post,
     read_records,
     request,
     scrape,
+    span,
     step_span,
     value,
     wait_for,
@@ -61,38 +64,10 @@ from steptrace.testing import SimulatedDevice  # noqa: E402
 TRACES = "/v1/traces"
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def span(step: int = 0, rank: int = 0, compute: float = 0.1, interval: float = 0.2, *, run_id: str = "run",
-         world_size: int | None = 3, status: str = "ok", bubble: dict[str, float] | None = None) -> StepSpan:
-    return StepSpan(run_id=run_id, step=step, rank=rank, world_size=world_size, trace_id=trace_id_hex(run_id, step),
-                    compute_seconds=compute, interval_seconds=interval, idle_seconds=interval - compute,
-                    status=status, end_time=1.7e9 + step, bubble=bubble or {})
-
-
 @pytest.fixture
 def make_collector(tmp_path):
-    made = []
-
-    def make(**settings) -> Collector:
-        settings.setdefault("port", 0)
-        settings.setdefault("metrics_port", 0)
-        settings.setdefault("world_size", 3)
-        settings.setdefault("run_dir", str(tmp_path / "runs"))
-        settings.setdefault("window_s", 30.0)
-        c = Collector(CollectorConfig(**settings)).start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with collectors(tmp_path / "runs", world_size=3) as make:
+        yield make
 
 
 @pytest.fixture

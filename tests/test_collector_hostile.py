@@ -29,13 +29,16 @@ pytest.importorskip("prometheus_client",
 
 from collector_helpers import (
     PROTOBUF,
+    FakeClock,
     body,
+    collectors,
     post,
     raw_exchange,
     read_records,
     request,
     scrape,
     self_signed_cert,
+    span,
     step_span,
     value,
     wait_for,
@@ -43,46 +46,18 @@ from collector_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from steptrace._ids import trace_id_hex
 from steptrace.collector import Collector, CollectorConfig
-from steptrace.collector._decode import StepSpan, extract_steps
+from steptrace.collector._decode import extract_steps
 from steptrace.collector._join import Joiner
 from steptrace.collector._ratelog import RateLimitedLog
 
 TRACES = "/v1/traces"
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def span(step: int = 0, rank: int = 0, compute: float = 0.1, interval: float = 0.2, *, run_id: str = "run",
-         world_size: int | None = 3) -> StepSpan:
-    return StepSpan(run_id=run_id, step=step, rank=rank, world_size=world_size, trace_id=trace_id_hex(run_id, step),
-                    compute_seconds=compute, interval_seconds=interval, idle_seconds=interval - compute,
-                    end_time=1.7e9 + step)
-
-
 @pytest.fixture
 def make_collector(tmp_path):
-    made = []
-
-    def make(**settings) -> Collector:
-        settings.setdefault("port", 0)
-        settings.setdefault("metrics_port", 0)
-        settings.setdefault("run_dir", str(tmp_path / "runs"))
-        settings.setdefault("window_s", 30.0)
-        c = Collector(CollectorConfig(**settings)).start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with collectors(tmp_path / "runs") as make:
+        yield make
 
 
 def cluster(c: Collector, run_id: str = "run", name: str = "cluster.jsonl"):
