@@ -193,31 +193,10 @@ def test_no_pipelining_schedule_gives_one_step_of_paired_microbatches_and_eval_i
         hooks, single_process_megatron):
     """PP=1 (forward_backward_no_pipelining): forward then backward per microbatch, in order;
     a forward_only call (evaluation) is an `eval` span, not a step."""
-    from megatron.core.enums import ModelType
-    from megatron.core.transformer import TransformerConfig
     from steptrace.testing import capture
 
     hooks.install()
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32)
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 8)
-            self.config = config
-            self.model_type = ModelType.encoder_or_decoder
-
-        def set_input_tensor(self, tensors):
-            pass
-
-        def forward(self, x):
-            return self.linear(x)
-
-    model = Tiny()
-
-    def forward_step_func(data_iterator, m):
-        out = m(next(data_iterator))
-        return out, lambda o: (o.pow(2).mean(), {"loss": o.pow(2).mean().detach()})
+    model, forward_step_func = _tiny_model()
 
     def run(forward_only):
         data = iter([torch.ones(2, 1, 8) * i for i in range(3)])
