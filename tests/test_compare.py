@@ -147,58 +147,64 @@ def test_the_cli_runs_compare_and_plots(tmp_path):
     assert "step interval, median" in result.stdout and png.stat().st_size > 1000
 
 
-REAL_RUN = """
+REAL_RUNS = """
 import sys
 import jax, jax.numpy as jnp
 import steptrace
 
-reps, steps, run_dir, run_id = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+run_dir = sys.argv[1]
 
 @jax.jit
 def train_step(x, reps):
     return jax.lax.fori_loop(0, reps, lambda i, x: jnp.cos(x @ x) * 0.5, x)
 
-steptrace.init(run_dir=run_dir, run_id=run_id)
-x = jnp.ones((256, 256)) * 0.01
-for n in range(steps):
-    with steptrace.step(n) as s:
-        x = train_step(x, reps)
-        s.log(loss=jnp.mean(x))
-        s.wait_for(x)
-steptrace.shutdown()
+x0 = jnp.ones((256, 256)) * 0.01
+train_step(x0, 1).block_until_ready()
+jnp.mean(x0).block_until_ready()  # compiled before any step: no session starts with a compile
+plan = {"main": 40, "same": 40, "slow": 80}
+orders = [("main", "same", "slow"), ("same", "slow", "main"), ("slow", "main", "same")]
+sessions, steps_per_session = 33, 2
+for k in range(sessions):
+    for run_id in orders[k % 3]:
+        steptrace.init(run_dir=run_dir, run_id=run_id, strict=True)
+        x = x0
+        for n in range(k * steps_per_session, (k + 1) * steps_per_session):
+            with steptrace.step(n) as s:
+                x = train_step(x, plan[run_id])
+                s.log(loss=jnp.mean(x))
+                s.wait_for(x)
+        steptrace.shutdown()
 """
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(not have("jax"), reason="needs jax")
 def test_real_runs_a_slower_branch_is_a_regression_and_the_same_code_is_noise(tmp_path):
-    """Three real JAX CPU runs: main, the same code again, and a branch doing 2x the work per step."""
+    """Three real JAX CPU runs: main, the same code again, and a branch doing 2x the work per step.
+
+    This VM's speed moves by several percent (at times tens of percent) between one run and the
+    next, a true difference that no statistic over two runs can tell from a code change (two
+    sequential runs of the same code were flagged, 7 % apart; so were two run side by side, 26 %
+    apart). So the runs take
+    turns, as docs/compare.md advises for shared machines: each is recorded in 33 sessions of 2
+    steps (``init``/``shutdown`` appending to the same run, like a resumed job), in rotating order,
+    so all three see the same machine. (The design is from a parallel attempt at this issue.)
+    """
     script = tmp_path / "train.py"
-    script.write_text(REAL_RUN)
-    env_flags = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu"}
+    script.write_text(REAL_RUNS)
     import os
 
-    env = {**os.environ, **env_flags}
-    # Steps of ~20-40 ms: long against the ~5 ms by which a JAX end can be observed late.
-    # "main" and "same" (the same code) run side by side, so that both see the same machine: this
-    # VM's speed drifts by several percent over a minute, which two runs one after the other would
-    # turn into a true, but not code-caused, difference. The slow branch (twice the work per step)
-    # runs alone after a run of main's code ("base") just before it: 2x is far beyond any drift.
-    def launch(run_id, reps):
-        return subprocess.Popen([sys.executable, str(script), str(reps), "40", str(tmp_path / "runs"), run_id],
-                                env=env)
-
-    for group in ((("main", 40), ("same", 40)), (("base", 40),), (("slow", 80),)):
-        procs = [launch(run_id, reps) for run_id, reps in group]
-        for proc in procs:
-            assert proc.wait(timeout=300) == 0
-    runs = {name: load_run(tmp_path / "runs" / name) for name in ("main", "same", "base", "slow")}
-    slow = {r.metric: r for r in compare_runs(runs["base"], runs["slow"])["rows"]}
+    # Single-threaded XLA, steps of ~15-30 ms: long against the ~5 ms by which a JAX end can be
+    # observed late.
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], check=True, env=env, timeout=300)
+    runs = {name: load_run(tmp_path / "runs" / name) for name in ("main", "same", "slow")}
+    assert all(len(steady_steps(run.steps(0))) >= 60 for run in runs.values())
+    slow = {r.metric: r for r in compare_runs(runs["main"], runs["slow"])["rows"]}
     same = {r.metric: r for r in compare_runs(runs["main"], runs["same"])["rows"]}
     assert slow["interval_median"].verdict == "regression", slow["interval_median"]
     assert slow["compute_median"].verdict == "regression"
-    # Twice the work; this VM's own speed swings by tens of percent within a minute, so only "clearly more".
-    assert slow["interval_median"].relative > 0.2
+    assert slow["interval_median"].relative > 0.4
     # The same code: within the machine's noise.
-    assert same["interval_median"].verdict != "regression", same["interval_median"]
+    assert same["interval_median"].verdict == "noise", same["interval_median"]
     assert "loss_final" in slow
