@@ -70,6 +70,7 @@ __all__ = [
     "extract_steps",
     "media_type",
     "parse_request",
+    "response_message",
     "safe_run_id",
     "span_fingerprint",
 ]
@@ -166,7 +167,7 @@ def parse_request(signal: str, data: bytes, media: str) -> Any:
                                          f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def encode_response(signal: str, media: str, rejected: int = 0, message: str = "") -> bytes:
+def response_message(signal: str, rejected: int = 0, message: str = "") -> Any:
     """The ``Export<Signal>ServiceResponse``, with ``partial_success`` when spans were rejected."""
     response = _SIGNALS[signal][1]()
     if rejected:
@@ -175,6 +176,12 @@ def encode_response(signal: str, media: str, rejected: int = 0, message: str = "
         else:
             response.partial_success.rejected_data_points = rejected
         response.partial_success.error_message = message
+    return response
+
+
+def encode_response(signal: str, media: str, rejected: int = 0, message: str = "") -> bytes:
+    """:func:`response_message` encoded for an HTTP answer in ``media``."""
+    response = response_message(signal, rejected, message)
     if media == MEDIA_JSON:
         return json.dumps(json_format.MessageToDict(response)).encode()
     return response.SerializeToString()

@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 try:
     import grpc
-    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 except ImportError as _exc:  # pragma: no cover - exercised by users without grpcio
     raise ImportError(f"--grpc-port needs grpcio ({_exc}): pip install grpcio 'steptrace[otlp]'") from _exc
 
 from steptrace.collector._auth import authorized_grant
-from steptrace.collector._decode import Rejected
+from steptrace.collector._decode import MEDIA_PROTOBUF, Rejected, parse_request, response_message
 from steptrace.collector._http import count_refusal
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,37 +37,24 @@ _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTI
           503: grpc.StatusCode.UNAVAILABLE}
 
 _SERVICES = {
-    "traces": ("opentelemetry.proto.collector.trace.v1.TraceService", trace_service_pb2.ExportTraceServiceRequest,
-               trace_service_pb2.ExportTraceServiceResponse),
-    "metrics": ("opentelemetry.proto.collector.metrics.v1.MetricsService",
-                metrics_service_pb2.ExportMetricsServiceRequest, metrics_service_pb2.ExportMetricsServiceResponse),
+    "traces": "opentelemetry.proto.collector.trace.v1.TraceService",
+    "metrics": "opentelemetry.proto.collector.metrics.v1.MetricsService",
 }
 
 
 def _export(collector: Collector, signal: str, data: bytes, context: Any) -> Any:
-    _, request_type, response_type = _SERVICES[signal]
     try:
         metadata = dict(context.invocation_metadata())
         grant = authorized_grant(collector.tokens, metadata.get("authorization"))
         if grant is None:
             raise Rejected(401, "unauthorized", "missing or wrong bearer token")
-        try:
-            message = request_type.FromString(data)
-        except Exception as exc:  # DecodeError and friends: a bad body
-            raise Rejected(400, "malformed", f"cannot decode the {signal} request: {type(exc).__name__}") from None
+        message = parse_request(signal, data, MEDIA_PROTOBUF)
         rejected, note = collector.accept(signal, message, "grpc", grant)
     except Rejected as exc:
         count_refusal(collector, exc.reason, f"gRPC {exc.message}", _peer(context))
         context.abort(_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
         raise  # not reached: abort raises
-    response = response_type()
-    if rejected:
-        if signal == "traces":
-            response.partial_success.rejected_spans = rejected
-        else:
-            response.partial_success.rejected_data_points = rejected
-        response.partial_success.error_message = note
-    return response
+    return response_message(signal, rejected, note)
 
 
 def _peer(context: Any) -> tuple[str, int] | None:
@@ -86,7 +71,7 @@ def start_grpc_server(collector: Collector, host: str, port: int, max_body_bytes
     ``tls`` is (private key PEM, certificate chain PEM).
     """
     handlers = []
-    for signal, (service, _, _) in _SERVICES.items():
+    for signal, service in _SERVICES.items():
         method = grpc.unary_unary_rpc_method_handler(
             lambda data, context, signal=signal: _export(collector, signal, data, context),
             request_deserializer=None, response_serializer=lambda message: message.SerializeToString())
