@@ -71,15 +71,19 @@ def scalar_reader(value: Any) -> Any:
     resolver would wait for those and observe the following steps' ends late, in bunches.
     ``numpy.asarray`` only copies the buffer, which is ready soon after this step's outputs.
     """
-    import numpy
-
     try:
         if value.size != 1:
             return None
         value.copy_to_host_async()
     except Exception:
         return None
-    return lambda: float(numpy.asarray(value).reshape(()))
+
+    def read() -> float:  # on the resolver thread: the import stays off the training thread
+        import numpy
+
+        return float(numpy.asarray(value).reshape(()))
+
+    return read
 
 
 def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any) -> None:
