@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
-from steptrace.analysis.summary import _num, percentile
+from steptrace.analysis.summary import _num, _present, percentile
 
 __all__ = ["Row", "compare_runs", "mann_whitney_p", "steady_steps", "add_compare_arguments", "run_compare", "main"]
 
@@ -115,10 +115,6 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "diff": self.diff, "relative": self.relative}
-
-
-def _values(steps: Sequence[dict], field: str) -> list[float]:
-    return [v for v in (_num(s.get(field)) for s in steps) if v is not None]
 
 
 def _per_step(steps: Sequence[dict], fn: Callable[[dict], float | None]) -> list[float]:
@@ -219,8 +215,8 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
     tested("mfu", "MFU", lambda s: _num(s.get("mfu")), _median, "", False)
 
     def goodput(side: _Side) -> float | None:
-        wall = sum(_values(side.steps, "interval_seconds"))
-        return sum(_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
+        wall = sum(_present(side.steps, "interval_seconds"))
+        return sum(_present(side.steps, "compute_seconds")) / wall if wall > 0 else None
 
     single("goodput", "goodput (all steps)", goodput(A), goodput(B), lower=False)
     reasons: set[str] = set()
@@ -231,7 +227,7 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
         def idle_total(side: _Side, reason: str = reason) -> float:
             return sum(_num((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
         single(f"idle_{reason}", f"idle: {reason} (total)", idle_total(A), idle_total(B), "s")
-    blocking_a, blocking_b = _values(A.checkpoints, "blocking_seconds"), _values(B.checkpoints, "blocking_seconds")
+    blocking_a, blocking_b = _present(A.checkpoints, "blocking_seconds"), _present(B.checkpoints, "blocking_seconds")
     if blocking_a or blocking_b:
         rows.append(_tested("checkpoint_blocking", "checkpoint blocking, mean", blocking_a, blocking_b, _mean,
                             "s", True, alpha, min_effect))
@@ -344,7 +340,7 @@ def plot_intervals(run_a: Run, run_b: Run, path: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run, name in ((run_a, "A"), (run_b, "B")):
-        values = sorted(_values(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
+        values = sorted(_present(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
         if values:
             ax.step([v * 1e3 for v in values], [(i + 1) / len(values) for i in range(len(values))],
                     where="post", label=f"{name}: {run.run_id}")
