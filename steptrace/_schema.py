@@ -51,8 +51,8 @@ def invalid_record_reason(sink_name: str) -> str:
     return f"invalid:{sink_name}"
 
 
-KNOWN_DROP_REASONS = RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS) + (
-    invalid_record_reason("jsonl"), invalid_record_reason("otlp"))
+KNOWN_DROP_REASONS = (RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS)
+                      + tuple(invalid_record_reason(s) for s in BUILTIN_SINKS))
 
 
 # -- OTLP: the train.* attributes the OTLP exporter writes and the collector reads ------------

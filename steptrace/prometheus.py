@@ -43,10 +43,12 @@ name                                                   type       extra labels
 ``steptrace_dropped_records_total`` is read at scrape time from the run's drop
 counters (:meth:`PrometheusSink.attach_drop_counter`): records a sink's queue
 dropped or its export failed on are ``{sink="<name>", reason="queue_full_or_error"}``;
-records this exporter skipped as malformed are ``{sink="prometheus",
-reason="invalid_record"}``; drops before any sink (the resolver's queue,
-misuse, steps still unresolved at shutdown, failed device waits) are
-``{sink="resolver", reason="<reason>"}``.
+records a sink could not take, this exporter's malformed ones included, are
+``{sink="<name>", reason="invalid_record"}`` (counted like every sink's, through
+``invalid_records`` and the SinkWorker, so they are in ``stats()`` and the run
+record too); drops before any sink (the resolver's queue, misuse, steps still
+unresolved at shutdown, failed device waits) are ``{sink="resolver",
+reason="<reason>"}``.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class PrometheusSink:
         self._labels = (self._run_id, self._rank)
         self._window = GoodputWindow(goodput_window_steps)  # raises ValueError for a bad size
         self._drop_counter: Callable[[], dict[str, int]] | None = None
-        self._invalid_records = 0
+        #: Records skipped as malformed (each dropped alone; the SinkWorker counts ``invalid:prometheus``).
+        self.invalid_records = 0
         self._drop_counter_failed = False
         self._backend: str | None = None
         self._lock = threading.Lock()
@@ -223,8 +226,8 @@ class PrometheusSink:
                 handler(self, record)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 # Raising would make the worker drop the whole batch; skip just this record.
-                self._invalid_records += 1
-                if self._invalid_records == 1:
+                self.invalid_records += 1
+                if self.invalid_records == 1:
                     log.warning("steptrace prometheus: skipping a malformed %s record (%r); further ones are "
                                 "counted in steptrace_dropped_records_total{reason=\"invalid_record\"}", kind, exc)
                 continue
@@ -334,7 +337,6 @@ class PrometheusSink:
                 family.add_metric([*self._labels, reason[len("invalid:"):], "invalid_record"], count)
             else:
                 family.add_metric([*self._labels, "resolver", reason], count)
-        family.add_metric([*self._labels, self.name, "invalid_record"], self._invalid_records)
         return family
 
     # -- protocol ----------------------------------------------------------------------------------

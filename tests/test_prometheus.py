@@ -306,12 +306,23 @@ def test_every_series_has_run_id_and_rank_and_none_a_step_label(sink):
 
 
 def test_unknown_and_malformed_records_are_skipped_without_raising(sink, caplog):
+    import time
+
+    from steptrace._sinks import SinkWorker
+
+    # Through a SinkWorker, as in a run: it counts the skipped records (invalid:prometheus) with
+    # every other drop, and the metric reads them back from those counts.
+    counts: dict[str, int] = {}
+    worker = SinkWorker(sink, 1024, lambda reason, n=1: counts.__setitem__(reason, counts.get(reason, 0) + n))
+    sink.attach_drop_counter(lambda: counts)
     missing = step_record(1, 0.1, 0.1)
     del missing["compute_seconds"]
     negative = step_record(2, -0.1, 0.1)
     bad_mb = microbatch_record(3, 0, "fast")
-    sink.export([step_record(0, 0.1, 0.1), {"type": "span", "name": "data"}, {"type": "new-kind"}, missing,
-                 negative, bad_mb, {"no": "type"}, step_record(4, 0.2, 0.1)])
+    worker.offer([step_record(0, 0.1, 0.1), {"type": "span", "name": "data"}, {"type": "new-kind"}, missing,
+                  negative, bad_mb, {"no": "type"}, step_record(4, 0.2, 0.1)])
+    assert worker.flush(time.monotonic() + 10)
+    assert counts == {"invalid:prometheus": 3}
     text = scrape(sink.endpoint)
     assert value(text, "steptrace_steps_total", status="ok") == 2  # nothing half-applied
     assert value(text, "steptrace_step_interval_seconds_sum") == pytest.approx(0.3)
