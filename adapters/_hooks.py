@@ -15,9 +15,10 @@ settings are given, then installs its hooks (idempotent) and returns their names
 from __future__ import annotations
 
 import functools
-import os
 import importlib
+import importlib.metadata
 import inspect
+import os
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -43,6 +44,14 @@ def start_steptrace_for_trainer(init_settings: dict[str, Any], *, rank: int, wor
         settings.setdefault("world_size", world_size)
     start_steptrace(settings)
     return True
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (package metadata), or None; named in hook warnings."""
+    try:
+        return importlib.metadata.version(distribution)
+    except Exception:  # not installed, or broken metadata: a warning must still be written
+        return None
 
 
 def parameters(fn: Any) -> tuple[str, ...] | None:

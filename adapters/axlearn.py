@@ -51,7 +51,7 @@ import sys
 from typing import Any, Sequence
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, start_steptrace
+from steptrace.adapters._hooks import Hooks, installed_version, start_steptrace
 
 __all__ = ["RECORDER_NAME", "install", "installed", "main", "uninstall"]
 
@@ -66,12 +66,7 @@ _hooks = Hooks("AXLearn", lambda: f"axlearn {axlearn_version()}")
 
 
 def axlearn_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("axlearn")
-    except Exception:
-        return "unknown"
+    return installed_version("axlearn") or "unknown"
 
 
 def _require_axlearn() -> None:

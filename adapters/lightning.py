@@ -49,7 +49,7 @@ import weakref
 from typing import Any, Callable
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, parameters, start_steptrace_for_trainer
+from steptrace.adapters._hooks import Hooks, installed_version, parameters, start_steptrace_for_trainer
 
 __all__ = ["StepTrace", "installed"]
 
@@ -75,13 +75,10 @@ DATA_ACTION = "train_dataloader_next"
 
 
 def lightning_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("lightning", "pytorch-lightning"):
-        try:
-            return f"{dist} {version(dist)}"
-        except PackageNotFoundError:
-            continue
+        version = installed_version(dist)
+        if version:
+            return f"{dist} {version}"
     return "lightning (version unknown)"
 
 

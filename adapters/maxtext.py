@@ -45,7 +45,7 @@ import sys
 from typing import Any, Sequence
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, start_steptrace
+from steptrace.adapters._hooks import Hooks, installed_version, start_steptrace
 
 __all__ = ["install", "installed", "main", "uninstall"]
 
@@ -57,12 +57,7 @@ _hooks = Hooks("MaxText", lambda: f"maxtext {maxtext_version()}")
 
 
 def maxtext_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("maxtext")
-    except Exception:
-        return "unknown"
+    return installed_version("maxtext") or "unknown"
 
 
 def _require_maxtext() -> None:

@@ -67,7 +67,7 @@ from typing import Any, Callable
 
 import steptrace
 from steptrace._errors import SteptraceWarning
-from steptrace.adapters._hooks import Hooks, parameters, start_steptrace
+from steptrace.adapters._hooks import Hooks, installed_version, parameters, start_steptrace
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -125,12 +125,8 @@ def _megatron_version() -> str:
         return f"megatron-core {package_info.__version__} from {where}"
     except Exception:
         pass
-    try:
-        from importlib.metadata import version
-
-        return f"megatron-core {version('megatron-core')}"
-    except Exception:
-        return "megatron-core (version unknown)"
+    version = installed_version("megatron-core")
+    return f"megatron-core {version}" if version else "megatron-core (version unknown)"
 
 
 def peak_tflops_of(device_name: str) -> float | None:

@@ -7,7 +7,7 @@ import pytest
 
 import steptrace
 from steptrace import SteptraceWarning
-from steptrace.adapters._hooks import Hooks, start_steptrace, start_steptrace_for_trainer
+from steptrace.adapters._hooks import Hooks, installed_version, start_steptrace, start_steptrace_for_trainer
 
 
 def _framework():
@@ -100,3 +100,8 @@ def test_a_trainer_callback_fills_in_the_trainers_rank_unless_told(monkeypatch):
     assert start_steptrace_for_trainer({"jsonl": False, "run_id": "cb"}, rank=3, world_size=4)
     assert steptrace.config().rank == 1
     steptrace.shutdown()
+
+
+def test_installed_version_reads_package_metadata_and_is_none_when_absent():
+    assert installed_version("pytest") == pytest.__version__
+    assert installed_version("no-such-distribution-steptrace") is None
