@@ -603,6 +603,19 @@ def test_grpc_token_is_checked(make_collector):
     assert len(read_records(cluster_file(c))) == 1
 
 
+def test_grpc_reports_invalid_spans_as_partial_success(make_collector):
+    grpc = pytest.importorskip("grpc", reason="OTLP/gRPC needs grpcio")
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    c = make_collector(grpc_port=0)
+    with grpc.insecure_channel(f"127.0.0.1:{c.grpc_port}") as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        response = stub.Export(request(step_span(rank=0), step_span(rank=7), step_span(rank=1, drop=("train.step",))),
+                               timeout=5)
+    assert response.partial_success.rejected_spans == 2
+    assert "rank_out_of_range" in response.partial_success.error_message
+
+
 # -- fuzzing ---------------------------------------------------------------------------------------------
 
 
