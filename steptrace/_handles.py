@@ -27,15 +27,20 @@ MICROBATCH_KINDS = ("forward", "backward")
 class ClosedSpan:
     """A host span that has ended; the resolver charges idle time to it."""
 
-    __slots__ = ("name", "start", "end", "step", "attrs", "emit")
+    __slots__ = ("name", "start", "end", "step", "attrs", "emit", "marker")
 
-    def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True):
+    def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True,
+                 marker: Any = None):
         self.name = name
         self.start = start
         self.end = end
         self.step = step
         self.attrs = attrs
         self.emit = emit  # False when another record (a checkpoint) already describes it
+        # (device, marker, host time before recording) of a stream marker recorded on the step's
+        # stream as the span began: the device reaches it when it has drained the step's earlier
+        # work, which decides the span's idle part. The resolver places and releases it.
+        self.marker = marker
 
 
 class TimedUnit:
@@ -175,7 +180,8 @@ class StepHandle(TimedUnit):
         if rt.closed_spans:
             self.spans = rt.take_closed_spans()
         if rt.open_spans:
-            self.open_spans = [ClosedSpan(s.name, s.start, end, None, {}, False) for s in rt.open_spans]
+            self.open_spans = [ClosedSpan(s.name, s.start, end, self.step, {}, False, s.take_marker())
+                               for s in rt.open_spans]
         # Published last: a device step handed over at wait_for() is finalized by the
         # resolver as soon as host_end is set, so status and spans must be in place first.
         self.host_end = end
@@ -237,18 +243,29 @@ class MicrobatchHandle(TimedUnit):
 class SpanHandle:
     """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name."""
 
-    __slots__ = ("_rt", "name", "attrs", "start")
+    __slots__ = ("_rt", "name", "attrs", "start", "marker")
 
     def __init__(self, rt: "Runtime", name: str, attrs: dict):
         self._rt = rt
         self.name = name
         self.attrs = attrs
         self.start = 0.0
+        self.marker: Any = None
 
     def __enter__(self) -> "SpanHandle":
+        rt = self._rt
         self.start = _perf()
-        self._rt.open_spans.append(self)
+        current = rt.current
+        if current is not None and current.start_event is not None:
+            # Inside an event-timed step: the device's own timeline says when it ran out of work.
+            self.marker = rt.span_marker(current)
+        rt.open_spans.append(self)
         return self
+
+    def take_marker(self) -> Any:
+        """Hand the span's marker over (once: a marker is released by whoever holds it)."""
+        marker, self.marker = self.marker, None
+        return marker
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
@@ -257,7 +274,7 @@ class SpanHandle:
             rt.open_spans.remove(self)
         except ValueError:
             pass
-        rt.close_span(self.name, self.start, end, self.attrs)
+        rt.close_span(self.name, self.start, end, self.attrs, marker=self.take_marker())
         return False
 
 

@@ -109,21 +109,29 @@ class Runtime:
                     pass
         unit.start_event = unit.end_event = unit.stream = None
 
-    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
+    def span_marker(self, step: StepHandle) -> tuple[Any, Any, float] | None:
+        """Record a marker on ``step``'s stream as a host span begins inside it (training thread):
+        ``(device, marker, host time read before recording)``, or None."""
+        device = step.device
+        recorded_after = _perf()
+        try:
+            return device, device.record(step.stream), recorded_after
+        except Exception as exc:
+            self.device_failed(exc)
+            return None
+
+    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
+                   marker: tuple[Any, Any, float] | None = None) -> None:
         current = self.current
-        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
+        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
+                                            marker))
         if current is None:
             return
+        # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
+        # before that precedes the work. Host and stream devices know when the device drained.
         moved = attribution.dispatch_after_span(current.dispatch, current.waited, end)
         if moved is not None:
-            # The step's device work starts after this span: the start marker moves there.
             current.dispatch = moved
-            if current.start_event is not None:
-                try:
-                    current.device.record(current.stream, current.start_event)
-                    current.start_recorded_after = end
-                except Exception as exc:
-                    self.device_failed(exc)
 
     def take_closed_spans(self) -> list[ClosedSpan]:
         closed, self.closed_spans = self.closed_spans, []

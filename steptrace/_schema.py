@@ -113,6 +113,11 @@ class StepRecord(_Common):
     # Device memory after the step, where the backend reports it: in_use_bytes, peak_bytes,
     # limit_bytes, peak_percent (peak / limit * 100).
     device_memory: NotRequired[dict[str, float]]
+    # On the first step of a run only: the time from init() to this step's host start, by the
+    # spans covering it ("eval", "data", ...), "startup" for what no span covers. It is wall time
+    # of the run outside every step's interval.
+    before_step_seconds: NotRequired[float]
+    before_step_breakdown: NotRequired[dict[str, float]]
 
 
 class MicrobatchRecord(_Common):
@@ -233,6 +238,15 @@ class RecordBuilder:
                 memory["peak_percent"] = 100.0 * memory["peak_bytes"] / memory["limit_bytes"]
             record["device_memory"] = memory
         return record
+
+    @staticmethod
+    def add_before_steps(record: StepRecord, segments: Sequence[Any]) -> None:
+        """Put the time before the run's first step (``segments`` tiling it) on that step's record."""
+        breakdown: dict[str, float] = {}
+        for segment in segments:
+            breakdown[segment.name] = breakdown.get(segment.name, 0.0) + (segment.end - segment.start)
+        record["before_step_seconds"] = sum(breakdown.values())
+        record["before_step_breakdown"] = breakdown
 
     def microbatch(self, *, step: int, index: Any, stage: Any, chunk: Any, kind: str, host_start: float,
                    host_end: float, timing: Any, end_source: str) -> MicrobatchRecord:

@@ -37,19 +37,23 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
     """Aggregate step and checkpoint records of one rank into a summary dict.
 
     Rates that need optional fields (tokens, flops, mfu) are None when no step
-    carries them; they are computed only over the steps that do.
+    carries them; they are computed only over the steps that do. The wall time is the step
+    intervals plus the time before the first step (``before_step_seconds``: an eval before
+    step 0, start-up), so nothing the host spent is dropped from the account.
     """
-    wall = _sum_field(steps, "interval_seconds")
+    before = _sum_field(steps, "before_step_seconds")
+    wall = _sum_field(steps, "interval_seconds") + before
     compute = _sum_field(steps, "compute_seconds")
 
     idle_totals: dict[str, float] = {}
     for step in steps:
-        breakdown = step.get("idle_breakdown")
-        if isinstance(breakdown, dict):
-            for reason, seconds in breakdown.items():
-                value = _num(seconds)
-                if value is not None:
-                    idle_totals[reason] = idle_totals.get(reason, 0.0) + value
+        for field in ("idle_breakdown", "before_step_breakdown"):
+            breakdown = step.get(field)
+            if isinstance(breakdown, dict):
+                for reason, seconds in breakdown.items():
+                    value = _num(seconds)
+                    if value is not None:
+                        idle_totals[reason] = idle_totals.get(reason, 0.0) + value
     # Largest first: that is the order people read them in.
     idle_totals = dict(sorted(idle_totals.items(), key=lambda kv: -kv[1]))
 
@@ -65,6 +69,7 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
         "wall_seconds": wall,
         "compute_seconds": compute,
         "idle_seconds": _sum_field(steps, "idle_seconds"),
+        "before_steps_seconds": before,
         "goodput": compute / wall if wall > 0 else None,
         "idle_breakdown_totals": idle_totals,
         "compute_p50": percentile(_present(steps, "compute_seconds"), 50),

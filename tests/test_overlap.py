@@ -1,0 +1,180 @@
+"""Host work anywhere in a step, attributed by one rule on every backend (DESIGN §2, issue 26).
+
+A host span is idle time only for the part during which the device had none of the step's work
+left to do. nanoGPT fetches the next batch right after dispatching the forward pass: on a device
+that is still busy with the forward, that fetch is hidden, not idle. On a synchronous backend
+(PyTorch on CPU) the device is the host, so the span is idle and compute is the rest of the step,
+wherever the span sits. Ground truth is the host clock for the synchronous backend and the
+simulated stream's own timeline for CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+import steptrace
+from steptrace.analysis.summary import summarize
+from steptrace.testing import SimulatedDevice, capture
+
+MS = 1e-3
+TOL = 0.5 * MS  # the simulated stream's timeline is exact; this is room for a loaded machine
+
+
+def _busy_torch(torch, seconds: float, x) -> float:
+    """Real CPU torch work for about ``seconds``; returns how long it took (host clock)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x = (x @ x).tanh()
+    return time.perf_counter() - t0
+
+
+def test_a_data_fetch_between_forward_and_backward_on_cpu_torch_is_idle_and_the_rest_is_compute():
+    """forward 25 ms, data 10 ms, backward 25 ms on CPU torch: compute = forward + backward
+    (the old rule moved the step's start to the span's end: compute 25 ms, `other` 25 ms)."""
+    torch = pytest.importorskip("torch", reason="the CPU torch loop needs torch")
+    x = torch.randn(64, 64)
+    truth = {}
+    with capture() as sink:
+        for n in range(6):
+            with steptrace.step(n) as s:
+                forward = _busy_torch(torch, 25 * MS, x)
+                with steptrace.span("data"):
+                    time.sleep(10 * MS)
+                backward = _busy_torch(torch, 25 * MS, x)
+                s.wait_for(x)
+            truth[n] = forward + backward
+    data = {r["step"]: r["seconds"] for r in sink.spans() if r["name"] == "data"}
+    for r in sink.steps():
+        n = r["step"]
+        assert r["backend"] == "host"
+        assert r["compute_seconds"] == pytest.approx(truth[n], rel=0.05), n
+        assert r["idle_breakdown"]["data"] == pytest.approx(data[n], abs=1e-6), n
+        assert r["idle_breakdown"].get("other", 0.0) < 2 * MS, n
+        assert sum(r["idle_breakdown"].values()) == pytest.approx(r["idle_seconds"], abs=1e-9)
+        # The idle segments name the span inside the step, where it really was.
+        (segment,) = [seg for seg in r["idle_segments"] if seg[0] == "data"]
+        assert r["start_time"] < segment[1] < segment[2] < r["end_time"]
+
+
+def _cuda(monkeypatch):
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from fake_cuda import FakeCuda
+
+    return FakeCuda(monkeypatch)
+
+
+@pytest.mark.parametrize("forward_ms, expect_hidden", [(25, True), (4, False)])
+def test_on_cuda_a_span_after_the_forward_is_queued_is_idle_only_once_the_device_drained(
+        monkeypatch, forward_ms, expect_hidden):
+    """The CUDA simulation: forward kernels queued, then a 10 ms data fetch, then the backward.
+    A 25 ms forward hides the fetch entirely (compute = the device's busy time, no idle); a 4 ms
+    forward leaves the device waiting for the last 6 ms of it, which is `data` idle."""
+    pytest.importorskip("torch", reason="the CUDA path is torch's")
+    fake = _cuda(monkeypatch)
+    kernels = {}
+    spans = {}
+    with capture() as sink:
+        for n in range(6):
+            fake.device.synchronize()  # each step starts on a drained device: the truth is per step
+            with steptrace.step(n):
+                forward = fake.run(forward_ms * MS)
+                with steptrace.span("data"):
+                    span_start = time.perf_counter()
+                    time.sleep(10 * MS)
+                    span_end = time.perf_counter()
+                backward = [fake.run(25 * MS / 5) for _ in range(5)]
+            kernels[n] = (forward, backward)
+            spans[n] = (span_start, span_end)
+    steps = {r["step"]: r for r in sink.steps()}
+    for n in range(1, 6):
+        r = steps[n]
+        forward, backward = kernels[n]
+        assert forward.start_time >= spans[n - 1][1]  # the device was drained at the step's entry
+        assert r["backend"] == "torch-cuda" and r["end_source"] == "device_clock"
+        span_start, span_end = spans[n]
+        # The device's own timeline: it ran from the forward's start to the backward's end, and
+        # waited on the host from the forward's end (or the span's start) to the span's end.
+        waited_in_span = max(0.0, min(span_end, backward[0].start_time) - max(forward.end_time, span_start))
+        device_window = backward[-1].end_time - forward.start_time
+        assert r["compute_seconds"] == pytest.approx(device_window - waited_in_span, abs=TOL), n
+        data_idle = r["idle_breakdown"].get("data", 0.0)
+        assert data_idle == pytest.approx(waited_in_span, abs=TOL), n
+        if expect_hidden:
+            assert data_idle < TOL, n
+        else:  # the span outlasted the 4 ms forward by ~6 ms (more on a loaded machine)
+            assert data_idle == pytest.approx(span_end - span_start - 4 * MS, abs=TOL), n
+        assert r["idle_seconds"] == pytest.approx(r["interval_seconds"] - r["compute_seconds"], abs=1e-9)
+
+
+def test_on_a_stream_device_a_span_before_any_work_is_idle_and_one_behind_earlier_work_is_hidden():
+    """Stream markers (init(backend=device)): a data span at the top of the step while the previous
+    step's work still runs is hidden behind it; on a drained device it is idle."""
+    device = SimulatedDevice(uses_events=True)
+    with capture(backend=device) as sink:
+        for n in range(4):
+            if n == 2:
+                device.synchronize()  # step 2 starts on a drained device
+            with steptrace.step(n):
+                with steptrace.span("data"):
+                    time.sleep(10 * MS)
+                device.run(40 * MS)
+    steps = {r["step"]: r for r in sink.steps()}
+    data = {r["step"]: r["seconds"] for r in sink.spans() if r["name"] == "data"}
+    assert steps[0]["idle_breakdown"]["data"] == pytest.approx(data[0], abs=TOL)
+    assert steps[1]["idle_breakdown"].get("data", 0.0) < TOL  # behind step 0's 40 ms
+    assert steps[2]["idle_breakdown"]["data"] == pytest.approx(data[2], abs=TOL)
+    for n in range(4):
+        assert steps[n]["compute_seconds"] == pytest.approx(40 * MS, abs=TOL), n
+
+
+def test_a_value_device_keeps_its_rule_spans_before_wait_for_precede_the_work(device):
+    """JAX-like value device: a span before wait_for is before the step's dispatch (idle); a span
+    after wait_for is hidden behind the dispatched work (unchanged by the one rule)."""
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n) as s:
+                with steptrace.span("data"):
+                    time.sleep(10 * MS)
+                s.wait_for(device.run(40 * MS))
+                with steptrace.span("prefetch"):
+                    time.sleep(10 * MS)
+    for r in sink.steps():
+        assert r["idle_breakdown"].get("prefetch", 0.0) == 0.0
+        assert r["compute_seconds"] == pytest.approx(40 * MS, abs=5 * MS)
+    data = [r["seconds"] for r in sink.spans() if r["name"] == "data"]
+    assert sink.steps()[0]["idle_breakdown"]["data"] == pytest.approx(data[0], abs=TOL)
+
+
+def test_time_before_the_first_step_and_between_steps_is_wall_time_by_reason():
+    """An eval before step 0 and one between steps: both in wall time and in `idle: eval`, exactly;
+    what no span covers before the first step is `startup`."""
+    with capture() as sink:
+        time.sleep(5 * MS)  # start-up nobody wrapped in a span
+        with steptrace.span("eval"):
+            time.sleep(30 * MS)
+        for n in range(4):
+            with steptrace.step(n):
+                time.sleep(5 * MS)
+            if n == 1:
+                with steptrace.span("eval"):
+                    time.sleep(30 * MS)
+    steps = sink.steps()
+    evals = [r for r in sink.spans() if r["name"] == "eval"]
+    assert len(evals) == 2 and [r["step"] for r in evals] == [None, None]
+    first = steps[0]
+    assert first["before_step_breakdown"]["eval"] == pytest.approx(evals[0]["seconds"], abs=1e-9)
+    assert first["before_step_breakdown"]["startup"] >= 5 * MS
+    assert first["before_step_seconds"] == pytest.approx(sum(first["before_step_breakdown"].values()), abs=1e-12)
+    assert all("before_step_seconds" not in r for r in steps[1:])
+    summary = summarize(steps)
+    assert summary["idle_breakdown_totals"]["eval"] == pytest.approx(evals[0]["seconds"] + evals[1]["seconds"],
+                                                                     abs=1e-9)
+    intervals = sum(r["interval_seconds"] for r in steps)
+    assert summary["wall_seconds"] == pytest.approx(intervals + first["before_step_seconds"], abs=1e-9)
+    assert summary["before_steps_seconds"] == pytest.approx(first["before_step_seconds"], abs=1e-12)
+    # The wall runs from init() to the last step's end, with nothing dropped from the account.
+    assert summary["wall_seconds"] == pytest.approx(
+        steps[-1]["end_time"] - (first["host_start_time"] - first["before_step_seconds"]), abs=1e-6)
