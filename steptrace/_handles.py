@@ -74,6 +74,7 @@ class StepHandle(TimedUnit):
     microbatches: "list[MicrobatchHandle] | tuple" = ()
     submitted = False
     waited = False
+    imperative = False  # opened by begin_step(): end_step() closes it
     #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
     scalars: dict[str, Any] | None = None
     _annotation: Any = None

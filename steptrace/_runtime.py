@@ -212,6 +212,35 @@ class Runtime:
             return NULL_MICROBATCH
         return MicrobatchHandle(self, current, index, stage, chunk, kind)
 
+    def begin_step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None,
+                   **attrs: Any) -> Any:
+        """Open step ``n`` without a ``with`` block (see :func:`steptrace.begin_step`)."""
+        if self.current is not None:
+            self.misuse(f"begin_step({n}) while step({self.current.step}) is open: call "
+                        "steptrace.end_step() first (steps cannot nest)")
+            return NULL_STEP
+        handle = self.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
+        if handle is not NULL_STEP:
+            handle.__enter__()
+            handle.imperative = True
+        return handle
+
+    def end_step(self, wait_for: Any = None, error: BaseException | None = None) -> None:
+        """Close the step :meth:`begin_step` opened (see :func:`steptrace.end_step`)."""
+        current = self.current
+        if current is None:
+            self.misuse("end_step() without an open step: call steptrace.begin_step(n) first")
+            return
+        if not current.imperative:
+            self.misuse(f"end_step() while step({current.step}) is a `with` block: it ends when the block does")
+            return
+        if wait_for is not None:
+            current.wait_for(wait_for)
+        if error is None:
+            current.__exit__(None, None, None)
+        else:
+            current.__exit__(type(error), error, error.__traceback__)
+
     def current_step(self) -> StepHandle | None:
         return self.current
 

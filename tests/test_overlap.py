@@ -178,3 +178,95 @@ def test_time_before_the_first_step_and_between_steps_is_wall_time_by_reason():
     # The wall runs from init() to the last step's end, with nothing dropped from the account.
     assert summary["wall_seconds"] == pytest.approx(
         steps[-1]["end_time"] - (first["host_start_time"] - first["before_step_seconds"]), abs=1e-6)
+
+
+# -- the API that needs no re-indent ------------------------------------------------------------------
+_SHAPE = ("step", "status", "backend", "end_source")
+
+
+def _loop_with(device, style: str) -> list[dict]:
+    """One loop, three ways to instrument it: data fetch 5 ms (a span), 20 ms of device work."""
+
+    def fetch(n):
+        time.sleep(5 * MS)
+        return n
+
+    with capture() as sink:
+        if style == "with":
+            for n in range(4):
+                with steptrace.span("data"):
+                    batch = fetch(n)
+                with steptrace.step(n, tokens=128) as s:
+                    s.wait_for(device.run(20 * MS, label=str(batch)))
+        elif style == "begin_end":
+            for n in range(4):
+                with steptrace.span("data"):
+                    batch = fetch(n)
+                steptrace.begin_step(n, tokens=128)
+                steptrace.end_step(wait_for=device.run(20 * MS, label=str(batch)))
+        else:
+            loader = (fetch(n) for n in range(4))
+            for n, batch in steptrace.steps(loader, tokens=128):
+                steptrace.wait_for(device.run(20 * MS, label=str(batch)))
+    return sink.steps()
+
+
+@pytest.mark.parametrize("style", ["begin_end", "steps"])
+def test_the_imperative_api_and_the_iterator_give_the_records_of_the_with_form(device, style):
+    reference = _loop_with(device, "with")
+    device.synchronize()
+    records = _loop_with(device, style)
+    assert [tuple(r[k] for k in _SHAPE) for r in records] == [tuple(r[k] for k in _SHAPE) for r in reference]
+    assert [sorted(r) for r in records] == [sorted(r) for r in reference]
+    for r, ref in zip(records, reference):
+        assert r["tokens"] == ref["tokens"] == 128
+        assert r["compute_seconds"] == pytest.approx(ref["compute_seconds"], abs=5 * MS)
+        assert set(r["idle_breakdown"]) <= set(ref["idle_breakdown"]) | {"other"}
+    # The first step waited on its data fetch in every form: `data` idle, the same span.
+    assert records[0]["before_step_breakdown"]["data"] == pytest.approx(
+        reference[0]["before_step_breakdown"]["data"], abs=3 * MS)
+
+
+def test_the_iterator_ends_the_open_step_when_the_loop_is_left():
+    with capture() as sink:
+        for n, _ in steptrace.steps(range(10), start=5):
+            if n == 7:
+                break
+        assert steptrace.current_step() is None
+        with steptrace.step(8):  # the next step opens cleanly
+            pass
+    assert [r["step"] for r in sink.steps()] == [5, 6, 7, 8]
+    assert all(r["status"] == "ok" for r in sink.steps())
+
+
+def test_imperative_misuse_is_a_clear_error_at_the_first_occurrence():
+    with capture(strict=True):
+        with pytest.raises(ValueError, match=r"end_step\(\) without an open step"):
+            steptrace.end_step()
+        steptrace.begin_step(0)
+        with pytest.raises(ValueError, match=r"begin_step\(1\) while step\(0\) is open"):
+            steptrace.begin_step(1)
+        steptrace.end_step()
+        with steptrace.step(1):
+            with pytest.raises(ValueError, match=r"is a `with` block"):
+                steptrace.end_step()
+    with capture(strict=False) as sink:
+        with pytest.warns(steptrace.SteptraceWarning):
+            steptrace.end_step()  # warned, counted, nothing crashes
+        steptrace.begin_step(0)
+        steptrace.end_step(error=ValueError("nan loss"))
+    (record,) = sink.steps()
+    assert record["status"] == "error" and record["error"] == "ValueError: nan loss"
+
+
+def test_imperative_calls_are_no_ops_when_steptrace_is_off():
+    steptrace.init(enabled=False)
+    try:
+        handle = steptrace.begin_step(0)
+        steptrace.wait_for(1.0)
+        steptrace.log(loss=1.0)
+        steptrace.end_step(wait_for=1.0)
+        assert handle.wait_for(1.0) is None
+        assert [n for n, _ in steptrace.steps("ab")] == [0, 1]
+    finally:
+        steptrace.shutdown()
