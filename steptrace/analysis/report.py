@@ -165,7 +165,7 @@ def _summary_panel(summary: dict, title: str):
     errors = summary["error_steps"]
     error_text = f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else ""
     grid.add_row("steps", str(summary["steps"]), error_text)
-    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "sum of step intervals")
+    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "step intervals + time before the first step")
     grid.add_row("compute", f"{summary['compute_seconds']:.3f} s", "")
     grid.add_row("goodput", _pct(summary["goodput"]), "compute / wall")
     grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
