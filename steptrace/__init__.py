@@ -44,6 +44,7 @@ __all__ = [
     "last_step",
     "log",
     "microbatch",
+    "restore",
     "shutdown",
     "span",
     "stats",
@@ -144,10 +145,13 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
         if not config.enabled:
             _install(_Disabled(warn_uninitialised=False))
             return config
+        from steptrace._attempts import record_attempt, settle_attempt
         from steptrace._devices import Backends
 
+        config = _active_config = settle_attempt(config)
         backends = Backends(config.backend)
         built = _build_sinks(config)
+        record_attempt(config)  # only once the sinks started: a failed init leaves no trace
         from steptrace._resolver import Resolver
 
         resolver = Resolver(config, built + sinks)
@@ -263,6 +267,14 @@ def log(**scalars: Any) -> None:
     handle = current_step()
     if handle is not None:
         handle.log(**scalars)
+
+
+def restore(step: int | None = None, **attrs: Any) -> Any:
+    """Time restoring a checkpoint (of ``step``) as a ``restore`` span: before the first step it is
+    the attempt's restore time in the job's accounting (``steptrace report``'s badput table)."""
+    if step is not None:
+        attrs["restored_step"] = step
+    return span("restore", **attrs)
 
 
 def span(name: str, **attrs: Any) -> Any:

@@ -80,6 +80,16 @@ class RunStart:
         self.tags = tags
 
 
+class AttemptStart:
+    """Queued at init(): the resolver writes the ``attempt`` record (process start, attempt source)."""
+
+    __slots__ = ("init_time", "source")
+
+    def __init__(self, init_time: float, source: str):
+        self.init_time = init_time
+        self.source = source
+
+
 class _Tail:
     """Spans closed after the last step, handed over by flush()/shutdown()."""
 
@@ -98,7 +108,8 @@ class Resolver:
         # Records carry unix seconds; the model runs on the monotonic clock.
         self.unix_offset = time.time() - _perf()
         self.records = RecordBuilder(run_id=config.run_id, rank=config.rank, world_size=config.world_size,
-                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset)
+                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset,
+                                     attempt=config.attempt)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
@@ -120,6 +131,9 @@ class Resolver:
         self.cpu_seconds = 0.0
         self._abandon = False
         self._busy = False
+        # This process start of the run, written first (the step records of a crashed attempt
+        # still say which attempt they belong to, and the accounting when it started).
+        self._queue.append(AttemptStart(self.started, config.attempt_source))
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -298,6 +312,17 @@ class Resolver:
             self._emit(self._resolve_step(item))
         elif isinstance(item, CheckpointHandle):
             self._emit([self._checkpoint_record(item)])
+        elif isinstance(item, AttemptStart):
+            import os
+            import socket
+
+            from steptrace._attempts import process_start_time
+
+            started = process_start_time()
+            init_unix = item.init_time + self.unix_offset
+            self._emit([self.records.attempt_started(
+                process_start=init_unix if started is None or started > init_unix else started,
+                init_time=item.init_time, source=item.source, pid=os.getpid(), hostname=socket.gethostname())])
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 

@@ -206,7 +206,7 @@ def _loop_with(device, style: str) -> list[dict]:
                 steptrace.end_step(wait_for=device.run(20 * MS, label=str(batch)))
         else:
             loader = (fetch(n) for n in range(4))
-            for n, batch in steptrace.steps(loader, tokens=128):
+            for _n, batch in steptrace.steps(loader, tokens=128):
                 steptrace.wait_for(device.run(20 * MS, label=str(batch)))
     return sink.steps()
 

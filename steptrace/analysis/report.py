@@ -18,6 +18,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
+from steptrace.analysis.goodput import BUCKETS, job_accounting
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, _ranks_reporting, find_run, load_run
 from steptrace.analysis.summary import _num, _pct, percentile, summarize, summarize_cluster
@@ -191,6 +192,49 @@ def _summary_panel(summary: dict, title: str):
     return Panel(grid, title=title, title_align="left", expand=False)
 
 
+def _attempts_table(job: dict, rank: int):
+    from rich.table import Table
+
+    table = Table(title=f"Attempts (rank {rank}): each process start of the run", title_justify="left")
+    for name in ("attempt", "steps", "first", "last", "wasted steps", "seconds", "productive s", "startup s",
+                 "ended"):
+        table.add_column(name, justify="left" if name == "ended" else "right")
+    for attempt in job["attempts"]:
+        ended = attempt["status"]
+        table.add_row(str(attempt["attempt"]), str(attempt["steps"]), str(attempt["first_step"]),
+                      str(attempt["last_step"]), str(attempt["wasted_steps"]), f"{attempt['seconds']:.3f}",
+                      f"{attempt['productive_seconds']:.3f}", f"{attempt['badput']['startup']:.3f}",
+                      ended if ended == "clean" else f"[yellow]{ended}[/]")
+    return table
+
+
+def _job_panel(job: dict, rank: int):
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(justify="right")
+    grid.add_column()
+    total = job["total_seconds"]
+
+    def share(seconds: float) -> str:
+        return f"{seconds / total * 100:.1f}% of the job" if total > 0 else ""
+
+    grid.add_row("job wall", f"{total:.3f} s", "first process start → last record, every attempt")
+    grid.add_row("productive", f"{job['productive_seconds']:.3f} s", f"goodput {_pct(job['goodput'])}")
+    for bucket in BUCKETS:
+        seconds = job["badput"][bucket]
+        if seconds > 0:
+            detail = share(seconds)
+            if bucket == "custom" and job["custom"]:
+                detail += " (" + ", ".join(f"{escape(k)} {v:.2f}" for k, v in job["custom"].items()) + ")"
+            grid.add_row(f"badput: {bucket}", f"{seconds:.3f} s", detail)
+    return Panel(grid, title=f"Job goodput across attempts (rank {rank}; docs/goodput.md)", title_align="left",
+                 expand=False)
+
+
 def _rank_table(run: Run):
     from rich.markup import escape
     from rich.table import Table
@@ -317,6 +361,10 @@ def render_report(
         if checkpoints:
             console.print(_checkpoint_table(checkpoints, rank))
         console.print(_summary_panel(summary, f"Summary (rank {rank})"))
+        job = job_accounting(run.records_by_rank.get(rank, []))
+        if len(job["attempts"]) > 1:
+            console.print(_attempts_table(job, rank))
+            console.print(_job_panel(job, rank))
         if len(run.ranks) > 1:
             console.print(_rank_table(run))
     elif rank is not None:
@@ -384,6 +432,8 @@ def run_report(args: argparse.Namespace) -> int:
             "warnings": run.warnings,
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
+            # every second of the job across attempts (docs/goodput.md); null without rank files
+            "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
         }
         print(json.dumps(payload, indent=2))
     else:
