@@ -2,23 +2,21 @@
 
 Everything here runs on the user's training thread, so it only reads clocks,
 records device markers (through the runtime) and hands finished units to the
-resolver. Handles reach the runtime they belong to through ``rt`` (a
-:class:`steptrace._runtime.Runtime`); this module imports neither it nor the
-resolver, so the layers point down: handles → resolver → runtime → API.
-Misuse is reported through the runtime and never raises into the loop unless
-``strict`` is on.
+resolver. Handles reach the runtime they belong to through ``rt``, typed by
+:class:`HandleRuntime`: what the handles need of it, stated here, which
+:class:`steptrace._runtime.Runtime` provides. This module imports neither the
+runtime nor the resolver, not even for type hints, so the layers point down:
+handles → resolver → runtime → API. Misuse is reported through the runtime
+and never raises into the loop unless ``strict`` is on.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Callable, Literal, Protocol
 
-from steptrace._devices import HOST, scalar_reader
-
-if TYPE_CHECKING:
-    from steptrace._runtime import Runtime
+from steptrace._devices import HOST, Backends, scalar_reader
 
 _perf = time.perf_counter
 MICROBATCH_KINDS = ("forward", "backward")
@@ -64,6 +62,39 @@ class TimedUnit:
     first_complete_seen = 0.0  # resolver: when it first found them complete (waiting for calibration)
 
 
+class _Submits(Protocol):
+    def submit(self, item: Any, urgent: bool = False) -> None: ...
+
+
+class HandleRuntime(Protocol):
+    """What a handle uses of the runtime it belongs to (:class:`steptrace._runtime.Runtime`)."""
+
+    current: "StepHandle | None"  # the open step; handles set it on entry and exit
+    last_step: int | None
+
+    @property
+    def annotate(self) -> Callable[[int], Any] | None: ...  # a framework's per-step annotation, if any
+    @property
+    def backends(self) -> Backends: ...
+    @property
+    def resolver(self) -> _Submits: ...
+    @property
+    def open_spans(self) -> "list[SpanHandle]": ...
+    @property
+    def closed_spans(self) -> list[ClosedSpan]: ...
+    @property
+    def pending_async(self) -> "set[CheckpointHandle]": ...
+
+    def misuse(self, message: str) -> None: ...
+    def start_markers(self, unit: TimedUnit, device: Any) -> None: ...
+    def end_marker(self, unit: TimedUnit) -> None: ...
+    def drop_markers(self, unit: TimedUnit) -> None: ...
+    def span_marker(self, step: "StepHandle") -> tuple[Any, Any, float] | None: ...
+    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
+                   marker: tuple[Any, Any, float] | None = None) -> None: ...
+    def take_closed_spans(self) -> list[ClosedSpan]: ...
+
+
 class StepHandle(TimedUnit):
     """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside."""
 
@@ -79,7 +110,7 @@ class StepHandle(TimedUnit):
     scalars: dict[str, Any] | None = None
     _annotation: Any = None
 
-    def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
+    def __init__(self, rt: "HandleRuntime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
         self._rt = rt
         self.step = n
         self.tokens = tokens
@@ -198,7 +229,7 @@ class StepHandle(TimedUnit):
 class MicrobatchHandle(TimedUnit):
     """One pipeline microbatch inside a step; device-timed like a step."""
 
-    def __init__(self, rt: "Runtime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
+    def __init__(self, rt: "HandleRuntime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
         self._rt = rt
         self._step = step
         self.index = index
@@ -246,7 +277,7 @@ class SpanHandle:
 
     __slots__ = ("_rt", "name", "attrs", "start", "marker")
 
-    def __init__(self, rt: "Runtime", name: str, attrs: dict):
+    def __init__(self, rt: "HandleRuntime", name: str, attrs: dict):
         self._rt = rt
         self.name = name
         self.attrs = attrs
@@ -289,7 +320,7 @@ class CheckpointHandle:
 
     __slots__ = ("_rt", "step", "host_start", "host_end", "async_save", "async_end", "status", "error", "_lock")
 
-    def __init__(self, rt: "Runtime", step: int, async_save: bool):
+    def __init__(self, rt: "HandleRuntime", step: int, async_save: bool):
         self._rt = rt
         self.step = step
         self.async_save = async_save

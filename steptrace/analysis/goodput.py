@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from steptrace._attribution import HostSpan, breakdown, idle_segments
 from steptrace.analysis.runs import kept_and_wasted, split_attempts
-from steptrace.analysis.summary import _num
+from steptrace.analysis.summary import as_number
 
 #: The badput buckets, in the order reports list them.
 BUCKETS = ("startup", "compile", "data", "checkpoint", "restore", "eval", "custom", "other", "wasted", "downtime")
@@ -38,7 +38,7 @@ def bucket_of(reason: str) -> str:
 
 
 def _time(record: dict, field: str) -> float | None:
-    return _num(record.get(field))
+    return as_number(record.get(field))
 
 
 def _attempt_start(records: list[dict]) -> float | None:
@@ -104,7 +104,7 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
         init_time = _time(attempt_record, "init_time") if attempt_record else None
         if steps:
             first = steps[0]
-            before = _num(first.get("before_step_seconds")) or 0.0
+            before = as_number(first.get("before_step_seconds")) or 0.0
             first_entry = (_time(first, "host_start_time") or start) - before
         else:
             first_entry = end
@@ -115,17 +115,17 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
             mine["startup"].append(max(0.0, first_entry - start))
         own_productive = []
         for step in steps:
-            interval = _num(step.get("interval_seconds")) or 0.0
+            interval = as_number(step.get("interval_seconds")) or 0.0
             if step is steps[0]:
                 for reason, seconds in (step.get("before_step_breakdown") or {}).items():
-                    if _num(seconds) is not None:
+                    if as_number(seconds) is not None:
                         charge(str(reason), float(seconds), mine)
             if id(step) in wasted_ids:
                 mine["wasted"].append(interval)
                 continue
-            own_productive.append(_num(step.get("compute_seconds")) or 0.0)
+            own_productive.append(as_number(step.get("compute_seconds")) or 0.0)
             for reason, seconds in (step.get("idle_breakdown") or {}).items():
-                if _num(seconds) is not None:
+                if as_number(seconds) is not None:
                     charge(str(reason), float(seconds), mine)
         # After the last step: checkpoints and spans by name, the rest `other`.
         last_end = _time(steps[-1], "end_time") if steps else None

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from steptrace.analysis.summary import _num
+from steptrace.analysis.summary import as_number
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 #: Written by the steptrace collector (steptrace.collector): the cross-rank join.
@@ -122,7 +122,7 @@ def _read_rank_file(file: Path, warnings: list[str], skipped: dict[str, int] | N
 
 def _step_key(record: dict) -> tuple[int, float]:
     """Sort key by step number; records without a numeric step go last."""
-    step = _num(record.get("step"))
+    step = as_number(record.get("step"))
     return (0, step) if step is not None else (1, 0.0)
 
 
@@ -180,7 +180,7 @@ class Run:
             dropped = record.get("dropped")
             if isinstance(dropped, dict):
                 for reason, count in dropped.items():
-                    if _num(count) is not None:
+                    if as_number(count) is not None:
                         totals[reason] = totals.get(reason, 0) + int(count)
         return totals
 
@@ -235,7 +235,7 @@ class Run:
             if record.get("type") != "cluster_step" or isinstance(step, bool) or not isinstance(step, int):
                 continue
             have = best.get(step)
-            if have is None or _ranks_reporting(record) >= _ranks_reporting(have):
+            if have is None or ranks_reporting(record) >= ranks_reporting(have):
                 best[step] = record
         return [best[k] for k in sorted(best)]
 
@@ -270,10 +270,10 @@ def kept_and_wasted(records: list[dict]) -> tuple[list[dict], list[dict]]:
     kept: list[dict] = []
     wasted: list[dict] = []
     for i, steps in enumerate(attempts):
-        resumed_at = min((_num(s.get("step")) for later in attempts[i + 1:] for s in later[:1]
-                          if _num(s.get("step")) is not None), default=None)
+        resumed_at = min((as_number(s.get("step")) for later in attempts[i + 1:] for s in later[:1]
+                          if as_number(s.get("step")) is not None), default=None)
         for step in steps:
-            number = _num(step.get("step"))
+            number = as_number(step.get("step"))
             if resumed_at is not None and number is not None and number >= resumed_at:
                 wasted.append(step)
             else:
@@ -281,8 +281,8 @@ def kept_and_wasted(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return kept, wasted
 
 
-def _ranks_reporting(record: dict) -> int:
-    value = _num(record.get("ranks_reporting"))
+def ranks_reporting(record: dict) -> int:
+    value = as_number(record.get("ranks_reporting"))
     return int(value) if value is not None else 0
 
 
