@@ -46,7 +46,9 @@ class Runtime:
         self.backends = backends
         self.current: StepHandle | None = None
         self.last_step: int | None = None
+        self.last_step_end = 0.0  # host clock when the last step was left (where the thread has been since)
         self.open_spans: list[SpanHandle] = []
+        self.open_checkpoint: CheckpointHandle | None = None
         self.closed_spans: list[ClosedSpan] = []
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
@@ -243,6 +245,39 @@ class Runtime:
 
     def current_step(self) -> StepHandle | None:
         return self.current
+
+    def position(self) -> tuple[int, bool, float, str | None] | None:
+        """Where the training thread is now, read from another thread (a ``/metrics`` scrape).
+
+        ``(step, in_step, seconds, span)``: the step open now (``in_step``) or, between steps,
+        the last one entered; the seconds since that step was entered, or since it was left;
+        the innermost host span or checkpoint open now (None when none is). None before the
+        first step: start-up and compilation are not a stall. Only reads attributes the
+        training thread sets, so it neither locks nor slows that thread; a value read while
+        the thread moves on describes a moment ago, never a torn step.
+        """
+        now = _perf()
+        current = self.current
+        spans = self.open_spans
+        checkpoint = self.open_checkpoint
+        span = None
+        opened = 0.0
+        try:
+            innermost = spans[-1] if spans else None
+        except IndexError:  # closed between the test and the read
+            innermost = None
+        if innermost is not None:
+            span, opened = innermost.name, innermost.start
+        if checkpoint is not None and checkpoint.host_start >= opened:
+            span = "checkpoint"
+        if current is not None:
+            # host_start is set just after `current` (0.0 in between): that step opened just now.
+            started = current.host_start or now
+            return current.step, True, max(0.0, now - started), span
+        last, left = self.last_step, self.last_step_end
+        if last is None:
+            return None
+        return last, False, max(0.0, now - left), span
 
     def _first_step_setup(self) -> None:
         """Decide, once, what depends on frameworks the user imported after init()."""
