@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,42 @@ def test_the_unit_tests_fail_when_an_alert_threshold_changes(promtool, tmp_path)
                             timeout=120, cwd=test_file.parent)
     assert result.returncode != 0
     assert "alertname: SteptraceJobStalled" in result.stdout + result.stderr
+
+
+def served_metric_names() -> set[str]:
+    """Every series name a rank's /metrics and a steptrace collector's /metrics serve."""
+    pytest.importorskip("prometheus_client", reason="the exporters need `pip install 'steptrace[prometheus]'`")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from steptrace.collector._metrics import ClusterMetrics
+    from steptrace.prometheus import PrometheusSink
+
+    sink = PrometheusSink(0, run_id="r", rank=0)
+    try:
+        sink.attach_position(lambda: (1, True, 1.0, None))
+        sink.export([{"type": "step", "step": 0, "status": "ok", "interval_seconds": 1.0, "compute_seconds": 0.5,
+                      "idle_breakdown": {"data": 0.5}},
+                     {"type": "checkpoint", "step": 0, "status": "ok", "blocking_seconds": 1.0}])
+        with urllib.request.urlopen(sink.endpoint, timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        sink.shutdown(1)
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    for family in ClusterMetrics().registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        names |= {family.name + suffix for suffix in suffixes}
+    return names
+
+
+def test_every_series_an_alert_reads_is_served_or_recorded():
+    """Catches a renamed metric or recording rule that would leave an alert silently empty."""
+    from test_dashboards import PROMQL_WORDS, metric_names
+
+    recorded = {rule["record"] for path in (ALERTS_YML, REPO / "collector" / "rules.yml")
+                for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]
+                if "record" in rule}
+    defined = served_metric_names() | recorded | {"up"}
+    words = PROMQL_WORDS | {"quantile_over_time"}
+    for rule in rules():
+        read = metric_names(rule["expr"]) - words
+        assert read <= defined, (rule.get("alert") or rule.get("record"), read - defined)
