@@ -154,10 +154,10 @@ class Alertmanager:
         self._log.close()
 
 
-def start_ranks(deadline: float) -> tuple[list[subprocess.Popen], dict[str, str]]:
-    """Every rank of every run; returns the processes and {target host:port: "run/rank"}."""
+def start_ranks(procs: list[subprocess.Popen], deadline: float) -> dict[str, str]:
+    """Start every rank of every run (into ``procs``, which the caller stops); {host:port: "run/rank"}."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    procs, names = [], []
+    names = []
     for run_id, behaviours in RUNS.items():
         for rank in range(WORLD_SIZE):
             procs.append(subprocess.Popen(
@@ -172,7 +172,7 @@ def start_ranks(deadline: float) -> tuple[list[subprocess.Popen], dict[str, str]
         if not line.startswith("http://"):
             raise RuntimeError(f"rank {name} did not start (exit code {proc.poll()})")
         targets[line.strip().split("//", 1)[1].split("/", 1)[0]] = name
-    return procs, targets
+    return targets
 
 
 def test_a_hung_rank_and_a_straggler_reach_the_webhook_and_a_healthy_run_sends_nothing(tmp_path):
@@ -189,7 +189,7 @@ def test_a_hung_rank_and_a_straggler_reach_the_webhook_and_a_healthy_run_sends_n
     try:
         am = Alertmanager(alertmanager, webhook.url, tmp_path)
         assert am.wait_ready(20), am.log_tail()
-        procs, targets = start_ranks(deadline)
+        targets = start_ranks(procs, deadline)
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": shortened_rule_files(tmp_path),
