@@ -47,7 +47,7 @@ name                                                   type       extra labels
 thread is at the moment of the scrape (:meth:`PrometheusSink.attach_position`):
 the step open now (between steps, the last one entered), how long since that
 step was entered (between steps, since it was left), and ``span``, the innermost
-host span or checkpoint open now: ``data``, ``checkpoint``, a span of yours, or
+host span or checkpoint opened since then and open now: ``data``, ``checkpoint``, a span of yours, or
 ``step`` inside a step outside any span (the step's own work: dispatch, device
 work, collectives) and ``between_steps`` outside both. A rank hung inside a step
 is a growing ``steptrace_open_seconds`` naming where it hangs; the "job stalled"

@@ -463,6 +463,14 @@ def test_init_serves_where_the_training_thread_is_and_for_how_long(device):
         step, span, seconds = where()
         # Counted from step 2's entry, not from step 1's exit.
         assert (step, span) == (2, "step") and seconds <= time.perf_counter() - before_step_2
+    # A span around the loop encloses the steps: inside one, the thread is in the step.
+    with steptrace.span("train"):
+        assert where()[:2] == (2, "train")  # opened after step 2 ended: where the thread is
+        with steptrace.step(3):
+            assert where()[:2] == (3, "step")
+            with steptrace.span("data"):
+                assert where()[:2] == (3, "data")
+        assert where()[:2] == (3, "between_steps")
     steptrace.shutdown()
 
 
