@@ -160,7 +160,13 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             attach = getattr(sink, "attach_drop_counter", None)
             if callable(attach):
                 attach(resolver.dropped_snapshot)
-        _install(Runtime(config, resolver, backends))
+        runtime = Runtime(config, resolver, backends)
+        for sink in built + sinks:
+            # Exporters that say where the training thread is (a hung step) read it at scrape time.
+            attach_position = getattr(sink, "attach_position", None)
+            if callable(attach_position):
+                attach_position(runtime.position)
+        _install(runtime)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True

@@ -209,6 +209,7 @@ class StepHandle(TimedUnit):
                 pass
         rt.current = None
         rt.last_step = self.step
+        rt.last_step_end = end
         if rt.closed_spans:
             self.spans = rt.take_closed_spans()
         if rt.open_spans:
@@ -333,11 +334,14 @@ class CheckpointHandle:
 
     def __enter__(self) -> "CheckpointHandle":
         self.host_start = _perf()
+        self._rt.open_checkpoint = self
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         self.host_end = _perf()
+        if rt.open_checkpoint is self:
+            rt.open_checkpoint = None
         if exc_type is not None:
             self.status = "error"
             self.error = f"{exc_type.__name__}: {exc}"

@@ -46,7 +46,9 @@ class Runtime:
         self.backends = backends
         self.current: StepHandle | None = None
         self.last_step: int | None = None
+        self.last_step_end = 0.0  # host clock when the last step was left (where the thread has been since)
         self.open_spans: list[SpanHandle] = []
+        self.open_checkpoint: CheckpointHandle | None = None
         self.closed_spans: list[ClosedSpan] = []
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
@@ -243,6 +245,41 @@ class Runtime:
 
     def current_step(self) -> StepHandle | None:
         return self.current
+
+    def position(self) -> tuple[int, bool, float, str | None] | None:
+        """Where the training thread is now, read from another thread (a ``/metrics`` scrape).
+
+        ``(step, in_step, seconds, span)``: the step open now (``in_step``) or, between steps,
+        the last one entered; the seconds since that step was entered, or since it was left;
+        the innermost host span or checkpoint opened since then and open now (None when none
+        is). None before the
+        first step: start-up and compilation are not a stall. Only reads attributes the
+        training thread sets, so it neither locks nor slows that thread; a value read while
+        the thread moves on describes a moment ago, never a torn step.
+        """
+        now = _perf()
+        current = self.current
+        if current is not None:
+            step, in_step = current.step, True
+            # host_start is set just after `current` (0.0 in between): that step opened just now.
+            since = current.host_start or now
+        elif self.last_step is not None:
+            step, in_step, since = self.last_step, False, self.last_step_end
+        else:
+            return None
+        # The innermost span or checkpoint opened since that boundary: one opened before it
+        # (a span around the whole loop) encloses the step and says nothing about where it is.
+        span, opened = None, since
+        try:
+            innermost = self.open_spans[-1] if self.open_spans else None
+        except IndexError:  # closed between the test and the read
+            innermost = None
+        if innermost is not None and innermost.start >= opened:
+            span, opened = innermost.name, innermost.start
+        checkpoint = self.open_checkpoint
+        if checkpoint is not None and checkpoint.host_start >= opened:
+            span = "checkpoint"
+        return step, in_step, max(0.0, now - since), span
 
     def _first_step_setup(self) -> None:
         """Decide, once, what depends on frameworks the user imported after init()."""
