@@ -71,6 +71,8 @@ class HandleRuntime(Protocol):
 
     current: "StepHandle | None"  # the open step; handles set it on entry and exit
     last_step: int | None
+    last_step_end: float  # host clock when the last step was left (the rank's position on /metrics)
+    open_checkpoint: "CheckpointHandle | None"  # the save in progress, if any
 
     @property
     def annotate(self) -> Callable[[int], Any] | None: ...  # a framework's per-step annotation, if any
