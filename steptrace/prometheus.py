@@ -40,6 +40,7 @@ name                                                   type       extra labels
 ``steptrace_info``                                     gauge (1)  ``version, backend``
 ``steptrace_step_interval_median_seconds``             gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_current_step``                             gauge      (read at scrape time)
+``steptrace_attempt``                                  gauge      (which process start of the run)
 ``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
 =====================================================  =========  ======================
 
@@ -113,7 +114,8 @@ class PrometheusSink:
     name = "prometheus"
 
     def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
-                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None):
+                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None,
+                 attempt: int = 0):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
         if peak_tflops is not None and not peak_tflops > 0:
@@ -138,6 +140,8 @@ class PrometheusSink:
 
         self._metrics = CollectorRegistry()
         self._define_metrics(peak_tflops)
+        # Counters restart with each attempt (a new process); Prometheus's reset handling expects that.
+        self._attempt.labels(*self._labels).set(attempt)
         # The served registry wraps ours: it drops `_created` series (which would double the series
         # count of every counter; the switch in prometheus_client is process-global and would change
         # the user's own metrics) and adds the drop counters, read at scrape time.
@@ -161,7 +165,7 @@ class PrometheusSink:
         """The sink ``steptrace.init`` builds when ``prometheus_port`` is set."""
         return cls(config.prometheus_port, addr=config.prometheus_addr, local_rank=config.local_rank,
                    run_id=config.run_id, rank=config.rank, goodput_window_steps=config.goodput_window_steps,
-                   peak_tflops=config.peak_tflops)
+                   peak_tflops=config.peak_tflops, attempt=config.attempt)
 
     def _define_metrics(self, peak_tflops: float | None) -> None:
         reg = self._metrics
@@ -180,6 +184,8 @@ class PrometheusSink:
         self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
                               run + ("status",), registry=reg)
         self._last_step = Gauge("steptrace_last_step", "Number of the last finalized step.", run, registry=reg)
+        self._attempt = Gauge("steptrace_attempt", "Which process start of the run this rank is (0 for the first; "
+                              "see docs/goodput.md).", run, registry=reg)
         self._tokens = Counter("steptrace_tokens", "Tokens processed by this rank.", run, registry=reg)
         self._tokens_per_second = Gauge("steptrace_tokens_per_second",
                                         "Tokens per second of wall time (interval) in the last step.",

@@ -200,3 +200,29 @@ def test_the_report_shows_the_attempts_and_the_jobs_badput(tmp_path):
     job = payload["job"]
     assert [a["status"] for a in job["attempts"]] == ["crashed", "clean"] and job["wasted_steps"] == 4
     assert job["productive_seconds"] + sum(job["badput"].values()) == pytest.approx(job["total_seconds"], abs=1e-6)
+
+
+def test_the_attempt_is_on_every_exporter(tmp_path, monkeypatch):
+    """Prometheus serves it as a gauge; OTLP spans of a later attempt carry it and its own trace ids."""
+    pytest.importorskip("prometheus_client", reason="the Prometheus sink needs prometheus_client")
+    import urllib.request
+
+    import steptrace
+    from steptrace._ids import trace_id_hex
+    from steptrace.testing import MemorySink
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="exp", prometheus_port=0, sinks=[sink])
+    try:
+        assert steptrace.config().attempt == 3 and steptrace.config().attempt_source == "launcher:TORCHELASTIC_RESTART_COUNT"
+        with steptrace.step(0):
+            pass
+        steptrace.flush()
+        url = steptrace.stats()["endpoints"]["prometheus"]
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        steptrace.shutdown()
+    assert 'steptrace_attempt{rank="0",run_id="exp"} 3.0' in text
+    (step,) = sink.steps()
+    assert step["attempt"] == 3 and step["trace_id"] == trace_id_hex("exp", 0, 3) != trace_id_hex("exp", 0)
