@@ -215,7 +215,8 @@ def test_the_attempt_is_on_every_exporter(tmp_path, monkeypatch):
     sink = MemorySink()
     steptrace.init(run_dir=str(tmp_path), run_id="exp", prometheus_port=0, sinks=[sink])
     try:
-        assert steptrace.config().attempt == 3 and steptrace.config().attempt_source == "launcher:TORCHELASTIC_RESTART_COUNT"
+        config = steptrace.config()
+        assert (config.attempt, config.attempt_source) == (3, "launcher:TORCHELASTIC_RESTART_COUNT")
         with steptrace.step(0):
             pass
         steptrace.flush()
