@@ -274,3 +274,18 @@ def test_imperative_calls_are_no_ops_when_steptrace_is_off():
         assert [n for n, _ in steptrace.steps("ab")] == [0, 1]
     finally:
         steptrace.shutdown()
+
+
+def test_the_plot_draws_the_time_before_the_first_step_as_its_own_bar():
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+    from matplotlib.figure import Figure
+
+    from steptrace.analysis.plotting import _before_first_step_bar
+
+    ax = Figure().add_subplot()
+    first = {"before_step_breakdown": {"eval": 0.5, "startup": 0.25}}
+    _before_first_step_bar(ax, first, -1.0, 0.8, {"compute", "eval"}, span=1.0)
+    hatched = [p for p in ax.patches if p.get_hatch() == "//"]
+    assert sorted(round(p.get_height(), 6) for p in hatched) == [0.25, 0.5]
+    assert [t.get_text() for t in ax.texts] == ["before\nfirst step\n0.75 s"]
+    assert ax.get_legend_handles_labels()[1] == ["startup"]  # eval is already in the legend

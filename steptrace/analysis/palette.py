@@ -16,6 +16,8 @@ REASON_COLOURS = {
     "compile": "#9467bd",
     "eval": "#ff7f0e",
     "other": "#7f7f7f",
+    "startup": "#c7c7c7",  # before the first step: what no span covers
+    "restore": "#8c564b",
 }
 _KNOWN_REASON_ORDER = ["checkpoint", "data", "compile", "eval"]
 _USER_PALETTE = [

@@ -39,6 +39,29 @@ from steptrace.analysis.summary import as_number, percent_text, summarize
 _MAX_BARS = 500
 
 
+def _before_first_step_bar(ax, first: dict, x: float, width: float, labelled: set[str], span: float) -> None:
+    """The time before the first step (start-up, an eval before step 0, ...) as a hatched bar left
+    of it, stacked by reason: wall time of the run that no step's interval holds."""
+    before = first.get("before_step_breakdown")
+    if not isinstance(before, dict) or not before:
+        return
+    bottom = 0.0
+    for reason in reason_order(before):
+        height = as_number(before.get(reason)) or 0.0
+        ax.bar([x], [height], width=width, bottom=[bottom], color=reason_colour(reason), hatch="//",
+               edgecolor="white", linewidth=0, label=None if reason in labelled else reason)
+        bottom += height
+    label = f"before\nfirst step\n{bottom:.2f} s"
+    if bottom > 3 * span:
+        # A long start-up would flatten every step: clip the axis and say the bar's height in words.
+        ax.set_ylim(0, 1.3 * span)
+        ax.annotate(label + " (clipped)", (x, 1.3 * span), xytext=(0, -4), textcoords="offset points",
+                    ha="center", va="top", fontsize="x-small")
+    else:
+        ax.annotate(label, (x, bottom), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
+                    fontsize="x-small")
+
+
 def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> Path:
     """Save a per-step stacked bar chart (compute, then idle reasons) as PNG."""
     # Build a Figure directly instead of going through pyplot: it renders with
@@ -91,6 +114,7 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
 
         top = {x: b for x, b in zip(xs, bottoms)}
         span = max(bottoms) if bottoms else 1.0
+        _before_first_step_bar(ax, steps[0], xs[0] - (min(gaps) if gaps else 1.0), width, reasons, span)
         ckpt_steps = [as_number(c.get("step")) for c in checkpoints]
         ckpt_xs = [x for x in ckpt_steps if x in top]
         if ckpt_xs:
