@@ -63,6 +63,12 @@ ENV_OTLP_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
 ENV_OTLP_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_TAGS = "STEPTRACE_TAGS"
+#: ``0`` turns off the stall watch (a ``stall`` record with every thread's stack when a rank stops moving).
+ENV_STALL_WATCH = "STEPTRACE_STALL_WATCH"
+#: A step open this many times the run's median interval is a stall (default 10).
+ENV_STALL_FACTOR = "STEPTRACE_STALL_FACTOR"
+#: ... and at least this many seconds (default 60).
+ENV_STALL_MIN_S = "STEPTRACE_STALL_MIN_S"
 #: Which process start of the run this is (0 for the first); see :func:`launcher_attempt` for the fallbacks.
 ENV_ATTEMPT = "STEPTRACE_ATTEMPT"
 #: Launcher variables that count restarts, read in this order when no attempt is given.
@@ -109,7 +115,10 @@ class Config:
     # Which process start of the run this is: init(attempt=...), STEPTRACE_ATTEMPT, a launcher's restart
     # count, or (at init, with JSONL on) one more than the attempts this rank's run directory records.
     attempt: int = 0
-    attempt_source: str = "default"  # code | env | launcher:<VAR> | run_dir | default
+    attempt_source: str = "default"
+    stall_watch: bool = True
+    stall_factor: float = 10.0
+    stall_min_s: float = 60.0  # code | env | launcher:<VAR> | run_dir | default
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -257,6 +266,9 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                                        _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
         service_name=_first(code.get("service_name"), env.get(ENV_SERVICE_NAME) or None),
         tags=_parse_tags(_first(code.get("tags"), env.get(ENV_TAGS) or None, ())),
+        stall_watch=bool(_first(code.get("stall_watch"), _env_bool(ENV_STALL_WATCH, env), True)),
+        stall_factor=_first(code.get("stall_factor"), _env_float(ENV_STALL_FACTOR, env), 10.0),
+        stall_min_s=_first(code.get("stall_min_s"), _env_float(ENV_STALL_MIN_S, env), 60.0),
     )
     _validate(config)
     return config
@@ -362,6 +374,12 @@ def _validate(config: Config) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value)):
             raise ValueError(f"{field} must be a finite number, got {value!r}")
+    for field in ("stall_factor", "stall_min_s"):
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+            raise ValueError(f"{field} must be a number in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    if config.stall_factor < 1:
+        raise ValueError(f"stall_factor must be >= 1 (a multiple of the median step), got {config.stall_factor!r}")
     if not 0 <= config.shutdown_timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"shutdown_timeout_s must be in [0, {MAX_TIMEOUT_S:g}], got {config.shutdown_timeout_s!r}")
     if config.prometheus_port is not None:

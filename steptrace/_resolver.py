@@ -114,6 +114,9 @@ class Resolver:
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
         self._queue: collections.deque[Any] = collections.deque()
+        self._emit_lock = threading.Lock()
+        #: Told each finalized step's interval (the stall watch's pace), when one runs.
+        self.on_step_interval: Any = None
         self._wake = Wakeup()
         self._sleeping = False
         self._stopping = False
@@ -337,9 +340,16 @@ class Resolver:
     def _emit(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not records:
             return
-        self.records_emitted += len(records)
-        for worker in self.sinks:
-            worker.offer(records)
+        with self._emit_lock:  # the stall watch emits from its own thread
+            self.records_emitted += len(records)
+            for worker in self.sinks:
+                worker.offer(records)
+
+    def emit_now(self, records: list[dict[str, Any]]) -> None:
+        """Hand records straight to the sinks from another thread (the stall watch): the resolver
+        may be the thing that is stuck, waiting on a device that never finishes."""
+        if not self._stopping:
+            self._emit(records)
 
     def _unit_end(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float | None, str]:
         """When the unit's device work started and ended: (device start or None, end or None, end_source).
@@ -465,6 +475,8 @@ class Resolver:
         # Nothing that ended before this step's end can cover a later idle window.
         self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
+        if self.on_step_interval is not None:
+            self.on_step_interval(timing.interval_seconds)
         self._step_ends[step.step] = timing.end
         if len(self._step_ends) > _STEP_ENDS_KEPT:
             self._step_ends.popitem(last=False)

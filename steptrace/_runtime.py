@@ -56,6 +56,15 @@ class Runtime:
         self._setup_done = False
         self._device_errors = 0
         self.active = True
+        self.stall_watch: Any = None
+        if config.stall_watch:
+            from steptrace._stall import StallWatch
+
+            self.stall_watch = StallWatch(position=self.position, train_thread=lambda: self.train_thread,
+                                          emit=resolver.emit_now, build=resolver.records,
+                                          unix_offset=resolver.unix_offset, factor=config.stall_factor,
+                                          min_s=config.stall_min_s)
+            resolver.on_step_interval = self.stall_watch.step_finalized
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
@@ -295,6 +304,8 @@ class Runtime:
 
     def shutdown(self, timeout_s: float) -> bool:
         self.active = False
+        if self.stall_watch is not None:
+            self.stall_watch.close()
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
             step = self.current

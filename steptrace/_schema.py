@@ -22,7 +22,7 @@ from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 from steptrace._ids import trace_id_hex
 
 
-RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "run")
+RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "stall", "stall_end", "run")
 
 # -- drop reasons: records that never reached a sink, counted (stats()["dropped"], the run
 # record, steptrace_dropped_records_total, steptrace.dropped_records) ------------------------
@@ -180,6 +180,29 @@ class AttemptRecord(_Common):
     hostname: str
 
 
+class StallRecord(_Common):
+    """The rank stopped moving for longer than its threshold: where every thread's Python was."""
+
+    step: int  # the open step, or (between steps) the last one entered
+    in_step: bool
+    span: str | None  # the innermost span or checkpoint open since the step boundary
+    start_time: float  # when the step was entered (in_step) or the last one left
+    open_seconds: float  # how long it had been open when the watch noticed
+    threshold_seconds: float
+    threads: list[dict[str, Any]]  # name, training, frames [[file, line, function], ...], frames_left_out
+    collectives: list[dict[str, Any]] | None  # NCCL flight recorder entries, where available
+
+
+class StallEndRecord(_Common):
+    """The stalled rank moved again."""
+
+    step: int
+    in_step: bool
+    span: str | None
+    start_time: float
+    lasted_seconds: float
+
+
 class RunRecord(_Common):
     world_size: int
     steps: int
@@ -310,6 +333,18 @@ class RecordBuilder:
                 "world_size": self.world_size, "start_time": process_start, "init_time": init_time + self.unix_offset,
                 "attempt_source": source, "pid": pid, "hostname": hostname}
 
+    def stall(self, *, step: int, in_step: bool, span: str | None, open_seconds: float, threshold_seconds: float,
+              start: float, threads: list[dict[str, Any]], collectives: list[dict[str, Any]] | None) -> StallRecord:
+        """``start`` is unix seconds already (the watch converts)."""
+        return {"type": "stall", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+                "in_step": in_step, "span": span, "start_time": start, "open_seconds": open_seconds,
+                "threshold_seconds": threshold_seconds, "threads": threads, "collectives": collectives}
+
+    def stall_end(self, *, step: int, in_step: bool, span: str | None, start: float,
+                  lasted_seconds: float) -> StallEndRecord:
+        return {"type": "stall_end", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+                "in_step": in_step, "span": span, "start_time": start, "lasted_seconds": lasted_seconds}
+
     def run(self, *, steps: int, dropped: dict[str, int], background_cpu_seconds: dict[str, float],
             device_clock: dict[str, Any] | None) -> RunRecord:
         record: RunRecord = {
@@ -324,7 +359,8 @@ class RecordBuilder:
 
 def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
-    cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
+    cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "stall": StallRecord,
+           "stall_end": StallEndRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
            "checkpoint": CheckpointRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

@@ -502,6 +502,8 @@ class OtlpSink:
             spans = [self._microbatch_span(record)]
         elif kind == "checkpoint":
             spans = [self._checkpoint_span(record)]
+        elif kind in ("stall", "stall_end"):
+            spans = [self._stall_span(record)]
         else:
             spans = []
         # Metrics after the spans: a record that fails above leaves no half-recorded metrics.
@@ -694,6 +696,36 @@ class OtlpSink:
         return self._span("train.checkpoint", trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
                           span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]),
                           attrs, error)
+
+
+    def _stall_span(self, r: dict[str, Any]) -> ReadableSpan:
+        """A stall (or its end) on the stalled step's trace: where the training thread was, as text."""
+        n = r["step"]
+        attrs = self._attrs(n)
+        _put(attrs, "train.stall.in_step", r.get("in_step"))
+        _put(attrs, "train.stall.span", r.get("span"))
+        start = r["start_time"]
+        if r["type"] == "stall":
+            seconds = r.get("open_seconds") or 0.0
+            _put(attrs, "train.stall.open_seconds", seconds)
+            _put(attrs, "train.stall.threshold_seconds", r.get("threshold_seconds"))
+            train = next((t for t in r.get("threads") or () if t.get("training")), None)
+            if train is not None:
+                lines = [f"{path}:{line} in {function}" for path, line, function in train.get("frames", [])[-24:]]
+                _put(attrs, "train.stall.stack", "\n".join(lines)[-_STACK_ATTR_CHARS:])
+            name, role = "train.stall", f"stall/{round(start * 1e6)}"
+        else:
+            seconds = r.get("lasted_seconds") or 0.0
+            _put(attrs, "train.stall.lasted_seconds", seconds)
+            name, role = "train.stall_end", f"stall_end/{round(start * 1e6)}"
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span(name, trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(start), _ns(start + seconds), attrs,
+                          "stalled" if name == "train.stall" else None)
+
+
+#: The stalled training thread's innermost frames, as one attribute of at most this many characters.
+_STACK_ATTR_CHARS = 4096
 
 
 def _resource(service_name: str | None, instance_id: str) -> Resource:

@@ -41,6 +41,7 @@ name                                                   type       extra labels
 ``steptrace_step_interval_median_seconds``             gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_current_step``                             gauge      (read at scrape time)
 ``steptrace_attempt``                                  gauge      (which process start of the run)
+``steptrace_stall_seconds``                            gauge      ``span`` (0 unless a stall is open)
 ``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
 =====================================================  =========  ======================
 
@@ -127,6 +128,7 @@ class PrometheusSink:
         self._drop_counter: Callable[[], dict[str, int]] | None = None
         self._position: Callable[[], tuple[int, bool, float, str | None] | None] | None = None
         self._position_failed = False
+        self._stalled: tuple[int, bool] | None = None  # the stall the watch reported, until its end
         self._span_names: set[str] = set()
         self._span_lock = threading.Lock()
         # The recent intervals the median gauge reads (the goodput window's length).
@@ -354,8 +356,16 @@ class PrometheusSink:
         exemplar = {"trace_id": trace_id_hex(self._run_id, step)}
         self._microbatch.labels(*self._labels, kind, stage, chunk).observe(compute, exemplar)
 
+    def _stall(self, record: dict[str, Any]) -> None:
+        self._stalled = (record["step"], bool(record["in_step"]))
+
+    def _stall_end(self, record: dict[str, Any]) -> None:
+        if self._stalled == (record["step"], bool(record["in_step"])):
+            self._stalled = None
+
     _HANDLERS: dict[Any, Callable[["PrometheusSink", dict[str, Any]], None]] = {
-        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch,
+        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch, "stall": _stall,
+        "stall_end": _stall_end,
     }
 
     # -- scrape (the HTTP server's threads) --------------------------------------------------------
@@ -414,7 +424,12 @@ class PrometheusSink:
                                    "(the innermost open span, 'step' for the step's own work, "
                                    "'between_steps').", labels=_RUN_LABELS + ("span",))
         opened.add_metric([*self._labels, span], seconds)
-        return [current, opened]
+        stall = GaugeMetricFamily("steptrace_stall_seconds", "Seconds the rank has been stuck where the stall watch "
+                                  "found it (a stall record with every thread's stack is in the run file); 0 unless "
+                                  "a stall is open. span as for steptrace_open_seconds.",
+                                  labels=_RUN_LABELS + ("span",))
+        stall.add_metric([*self._labels, span], seconds if self._stalled == (step, in_step) else 0.0)
+        return [current, opened, stall]
 
     # -- protocol ----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from steptrace.analysis.goodput import BUCKETS, job_accounting
+from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
 from steptrace.analysis.summary import as_number, percent_text, percentile, summarize, summarize_cluster
@@ -235,6 +236,28 @@ def _job_panel(job: dict, rank: int):
                  expand=False)
 
 
+def _stall_panel(view: dict):
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    cause = view["cause_ranks"]
+    grid.add_row("cause", escape(view["summary"]) if cause else f"[yellow]no single rank: {escape(view['reason'])}[/]")
+    if cause:
+        grid.add_row("why", escape(view["reason"]))
+    for rank in view["ranks"]:
+        ended = view["ended_after"][rank]
+        state = "still stalled" if ended is None else f"moved on after {ended:.1f} s"
+        span = view["span"][rank]
+        grid.add_row(f"rank {rank}", escape(f"step {view['step'][rank]}{f', span {span}' if span else ''}: "
+                                            f"{view['where'][rank]} ({state})"))
+    return Panel(grid, title="Stall: where each rank was when it stopped moving (docs/hangs.md)",
+                 title_align="left", expand=False)
+
+
 def _rank_table(run: Run):
     from rich.markup import escape
     from rich.table import Table
@@ -367,6 +390,9 @@ def render_report(
             console.print(_job_panel(job, rank))
         if len(run.ranks) > 1:
             console.print(_rank_table(run))
+        stalls = job_view(run)
+        if stalls is not None:
+            console.print(_stall_panel(stalls))
     elif rank is not None:
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
@@ -432,6 +458,8 @@ def run_report(args: argparse.Namespace) -> int:
             "warnings": run.warnings,
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
+            # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
+            "stalls": job_view(run) if run.ranks else None,
             # every second of the job across attempts (docs/goodput.md); null without rank files
             "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
         }
