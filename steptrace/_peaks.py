@@ -25,6 +25,8 @@ class Peak(NamedTuple):
 
 _H100 = "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): BF16 Tensor Core, half the sparsity figure"
 _H200 = "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 Tensor Core, half the sparsity figure"
+_V5E = "Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16 per chip"
+_V6E = "Cloud TPU v6e docs (cloud.google.com/tpu/docs/v6e): 918 TFLOPS bf16 per chip"
 _A100 = "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): BF16 Tensor Core 312 TFLOPS dense"
 
 PEAKS: tuple[Peak, ...] = (
@@ -48,14 +50,12 @@ PEAKS: tuple[Peak, ...] = (
          "AMD Instinct MI300X datasheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html): "
          "peak BF16 1,307.4 TFLOPS dense"),
     # JAX reports v5e as "TPU v5 lite", v5p as "TPU v5" (or "TPU v5p"), v6e (Trillium) as "TPU v6 lite".
-    Peak("tpu v5 lite", 197.0, "Google TPU v5e", "Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16 per chip"),
-    Peak("tpu v5e", 197.0, "Google TPU v5e", "Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16 per chip"),
-    Peak("tpu v5", 459.0, "Google TPU v5p", "Cloud TPU v5p docs (cloud.google.com/tpu/docs/v5p): 459 TFLOPS bf16 per chip"),
-    Peak("tpu v6 lite", 918.0, "Google TPU v6e (Trillium)",
-         "Cloud TPU v6e docs (cloud.google.com/tpu/docs/v6e): 918 TFLOPS bf16 per chip"),
-    Peak("tpu v6e", 918.0, "Google TPU v6e (Trillium)",
-         "Cloud TPU v6e docs (cloud.google.com/tpu/docs/v6e): 918 TFLOPS bf16 per chip"),
-    Peak("tpu v4", 275.0, "Google TPU v4", "Cloud TPU v4 docs (cloud.google.com/tpu/docs/v4): 275 TFLOPS bf16 per chip"),
+    Peak("tpu v5 lite", 197.0, "Google TPU v5e", _V5E),
+    Peak("tpu v5e", 197.0, "Google TPU v5e", _V5E),
+    Peak("tpu v5", 459.0, "Google TPU v5p", "Cloud TPU v5p docs (cloud.google.com/tpu/docs/v5p): 459 TFLOPS bf16/chip"),
+    Peak("tpu v6 lite", 918.0, "Google TPU v6e (Trillium)", _V6E),
+    Peak("tpu v6e", 918.0, "Google TPU v6e (Trillium)", _V6E),
+    Peak("tpu v4", 275.0, "Google TPU v4", "Cloud TPU v4 docs (cloud.google.com/tpu/docs/v4): 275 TFLOPS bf16/chip"),
 )
 
 

@@ -22,14 +22,12 @@ import collections
 import logging
 import threading
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
 from steptrace import _peaks
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
-from steptrace._errors import SteptraceWarning
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
 from steptrace._schema import (
     DROP_DEVICE_CLOCK_ERROR,
@@ -558,10 +556,9 @@ class Resolver:
                 step.flops is not None or step.hardware_flops is not None):
             # Never a guessed peak (another device's): no MFU, said once.
             self._warned_no_peak = True
-            warnings.warn(f"steptrace: no peak FLOP/s for device kind {self._device_kind!r} (not in "
-                          "steptrace.flops.PEAKS): MFU and HFU stay empty. Set init(peak_tflops=...) or "
-                          "STEPTRACE_PEAK_TFLOPS to the device's dense bf16 TFLOP/s", SteptraceWarning,
-                          stacklevel=2)
+            log.warning("steptrace: no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
+                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to the device's "
+                        "dense bf16 TFLOP/s", self._device_kind)
         return self.records.step(
             step=step.step, status=step.status, error=step.error, backend=step.device.name,
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
