@@ -252,8 +252,9 @@ def _flops_rows(summary: dict) -> list[tuple[str, str, str]]:
         tflops = summary.get(f"{kind}_tflops_per_second")
         if summary.get(ratio) is not None:
             rows.append((what, percent_text(summary[ratio]),
-                         f"= {kind} FLOPs / compute s / peak = {_fmt(tflops, '.3f')} / {peak / 1e12:,.1f} TFLOP/s"))
-    if peak is None and rows:
+                         f"= {kind} FLOPs / compute s / peak = {_fmt(tflops, '.3f')} / {peak / 1e12:,.1f} TFLOP/s"
+                         if peak else "mean of the steps' own (their records name no peak)"))
+    if peak is None and rows and summary.get("mfu") is None and summary.get("hfu") is None:
         rows.append(("MFU / HFU", "-", "no peak for this device: set peak_tflops (docs/flops.md)"))
     elif peak is not None and not rows:
         rows.append(("MFU", "-", f"no FLOPs per step (peak {peak / 1e12:,.1f} TFLOP/s): pass flops"))

@@ -118,7 +118,11 @@ def _flops_parts(steps: Sequence[dict]) -> dict:
         parts[f"{kind}_flops_per_step"] = total / len(counted) if counted else None
         parts[f"{kind}_tflops_per_second"] = total / seconds / 1e12 if counted and seconds > 0 else None
         ratio = "mfu" if kind == "model" else "hfu"
-        parts[ratio] = total / seconds / peak if counted and seconds > 0 and peak else None
+        if peak:
+            parts[ratio] = total / seconds / peak if counted and seconds > 0 else None
+        else:  # records without their peak (written before peak_flops existed): the steps' own ratios
+            ratios = present_values(steps, ratio)
+            parts[ratio] = sum(ratios) / len(ratios) if ratios else None
     sources = [s.get("flops_source") for s in steps if s.get("flops_source")]
     parts["flops_source"] = sources[-1] if sources else None
     return parts
