@@ -556,7 +556,7 @@ class Resolver:
                 step.flops is not None or step.hardware_flops is not None):
             # Never a guessed peak (another device's): no MFU, said once.
             self._warned_no_peak = True
-            log.warning("steptrace: no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
+            log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
                         "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to the device's "
                         "dense bf16 TFLOP/s", self._device_kind)
         return self.records.step(
