@@ -5,9 +5,10 @@ The reference functions are called where they can be: MaxText in ``.venv-maxtext
 it needs Python 3.12), Megatron-LM's ``megatron.training.training`` when it imports (it is not in
 the megatron-core wheel). The tests that always run compare with transcriptions of the branches
 these configurations take; the real-function tests check the same numbers, so a transcription that
-drifts from its source fails there. ``MAXTEXT_UTILS_PY`` / ``MEGATRON_LM_TRAINING_PY`` may name a
-source file (``maxtext/utils/maxtext_utils.py`` of a maxtext wheel, ``megatron/training/training.py``
-of a Megatron-LM checkout) whose function is run without its package's imports.
+drifts from its source fails there. Where the packages do not import, the function is run from its
+source file without its package's imports: ``MAXTEXT_UTILS_PY`` (``maxtext/utils/maxtext_utils.py``
+of a maxtext wheel) and the Megatron-LM checkout the Megatron tests use (``$MEGATRON_LM_PATH`` or
+``.cache/Megatron-LM``: importing ``megatron.training`` needs triton and CUDA-side packages).
 """
 
 from __future__ import annotations
@@ -224,12 +225,13 @@ def megatron_flops():
         return importlib.import_module("megatron.training.training").num_floating_point_operations
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-    source = os.environ.get("MEGATRON_LM_TRAINING_PY")
-    if not source:
-        pytest.skip(f"Megatron-LM's num_floating_point_operations does not import here ({reason}); set "
-                    "MEGATRON_LM_TRAINING_PY=<Megatron-LM checkout>/megatron/training/training.py")
+    path = os.environ.get("MEGATRON_LM_PATH") or str(ROOT / ".cache" / "Megatron-LM")
+    source = Path(path) / "megatron" / "training" / "training.py"
+    if not source.is_file():
+        pytest.skip(f"Megatron-LM's num_floating_point_operations does not import here ({reason}) and there is "
+                    "no checkout: set MEGATRON_LM_PATH or put one at .cache/Megatron-LM")
     no = lambda *_: False  # noqa: E731 - the hybrid and linear-attention paths these configurations skip
-    return _function_from_source(source, "num_floating_point_operations", {
+    return _function_from_source(str(source), "num_floating_point_operations", {
         "is_hybrid_model": no, "is_linear_attention_variant": no, "is_gated_delta_net_variant": no})
 
 
