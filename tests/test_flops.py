@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -413,3 +414,31 @@ def test_torch_linear_stack_reads_its_known_count_from_one_steady_step():
     assert [s["hardware_flops"] for s in steps[1:]] == [expected] * 3
     assert {s["flops_source"] for s in steps[1:]} == {"torch_flop_counter"}
     assert steps[1]["model_flops"] is None and steps[1]["mfu"] is None
+
+
+_SHARDED = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import steptrace
+    from steptrace.testing import capture
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    a = jax.device_put(jnp.ones((512, 256)), NamedSharding(mesh, P("d", None)))
+    b = jnp.ones((256, 128))
+    matmul = jax.jit(lambda a, b: a @ b)
+    with capture(flops="auto") as sink:
+        for n in range(2):
+            with steptrace.step(n) as s:
+                s.wait_for(matmul(a, b))
+    print(json.dumps([r["hardware_flops"] for r in sink.steps()]))
+""")
+
+
+def test_jax_sharded_program_counts_one_devices_share(tmp_path):
+    """An SPMD program's cost analysis is its per-device partition: 4 devices, a quarter each."""
+    pytest.importorskip("jax", reason="the JAX FLOPs test needs jax")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [2 * 512 * 256 * 128 / 4] * 2
