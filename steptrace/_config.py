@@ -37,6 +37,8 @@ ENV_LOCAL_RANK = "STEPTRACE_LOCAL_RANK"
 ENV_BACKEND = "STEPTRACE_BACKEND"
 #: Peak dense TFLOP/s of one device, for MFU.
 ENV_PEAK_TFLOPS = "STEPTRACE_PEAK_TFLOPS"
+#: ``auto``: every step's hardware FLOPs from the compiler (XLA cost analysis, torch's FLOP counter).
+ENV_FLOPS = "STEPTRACE_FLOPS"
 #: ``1`` makes misuse inside the loop raise instead of warn (for tests and CI).
 ENV_STRICT = "STEPTRACE_STRICT"
 #: ``0`` turns off profiler annotations (XProf ``StepTraceAnnotation``, torch ``record_function``).
@@ -96,6 +98,7 @@ class Config:
     local_rank: int = 0
     backend: Any = "auto"  # a name from BACKENDS, or a backend object (e.g. testing.SimulatedDevice)
     peak_tflops: float | None = None
+    flops: str | None = None  # "auto": hardware FLOPs of every step from the compiler
     strict: bool = False
     annotate: bool = True
     max_queue: int = 65536
@@ -249,6 +252,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         local_rank=local_rank,
         backend=_first(code.get("backend"), env.get(ENV_BACKEND) or None, "auto"),
         peak_tflops=_first(code.get("peak_tflops"), _env_float(ENV_PEAK_TFLOPS, env)),
+        flops=_first(code.get("flops"), env.get(ENV_FLOPS, "").strip().lower() or None),
         strict=bool(_first(code.get("strict"), _env_bool(ENV_STRICT, env), False)),
         annotate=bool(_first(code.get("annotate"), _env_bool(ENV_ANNOTATE, env), True)),
         max_queue=_first(code.get("max_queue"), _env_int(ENV_MAX_QUEUE, env), 65536),
@@ -367,6 +371,9 @@ def _validate(config: Config) -> None:
         raise ValueError(f"run_id {problem}, got {config.run_id!r} (the collector refuses such a run)")
     if isinstance(config.backend, str) and config.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or a backend object, got {config.backend!r}")
+    if config.flops not in (None, "auto"):
+        raise ValueError(f"flops must be 'auto' or None (per-step model FLOPs go to step(n, flops=...)), "
+                         f"got {config.flops!r}")
     if config.peak_tflops is not None and not config.peak_tflops > 0:
         raise ValueError(f"peak_tflops must be > 0, got {config.peak_tflops!r}")
     for field in ("shutdown_timeout_s", "otlp_timeout_s", "otlp_metrics_interval_s", "peak_tflops"):

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
+from steptrace import _peaks
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
@@ -137,6 +138,8 @@ class Resolver:
         # This process start of the run, written first (the step records of a crashed attempt
         # still say which attempt they belong to, and the accounting when it started).
         self._queue.append(AttemptStart(self.started, config.attempt_source))
+        self._device_kind: str | None = None
+        self._warned_no_peak = False
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -329,7 +332,11 @@ class Resolver:
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 
-            self._emit([self.records.metadata(start=item.host_start, facts=_metadata.collect(item.tags))])
+            facts = _metadata.collect(item.tags)
+            self._device_kind = facts["devices"].get("kind")
+            peak = _peaks.lookup(self._device_kind)
+            self.records.set_peak(peak.tflops * 1e12 if peak is not None else None)
+            self._emit([self.records.metadata(start=item.host_start, facts=facts)])
         elif isinstance(item, _Tail):
             for span in item.spans:
                 self._release_span_marker(span)
@@ -557,11 +564,19 @@ class Resolver:
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
                      mb_compute: list[tuple[Any, float, float]], end_source: str) -> StepRecord:
+        if self.records.peak_flops is None and not self._warned_no_peak and (
+                step.flops is not None or step.hardware_flops is not None):
+            # Never a guessed peak (another device's): no MFU, said once.
+            self._warned_no_peak = True
+            log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
+                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to the device's "
+                        "dense bf16 TFLOP/s", self._device_kind)
         return self.records.step(
             step=step.step, status=step.status, error=step.error, backend=step.device.name,
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
             dispatch=step.dispatch, timing=timing, segments=segments, breakdown=attribution.breakdown(segments),
             tokens=step.tokens, samples=step.samples, flops=step.flops, attrs=step.attrs,
+            hardware_flops=step.hardware_flops, flops_source=step.flops_source,
             bubble=attribution.bubble_ratios(timing.start, mb_compute) if mb_compute else None,
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),

@@ -173,8 +173,11 @@ def _summary_panel(summary: dict, title: str):
     grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
     grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
-    grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"), "per second of compute")
-    grid.add_row("MFU", percent_text(summary["mfu"]), "mean over steps")
+    grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
+                 "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
+                 else "per second of compute")
+    for row in _flops_rows(summary):
+        grid.add_row(*row)
     for name, value in summary.get("scalars", {}).items():
         grid.add_row(name, _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
     if summary.get("memory_peak_bytes") is not None:
@@ -256,6 +259,29 @@ def _stall_panel(view: dict):
                                             f"{view['where'][rank]} ({state})"))
     return Panel(grid, title="Stall: where each rank was when it stopped moving (docs/hangs.md)",
                  title_align="left", expand=False)
+
+
+def _flops_rows(summary: dict) -> list[tuple[str, str, str]]:
+    """FLOPs per step, the peak, and MFU / HFU each with its formula line: the parts travel with
+    the ratio, so a reader can redo the division."""
+    rows = []
+    peak = summary.get("peak_flops")
+    for kind, ratio, what in (("model", "mfu", "MFU"), ("hardware", "hfu", "HFU")):
+        per_step = summary.get(f"{kind}_flops_per_step")
+        if per_step is None:
+            continue
+        source = summary.get("flops_source") if kind == "hardware" else "step(flops=...)"
+        rows.append((f"{kind} FLOPs", f"{per_step / 1e9:,.3f} GFLOP", f"per step and device, from {source}"))
+        tflops = summary.get(f"{kind}_tflops_per_second")
+        if summary.get(ratio) is not None:
+            rows.append((what, percent_text(summary[ratio]),
+                         f"= {kind} FLOPs / compute s / peak = {_fmt(tflops, '.3f')} / {peak / 1e12:,.1f} TFLOP/s"
+                         if peak else "mean of the steps' own (their records name no peak)"))
+    if peak is None and rows and summary.get("mfu") is None and summary.get("hfu") is None:
+        rows.append(("MFU / HFU", "-", "no peak for this device: set peak_tflops (docs/flops.md)"))
+    elif peak is not None and not rows:
+        rows.append(("MFU", "-", f"no FLOPs per step (peak {peak / 1e12:,.1f} TFLOP/s): pass flops"))
+    return rows
 
 
 def _rank_table(run: Run):
