@@ -181,11 +181,18 @@ def test_the_accounting_is_exact_on_known_records():
     assert job["custom"] == {"warmup": 0.5}
     assert job["productive_seconds"] + sum(job["badput"].values()) == job["total_seconds"]
     assert [a["status"] for a in job["attempts"]] == ["crashed", "clean"]
+    # An attempt whose process start (known to a clock tick) falls before the previous attempt's last
+    # record starts at that record: no downtime, and no second counted twice.
+    records[6] = dict(records[6], start_time=7.49)
+    job = job_accounting(records)
+    assert job["badput"]["downtime"] == 0.0 and job["badput"]["startup"] == 4.0 - 1.0 + (11.0 - 7.5)
+    assert job["productive_seconds"] + sum(job["badput"].values()) == pytest.approx(job["total_seconds"], abs=1e-12)
 
 
 def test_the_report_shows_the_attempts_and_the_jobs_badput(tmp_path):
     run_dir = tmp_path / "runs"
     _attempt(tmp_path, run_dir, last_step=12, kill=True)
+    time.sleep(0.2)
     _attempt(tmp_path, run_dir, last_step=14, kill=False)
     env = {**os.environ, "COLUMNS": "200"}
     text = subprocess.run([sys.executable, "-m", "steptrace", "report", str(run_dir / "job")], capture_output=True,

@@ -93,12 +93,15 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
         end = _attempt_end(group)
         if start is None or end is None:
             continue
+        mine: dict[str, list[float]] = {bucket: [] for bucket in BUCKETS}
+        if previous_end is not None:
+            # The process start is known to a clock tick (10 ms): an attempt that seems to start before
+            # the previous one's last record starts at that record, so no second is counted twice.
+            start = max(start, previous_end)
+            mine["downtime"].append(start - previous_end)
         end = max(end, start)
         if first_start is None:
             first_start = start
-        mine: dict[str, list[float]] = {bucket: [] for bucket in BUCKETS}
-        if previous_end is not None:
-            mine["downtime"].append(max(0.0, start - previous_end))
         steps = [r for r in group if r.get("type") == "step"]
         attempt_record = next((r for r in group if r.get("type") == "attempt"), None)
         init_time = _time(attempt_record, "init_time") if attempt_record else None
