@@ -32,10 +32,11 @@ from steptrace.collector._decode import (
     count_data_points,
     count_items,
     extract_steps,
+    span_fingerprint,
 )
 from steptrace.collector._join import Joiner, JoinResult
 from steptrace.collector._metrics import ClusterMetrics, served_registry
-from steptrace.collector._runlog import ClusterLog
+from steptrace.collector._runlog import ClusterLog, JournalError
 
 __all__ = ["ENV_TOKEN", "Collector", "CollectorConfig"]
 
@@ -85,6 +86,8 @@ class CollectorConfig:
     run_idle_s: float = 300.0
     max_conflicts_per_run: int = 1000
     journal: bool = True
+    max_journal_bytes_per_run: int = 64 << 20
+    max_journal_bytes: int = 1 << 30
     token_file: str | None = None
     metrics_token_file: str | None = None
     tls_cert: str | None = None
@@ -107,7 +110,8 @@ class CollectorConfig:
         integer("world_size", 1, self.max_world_size, optional=True)
         integer("max_step", 0, (1 << 63) - 1)
         for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
-                     "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps"):
+                     "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps",
+                     "max_journal_bytes_per_run", "max_journal_bytes"):
             integer(name, 1)
         integer("max_conflicts_per_run", 0)
         integer("max_runs_per_token", 1, optional=True)
@@ -178,7 +182,9 @@ class Collector:
                                       open_steps=lambda: self.joiner.open_steps)
         self.log = ClusterLog(config.run_dir, max_open=3 * config.max_runs,
                               on_error=lambda n: self.metrics.write_errors.inc(n),
-                              max_conflicts=config.max_conflicts_per_run, journal=config.journal)
+                              max_conflicts=config.max_conflicts_per_run, journal=config.journal,
+                              max_journal_bytes_per_run=config.max_journal_bytes_per_run,
+                              max_journal_bytes=config.max_journal_bytes, open_spans=self.joiner.open_spans)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self._metrics_server: Any = None
@@ -322,8 +328,17 @@ class Collector:
                 admitted = {run: self.joiner.admitted(run, grant.owner) for run in {s.run_id for s in chunk}}
                 taken = [s for s in chunk if admitted[s.run_id]]
                 refused += len(chunk) - len(taken)
-                # Journal first: once we answer 200 the spans must survive a crash.
-                self.log.journal(taken)
+                # Journal first: once we answer 200 the spans must survive a crash. A retry of a
+                # span the joiner holds or wrote is journaled no more (the joiner counts it).
+                fresh: dict[tuple[str, int, int, int], Any] = {}
+                for s in taken:
+                    key = (s.run_id, s.step, s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds))
+                    if key not in fresh and not self.joiner.seen(s):
+                        fresh[key] = s
+                try:
+                    self.log.journal(fresh.values())
+                except JournalError as exc:
+                    raise Rejected(503, exc.reason, f"{exc.message}; retry") from None
                 self._publish(self.joiner.add(taken, grant.owner))
         if refused:
             extracted.invalid["too_many_runs"] = extracted.invalid.get("too_many_runs", 0) + refused
@@ -348,16 +363,24 @@ class Collector:
             self._publish(self.joiner.expire())
 
     def _publish(self, result: JoinResult) -> None:
+        # Journal entries go only once their records are written (a failed write keeps them, and
+        # the records, for the next try).
+        written = self.log.write(result.records) if result.records else self.log.retry()
         if result.records:
-            self.log.write(result.records)
             self.metrics.publish(result.records)
-            for run_id in {r["run_id"] for r in result.records}:
-                if self.joiner.open_in(run_id) == 0:
-                    self.log.reset_journal(run_id)
-                elif self.log.journal_needs_compaction(run_id):
-                    self.log.reset_journal(run_id, self.joiner.open_spans(run_id))
+        for run_id in written:
+            if self.joiner.open_in(run_id) == 0:
+                self.log.reset_journal(run_id)
+            elif self.log.journal_needs_compaction(run_id):
+                self.log.reset_journal(run_id, self.joiner.open_spans(run_id))
         if result.conflicts:
             self.log.write_conflicts(result.conflicts)
+            after: dict[str, set[int]] = {}
+            for record in result.conflicts:
+                if record.get("when") == "after_emit":
+                    after.setdefault(record["run_id"], set()).add(record["step"])
+            for run_id, steps in after.items():
+                self.log.mark(run_id, steps)
             by_run: dict[str, int] = {}
             for record in result.conflicts:
                 by_run[record["run_id"]] = by_run.get(record["run_id"], 0) + 1
@@ -368,6 +391,8 @@ class Collector:
     def _replay(self) -> None:
         """Join again what a killed collector had accepted but not emitted (its journals)."""
         spans = self.log.replay()
+        if self.log.skipped_lines:
+            self.metrics.journal_skipped.inc(self.log.skipped_lines)
         if not spans:
             return
         with self._lock:

@@ -101,6 +101,10 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="spans (or metric points) in one request; more is 413 (default: 16384)")
     parser.add_argument("--max-emitted-steps", type=_positive_int, default=8192,
                         help="emitted steps remembered per run to tell late spans and retries apart (default: 8192)")
+    parser.add_argument("--max-journal-bytes-per-run", type=_positive_int, default=64 << 20,
+                        help="journal bytes of one run; beyond, its spans are answered 503 (default: 64 MiB)")
+    parser.add_argument("--max-journal-bytes", type=_positive_int, default=1 << 30,
+                        help="journal bytes of all runs together; beyond, spans are answered 503 (default: 1 GiB)")
     parser.add_argument("--no-journal", action="store_true",
                         help="do not journal open steps' spans (a killed collector then loses them)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -141,6 +145,7 @@ def run_collector(args: argparse.Namespace) -> int:
             max_connections_per_peer=args.max_connections_per_peer, request_timeout_s=args.request_timeout_s,
             max_world_size=args.max_world_size, max_step=args.max_step,
             max_spans_per_request=args.max_spans_per_request, max_emitted_steps=args.max_emitted_steps,
+            max_journal_bytes_per_run=args.max_journal_bytes_per_run, max_journal_bytes=args.max_journal_bytes,
             journal=not args.no_journal)
         collector = Collector(config).start()
     except (ValueError, OSError) as exc:

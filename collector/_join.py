@@ -178,6 +178,18 @@ class Joiner:
         """The spans of ``run_id``'s open steps (what a journal must keep)."""
         return [s for o in self._open.values() if o.run_id == run_id for s in o.ranks.values()]
 
+    def seen(self, span: StepSpan) -> bool:
+        """Whether the joiner holds or wrote this very span (an exporter retry: not journaled again)."""
+        fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
+        open_step = self._open.get((span.run_id, span.step))
+        if open_step is not None:
+            first = open_step.ranks.get(span.rank)
+            return first is not None and \
+                span_fingerprint(first.compute_seconds, first.interval_seconds) == fingerprint
+        run = self._runs.get(span.run_id)
+        emitted = run.emitted.get(span.step) if run is not None else None
+        return emitted is not None and emitted.find(span.rank) in (-1, fingerprint)
+
     def known(self, run_id: str) -> bool:
         """Whether ``run_id`` is admitted now (admits nothing)."""
         return run_id in self._runs

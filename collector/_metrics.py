@@ -128,6 +128,8 @@ class ClusterMetrics:
                                    "Metric data points received (accepted and counted, not joined).", ())
         self.write_errors = counter("steptrace_collector_write_errors",
                                     "Records that could not be written to the run directory.", ())
+        self.journal_skipped = counter("steptrace_collector_journal_skipped_lines",
+                                       "Journal lines skipped at replay: torn, corrupt or not a span.", ())
         self.open = Gauge("steptrace_collector_open_steps", "Steps waiting for more ranks.", registry=reg)
         if open_steps is not None:
             self.open.set_function(open_steps)

@@ -1,0 +1,170 @@
+"""Hostile input, round 2: nothing acknowledged is lost, nothing written is written twice, bounds hold.
+
+Each test is one defect of the second security review (issue 25) and failed on the
+collector as it was before the fix; the numbers in the names are the review's.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("opentelemetry.proto",
+                    reason="the collector needs opentelemetry-proto (pip install 'steptrace[otlp]')")
+pytest.importorskip("prometheus_client",
+                    reason="the collector needs prometheus_client (pip install 'steptrace[prometheus]')")
+
+from collector_helpers import body, collectors, post, read_records, scrape, step_span, value
+
+from steptrace.collector._runlog import CLUSTER_FILE, JOURNAL_FILE, ClusterLog
+
+TRACES = "/v1/traces"
+
+
+@pytest.fixture
+def make_collector(tmp_path):
+    with collectors(tmp_path / "runs") as make:
+        yield make
+
+
+def fail_writes(monkeypatch, name: str) -> list[int]:
+    """Every write to ``name`` files raises ENOSPC (a full disk) until the returned list is cleared."""
+    active = [1]
+    original = ClusterLog._file
+
+    def broken(self, run_id, which=CLUSTER_FILE):
+        if active and which == name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, run_id, which)
+
+    monkeypatch.setattr(ClusterLog, "_file", broken)
+    return active
+
+
+def cluster_steps(path: Path) -> list[tuple[int, bool]]:
+    return [(r["step"], r["complete"]) for r in read_records(path) if r["type"] == "cluster_step"]
+
+
+# -- 1. acknowledge only what is durable --------------------------------------------------------------------
+
+
+def test_a_failed_journal_append_is_answered_503_not_200_50_of_50_lost(make_collector, monkeypatch):
+    """Defect 1: the journal append failed, the error was swallowed and the request answered 200."""
+    c = make_collector(world_size=2)
+    broken = fail_writes(monkeypatch, JOURNAL_FILE)
+    status, headers, _ = post(c.port, TRACES, body(step_span(step=0, rank=0, world_size=2)))
+    assert status == 503, "a span that is not in the journal must not be acknowledged"
+    assert headers.get("retry-after") == "1"
+    assert value(scrape(c.metrics_url), "steptrace_collector_rejected_requests_total", reason="journal_failed") == 1
+    assert c.joiner.open_steps == 0  # not taken either: the retry is the one that counts
+    broken.clear()
+    assert post(c.port, TRACES, body(*[step_span(step=0, rank=r, world_size=2) for r in range(2)]))[0] == 200
+    c.close()
+    assert cluster_steps(Path(c.config.run_dir) / "run" / CLUSTER_FILE) == [(0, True)]
+
+
+def test_records_that_cannot_be_written_stay_in_the_journal_until_they_are(make_collector, monkeypatch, tmp_path):
+    """Defect 1: publishing emptied the journal without checking that cluster.jsonl was written."""
+    c = make_collector(world_size=1)
+    broken = fail_writes(monkeypatch, CLUSTER_FILE)
+    for step in range(50):
+        assert post(c.port, TRACES, body(step_span(step=step, world_size=1)))[0] == 200
+    assert value(scrape(c.metrics_url), "steptrace_collector_write_errors_total") == 50
+    c.close()  # the disk is still full: the 50 steps can only be in the journal now
+    broken.clear()
+    again = make_collector(world_size=1)  # the restarted collector replays them
+    again.close()
+    assert cluster_steps(tmp_path / "runs" / "run" / CLUSTER_FILE) == [(s, True) for s in range(50)]
+    assert (tmp_path / "runs" / "run" / JOURNAL_FILE).stat().st_size == 0
+
+
+def test_records_are_written_once_the_disk_has_room_again(make_collector, monkeypatch, tmp_path):
+    c = make_collector(world_size=1)
+    broken = fail_writes(monkeypatch, CLUSTER_FILE)
+    assert post(c.port, TRACES, body(step_span(step=0, world_size=1)))[0] == 200
+    broken.clear()
+    assert post(c.port, TRACES, body(step_span(step=1, world_size=1)))[0] == 200
+    assert cluster_steps(tmp_path / "runs" / "run" / CLUSTER_FILE) == [(0, True), (1, True)]
+    assert (tmp_path / "runs" / "run" / JOURNAL_FILE).stat().st_size == 0
+
+
+def start_collector(run_dir, *extra: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "steptrace.collector", "--port", "0", "--metrics-port", "0",
+                             "--world-size", "3", "--window-s", "60", "--run-dir", str(run_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("steptrace collector: otlp_http=127.0.0.1:"), line + proc.stderr.read()
+    return proc, int(line.split("otlp_http=127.0.0.1:")[1].split()[0])
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_a_restart_replays_only_what_was_not_written_300_of_300_written_again(tmp_path):
+    """Defect 2: SIGKILL with a step open, restart: every step already in cluster.jsonl was written again."""
+    run_dir = tmp_path / "runs"
+    proc, port = start_collector(run_dir, "--max-emitted-steps", "100")
+    try:
+        assert post(port, TRACES, body(step_span(step=300, rank=0)))[0] == 200  # keeps the journal from emptying
+        for first in range(0, 300, 50):
+            assert post(port, TRACES, body(*[step_span(step=s, rank=r) for s in range(first, first + 50)
+                                             for r in range(3)]))[0] == 200
+    finally:
+        kill(proc)
+    proc, port = start_collector(run_dir, "--max-emitted-steps", "100")
+    try:
+        assert post(port, TRACES, body(step_span(step=300, rank=1), step_span(step=300, rank=2)))[0] == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+        proc.stdout.close()
+        proc.stderr.close()
+    steps = [s for s, _ in cluster_steps(run_dir / "run" / CLUSTER_FILE)]
+    assert len(steps) - len(set(steps)) == 0, f"{len(steps) - len(set(steps))} steps written twice"
+    assert steps == list(range(301))
+
+
+@pytest.mark.parametrize("line", ['["run",0,"zero",1,"",0.1,0.2,0.1,"ok",null,{}]', "[" * 100_000 + "]" * 100_000,
+                                  '{"not": "a span"}', '["w", "x"]'])
+def test_a_corrupt_journal_line_is_skipped_and_counted_never_fatal(tmp_path, line):
+    """Defect 4: a string rank or deeply nested JSON in the journal and the collector exited 1 at every start."""
+    run = tmp_path / "runs" / "run"
+    run.mkdir(parents=True)
+    good = json.dumps(["run", 0, 0, 1, "", 0.1, 0.2, 0.1, "ok", None, {}])
+    (run / JOURNAL_FILE).write_text(line + "\n" + good + "\n")
+    with collectors(tmp_path / "runs") as make:
+        c = make(world_size=1)
+        text = scrape(c.metrics_url)
+        assert value(text, "steptrace_collector_journal_skipped_lines_total") == 1
+        c.close()
+    assert cluster_steps(run / CLUSTER_FILE) == [(0, True)]
+
+
+def test_the_same_span_sent_4000_times_is_journaled_once(make_collector, tmp_path):
+    """Defect 3: the same span 4,000 times a request made a 27 MiB journal for one open step."""
+    c = make_collector(world_size=2)
+    for _ in range(3):
+        assert post(c.port, TRACES, body(*[step_span(step=0, rank=0, world_size=2)] * 4000))[0] == 200
+    lines = (tmp_path / "runs" / "run" / JOURNAL_FILE).read_text().splitlines()
+    assert len(lines) == 1
+    assert value(scrape(c.metrics_url), "steptrace_collector_duplicate_spans_total", run_id="run") == 11999
+
+
+def test_the_journal_is_bounded_per_run_beyond_it_503(make_collector, tmp_path):
+    """Defect 3: one open step's journal grew without bound; now a full journal refuses (retryable)."""
+    c = make_collector(world_size=4096, max_journal_bytes_per_run=64 << 10)
+    answers = [post(c.port, TRACES, body(*[step_span(step=s, rank=r, world_size=4096) for r in range(100)]))[0]
+               for s in range(20)]
+    assert answers[0] == 200 and answers[-1] == 503
+    assert (tmp_path / "runs" / "run" / JOURNAL_FILE).stat().st_size <= 64 << 10
+    assert value(scrape(c.metrics_url), "steptrace_collector_rejected_requests_total", reason="journal_full") >= 1
