@@ -35,6 +35,7 @@ from steptrace.collector._decode import (
     span_fingerprint,
 )
 from steptrace.collector._join import Joiner, JoinResult
+from steptrace.collector._http import ByteBudget
 from steptrace.collector._metrics import ClusterMetrics, served_registry
 from steptrace.collector._runlog import ClusterLog, JournalError
 
@@ -85,6 +86,7 @@ class CollectorConfig:
     max_emitted_steps: int = 8192
     run_idle_s: float = 300.0
     max_conflicts_per_run: int = 1000
+    max_inflight_body_bytes: int = 256 << 20
     journal: bool = True
     max_journal_bytes_per_run: int = 64 << 20
     max_journal_bytes: int = 1 << 30
@@ -111,7 +113,7 @@ class CollectorConfig:
         integer("max_step", 0, (1 << 63) - 1)
         for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
                      "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps",
-                     "max_journal_bytes_per_run", "max_journal_bytes"):
+                     "max_journal_bytes_per_run", "max_journal_bytes", "max_inflight_body_bytes"):
             integer(name, 1)
         integer("max_conflicts_per_run", 0)
         integer("max_runs_per_token", 1, optional=True)
@@ -180,7 +182,11 @@ class Collector:
                              else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
                                       open_steps=lambda: self.joiner.open_steps)
-        self.log = ClusterLog(config.run_dir, max_open=3 * config.max_runs,
+        self.limits = descriptor_limits(config)
+        self.budget = ByteBudget(config.max_inflight_body_bytes,
+                                 min(config.max_inflight_body_bytes,
+                                     max(config.max_body_bytes, config.max_inflight_body_bytes // 4)))
+        self.log = ClusterLog(config.run_dir, max_open=self.limits.open_files,
                               on_error=lambda n: self.metrics.write_errors.inc(n),
                               max_conflicts=config.max_conflicts_per_run, journal=config.journal,
                               max_journal_bytes_per_run=config.max_journal_bytes_per_run,
@@ -213,8 +219,9 @@ class Collector:
                                             max_body_bytes=c.max_body_bytes,
                                             read_timeout_s=min(c.read_timeout_s, c.request_timeout_s),
                                             request_timeout_s=c.request_timeout_s,
-                                            max_connections=c.max_connections,
-                                            max_connections_per_peer=c.max_connections_per_peer, tls=self._tls)
+                                            max_connections=self.limits.http,
+                                            max_connections_per_peer=self.limits.http_per_peer,
+                                            tls=self._tls, budget=self.budget)
             except OSError as exc:
                 raise ValueError(f"port: cannot serve OTLP/HTTP on {c.host}:{c.port}: {exc.strerror or exc}") from exc
             self.port = self._http.server_address[1]
@@ -234,7 +241,8 @@ class Collector:
                         with open(c.tls_key, "rb") as key, open(c.tls_cert, "rb") as cert:
                             tls = (key.read(), cert.read())
                     self._grpc, self.grpc_port = start_grpc_server(self, c.host, c.grpc_port, c.max_body_bytes,
-                                                                   tls)
+                                                                   tls, max_connections=self.limits.grpc,
+                                                                   idle_s=c.request_timeout_s)
                 except OSError as exc:
                     raise ValueError(f"grpc_port: cannot serve OTLP/gRPC on {c.host}:{c.grpc_port}: {exc}") from exc
         except BaseException:
@@ -249,6 +257,10 @@ class Collector:
         self._metrics_thread.start()
         self._ticker = threading.Thread(target=self._tick, name="steptrace-collector-window", daemon=True)
         self._ticker.start()
+        lim = self.limits
+        log.info("steptrace collector: file descriptor limit %s: at most %d OTLP/HTTP connections%s, %d /metrics, "
+                 "%d open run files", lim.nofile or "unlimited", lim.http,
+                 f", {lim.grpc} gRPC" if c.grpc_port is not None else "", lim.metrics, lim.open_files)
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -358,9 +370,17 @@ class Collector:
         return rejected, note
 
     def expire(self) -> None:
-        """Emit the steps whose window has passed (the ticker calls this; tests may too)."""
-        with self._lock:
-            self._publish(self.joiner.expire())
+        """Emit the steps whose window has passed (the ticker calls this; tests may too).
+
+        At most ``_CHUNK`` steps per hold of the lock, so a burst of expiring steps does not
+        keep the senders out.
+        """
+        while True:
+            with self._lock:
+                result = self.joiner.expire(max_steps=_CHUNK)
+                self._publish(result)
+            if len(result.records) < _CHUNK:
+                return
 
     def _publish(self, result: JoinResult) -> None:
         # Journal entries go only once their records are written (a failed write keeps them, and
@@ -416,6 +436,44 @@ class Collector:
                 log.exception("steptrace collector: expiring join windows failed")
 
 
+@dataclass(frozen=True)
+class DescriptorLimits:
+    """Connections and open files the collector allows itself under ``RLIMIT_NOFILE``."""
+
+    nofile: int | None  # the soft limit read at construction (None: unlimited)
+    http: int
+    http_per_peer: int
+    grpc: int
+    metrics: int
+    open_files: int
+
+
+def descriptor_limits(c: CollectorConfig) -> DescriptorLimits:
+    """Split the process's file descriptors between open run files, /metrics, HTTP and gRPC connections.
+
+    32 are kept for the interpreter, listening sockets and gRPC's own; a quarter at most for
+    open run files; a sixteenth (at most 64) for /metrics. What is left caps OTLP/HTTP
+    connections (and ``--max-connections`` caps it further), shared half and half with gRPC
+    when it is on: excess connections are refused at accept, never left to exhaust the
+    descriptors and fail the journal's writes.
+    """
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return DescriptorLimits(None, c.max_connections, c.max_connections_per_peer, c.max_connections, 64,
+                                3 * c.max_runs)
+    files = min(3 * c.max_runs, max(8, soft // 4))
+    metrics = min(64, max(2, soft // 16))
+    room = max(8, soft - 32 - files - metrics)
+    share = room // 2 if c.grpc_port is not None else room
+    http = min(c.max_connections, share)
+    # When the descriptors cap HTTP below --max-connections, one peer gets at most half of them.
+    per_peer = c.max_connections_per_peer if http == c.max_connections else \
+        min(c.max_connections_per_peer, max(1, http // 2))
+    return DescriptorLimits(soft, http, per_peer, max(4, room - share), metrics, files)
+
+
 def _metrics_server(address: tuple[str, int], collector: Collector) -> Any:
     """``/metrics``: prometheus_client's handler behind the same connection bounds, deadline, TLS, and a token."""
     from steptrace.collector._http import BoundedServer, DeadlineHandler, count_refusal
@@ -441,7 +499,8 @@ def _metrics_server(address: tuple[str, int], collector: Collector) -> Any:
         def _refused(self, reason: str, detail: str) -> None:
             count_refusal(collector, reason, f"/metrics: {detail}", self.client_address)
 
-    return BoundedServer(address, Handler, max_connections=64, max_connections_per_peer=16, tls=collector._tls,
+    return BoundedServer(address, Handler, max_connections=collector.limits.metrics,
+                         max_connections_per_peer=max(1, min(16, collector.limits.metrics // 2)), tls=collector._tls,
                   on_refuse=lambda reason, peer: count_refusal(collector, reason, "/metrics: no free slot", peer))
 
 

@@ -105,6 +105,9 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="journal bytes of one run; beyond, its spans are answered 503 (default: 64 MiB)")
     parser.add_argument("--max-journal-bytes", type=_positive_int, default=1 << 30,
                         help="journal bytes of all runs together; beyond, spans are answered 503 (default: 1 GiB)")
+    parser.add_argument("--max-inflight-body-bytes", type=_positive_int, default=256 << 20,
+                        help="request body bytes held at once across all peers (a quarter of it per peer); beyond, "
+                             "503 (default: 256 MiB)")
     parser.add_argument("--no-journal", action="store_true",
                         help="do not journal open steps' spans (a killed collector then loses them)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -146,7 +149,7 @@ def run_collector(args: argparse.Namespace) -> int:
             max_world_size=args.max_world_size, max_step=args.max_step,
             max_spans_per_request=args.max_spans_per_request, max_emitted_steps=args.max_emitted_steps,
             max_journal_bytes_per_run=args.max_journal_bytes_per_run, max_journal_bytes=args.max_journal_bytes,
-            journal=not args.no_journal)
+            max_inflight_body_bytes=args.max_inflight_body_bytes, journal=not args.no_journal)
         collector = Collector(config).start()
     except (ValueError, OSError) as exc:
         print(f"steptrace collector: {exc}", file=sys.stderr)

@@ -8,7 +8,8 @@ the same thing and needs no hashing. A step is emitted
   ``complete: true``); ``world_size`` is the collector's ``--world-size`` or,
   without it, the first span's ``train.world_size``;
 * ``window_s`` after its first span arrived, with whatever ranks did report
-  (``reason: "window"``, ``complete: false``, ``missing_ranks``);
+  (``reason: "window"``, ``complete: false``, ``missing_rank_count``,
+  ``missing_rank_ranges`` and the first ``missing_ranks``, each bounded);
 * early when more than ``max_open_steps`` steps are open (the oldest goes,
   ``reason: "evicted"``), which bounds memory whatever the senders do;
 * at :meth:`Joiner.flush` (collector shutdown, ``reason: "shutdown"``).
@@ -69,6 +70,12 @@ __all__ = ["JoinResult", "Joiner", "cluster_record"]
 
 #: ``reason`` values of ``cluster_step`` records.
 REASONS = ("all_ranks", "window", "evicted", "shutdown")
+
+#: ``missing_ranks`` lists at most this many ranks and ``missing_rank_ranges`` this many ranges
+#: (``missing_rank_count`` is exact).
+MAX_MISSING_LISTED = 64
+#: Stages in one record's ``pipeline_bubble_ratio`` (the first ones met, by rank).
+MAX_STAGES_PER_STEP = 256
 
 #: A history entry: a rank, or (rank, fingerprint); a bare rank matches any span (a duplicate).
 HistoryRank = int | tuple[int, int | None]
@@ -260,11 +267,11 @@ class Joiner:
                     result.records.append(self._emit(open_step, "all_ranks"))
         return result
 
-    def expire(self) -> JoinResult:
-        """Emit the steps whose window has passed."""
+    def expire(self, max_steps: int | None = None) -> JoinResult:
+        """Emit the steps whose window has passed, at most ``max_steps`` of them (the oldest first)."""
         result = JoinResult()
         deadline = self._clock() - self.window_s
-        while self._open:
+        while self._open and (max_steps is None or len(result.records) < max_steps):
             key, oldest = next(iter(self._open.items()))
             if oldest.first_seen > deadline:
                 break
@@ -376,11 +383,26 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
     """
     spans = sorted(spans, key=lambda s: s.rank)
-    ranks = [s.rank for s in spans]
-    reported = set(ranks)
-    # world_size is bounded (--max-world-size), so this list is too.
-    missing = [r for r in range(world_size) if r not in reported] if world_size is not None else []
-    complete = world_size is not None and not missing
+    # Missing ranks as ranges between the reported ones: the work grows with the ranks that
+    # reported, not with a world size a sender claims (one span of world_size 65536 once made
+    # a 65,535-entry list per step).
+    ranges: list[list[int]] = []
+    missing_count = 0
+    if world_size is not None:
+        low = 0
+        for rank in sorted({s.rank for s in spans if s.rank < world_size} - set(conflicting_ranks or ())) + \
+                [world_size]:
+            if rank > low:
+                missing_count += rank - low
+                if len(ranges) < MAX_MISSING_LISTED:
+                    ranges.append([low, rank - 1])
+            low = rank + 1
+    missing: list[int] = []
+    for first, last in ranges:
+        missing += range(first, min(last + 1, first + MAX_MISSING_LISTED - len(missing)))
+        if len(missing) >= MAX_MISSING_LISTED:
+            break
+    complete = world_size is not None and missing_count == 0
     compute = [s.compute_seconds for s in spans]
     interval = [s.interval_seconds for s in spans]
     c_min, c_median, c_max = _stats(compute)
@@ -391,7 +413,8 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     by_stage: dict[str, list[float]] = {}
     for s in spans:
         for stage, ratio in s.bubble.items():
-            by_stage.setdefault(stage, []).append(ratio)
+            if stage in by_stage or len(by_stage) < MAX_STAGES_PER_STEP:
+                by_stage.setdefault(stage, []).append(ratio)
     status: dict[str, int] = {}
     for s in spans:
         status[s.status] = status.get(s.status, 0) + 1
@@ -404,6 +427,8 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "world_size": world_size,
         "ranks_reporting": len(spans),
         "missing_ranks": missing,
+        "missing_rank_count": missing_count,
+        "missing_rank_ranges": ranges,
         "complete": complete,
         "reason": reason,
         "first_seen_time": first_seen_time,

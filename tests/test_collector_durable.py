@@ -20,7 +20,7 @@ pytest.importorskip("opentelemetry.proto",
 pytest.importorskip("prometheus_client",
                     reason="the collector needs prometheus_client (pip install 'steptrace[prometheus]')")
 
-from collector_helpers import body, collectors, post, read_records, scrape, step_span, value
+from collector_helpers import body, collectors, post, read_records, scrape, step_span, value, wait_for
 
 from steptrace.collector._runlog import CLUSTER_FILE, JOURNAL_FILE, ClusterLog
 
@@ -168,3 +168,128 @@ def test_the_journal_is_bounded_per_run_beyond_it_503(make_collector, tmp_path):
     assert answers[0] == 200 and answers[-1] == 503
     assert (tmp_path / "runs" / "run" / JOURNAL_FILE).stat().st_size <= 64 << 10
     assert value(scrape(c.metrics_url), "steptrace_collector_rejected_requests_total", reason="journal_full") >= 1
+
+
+# -- 2. every per-peer and per-run structure bounded ----------------------------------------------------------
+
+
+def test_missing_ranks_of_a_world_size_65536_step_are_a_count_and_ranges():
+    """Defect 6: one-rank steps claiming world_size=65536 were each written with a 65,535-entry list."""
+    from collector_helpers import FakeClock, span
+
+    from steptrace.collector._join import MAX_MISSING_LISTED, Joiner
+
+    clock = FakeClock()
+    joiner = Joiner(world_size=None, window_s=1.0, clock=clock)
+    joiner.add([span(step=0, rank=5, world_size=65536), span(step=0, rank=7, world_size=65536)])
+    clock.now += 2
+    [record] = joiner.expire().records
+    assert record["missing_rank_count"] == 65534
+    assert record["missing_rank_ranges"] == [[0, 4], [6, 6], [8, 65535]]
+    assert record["missing_ranks"] == [0, 1, 2, 3, 4, 6, *range(8, 8 + MAX_MISSING_LISTED - 6)]
+    assert len(json.dumps(record)) < 4096, "a record's size grows with the ranks that reported, not the claim"
+
+
+def test_expiry_emits_in_bounded_batches():
+    """Defect 6: every expired step was built at once under the collector lock."""
+    from collector_helpers import FakeClock, span
+
+    from steptrace.collector._join import Joiner
+
+    clock = FakeClock()
+    joiner = Joiner(world_size=None, window_s=1.0, clock=clock)
+    joiner.add([span(step=s, rank=0, world_size=8) for s in range(100)])
+    clock.now += 2
+    assert [len(joiner.expire(max_steps=40).records) for _ in range(4)] == [40, 40, 20, 0]
+
+
+def test_stage_names_cannot_grow_the_series_200_spans_made_51200(make_collector):
+    """Defect 7: each complete step added its stage names to the bubble gauge and the set was never pruned."""
+    from steptrace.collector._metrics import MAX_STAGES_PER_RUN
+
+    c = make_collector(world_size=1)
+    for first in range(0, 200, 50):
+        spans = [step_span(step=s, world_size=1, bubble={f"s{s}-{i}": 0.1 for i in range(256)})
+                 for s in range(first, first + 50)]
+        assert post(c.port, TRACES, body(*spans))[0] == 200
+    text = scrape(c.metrics_url)
+    series = [line for line in text.splitlines() if line.startswith("steptrace_cluster_pipeline_bubble_ratio{")]
+    assert len(series) == MAX_STAGES_PER_RUN, f"{len(series)} bubble series for one run"
+    assert all('stage="s199-' in line for line in series)  # the last complete step's stages
+    assert value(text, "steptrace_collector_dropped_label_values_total", label="stage") == 200 * (256 - 64)
+
+
+def test_body_bytes_in_flight_are_bounded_across_peers_beyond_503(make_collector):
+    """Defect 8: 128 half-sent 16 MiB bodies from one peer held 2.09 GiB."""
+    import socket
+
+    c = make_collector(max_inflight_body_bytes=1 << 20)
+    held = []
+    try:
+        for _ in range(3):  # each claims 400 KiB and sends half
+            sock = socket.create_connection(("127.0.0.1", c.port), timeout=10)
+            sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                         b"Content-Length: 409600\r\n\r\n" + b"\0" * 204800)
+            held.append(sock)
+        assert c.budget.used <= 1 << 20
+        status, headers, _ = post(c.port, TRACES, b"\0" * 409600)
+        assert status == 503 and headers.get("retry-after") == "1"
+        assert value(scrape(c.metrics_url), "steptrace_collector_rejected_requests_total",
+                     reason="memory_limited") >= 1
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_for(lambda: c.budget.used == 0)
+    assert post(c.port, TRACES, body(step_span(world_size=1)))[0] == 200
+
+
+FD_COLLECTOR = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+from steptrace.collector._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_idle_sockets_cannot_exhaust_descriptors_honest_posts_answered_4_of_4(tmp_path):
+    """Defect 9: at a low ulimit -n, idle sockets took every descriptor and honest posts timed out."""
+    import socket
+
+    proc = subprocess.Popen([sys.executable, "-c", FD_COLLECTOR, "--port", "0", "--metrics-port", "0",
+                             "--world-size", "1", "--run-dir", str(tmp_path / "runs"), "--request-timeout-s", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    idle = []
+    try:
+        line = proc.stdout.readline()
+        port = int(line.split("otlp_http=127.0.0.1:")[1].split()[0])
+        for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):  # 300 idle sockets from three addresses
+            for _ in range(100):
+                try:
+                    idle.append(socket.create_connection(("127.0.0.1", port), timeout=5,
+                                                         source_address=(source, 0)))
+                except OSError:
+                    break
+        # Every honest post is answered at once (200, or 503 and closed while the idle ones hold every
+        # slot; the close may reach the client first), none times out.
+
+        def answer(step: int) -> object:
+            try:
+                return post(port, TRACES, body(step_span(step=step, world_size=1)), timeout=5)[0]
+            except TimeoutError:
+                return "timeout"
+            except OSError:
+                return "closed"
+
+        answers = [answer(s) for s in range(4)]
+        assert set(answers) <= {200, 503, "closed"}, answers
+        for sock in idle:
+            sock.close()
+        for s in range(4):  # the exporter's retry, once the idle sockets are gone
+            assert wait_for(lambda s=s: post(port, TRACES, body(step_span(step=s, world_size=1)), timeout=5)[0] == 200)
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+    assert cluster_steps(tmp_path / "runs" / "run" / CLUSTER_FILE) == [(s, True) for s in range(4)]

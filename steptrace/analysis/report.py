@@ -241,16 +241,18 @@ def _cluster_table(steps: list[dict], max_rows: int):
             _fmt(step.get("compute_median_seconds")),
             _fmt(step.get("compute_max_seconds")),
             _fmt(step.get("interval_median_seconds")),
-            f"[yellow]{_rank_list(missing)}[/]" if missing else "",
+            f"[yellow]{_rank_list(missing, total=step.get('missing_rank_count'))}[/]" if missing else "",
         )
 
     _add_rows(table, steps, max_rows, add, columns=9, elided_column=8)
     return table
 
 
-def _rank_list(ranks: list, limit: int = 8) -> str:
+def _rank_list(ranks: list, limit: int = 8, total: object = None) -> str:
+    # The collector lists at most 64 missing ranks; missing_rank_count has them all.
+    count = total if isinstance(total, int) and not isinstance(total, bool) and total > len(ranks) else len(ranks)
     shown = ", ".join(str(r) for r in ranks[:limit])
-    return shown + (f", … ({len(ranks)} in all)" if len(ranks) > limit else "")
+    return shown + (f", … ({count} in all)" if count > limit else "")
 
 
 def _cluster_panel(summary: dict):
