@@ -18,6 +18,7 @@ import math
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,8 @@ class CollectorConfig:
     run_idle_s: float = 300.0
     max_conflicts_per_run: int = 1000
     max_inflight_body_bytes: int = 256 << 20
+    max_clock_skew_s: float | None = 300.0  # a step span may end this far after the collector's clock (None: any)
+    max_span_age_s: float | None = 86400.0  # ... and this far before it
     journal: bool = True
     max_journal_bytes_per_run: int = 64 << 20
     max_journal_bytes: int = 1 << 30
@@ -120,6 +123,11 @@ class CollectorConfig:
         if not isinstance(self.run_idle_s, (int, float)) or isinstance(self.run_idle_s, bool) or \
                 not 0 <= self.run_idle_s < math.inf:
             raise ValueError(f"run_idle_s must be a number of seconds >= 0, got {self.run_idle_s!r}")
+        for name in ("max_clock_skew_s", "max_span_age_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a number of seconds > 0 (or None for no bound), got {value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both PEM files or neither")
         for name in ("window_s", "read_timeout_s", "request_timeout_s"):
@@ -323,14 +331,18 @@ class Collector:
             self.metrics.request(signal, transport)
             self.metrics.data_points.inc(count_data_points(message))
             return 0, ""
-        extracted = extract_steps(message, c.world_size, max_world_size=c.max_world_size, max_step=c.max_step)
+        now = time.time()
+        ends = (now - c.max_span_age_s if c.max_span_age_s is not None else -math.inf,
+                now + c.max_clock_skew_s if c.max_clock_skew_s is not None else math.inf)
+        extracted = extract_steps(message, c.world_size, max_world_size=c.max_world_size, max_step=c.max_step,
+                                  ends=ends)
         if grant.runs is not None:
             runs = {s.run_id for s in extracted.steps} | {r for r in extracted.spans_by_run if r}
             denied = sorted(r for r in runs if not grant.allows(r))
             if denied:
                 raise Rejected(403, "forbidden", f"this token may not write run(s) {', '.join(denied[:5])[:300]}")
         self.metrics.request(signal, transport)
-        refused = 0
+        refused = mismatched = 0
         steps = extracted.steps
         for start in range(0, len(steps), _CHUNK):
             chunk = steps[start:start + _CHUNK]
@@ -351,9 +363,13 @@ class Collector:
                     self.log.journal(fresh.values())
                 except JournalError as exc:
                     raise Rejected(503, exc.reason, f"{exc.message}; retry") from None
-                self._publish(self.joiner.add(taken, grant.owner))
+                result = self.joiner.add(taken, grant.owner)
+                mismatched += result.mismatched
+                self._publish(result)
         if refused:
             extracted.invalid["too_many_runs"] = extracted.invalid.get("too_many_runs", 0) + refused
+        if mismatched:
+            extracted.invalid["world_size_mismatch"] = extracted.invalid.get("world_size_mismatch", 0) + mismatched
         # Spans of runs that were not admitted are counted without their run id: no series for them.
         by_run: dict[str, int] = {}
         for run, n in extracted.spans_by_run.items():

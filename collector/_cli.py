@@ -108,6 +108,10 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--max-inflight-body-bytes", type=_positive_int, default=256 << 20,
                         help="request body bytes held at once across all peers (a quarter of it per peer); beyond, "
                              "503 (default: 256 MiB)")
+    parser.add_argument("--max-clock-skew-s", type=_seconds, default=300.0,
+                        help="refuse step spans that end this far after the collector's clock (default: 300)")
+    parser.add_argument("--max-span-age-s", type=_seconds, default=86400.0,
+                        help="refuse step spans that ended this far before the collector's clock (default: 86400)")
     parser.add_argument("--no-journal", action="store_true",
                         help="do not journal open steps' spans (a killed collector then loses them)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -149,7 +153,8 @@ def run_collector(args: argparse.Namespace) -> int:
             max_world_size=args.max_world_size, max_step=args.max_step,
             max_spans_per_request=args.max_spans_per_request, max_emitted_steps=args.max_emitted_steps,
             max_journal_bytes_per_run=args.max_journal_bytes_per_run, max_journal_bytes=args.max_journal_bytes,
-            max_inflight_body_bytes=args.max_inflight_body_bytes, journal=not args.no_journal)
+            max_inflight_body_bytes=args.max_inflight_body_bytes, max_clock_skew_s=args.max_clock_skew_s,
+            max_span_age_s=args.max_span_age_s, journal=not args.no_journal)
         collector = Collector(config).start()
     except (ValueError, OSError) as exc:
         print(f"steptrace collector: {exc}", file=sys.stderr)

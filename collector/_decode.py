@@ -87,7 +87,7 @@ REJECTION_REASONS = ("malformed", "too_large", "too_many_spans", "unsupported_me
 
 #: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
 INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range", "step_out_of_range",
-                        "world_size_out_of_range", "too_many_runs")
+                        "world_size_out_of_range", "too_many_runs", "world_size_mismatch", "end_out_of_range")
 
 #: Default bounds on what a span may claim (``--max-world-size``, ``--max-step``).
 DEFAULT_MAX_WORLD_SIZE = 65536
@@ -319,7 +319,7 @@ def span_fingerprint(compute_seconds: float, interval_seconds: float) -> int:
 
 
 def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
-               max_step: int = DEFAULT_MAX_STEP) -> StepSpan:
+               max_step: int = DEFAULT_MAX_STEP, ends: tuple[float, float] | None = None) -> StepSpan:
     attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith(ATTR_PREFIX)}
     run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
@@ -350,6 +350,8 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                 bubble[stage] = float(value)
     trace = bytes(span.trace_id)
     end_ns = span.end_time_unix_nano
+    if ends is not None and end_ns and not ends[0] <= end_ns / 1e9 <= ends[1]:
+        raise _Invalid("end_out_of_range")
     return StepSpan(run_id=run_id, step=step, rank=rank, world_size=span_world,
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
@@ -369,8 +371,13 @@ def _resource_run_id(scope_spans: Any) -> str:
 
 
 def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = None, *,
-                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, max_step: int = DEFAULT_MAX_STEP) -> Extracted:
+                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, max_step: int = DEFAULT_MAX_STEP,
+                  ends: tuple[float, float] | None = None) -> Extracted:
     """The ``train.step`` spans of ``request``; other spans are only counted.
+
+    ``ends`` (unix seconds, earliest and latest) skips a step span that ended outside it as
+    ``end_out_of_range``: the collector's clock minus ``--max-span-age-s`` to plus
+    ``--max-clock-skew-s``, so spans sent ahead of a run with made-up ends cannot take its steps.
 
     A rank outside ``[0, world_size)`` (the collector's ``--world-size``, else
     ``max_world_size``) is skipped as ``rank_out_of_range``; a ``train.world_size``
@@ -387,7 +394,7 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
                 if span.name != _STEP_SPAN:
                     continue
                 try:
-                    out.steps.append(_step_span(span, world_size, max_world_size, max_step))
+                    out.steps.append(_step_span(span, world_size, max_world_size, max_step, ends))
                 except _Invalid as bad:
                     out.invalid[bad.reason] = out.invalid.get(bad.reason, 0) + 1
         if count:

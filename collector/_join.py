@@ -38,12 +38,17 @@ step and was idle for ``run_idle_s``. Spans of a run not admitted are
 refused (``too_many_runs``): one request naming 5,000 runs makes at most
 ``max_runs`` of them.
 
-A run resumed from a checkpoint under the same ``run_id`` executes some steps
-again. A span that ended more than ``rerun_gap_s`` (60 s) after the emitted
-step's latest end is taken for such a re-run, not for a late span: the step is
-joined afresh and written again (the report keeps the later record). Ranks of
-one step end within a step time of each other, and a resume takes longer
-than a minute; host clocks more than ``rerun_gap_s`` apart would defeat this.
+A written (run, step, rank) is never replaced: whatever arrives later for
+it is a duplicate (the same fingerprint), a ``late`` record (a rank the step
+did not have) or a conflict (kept apart in ``conflicts``, counted), however
+much later it claims to have ended. (A time gap once told a resumed run's
+re-executed step from a late span; a token holder re-sending a written step
+with ends an hour on then wrote a second record that stood.) A run resumed
+from a checkpoint that re-executes steps should therefore take a new
+``run_id``; its re-executed steps are otherwise kept apart as conflicts.
+
+Without ``--world-size`` a run's world size is the one its first accepted
+span carried; a span claiming another is refused (``world_size_mismatch``).
 
 The straggler is the rank with the largest ``compute_seconds`` (the lowest
 such rank on a tie), named only for complete steps: when a rank is missing,
@@ -119,9 +124,10 @@ class _Emitted:
 
 
 class _Run:
-    __slots__ = ("emitted", "last_active", "open", "owner")
+    __slots__ = ("emitted", "last_active", "open", "owner", "world_size")
 
     def __init__(self, now: float, owner: str):
+        self.world_size: int | None = None  # established by the run's first span that carries one
         self.emitted: collections.OrderedDict[int, _Emitted] = collections.OrderedDict()
         self.open = 0
         self.last_active = now
@@ -138,11 +144,14 @@ class JoinResult:
     conflicts: list[dict[str, Any]] = field(default_factory=list)
     #: spans refused because their run was not admitted (``too_many_runs``)
     refused: int = 0
+    #: spans refused because their world size is not their run's (``world_size_mismatch``)
+    mismatched: int = 0
 
     def extend(self, other: JoinResult) -> None:
         self.records += other.records
         self.conflicts += other.conflicts
         self.refused += other.refused
+        self.mismatched += other.mismatched
         for run, n in other.duplicates.items():
             self.duplicates[run] = self.duplicates.get(run, 0) + n
 
@@ -151,12 +160,11 @@ class Joiner:
     """Groups step spans by ``(run_id, step)`` and emits joined records (see the module doc)."""
 
     def __init__(self, *, world_size: int | None = None, window_s: float = 10.0, max_open_steps: int = 4096,
-                 max_emitted: int = 8192, rerun_gap_s: float = 60.0, max_runs: int = 64, run_idle_s: float = 300.0,
+                 max_emitted: int = 8192, max_runs: int = 64, run_idle_s: float = 300.0,
                  max_runs_per_owner: int | None = None,
                  history: Callable[[str], Iterable[tuple[int, Iterable[HistoryRank], float | None]]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.world_size = world_size
-        self.rerun_gap_s = rerun_gap_s
         self.window_s = window_s
         self.max_open_steps = max_open_steps
         self.max_emitted = max_emitted
@@ -219,22 +227,24 @@ class Joiner:
                 result.refused += 1
                 continue
             run.last_active = now
+            if self.world_size is None and span.world_size is not None:
+                if run.world_size is None:
+                    run.world_size = span.world_size
+                elif span.world_size != run.world_size:
+                    result.mismatched += 1
+                    continue
             fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
             emitted = run.emitted.get(span.step)
             if emitted is not None:
-                if emitted.end is not None and span.end_time is not None and \
-                        span.end_time > emitted.end + self.rerun_gap_s:
-                    del run.emitted[span.step]  # a re-run of the step (resumed run): join it afresh
+                have = emitted.find(span.rank)
+                if have is None:
+                    emitted.add(span.rank, fingerprint)
+                    result.records.append(self._late(span))
+                elif have in (-1, fingerprint):
+                    result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
                 else:
-                    have = emitted.find(span.rank)
-                    if have is None:
-                        emitted.add(span.rank, fingerprint)
-                        result.records.append(self._late(span))
-                    elif have in (-1, fingerprint):
-                        result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
-                    else:
-                        result.conflicts.append(self._conflict(span, "after_emit"))
-                    continue
+                    result.conflicts.append(self._conflict(span, "after_emit"))
+                continue
             key = (span.run_id, span.step)
             open_step = self._open.get(key)
             if open_step is None:
@@ -244,7 +254,7 @@ class Joiner:
                 open_step = _OpenStep(
                     run_id=span.run_id, step=span.step,
                     trace_id=span.trace_id or trace_id_hex(span.run_id, span.step),
-                    world_size=self.world_size if self.world_size is not None else span.world_size,
+                    world_size=self.world_size if self.world_size is not None else run.world_size,
                     first_seen=now, first_seen_time=self._wall())
                 self._open[key] = open_step
                 run.open += 1

@@ -293,3 +293,55 @@ def test_idle_sockets_cannot_exhaust_descriptors_honest_posts_answered_4_of_4(tm
         proc.wait(10)
         proc.stdout.close()
     assert cluster_steps(tmp_path / "runs" / "run" / CLUSTER_FILE) == [(s, True) for s in range(4)]
+
+
+# -- 3. a written step is never replaced ----------------------------------------------------------------------
+
+
+def test_a_forged_rewrite_of_a_written_step_is_a_conflict_the_original_kept(make_collector, tmp_path):
+    """Defect 10: all ranks of a written step re-sent with later ends wrote a second record, 0 conflicts."""
+    from collector_helpers import END_BASE_S
+
+    c = make_collector(world_size=3)
+    assert post(c.port, TRACES, body(*[step_span(step=0, rank=r) for r in range(3)]))[0] == 200
+    forged = [step_span(step=0, rank=r, compute=9.0, interval=9.5, end_s=END_BASE_S + 3600 + 120) for r in range(3)]
+    assert post(c.port, TRACES, body(*forged))[0] == 200
+    text = scrape(c.metrics_url)
+    assert value(text, "steptrace_collector_conflicting_spans_total", run_id="run") == 3
+    c.close()
+    records = [r for r in read_records(tmp_path / "runs" / "run" / CLUSTER_FILE) if r["type"] == "cluster_step"]
+    assert [(r["step"], r["compute_max_seconds"]) for r in records] == [(0, 0.1)]
+    assert len(read_records(tmp_path / "runs" / "run" / "conflicts.jsonl")) == 3
+
+
+def test_a_world_size_other_than_the_runs_is_refused_and_counted(make_collector):
+    """Defect 11: spans claiming world_size=1 completed steps of a run of 3 on their own."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    c = make_collector()  # world size from the spans
+    assert post(c.port, TRACES, body(step_span(step=0, rank=0, world_size=3)))[0] == 200
+    status, _, data = post(c.port, TRACES, body(step_span(step=0, rank=1, world_size=1, compute=5.0)))
+    assert status == 200
+    assert ExportTraceServiceResponse.FromString(data).partial_success.rejected_spans == 1
+    assert value(scrape(c.metrics_url), "steptrace_collector_invalid_spans_total", reason="world_size_mismatch") == 1
+    assert post(c.port, TRACES, body(step_span(step=0, rank=1), step_span(step=0, rank=2)))[0] == 200
+    c.close()
+    [record] = [r for r in read_records(Path(c.config.run_dir) / "run" / CLUSTER_FILE)]
+    assert (record["complete"], record["world_size"], record["compute_max_seconds"]) == (True, 3, 0.1)
+
+
+def test_spans_sent_ahead_with_far_future_ends_are_refused_1000_of_1000(make_collector):
+    """Defect 11: 1,000 forged steps sent ahead of a run with far-future ends took every step."""
+    import time
+
+    c = make_collector(max_clock_skew_s=60)
+    future = time.time() + 86400
+    forged = [step_span(step=s, world_size=3, compute=7.0, end_s=future + s) for s in range(1000)]
+    for first in range(0, 1000, 250):
+        assert post(c.port, TRACES, body(*[forged[s] for s in range(first, first + 250)]))[0] == 200
+    assert value(scrape(c.metrics_url), "steptrace_collector_invalid_spans_total", reason="end_out_of_range") == 1000
+    assert post(c.port, TRACES, body(*[step_span(step=s, rank=r) for s in range(3) for r in range(3)]))[0] == 200
+    c.close()
+    records = read_records(Path(c.config.run_dir) / "run" / CLUSTER_FILE)
+    assert [(r["type"], r["step"], r["complete"], r["compute_max_seconds"]) for r in records] == \
+        [("cluster_step", s, True, 0.1) for s in range(3)]
