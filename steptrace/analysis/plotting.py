@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from steptrace.analysis._text import literal_text
 from steptrace.analysis.palette import (
     _BACKWARD_COLOUR,
     _BLOCKING_COLOUR,
@@ -38,6 +39,7 @@ from steptrace.analysis.timeline import (
 _MAX_BARS = 500
 
 
+@literal_text
 def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> Path:
     """Save a per-step stacked bar chart (compute, then idle reasons) as PNG."""
     # Build a Figure directly instead of going through pyplot: it renders with
@@ -128,6 +130,7 @@ _BOTTOM_IN = 1.1  # x label and the legend under it
 _MAX_LABELS = 3000
 
 
+@literal_text
 def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None,
                steps: str | StepWindow | None = None, dpi: int = 100) -> Path:
     """Draw the timeline as a PNG: per rank a host row, a device row and one row per (stage, chunk).
