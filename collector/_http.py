@@ -19,7 +19,8 @@ A ``ThreadingHTTPServer`` with bounds, so that no client can stop the others:
   instead of spinning (the collector sizes its connection caps below
   ``RLIMIT_NOFILE`` so that this is rare);
 * ``Content-Length`` is checked before anything is read (``413``); a body
-  without one is ``411``. A refused body is read and discarded (up to
+  without one is ``411``; two of them, or one that is not plain decimal
+  digits (``+308``, ``3_0_8``), is ``400`` and the connection closed; A refused body is read and discarded (up to
   ``_DRAIN_LIMIT`` bytes and the deadline) after the answer is sent, so a
   client that writes its whole body before reading (urllib, requests, the
   OTLP exporters) gets the ``413`` instead of a broken pipe;
@@ -300,6 +301,24 @@ class OtlpHttpServer(BoundedServer):
                                                                       peer))
 
 
+def _declared_length(headers: Any) -> int | None:
+    """The one ``Content-Length`` of a request, None without one; 400 for two, or for anything but digits.
+
+    ``int()`` takes ``+308``, ``3_0_8`` and ``-0``, and ``headers.get`` the first of two
+    conflicting lengths: behind a proxy that reads them differently, that is request
+    smuggling (nginx answers 400 too).
+    """
+    values = headers.get_all("Content-Length") or []
+    if not values:
+        return None
+    if len(values) > 1:
+        raise Rejected(400, "malformed", f"{len(values)} Content-Length headers; send one")
+    raw = values[0].strip()
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
+        raise Rejected(400, "malformed", f"Content-Length must be decimal digits, got {raw[:40]!r}")
+    return int(raw)
+
+
 class _Handler(DeadlineHandler):
     server_version = "steptrace-collector"
     server: OtlpHttpServer
@@ -384,12 +403,8 @@ class _Handler(DeadlineHandler):
     def _content_length(self) -> int:
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             raise Rejected(411, "length_required", "chunked bodies are not accepted: send Content-Length")
-        raw = self.headers.get("Content-Length")
-        try:
-            length = int(raw) if raw is not None else -1
-        except ValueError:
-            length = -1
-        if length < 0:
+        length = _declared_length(self.headers)
+        if length is None:
             raise Rejected(411, "length_required", "Content-Length is required")
         if length > self.server.max_body_bytes:
             raise Rejected(413, "too_large", f"body of {length} bytes exceeds {self.server.max_body_bytes}")
@@ -418,10 +433,10 @@ class _Handler(DeadlineHandler):
         client may never see our answer. True when the whole body was read.
         """
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            return False
-        if length < 0 or "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            length = _declared_length(self.headers) or 0
+        except Rejected:
+            return False  # an ambiguous length: nothing to drain, the connection is closed
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             return False
         try:
             if length > limit:

@@ -345,3 +345,22 @@ def test_spans_sent_ahead_with_far_future_ends_are_refused_1000_of_1000(make_col
     records = read_records(Path(c.config.run_dir) / "run" / CLUSTER_FILE)
     assert [(r["type"], r["step"], r["complete"], r["compute_max_seconds"]) for r in records] == \
         [("cluster_step", s, True, 0.1) for s in range(3)]
+
+
+# -- 7. HTTP: one unambiguous Content-Length ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lengths", [("{n}", "{n}"), ("{n}", "{m}"), ("+{n}",), ("{n_}",), ("0x{h}",), ("-0",)])
+def test_duplicate_or_non_digit_content_length_is_400(make_collector, lengths):
+    """Defect 16: duplicate, conflicting and non-digit lengths (+308, 3_0_8) were accepted: request smuggling."""
+    from collector_helpers import raw_exchange
+
+    c = make_collector(world_size=1)
+    data = body(step_span(world_size=1))
+    n = len(data)
+    fields = {"n": n, "m": n + 5, "n_": "_".join(str(n)), "h": format(n, "x")}
+    headers = "".join(f"Content-Length: {x.format(**fields)}\r\n" for x in lengths)
+    answer = raw_exchange(c.port, f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                                  f"{headers}\r\n".encode() + data)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+    assert c.joiner.open_steps == 0 and not (Path(c.config.run_dir) / "run").exists()
