@@ -354,9 +354,9 @@ class Collector:
                 refused += len(chunk) - len(taken)
                 # Journal first: once we answer 200 the spans must survive a crash. A retry of a
                 # span the joiner holds or wrote is journaled no more (the joiner counts it).
-                fresh: dict[tuple[str, int, int, int], Any] = {}
+                fresh: dict[tuple[str, int, int, int, int], Any] = {}
                 for s in taken:
-                    key = (s.run_id, s.step, s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds))
+                    key = (s.run_id, s.attempt, s.step, s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds))
                     if key not in fresh and not self.joiner.seen(s):
                         fresh[key] = s
                 try:
@@ -411,10 +411,10 @@ class Collector:
                 self.log.reset_journal(run_id, self.joiner.open_spans(run_id))
         if result.conflicts:
             self.log.write_conflicts(result.conflicts)
-            after: dict[str, set[int]] = {}
+            after: dict[str, set[tuple[int, int]]] = {}
             for record in result.conflicts:
                 if record.get("when") == "after_emit":
-                    after.setdefault(record["run_id"], set()).add(record["step"])
+                    after.setdefault(record["run_id"], set()).add((record.get("attempt", 0), record["step"]))
             for run_id, steps in after.items():
                 self.log.mark(run_id, steps)
             by_run: dict[str, int] = {}
@@ -440,7 +440,7 @@ class Collector:
         log.info("steptrace collector: replayed %d journaled spans; %d steps open again", len(spans),
                  self.joiner.open_steps)
 
-    def _history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None]]:
+    def _history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None, int]]:
         return self.log.history(run_id)
 
     def _tick(self) -> None:

@@ -43,6 +43,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from steptrace._ids import run_id_problem
 from steptrace._schema import (
+    ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
     ATTR_IDLE_SECONDS,
@@ -99,6 +100,8 @@ _MAX_LABEL = 64  # status and stage names end up as JSON keys and metric labels
 _MAX_STAGES = 256
 #: The largest ``--max-world-size`` there is.
 MAX_RANK = 1 << 20
+#: The largest ``train.attempt`` taken.
+MAX_ATTEMPT = 1 << 20
 
 _SIGNALS = {
     "traces": (ExportTraceServiceRequest, ExportTraceServiceResponse),
@@ -253,6 +256,7 @@ class StepSpan:
     status: str = "ok"
     end_time: float | None = None
     bubble: dict[str, float] = field(default_factory=dict)
+    attempt: int = 0  # train.attempt: the run's process start that sent it (last: old journals lack it)
 
 
 @dataclass
@@ -332,6 +336,9 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     rank = _int(attrs, ATTR_RANK, minimum=0)
     if rank >= (world_size if world_size is not None else max_world_size):
         raise _Invalid("rank_out_of_range")
+    attempt = _int(attrs, ATTR_ATTEMPT, minimum=0, required=False) or 0
+    if attempt > MAX_ATTEMPT:
+        raise _Invalid("bad_value")
     span_world = _int(attrs, ATTR_WORLD_SIZE, minimum=1, required=False)
     if span_world is not None and span_world > max_world_size:
         raise _Invalid("world_size_out_of_range")
@@ -355,7 +362,7 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     return StepSpan(run_id=run_id, step=step, rank=rank, world_size=span_world,
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
-                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble)
+                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt)
 
 
 def _resource_run_id(scope_spans: Any) -> str:

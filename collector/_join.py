@@ -38,14 +38,15 @@ step and was idle for ``run_idle_s``. Spans of a run not admitted are
 refused (``too_many_runs``): one request naming 5,000 runs makes at most
 ``max_runs`` of them.
 
-A written (run, step, rank) is never replaced: whatever arrives later for
+Steps are keyed by (run, attempt, step): ``train.attempt`` (0 when absent)
+numbers the process starts of a run, so a step a resumed run executes again
+is a new unit of its attempt, joined and written afresh (``attempt`` in the
+record). A written (run, attempt, step, rank) is never replaced: whatever arrives later for
 it is a duplicate (the same fingerprint), a ``late`` record (a rank the step
 did not have) or a conflict (kept apart in ``conflicts``, counted), however
 much later it claims to have ended. (A time gap once told a resumed run's
 re-executed step from a late span; a token holder re-sending a written step
-with ends an hour on then wrote a second record that stood.) A run resumed
-from a checkpoint that re-executes steps should therefore take a new
-``run_id``; its re-executed steps are otherwise kept apart as conflicts.
+with ends an hour on then wrote a second record that stood.)
 
 Without ``--world-size`` a run's world size is the one its first accepted
 span carried; a span claiming another is refused (``world_size_mismatch``).
@@ -84,12 +85,15 @@ MAX_STAGES_PER_STEP = 256
 
 #: A history entry: a rank, or (rank, fingerprint); a bare rank matches any span (a duplicate).
 HistoryRank = int | tuple[int, int | None]
+#: What ``history`` gives per written step: (step, ranks, end time) or (step, ranks, end time, attempt).
+HistoryEntry = tuple[int, Iterable[HistoryRank], float | None] | tuple[int, Iterable[HistoryRank], float | None, int]
 
 
 @dataclass
 class _OpenStep:
     run_id: str
     step: int
+    attempt: int
     trace_id: str
     world_size: int | None
     first_seen: float  # monotonic
@@ -128,7 +132,8 @@ class _Run:
 
     def __init__(self, now: float, owner: str):
         self.world_size: int | None = None  # established by the run's first span that carries one
-        self.emitted: collections.OrderedDict[int, _Emitted] = collections.OrderedDict()
+        #: (attempt, step) -> the ranks it was written with
+        self.emitted: collections.OrderedDict[tuple[int, int], _Emitted] = collections.OrderedDict()
         self.open = 0
         self.last_active = now
         self.owner = owner
@@ -162,7 +167,7 @@ class Joiner:
     def __init__(self, *, world_size: int | None = None, window_s: float = 10.0, max_open_steps: int = 4096,
                  max_emitted: int = 8192, max_runs: int = 64, run_idle_s: float = 300.0,
                  max_runs_per_owner: int | None = None,
-                 history: Callable[[str], Iterable[tuple[int, Iterable[HistoryRank], float | None]]] | None = None,
+                 history: Callable[[str], Iterable[HistoryEntry]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.world_size = world_size
         self.window_s = window_s
@@ -196,13 +201,13 @@ class Joiner:
     def seen(self, span: StepSpan) -> bool:
         """Whether the joiner holds or wrote this very span (an exporter retry: not journaled again)."""
         fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
-        open_step = self._open.get((span.run_id, span.step))
+        open_step = self._open.get((span.run_id, span.attempt, span.step))
         if open_step is not None:
             first = open_step.ranks.get(span.rank)
             return first is not None and \
                 span_fingerprint(first.compute_seconds, first.interval_seconds) == fingerprint
         run = self._runs.get(span.run_id)
-        emitted = run.emitted.get(span.step) if run is not None else None
+        emitted = run.emitted.get((span.attempt, span.step)) if run is not None else None
         return emitted is not None and emitted.find(span.rank) in (-1, fingerprint)
 
     def known(self, run_id: str) -> bool:
@@ -234,7 +239,7 @@ class Joiner:
                     result.mismatched += 1
                     continue
             fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
-            emitted = run.emitted.get(span.step)
+            emitted = run.emitted.get((span.attempt, span.step))
             if emitted is not None:
                 have = emitted.find(span.rank)
                 if have is None:
@@ -245,15 +250,15 @@ class Joiner:
                 else:
                     result.conflicts.append(self._conflict(span, "after_emit"))
                 continue
-            key = (span.run_id, span.step)
+            key = (span.run_id, span.attempt, span.step)
             open_step = self._open.get(key)
             if open_step is None:
                 if len(self._open) >= self.max_open_steps:
                     _, oldest = self._open.popitem(last=False)
                     result.records.append(self._emit(oldest, "evicted"))
                 open_step = _OpenStep(
-                    run_id=span.run_id, step=span.step,
-                    trace_id=span.trace_id or trace_id_hex(span.run_id, span.step),
+                    run_id=span.run_id, step=span.step, attempt=span.attempt,
+                    trace_id=span.trace_id or trace_id_hex(span.run_id, span.step, span.attempt),
                     world_size=self.world_size if self.world_size is not None else run.world_size,
                     first_seen=now, first_seen_time=self._wall())
                 self._open[key] = open_step
@@ -335,17 +340,19 @@ class Joiner:
     def _seed(self, run_id: str, run: _Run) -> None:
         if self._history is None:
             return
-        for step, ranks, end in self._history(run_id):
+        for entry in self._history(run_id):
+            step, ranks, end = entry[0], entry[1], entry[2]
+            unit = (entry[3] if len(entry) > 3 else 0, step)  # type: ignore[misc]
             pairs = [(r, None) if isinstance(r, int) else (r[0], r[1]) for r in ranks]
-            have = run.emitted.get(step)
+            have = run.emitted.get(unit)
             if have is not None:
                 pairs += [(r, None if f == -1 else f) for r, f in zip(have.ranks, have.fingerprints)]
                 end = have.end if end is None else end if have.end is None else max(end, have.end)
-            self._remember(run, step, _Emitted(pairs, end))
+            self._remember(run, unit, _Emitted(pairs, end))
 
-    def _remember(self, run: _Run, step: int, emitted: _Emitted) -> None:
-        run.emitted[step] = emitted
-        run.emitted.move_to_end(step)
+    def _remember(self, run: _Run, unit: tuple[int, int], emitted: _Emitted) -> None:
+        run.emitted[unit] = emitted
+        run.emitted.move_to_end(unit)
         while len(run.emitted) > self.max_emitted:
             run.emitted.popitem(last=False)
 
@@ -356,17 +363,18 @@ class Joiner:
         if run is not None:
             run.open -= 1
             pairs = [(s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds)) for s in spans]
-            self._remember(run, open_step.step, _Emitted(pairs, max(ends) if ends else None))
+            self._remember(run, (open_step.attempt, open_step.step), _Emitted(pairs, max(ends) if ends else None))
         trusted = [s for s in spans if s.rank not in open_step.conflicted]
         return cluster_record(open_step.run_id, open_step.step, open_step.trace_id, open_step.world_size,
-                              trusted, reason=reason, first_seen_time=open_step.first_seen_time,
+                              trusted, reason=reason, attempt=open_step.attempt,
+                              first_seen_time=open_step.first_seen_time,
                               joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
                               conflicting_ranks=sorted(open_step.conflicted))
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
-            "type": "late", "run_id": span.run_id, "step": span.step,
-            "trace_id": span.trace_id or trace_id_hex(span.run_id, span.step), "rank": span.rank,
+            "type": "late", "run_id": span.run_id, "attempt": span.attempt, "step": span.step,
+            "trace_id": span.trace_id or trace_id_hex(span.run_id, span.step, span.attempt), "rank": span.rank,
             "received_time": self._wall(), "compute_seconds": span.compute_seconds,
             "interval_seconds": span.interval_seconds, "idle_seconds": span.idle_seconds, "status": span.status,
             "end_time": span.end_time, "pipeline_bubble_ratio": dict(span.bubble),
@@ -387,7 +395,7 @@ def _stats(values: list[float]) -> tuple[float | None, float | None, float | Non
 
 def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None, spans: list[StepSpan], *,
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
-                   conflicting_ranks: list[int] | None = None) -> dict[str, Any]:
+                   conflicting_ranks: list[int] | None = None, attempt: int = 0) -> dict[str, Any]:
     """The ``cluster_step`` record of one step from its ranks' spans (the schema is in the README).
 
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
@@ -432,6 +440,7 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     return {
         "type": "cluster_step",
         "run_id": run_id,
+        "attempt": attempt,
         "step": step,
         "trace_id": trace_id,
         "world_size": world_size,

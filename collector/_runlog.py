@@ -6,9 +6,10 @@ rest are only counted). ``journal.jsonl`` holds every accepted span whose
 record is not yet written: appended before the request is answered (a failed
 append raises :class:`JournalError`, and the request is answered 503, never
 200); once a step's records are in ``cluster.jsonl`` a marker line
-``["w", [steps]]`` says so, and the spans before it of those steps are not
-replayed. Records that cannot be written (a full disk) are kept and written
-again on the next write or tick; until then their run's journal is neither
+``["w", [steps]]`` says so (a step of a later attempt as ``[attempt, step]``),
+and the spans before it of those steps are not replayed. Records that
+cannot be written (a full disk) are kept and written again on the next
+write or tick; until then their run's journal is neither
 emptied nor compacted. The journal is emptied when the run has no open step
 and nothing pending, rewritten with only the open steps' spans when it grows
 past twice its size after the last rewrite (at least ``journal_compact_bytes``),
@@ -122,7 +123,7 @@ class ClusterLog:
             lines = [json.dumps(r, separators=(",", ":")) + "\n" for r in records]
             if self._append(CLUSTER_FILE, {run_id: lines}, count=False):
                 written.add(run_id)
-                self._mark(run_id, {r["step"] for r in records if r.get("type") != "conflict"})
+                self._mark(run_id, {(r.get("attempt", 0), r["step"]) for r in records if r.get("type") != "conflict"})
             else:
                 self._count_error(len(by_run.get(run_id, ())))  # each record counted once, not per retry
                 if len(records) > _MAX_PENDING:
@@ -142,9 +143,9 @@ class ClusterLog:
                 del by_run[run_id]
         self._append(CONFLICTS_FILE, by_run)
 
-    def mark(self, run_id: str, steps: Iterable[int]) -> None:
-        """Say in the journal that ``steps``' spans so far are dealt with (e.g. a conflict after the step's record)."""
-        self._mark(run_id, set(steps))
+    def mark(self, run_id: str, units: Iterable[tuple[int, int]]) -> None:
+        """Say in the journal that the spans so far of ``units`` ((attempt, step)) are dealt with."""
+        self._mark(run_id, set(units))
 
     # -- the journal ---------------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class ClusterLog:
                 continue
             self._journal_bytes[run_id] = len(data)
             # Spans by step in journal order: a marker drops the spans of its steps seen so far.
-            by_step: dict[int, list[StepSpan]] = {}
+            by_step: dict[tuple[int, int], list[StepSpan]] = {}
             skipped = 0
             for line in data.split(b"\n"):
                 if not line:
@@ -234,14 +235,14 @@ class ClusterLog:
                 except (ValueError, RecursionError):
                     values = None
                 if _is_marker(values):
-                    for step in values[1]:
-                        by_step.pop(step, None)
+                    for unit in values[1]:
+                        by_step.pop((0, unit) if isinstance(unit, int) else (unit[0], unit[1]), None)
                     continue
                 span = _span_from_values(values)
                 if span is None or span.run_id != run_id:
                     skipped += 1
                     continue
-                by_step.setdefault(span.step, []).append(span)
+                by_step.setdefault((span.attempt, span.step), []).append(span)
             if skipped:
                 self.skipped_lines += skipped
                 log.warning("steptrace collector: skipped %d unreadable line(s) of %s; counted in "
@@ -278,15 +279,17 @@ class ClusterLog:
         if self._on_error is not None:
             self._on_error(n)
 
-    def _mark(self, run_id: str, steps: set[int]) -> None:
-        if not self.journal_enabled or not steps or run_id not in self._journal_bytes:
+    def _mark(self, run_id: str, units: set[tuple[int, int]]) -> None:
+        if not self.journal_enabled or not units or run_id not in self._journal_bytes:
             return
-        line = json.dumps([_WRITTEN, sorted(steps)], separators=(",", ":")) + "\n"
+        # A step of attempt 0 is written as its number, of a later attempt as [attempt, step].
+        marks = [step if attempt == 0 else [attempt, step] for attempt, step in sorted(units)]
+        line = json.dumps([_WRITTEN, marks], separators=(",", ":")) + "\n"
         if self._append(JOURNAL_FILE, {run_id: [line]}, count=False):
             self._journal_bytes[run_id] += len(line)
 
-    def history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None]]:
-        """(step, [(rank, fingerprint)], end time) of the emitted steps and late spans in the run file's tail."""
+    def history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None, int]]:
+        """(step, [(rank, fingerprint)], end time, attempt) of the emitted steps and late spans in the file's tail."""
         path = self.path(run_id)
         try:
             with open(path, "rb") as f:
@@ -298,7 +301,7 @@ class ClusterLog:
         lines = data.split(b"\n")
         if size > _HISTORY_BYTES:
             lines = lines[1:]  # starts mid-line
-        out: list[tuple[int, list[tuple[int, int | None]], float | None]] = []
+        out: list[tuple[int, list[tuple[int, int | None]], float | None, int]] = []
         for line in lines:
             try:
                 record = json.loads(line)
@@ -315,8 +318,9 @@ class ClusterLog:
                     continue
                 end = record.get("end_time")
                 end = float(end) if isinstance(end, (int, float)) and not isinstance(end, bool) else None
-                if isinstance(step, int) and all(0 <= r < (1 << 20) for r, _ in ranks):
-                    out.append((step, ranks, end))
+                attempt = record.get("attempt", 0)
+                if isinstance(step, int) and _is_int(attempt) and all(0 <= r < (1 << 20) for r, _ in ranks):
+                    out.append((step, ranks, end, attempt))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn line, or not ours
         return out
@@ -355,9 +359,14 @@ def _span_line(span: StepSpan) -> str:
     return json.dumps([getattr(span, f) for f in _SPAN_FIELDS], separators=(",", ":")) + "\n"
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_marker(values: Any) -> bool:
     return (isinstance(values, list) and len(values) == 2 and values[0] == _WRITTEN and isinstance(values[1], list)
-            and all(isinstance(s, int) and not isinstance(s, bool) for s in values[1]))
+            and all(_is_int(u) or (isinstance(u, list) and len(u) == 2 and _is_int(u[0]) and _is_int(u[1]))
+                    for u in values[1]))
 
 
 def _number(value: Any, optional: bool = False) -> bool:
@@ -368,9 +377,11 @@ def _number(value: Any, optional: bool = False) -> bool:
 
 def _span_from_values(values: Any) -> StepSpan | None:
     """A journal line's span, or None when any field is not what the decoder would have produced."""
-    if not isinstance(values, list) or len(values) != len(_SPAN_FIELDS):
+    # A journal written before spans had an attempt lacks the last field.
+    if not isinstance(values, list) or len(values) not in (len(_SPAN_FIELDS), len(_SPAN_FIELDS) - 1):
         return None
-    span = dict(zip(_SPAN_FIELDS, values, strict=True))
+    span = dict(zip(_SPAN_FIELDS, values))
+    span.setdefault("attempt", 0)
 
     def integer(value: Any, minimum: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
@@ -381,7 +392,7 @@ def _span_from_values(values: Any) -> StepSpan | None:
             and _number(span["compute_seconds"]) and _number(span["interval_seconds"])
             and _number(span["idle_seconds"], True) and isinstance(span["status"], str)
             and _number(span["end_time"], True) and isinstance(bubble, dict)
-            and all(isinstance(k, str) and _number(v) for k, v in bubble.items())):
+            and all(isinstance(k, str) and _number(v) for k, v in bubble.items()) and integer(span["attempt"], 0)):
         return None
     return StepSpan(**span)
 

@@ -364,3 +364,36 @@ def test_duplicate_or_non_digit_content_length_is_400(make_collector, lengths):
                                   f"{headers}\r\n".encode() + data)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
     assert c.joiner.open_steps == 0 and not (Path(c.config.run_dir) / "run").exists()
+
+
+def test_a_step_run_again_by_a_later_attempt_is_a_new_unit_not_a_conflict(make_collector, tmp_path):
+    """A resumed run (train.attempt 1) executes step 0 again: written afresh, keyed by (run, attempt, step);
+    the same attempt re-sending other numbers stays a conflict."""
+    c = make_collector(world_size=2)
+    assert post(c.port, TRACES, body(*[step_span(step=0, rank=r, world_size=2) for r in range(2)]))[0] == 200
+    again = [step_span(step=0, rank=r, world_size=2, compute=0.3, **{"train.attempt": 1}) for r in range(2)]
+    assert post(c.port, TRACES, body(*again))[0] == 200
+    forged = [step_span(step=0, rank=r, world_size=2, compute=9.0, **{"train.attempt": 1}) for r in range(2)]
+    assert post(c.port, TRACES, body(*forged))[0] == 200
+    assert value(scrape(c.metrics_url), "steptrace_collector_conflicting_spans_total", run_id="run") == 2
+    c.close()
+    records = [r for r in read_records(tmp_path / "runs" / "run" / CLUSTER_FILE) if r["type"] == "cluster_step"]
+    assert [(r["attempt"], r["step"], r["compute_max_seconds"]) for r in records] == [(0, 0, 0.1), (1, 0, 0.3)]
+    # A restarted collector knows both units from cluster.jsonl: a retry of either is a duplicate.
+    again_c = make_collector(world_size=2)
+    assert post(again_c.port, TRACES, body(again[0], step_span(step=0, rank=0, world_size=2)))[0] == 200
+    assert value(scrape(again_c.metrics_url), "steptrace_collector_duplicate_spans_total", run_id="run") == 2
+
+
+def test_the_journal_marks_written_steps_per_attempt(tmp_path):
+    import dataclasses
+
+    from collector_helpers import span
+
+    log = ClusterLog(tmp_path)
+    first = [dataclasses.replace(span(step=5, rank=r), attempt=a) for a in (0, 1) for r in range(2)]
+    log.journal(first)
+    log.write([{"type": "cluster_step", "run_id": "run", "attempt": 1, "step": 5}])
+    log.close()
+    replayed = ClusterLog(tmp_path).replay()
+    assert sorted((s.attempt, s.step, s.rank) for s in replayed) == [(0, 5, 0), (0, 5, 1)]
