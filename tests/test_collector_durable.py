@@ -1,7 +1,10 @@
-"""Hostile input, round 2: nothing acknowledged is lost, nothing written is written twice, bounds hold.
+"""Hostile input, round 2 (issue 25): nothing acknowledged is lost, nothing written is written twice,
+one peer cannot grow memory, series or descriptors, no forgery replaces a record, lengths are unambiguous.
 
-Each test is one defect of the second security review (issue 25) and failed on the
-collector as it was before the fix; the numbers in the names are the review's.
+Each test is one defect of the second security review and failed on the collector as it
+was before the fix (run against it first); the numbers in the names are the review's. The
+rank side is in test_otlp_sender_told.py and test_prometheus.py, the CLI in
+test_cli_hostile_names.py.
 """
 
 from __future__ import annotations
@@ -397,3 +400,31 @@ def test_the_journal_marks_written_steps_per_attempt(tmp_path):
     log.close()
     replayed = ClusterLog(tmp_path).replay()
     assert sorted((s.attempt, s.step, s.rank) for s in replayed) == [(0, 5, 0), (0, 5, 1)]
+
+
+def test_grpc_bodies_count_against_the_same_budget(make_collector):
+    grpc = pytest.importorskip("grpc", reason="OTLP/gRPC needs grpcio")
+    c = make_collector(world_size=1, grpc_port=0, max_inflight_body_bytes=1000)
+    with grpc.insecure_channel(f"127.0.0.1:{c.grpc_port}") as channel:
+        export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        with pytest.raises(grpc.RpcError) as refused:
+            export(body(*[step_span(step=s, world_size=1) for s in range(20)]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable
+        export(body(step_span(step=0, world_size=1)), timeout=10)  # a small one fits
+    assert value(scrape(c.metrics_url), "steptrace_collector_rejected_requests_total", reason="memory_limited") == 1
+    assert c.budget.used == 0
+
+
+def test_connection_caps_stay_below_the_descriptor_limit(monkeypatch):
+    import resource
+
+    from steptrace.collector import CollectorConfig
+    from steptrace.collector._app import descriptor_limits
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    http_only = descriptor_limits(CollectorConfig())
+    both = descriptor_limits(CollectorConfig(grpc_port=4317))
+    for lim in (http_only, both):
+        assert lim.http + lim.grpc * (lim is both) + lim.metrics + lim.open_files + 32 <= 1024
+    assert http_only.http_per_peer <= http_only.http // 2
+    assert both.grpc >= 4 and both.http == both.grpc
