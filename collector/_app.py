@@ -357,7 +357,7 @@ class Collector:
                 fresh: dict[tuple[str, int, int, int, int], Any] = {}
                 for s in taken:
                     key = (s.run_id, s.attempt, s.step, s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds))
-                    if key not in fresh and not self.joiner.seen(s):
+                    if key not in fresh and not self.joiner.seen(s) and not self.joiner.mismatched(s):
                         fresh[key] = s
                 try:
                     self.log.journal(fresh.values())

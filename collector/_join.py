@@ -210,6 +210,12 @@ class Joiner:
         emitted = run.emitted.get((span.attempt, span.step)) if run is not None else None
         return emitted is not None and emitted.find(span.rank) in (-1, fingerprint)
 
+    def mismatched(self, span: StepSpan) -> bool:
+        """Whether ``span`` claims a world size other than its run's (it will be refused; not journaled)."""
+        run = self._runs.get(span.run_id)
+        return (self.world_size is None and run is not None and run.world_size is not None
+                and span.world_size is not None and span.world_size != run.world_size)
+
     def known(self, run_id: str) -> bool:
         """Whether ``run_id`` is admitted now (admits nothing)."""
         return run_id in self._runs
