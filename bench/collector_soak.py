@@ -9,7 +9,7 @@ What runs
 ---------
 One real collector process (``python -m steptrace.collector``, defaults except ports 0,
 ``--world-size 8``, ``--window-s 5``, a ``--token-file`` with a token scoped to ``honest-*``, one
-scoped to ``evil-*`` and nothing else) on 127.0.0.1. Against it, for ``--seconds``:
+scoped to ``evil-*``, one to ``amp-*`` and nothing else) on 127.0.0.1. Against it, for ``--seconds``:
 
 * **honest ranks** (this process): 8 threads, one per rank, each posting its ``train.step`` span
   of step ``k`` (OTLP/HTTP protobuf, its own keep-alive connection, the honest token) at
@@ -29,14 +29,27 @@ scoped to ``evil-*`` and nothing else) on 127.0.0.1. Against it, for ``--seconds
     2**63-1 spans; and, as an insider holding the honest token, a rank-0 span with compute
     999 s for each step just ahead of the honest one (a conflict, never a straggler);
   - *garbage* (127.0.0.5): random bytes as protobuf, HTTP/2 prefaces, 70 KB request lines,
-    150-header requests, wrong tokens.
+    150-header requests, wrong tokens, duplicate / conflicting / ``+N`` / ``3_0_8``
+    ``Content-Length`` headers (400);
+  - *amplifier* (127.0.0.6, a token of its own for ``amp-*``): one-rank steps claiming world size 65,536
+    (once a 65,535-entry ``missing_ranks`` per step, built under the lock: 2.2 GiB; under
+    ``--world-size`` the claim is ignored, so here it only adds open steps), and complete
+    steps whose every rank names 256 fresh pipeline stages (once a series each; now at most
+    64 per run, the rest counted in ``dropped_label_values_total``);
+  - *half-bodies* (127.0.0.7): keeps ``--half-bodies`` (32) connections that announce a 15 MiB
+    body and send 1 MiB of it (once 2 GiB held for 128 of them), reopening what is closed;
+  - *idle* (127.0.0.8): keeps ``--idle`` (400) connections open that send nothing, against the
+    collector's file descriptors (it runs under ``ulimit -n`` ``--nofile``, 1024);
+  - the *forger* also re-sends all ranks of a written honest step with other numbers and ends
+    two minutes on (once a second record that stood), and sends steps ahead of the run with
+    ends a day in the future (``end_out_of_range``).
 
 What is printed
 ---------------
 The honest senders' success rate (HTTP 200 / requests) and latency p50/p99/max; the
 share of honest steps written complete with no conflicting ranks and no rank-0 straggler
-named from a forged span; the collector's RSS (sampled from ``/proc``, start and peak);
-how many requests each hostile peer got answered; the collector's
+named from a forged span; honest steps written twice (must be 0); the collector's RSS
+(sampled from ``/proc``, start and peak); how many requests each hostile peer got answered; the collector's
 ``rejected_requests_total`` and ``invalid_spans_total`` by reason, and conflicts.
 """
 
@@ -68,6 +81,7 @@ from steptrace._ids import span_id, trace_id
 WORLD = 8
 HONEST_TOKEN = "honest-token-0123456789"
 EVIL_TOKEN = "evil-token-0123456789"
+AMP_TOKEN = "amp-token-0123456789"  # the amplifier's own, so the forger's 5,000 runs do not crowd it out
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 
@@ -79,11 +93,12 @@ def _attr(key: str, value: Any) -> KeyValue:
     return KeyValue(key=key, value=AnyValue(double_value=value))
 
 
-def step_span(run_id: str, step: int, rank: int, compute: float, world_size: int = WORLD) -> Span:
-    end_ns = time.time_ns()
+def step_span(run_id: str, step: int, rank: int, compute: float, world_size: int = WORLD, *,
+              end_offset_s: float = 0.0, stages: tuple[str, ...] = ()) -> Span:
+    end_ns = time.time_ns() + int(end_offset_s * 1e9)
     attrs = {"train.run_id": run_id, "train.step": step, "train.rank": rank, "train.world_size": world_size,
              "train.compute_seconds": compute, "train.interval_seconds": 0.1, "train.idle_seconds": 0.1 - compute,
-             "train.status": "ok"}
+             "train.status": "ok", **{f"train.pipeline.bubble_ratio.{stage}": 0.1 for stage in stages}}
     return Span(trace_id=trace_id(run_id, min(step, 1 << 62)).to_bytes(16, "big"),
                 span_id=span_id(run_id, min(step, 1 << 62), rank, "step").to_bytes(8, "big"), name="train.step",
                 start_time_unix_nano=end_ns - 100_000_000, end_time_unix_nano=end_ns,
@@ -167,9 +182,10 @@ def _exchange(port: int, source: str, data: bytes) -> bytes:
         return b""
 
 
-def _post(port: int, source: str, data: bytes, token: str | None = None, length: int | None = None) -> bytes:
+def _post(port: int, source: str, data: bytes, token: str | None = None, length: int | str | None = None,
+          extra: str = "") -> bytes:
     head = (f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-            f"Content-Length: {len(data) if length is None else length}\r\n"
+            f"Content-Length: {len(data) if length is None else length}\r\n{extra}"
             + (f"Authorization: Bearer {token}\r\n" if token else "") + "Connection: close\r\n\r\n").encode()
     return _exchange(port, source, head + data)
 
@@ -219,7 +235,13 @@ def forger(port: int, stop: float, tally: dict[str, int], rate: float, go: float
                  ("many_runs", body(*[step_span(f"evil-{n}-{i}", 0, 0, 0.05, 1) for i in range(5000)]), EVIL_TOKEN),
                  ("world_5e7", body(step_span("evil-big", step, 0, 0.05, 50_000_000)), EVIL_TOKEN),
                  ("step_2e63", body(step_span("evil-big", (1 << 63) - 1, 0, 0.05)), EVIL_TOKEN),
-                 ("insider_rank0", body(step_span("honest-run", step, 0, 999.0)), HONEST_TOKEN)]
+                 ("insider_rank0", body(step_span("honest-run", step, 0, 999.0)), HONEST_TOKEN),
+                 # All ranks of a step written a second ago, other numbers, ends two minutes on.
+                 ("insider_rewrite", body(*[step_span("honest-run", max(0, step - 20), r, 7.0, end_offset_s=120)
+                                            for r in range(WORLD)]), HONEST_TOKEN),
+                 # The run's next steps, sent ahead with ends a day in the future.
+                 ("insider_ahead", body(*[step_span("honest-run", step + 50 + i, r, 5.0, end_offset_s=86400)
+                                          for i in range(10) for r in range(WORLD)]), HONEST_TOKEN)]
         for name, data, token in cases:
             answer = _post(port, "127.0.0.4", data, token)
             status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
@@ -235,7 +257,11 @@ def garbage(port: int, stop: float, tally: dict[str, int]) -> None:
              ("long_line", lambda: _exchange(port, "127.0.0.5", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n")),
              ("many_headers", lambda: _exchange(port, "127.0.0.5", b"POST /v1/traces HTTP/1.1\r\n"
                                                 + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n")),
-             ("wrong_token", lambda: _post(port, "127.0.0.5", b"", "wrong-token-000"))]
+             ("wrong_token", lambda: _post(port, "127.0.0.5", b"", "wrong-token-000")),
+             ("duplicate_length", lambda: _post(port, "127.0.0.5", b"\0" * 10, HONEST_TOKEN, 10,
+                                                "Content-Length: 15\r\n")),
+             ("plus_length", lambda: _post(port, "127.0.0.5", b"\0" * 10, HONEST_TOKEN, "+10")),
+             ("underscore_length", lambda: _post(port, "127.0.0.5", b"\0" * 10, HONEST_TOKEN, "1_0"))]
     while time.monotonic() < stop:
         for name, send in cases:
             answer = send()
@@ -244,14 +270,103 @@ def garbage(port: int, stop: float, tally: dict[str, int]) -> None:
         time.sleep(0.05)
 
 
-def hostile_main(port: int, seconds: float, loris_count: int, rate: float, result: Any) -> None:
+def amplifier(port: int, stop: float, tally: dict[str, int]) -> None:
+    n = 0
+    while time.monotonic() < stop:
+        cases = [("world_65536", body(*[step_span(f"amp-world-{n % 8}", n * 64 + i, 0, 0.05, 65536)
+                                        for i in range(64)])),
+                 ("stages_256", body(*[step_span(f"amp-stage-{n % 8}", n * 2 + i, r, 0.05,
+                                                 stages=tuple(f"s{n}-{i}-{k}" for k in range(256)))
+                                       for i in range(2) for r in range(WORLD)]))]
+        for name, data in cases:
+            answer = _post(port, "127.0.0.6", data, AMP_TOKEN)
+            status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
+            tally[f"{name}:{status}"] = tally.get(f"{name}:{status}", 0) + 1
+        n += 1
+        time.sleep(0.1)
+
+
+def half_bodies(port: int, count: int, stop: float, tally: dict[str, int]) -> None:
+    head = (f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+            f"Authorization: Bearer {HONEST_TOKEN}\r\nContent-Length: {15 << 20}\r\n\r\n").encode()
+    part = b"\0" * (1 << 20)
+    socks: list[socket.socket | None] = [None] * count
+    while time.monotonic() < stop:
+        for i in range(count):
+            if socks[i] is not None:
+                try:  # closed by the collector (a 503, or its deadline)?
+                    socks[i].setblocking(False)  # type: ignore[union-attr]
+                    if socks[i].recv(1, socket.MSG_PEEK) == b"":  # type: ignore[union-attr]
+                        raise OSError("closed")
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    socks[i].close()  # type: ignore[union-attr]
+                    socks[i] = None
+                    tally["closed_by_collector"] = tally.get("closed_by_collector", 0) + 1
+                    continue
+                socks[i].close()  # type: ignore[union-attr]  # answered: start again
+                socks[i] = None
+                tally["answered"] = tally.get("answered", 0) + 1
+                continue
+            try:
+                s = _connect(port, "127.0.0.7", 2.0)
+                s.sendall(head + part)
+                socks[i] = s
+                tally["opened"] = tally.get("opened", 0) + 1
+            except OSError:
+                tally["refused"] = tally.get("refused", 0) + 1
+        time.sleep(0.5)
+    for s in socks:
+        if s is not None:
+            s.close()
+
+
+def idle(port: int, count: int, stop: float, tally: dict[str, int]) -> None:
+    socks: list[socket.socket | None] = [None] * count
+    while time.monotonic() < stop:
+        for i in range(count):
+            if socks[i] is None:
+                try:
+                    socks[i] = _connect(port, "127.0.0.8", 2.0)
+                    tally["opened"] = tally.get("opened", 0) + 1
+                except OSError:
+                    tally["refused"] = tally.get("refused", 0) + 1
+        time.sleep(1.0)
+        for i in range(count):
+            s = socks[i]
+            if s is None:
+                continue
+            try:
+                s.setblocking(False)
+                if s.recv(1, socket.MSG_PEEK) == b"":
+                    raise OSError("closed")
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            s.close()
+            socks[i] = None
+            tally["closed_by_collector"] = tally.get("closed_by_collector", 0) + 1
+    for s in socks:
+        if s is not None:
+            s.close()
+
+
+def hostile_main(port: int, seconds: float, loris_count: int, rate: float, result: Any, half_count: int = 32,
+                 idle_count: int = 400, skip: tuple[str, ...] = ()) -> None:
     go = time.monotonic()
     stop = go + seconds
-    tallies: dict[str, dict[str, int]] = {"slow_loris": {}, "huge": {}, "forger": {}, "garbage": {}}
+    tallies: dict[str, dict[str, int]] = {"slow_loris": {}, "huge": {}, "forger": {}, "garbage": {}, "amplifier": {},
+                                          "half_bodies": {}, "idle": {}}
     threads = [threading.Thread(target=loris, args=(port, loris_count, stop, tallies["slow_loris"])),
                threading.Thread(target=huge, args=(port, stop, tallies["huge"])),
                threading.Thread(target=forger, args=(port, stop, tallies["forger"], rate, go)),
-               threading.Thread(target=garbage, args=(port, stop, tallies["garbage"]))]
+               threading.Thread(target=garbage, args=(port, stop, tallies["garbage"])),
+               threading.Thread(target=amplifier, args=(port, stop, tallies["amplifier"])),
+               threading.Thread(target=half_bodies, args=(port, half_count, stop, tallies["half_bodies"])),
+               threading.Thread(target=idle, args=(port, idle_count, stop, tallies["idle"]))]
+    threads = [t for t, name in zip(threads, tallies) if name not in skip]
     for t in threads:
         t.daemon = True
         t.start()
@@ -261,6 +376,13 @@ def hostile_main(port: int, seconds: float, loris_count: int, rate: float, resul
 
 
 # -- the run --------------------------------------------------------------------------------------------
+
+
+def _limit_files(nofile: int) -> None:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile, hard) if hard > 0 else nofile, hard))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -274,7 +396,8 @@ def scrape(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         for line in response.read().decode().splitlines():
-            m = re.match(r"(steptrace_collector_(?:rejected_requests|invalid_spans|conflicting_spans)_total)"
+            m = re.match(r"(steptrace_collector_(?:rejected_requests|invalid_spans|conflicting_spans|"
+                         r"dropped_label_values|write_errors)_total)"
                          r"\{(\w+)=\"([^\"]*)\"\} (\S+)", line)
             if m and float(m.group(4)):
                 out[f"{m.group(1)}{{{m.group(2)}={m.group(3)}}}"] = float(m.group(4))
@@ -286,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="soak duration (default: 30)")
     parser.add_argument("--rate", type=float, default=10.0, help="honest steps/s per rank (default: 10)")
     parser.add_argument("--loris", type=int, default=300, help="slow-loris sockets (default: 300)")
+    parser.add_argument("--half-bodies", type=int, default=32, help="half-sent 15 MiB bodies held (default: 32)")
+    parser.add_argument("--idle", type=int, default=400, help="idle connections held (default: 400)")
+    parser.add_argument("--nofile", type=int, default=1024, help="the collector's ulimit -n (default: 1024)")
+    parser.add_argument("--skip", action="append", default=[],
+                        help="leave a hostile peer out (slow_loris, huge, forger, garbage, amplifier, half_bodies, "
+                             "idle); repeatable")
     parser.add_argument("--verbose", action="store_true", help="print the collector's log")
     parser.add_argument("--json", metavar="PATH", help="also write every number measured")
     args = parser.parse_args(argv)
@@ -293,12 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="steptrace-soak-")
     tokens = os.path.join(workdir, "tokens")
     with open(tokens, "w") as f:
-        f.write(f"{HONEST_TOKEN} honest-*\n{EVIL_TOKEN} evil-*\n")
+        f.write(f"{HONEST_TOKEN} honest-*\n{EVIL_TOKEN} evil-*\n{AMP_TOKEN} amp-*\n")
     run_dir = os.path.join(workdir, "runs")
     proc = subprocess.Popen([sys.executable, "-m", "steptrace.collector", "--port", "0", "--metrics-port", "0",
                              "--world-size", str(WORLD), "--window-s", "5", "--run-dir", run_dir,
                              "--token-file", tokens, "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: _limit_files(args.nofile))
     try:
         line = proc.stdout.readline()
         port = int(line.split("otlp_http=127.0.0.1:")[1].split()[0])
@@ -306,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         rss_start = rss_kib(proc.pid)
         result: Any = mp.get_context("spawn").Queue()
         hostile = mp.get_context("spawn").Process(target=hostile_main,
-                                                  args=(port, args.seconds, args.loris, args.rate, result))
+                                                  args=(port, args.seconds, args.loris, args.rate, result,
+                                                        args.half_bodies, args.idle, tuple(args.skip)))
         hostile.start()
         time.sleep(1.0)  # the hostile peers get going first
         go = time.monotonic()
@@ -349,13 +480,15 @@ def main(argv: list[str] | None = None) -> int:
     conflicted = [r for r in steps if r.get("conflicting_ranks")]
     # A forged span for a step the real rank never sends (past the end) cannot be told apart; what must
     # never happen is a forged value in a complete step, where it would name the straggler.
-    forged_straggler = [r for r in steps if r["complete"] and r["compute_max_seconds"] > 100]
+    forged_straggler = [r for r in steps if r["complete"] and r["compute_max_seconds"] > 1]
+    written_twice = len(steps) - len({r["step"] for r in steps})
     figures = {
         "seconds": args.seconds, "honest_requests": len(answers), "honest_success_rate": len(ok) / max(1, len(answers)),
         "latency_p50_ms": percentile(ok, 0.5) * 1e3, "latency_p99_ms": percentile(ok, 0.99) * 1e3,
         "latency_max_ms": max(ok) * 1e3 if ok else float("nan"),
         "honest_steps_sent": sent_steps, "steps_written": len(steps), "steps_complete_clean": len(clean),
         "steps_with_conflicting_rank0": len(conflicted), "steps_with_forged_value_joined": len(forged_straggler),
+        "steps_written_twice": written_twice,
         "rss_start_mib": rss_start / 1024, "rss_peak_mib": rss_peak / 1024, "rss_end_mib": rss_end / 1024,
         "collector_stderr_lines": stderr_lines, "collector_log": stderr_text.splitlines(),
         "hostile": tallies, "collector_counters": counters,
@@ -366,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
           f"latency p50 {figures['latency_p50_ms']:.1f} ms, p99 {figures['latency_p99_ms']:.1f} ms, "
           f"max {figures['latency_max_ms']:.1f} ms")
     print(f"honest steps:    {len(steps)} written; {len(clean)} complete without conflict; {len(conflicted)} with "
-          f"rank 0 conflicting (the insider's forgery, left out); {len(forged_straggler)} complete with a forged value")
+          f"rank 0 conflicting (the insider's forgery, left out); {len(forged_straggler)} complete with a forged "
+          f"value; {written_twice} written twice")
     print(f"collector RSS:   start {figures['rss_start_mib']:.0f} MiB, peak {figures['rss_peak_mib']:.0f} MiB, "
           f"end {figures['rss_end_mib']:.0f} MiB; {stderr_lines} log lines")
     for peer, tally in tallies.items():

@@ -18,6 +18,7 @@ import math
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +33,12 @@ from steptrace.collector._decode import (
     count_data_points,
     count_items,
     extract_steps,
+    span_fingerprint,
 )
 from steptrace.collector._join import Joiner, JoinResult
+from steptrace.collector._http import ByteBudget
 from steptrace.collector._metrics import ClusterMetrics, served_registry
-from steptrace.collector._runlog import ClusterLog
+from steptrace.collector._runlog import ClusterLog, JournalError
 
 __all__ = ["ENV_TOKEN", "Collector", "CollectorConfig"]
 
@@ -84,7 +87,12 @@ class CollectorConfig:
     max_emitted_steps: int = 8192
     run_idle_s: float = 300.0
     max_conflicts_per_run: int = 1000
+    max_inflight_body_bytes: int = 256 << 20
+    max_clock_skew_s: float | None = 300.0  # a step span may end this far after the collector's clock (None: any)
+    max_span_age_s: float | None = 86400.0  # ... and this far before it
     journal: bool = True
+    max_journal_bytes_per_run: int = 64 << 20
+    max_journal_bytes: int = 1 << 30
     token_file: str | None = None
     metrics_token_file: str | None = None
     tls_cert: str | None = None
@@ -107,13 +115,19 @@ class CollectorConfig:
         integer("world_size", 1, self.max_world_size, optional=True)
         integer("max_step", 0, (1 << 63) - 1)
         for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
-                     "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps"):
+                     "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps",
+                     "max_journal_bytes_per_run", "max_journal_bytes", "max_inflight_body_bytes"):
             integer(name, 1)
         integer("max_conflicts_per_run", 0)
         integer("max_runs_per_token", 1, optional=True)
         if not isinstance(self.run_idle_s, (int, float)) or isinstance(self.run_idle_s, bool) or \
                 not 0 <= self.run_idle_s < math.inf:
             raise ValueError(f"run_idle_s must be a number of seconds >= 0, got {self.run_idle_s!r}")
+        for name in ("max_clock_skew_s", "max_span_age_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a number of seconds > 0 (or None for no bound), got {value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both PEM files or neither")
         for name in ("window_s", "read_timeout_s", "request_timeout_s"):
@@ -176,9 +190,15 @@ class Collector:
                              else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
                                       open_steps=lambda: self.joiner.open_steps)
-        self.log = ClusterLog(config.run_dir, max_open=3 * config.max_runs,
+        self.limits = descriptor_limits(config)
+        self.budget = ByteBudget(config.max_inflight_body_bytes,
+                                 min(config.max_inflight_body_bytes,
+                                     max(config.max_body_bytes, config.max_inflight_body_bytes // 4)))
+        self.log = ClusterLog(config.run_dir, max_open=self.limits.open_files,
                               on_error=lambda n: self.metrics.write_errors.inc(n),
-                              max_conflicts=config.max_conflicts_per_run, journal=config.journal)
+                              max_conflicts=config.max_conflicts_per_run, journal=config.journal,
+                              max_journal_bytes_per_run=config.max_journal_bytes_per_run,
+                              max_journal_bytes=config.max_journal_bytes, open_spans=self.joiner.open_spans)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self._metrics_server: Any = None
@@ -207,8 +227,9 @@ class Collector:
                                             max_body_bytes=c.max_body_bytes,
                                             read_timeout_s=min(c.read_timeout_s, c.request_timeout_s),
                                             request_timeout_s=c.request_timeout_s,
-                                            max_connections=c.max_connections,
-                                            max_connections_per_peer=c.max_connections_per_peer, tls=self._tls)
+                                            max_connections=self.limits.http,
+                                            max_connections_per_peer=self.limits.http_per_peer,
+                                            tls=self._tls, budget=self.budget)
             except OSError as exc:
                 raise ValueError(f"port: cannot serve OTLP/HTTP on {c.host}:{c.port}: {exc.strerror or exc}") from exc
             self.port = self._http.server_address[1]
@@ -228,7 +249,8 @@ class Collector:
                         with open(c.tls_key, "rb") as key, open(c.tls_cert, "rb") as cert:
                             tls = (key.read(), cert.read())
                     self._grpc, self.grpc_port = start_grpc_server(self, c.host, c.grpc_port, c.max_body_bytes,
-                                                                   tls)
+                                                                   tls, max_connections=self.limits.grpc,
+                                                                   idle_s=c.request_timeout_s)
                 except OSError as exc:
                     raise ValueError(f"grpc_port: cannot serve OTLP/gRPC on {c.host}:{c.grpc_port}: {exc}") from exc
         except BaseException:
@@ -243,6 +265,10 @@ class Collector:
         self._metrics_thread.start()
         self._ticker = threading.Thread(target=self._tick, name="steptrace-collector-window", daemon=True)
         self._ticker.start()
+        lim = self.limits
+        log.info("steptrace collector: file descriptor limit %s: at most %d OTLP/HTTP connections%s, %d /metrics, "
+                 "%d open run files", lim.nofile or "unlimited", lim.http,
+                 f", {lim.grpc} gRPC" if c.grpc_port is not None else "", lim.metrics, lim.open_files)
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -305,14 +331,18 @@ class Collector:
             self.metrics.request(signal, transport)
             self.metrics.data_points.inc(count_data_points(message))
             return 0, ""
-        extracted = extract_steps(message, c.world_size, max_world_size=c.max_world_size, max_step=c.max_step)
+        now = time.time()
+        ends = (now - c.max_span_age_s if c.max_span_age_s is not None else -math.inf,
+                now + c.max_clock_skew_s if c.max_clock_skew_s is not None else math.inf)
+        extracted = extract_steps(message, c.world_size, max_world_size=c.max_world_size, max_step=c.max_step,
+                                  ends=ends)
         if grant.runs is not None:
             runs = {s.run_id for s in extracted.steps} | {r for r in extracted.spans_by_run if r}
             denied = sorted(r for r in runs if not grant.allows(r))
             if denied:
                 raise Rejected(403, "forbidden", f"this token may not write run(s) {', '.join(denied[:5])[:300]}")
         self.metrics.request(signal, transport)
-        refused = 0
+        refused = mismatched = 0
         steps = extracted.steps
         for start in range(0, len(steps), _CHUNK):
             chunk = steps[start:start + _CHUNK]
@@ -322,11 +352,24 @@ class Collector:
                 admitted = {run: self.joiner.admitted(run, grant.owner) for run in {s.run_id for s in chunk}}
                 taken = [s for s in chunk if admitted[s.run_id]]
                 refused += len(chunk) - len(taken)
-                # Journal first: once we answer 200 the spans must survive a crash.
-                self.log.journal(taken)
-                self._publish(self.joiner.add(taken, grant.owner))
+                # Journal first: once we answer 200 the spans must survive a crash. A retry of a
+                # span the joiner holds or wrote is journaled no more (the joiner counts it).
+                fresh: dict[tuple[str, int, int, int, int], Any] = {}
+                for s in taken:
+                    key = (s.run_id, s.attempt, s.step, s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds))
+                    if key not in fresh and not self.joiner.seen(s) and not self.joiner.mismatched(s):
+                        fresh[key] = s
+                try:
+                    self.log.journal(fresh.values())
+                except JournalError as exc:
+                    raise Rejected(503, exc.reason, f"{exc.message}; retry") from None
+                result = self.joiner.add(taken, grant.owner)
+                mismatched += result.mismatched
+                self._publish(result)
         if refused:
             extracted.invalid["too_many_runs"] = extracted.invalid.get("too_many_runs", 0) + refused
+        if mismatched:
+            extracted.invalid["world_size_mismatch"] = extracted.invalid.get("world_size_mismatch", 0) + mismatched
         # Spans of runs that were not admitted are counted without their run id: no series for them.
         by_run: dict[str, int] = {}
         for run, n in extracted.spans_by_run.items():
@@ -343,21 +386,37 @@ class Collector:
         return rejected, note
 
     def expire(self) -> None:
-        """Emit the steps whose window has passed (the ticker calls this; tests may too)."""
-        with self._lock:
-            self._publish(self.joiner.expire())
+        """Emit the steps whose window has passed (the ticker calls this; tests may too).
+
+        At most ``_CHUNK`` steps per hold of the lock, so a burst of expiring steps does not
+        keep the senders out.
+        """
+        while True:
+            with self._lock:
+                result = self.joiner.expire(max_steps=_CHUNK)
+                self._publish(result)
+            if len(result.records) < _CHUNK:
+                return
 
     def _publish(self, result: JoinResult) -> None:
+        # Journal entries go only once their records are written (a failed write keeps them, and
+        # the records, for the next try).
+        written = self.log.write(result.records) if result.records else self.log.retry()
         if result.records:
-            self.log.write(result.records)
             self.metrics.publish(result.records)
-            for run_id in {r["run_id"] for r in result.records}:
-                if self.joiner.open_in(run_id) == 0:
-                    self.log.reset_journal(run_id)
-                elif self.log.journal_needs_compaction(run_id):
-                    self.log.reset_journal(run_id, self.joiner.open_spans(run_id))
+        for run_id in written:
+            if self.joiner.open_in(run_id) == 0:
+                self.log.reset_journal(run_id)
+            elif self.log.journal_needs_compaction(run_id):
+                self.log.reset_journal(run_id, self.joiner.open_spans(run_id))
         if result.conflicts:
             self.log.write_conflicts(result.conflicts)
+            after: dict[str, set[tuple[int, int]]] = {}
+            for record in result.conflicts:
+                if record.get("when") == "after_emit":
+                    after.setdefault(record["run_id"], set()).add((record.get("attempt", 0), record["step"]))
+            for run_id, steps in after.items():
+                self.log.mark(run_id, steps)
             by_run: dict[str, int] = {}
             for record in result.conflicts:
                 by_run[record["run_id"]] = by_run.get(record["run_id"], 0) + 1
@@ -368,6 +427,8 @@ class Collector:
     def _replay(self) -> None:
         """Join again what a killed collector had accepted but not emitted (its journals)."""
         spans = self.log.replay()
+        if self.log.skipped_lines:
+            self.metrics.journal_skipped.inc(self.log.skipped_lines)
         if not spans:
             return
         with self._lock:
@@ -379,7 +440,7 @@ class Collector:
         log.info("steptrace collector: replayed %d journaled spans; %d steps open again", len(spans),
                  self.joiner.open_steps)
 
-    def _history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None]]:
+    def _history(self, run_id: str) -> list[tuple[int, list[tuple[int, int | None]], float | None, int]]:
         return self.log.history(run_id)
 
     def _tick(self) -> None:
@@ -389,6 +450,44 @@ class Collector:
                 self.expire()
             except Exception:
                 log.exception("steptrace collector: expiring join windows failed")
+
+
+@dataclass(frozen=True)
+class DescriptorLimits:
+    """Connections and open files the collector allows itself under ``RLIMIT_NOFILE``."""
+
+    nofile: int | None  # the soft limit read at construction (None: unlimited)
+    http: int
+    http_per_peer: int
+    grpc: int
+    metrics: int
+    open_files: int
+
+
+def descriptor_limits(c: CollectorConfig) -> DescriptorLimits:
+    """Split the process's file descriptors between open run files, /metrics, HTTP and gRPC connections.
+
+    32 are kept for the interpreter, listening sockets and gRPC's own; a quarter at most for
+    open run files; a sixteenth (at most 64) for /metrics. What is left caps OTLP/HTTP
+    connections (and ``--max-connections`` caps it further), shared half and half with gRPC
+    when it is on: excess connections are refused at accept, never left to exhaust the
+    descriptors and fail the journal's writes.
+    """
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return DescriptorLimits(None, c.max_connections, c.max_connections_per_peer, c.max_connections, 64,
+                                3 * c.max_runs)
+    files = min(3 * c.max_runs, max(8, soft // 4))
+    metrics = min(64, max(2, soft // 16))
+    room = max(8, soft - 32 - files - metrics)
+    share = room // 2 if c.grpc_port is not None else room
+    http = min(c.max_connections, share)
+    # When the descriptors cap HTTP below --max-connections, one peer gets at most half of them.
+    per_peer = c.max_connections_per_peer if http == c.max_connections else \
+        min(c.max_connections_per_peer, max(1, http // 2))
+    return DescriptorLimits(soft, http, per_peer, max(4, room - share), metrics, files)
 
 
 def _metrics_server(address: tuple[str, int], collector: Collector) -> Any:
@@ -416,7 +515,8 @@ def _metrics_server(address: tuple[str, int], collector: Collector) -> Any:
         def _refused(self, reason: str, detail: str) -> None:
             count_refusal(collector, reason, f"/metrics: {detail}", self.client_address)
 
-    return BoundedServer(address, Handler, max_connections=64, max_connections_per_peer=16, tls=collector._tls,
+    return BoundedServer(address, Handler, max_connections=collector.limits.metrics,
+                         max_connections_per_peer=max(1, min(16, collector.limits.metrics // 2)), tls=collector._tls,
                   on_refuse=lambda reason, peer: count_refusal(collector, reason, "/metrics: no free slot", peer))
 
 

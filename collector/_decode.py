@@ -43,6 +43,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from steptrace._ids import run_id_problem
 from steptrace._schema import (
+    ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
     ATTR_IDLE_SECONDS,
@@ -82,11 +83,12 @@ MEDIA_JSON = "application/json"
 REJECTION_REASONS = ("malformed", "too_large", "too_many_spans", "unsupported_media_type", "unsupported_encoding",
                      "unauthorized", "forbidden", "not_found", "method_not_allowed", "length_required",
                      "uri_too_long", "headers_too_large", "unsupported_version", "tls", "timeout", "overloaded",
-                     "peer_overloaded", "shutting_down", "internal")
+                     "peer_overloaded", "shutting_down", "internal", "journal_failed", "journal_full",
+                     "memory_limited")
 
 #: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
 INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range", "step_out_of_range",
-                        "world_size_out_of_range", "too_many_runs")
+                        "world_size_out_of_range", "too_many_runs", "world_size_mismatch", "end_out_of_range")
 
 #: Default bounds on what a span may claim (``--max-world-size``, ``--max-step``).
 DEFAULT_MAX_WORLD_SIZE = 65536
@@ -98,6 +100,8 @@ _MAX_LABEL = 64  # status and stage names end up as JSON keys and metric labels
 _MAX_STAGES = 256
 #: The largest ``--max-world-size`` there is.
 MAX_RANK = 1 << 20
+#: The largest ``train.attempt`` taken.
+MAX_ATTEMPT = 1 << 20
 
 _SIGNALS = {
     "traces": (ExportTraceServiceRequest, ExportTraceServiceResponse),
@@ -252,6 +256,7 @@ class StepSpan:
     status: str = "ok"
     end_time: float | None = None
     bubble: dict[str, float] = field(default_factory=dict)
+    attempt: int = 0  # train.attempt: the run's process start that sent it (last: old journals lack it)
 
 
 @dataclass
@@ -318,7 +323,7 @@ def span_fingerprint(compute_seconds: float, interval_seconds: float) -> int:
 
 
 def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
-               max_step: int = DEFAULT_MAX_STEP) -> StepSpan:
+               max_step: int = DEFAULT_MAX_STEP, ends: tuple[float, float] | None = None) -> StepSpan:
     attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith(ATTR_PREFIX)}
     run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
@@ -331,6 +336,9 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     rank = _int(attrs, ATTR_RANK, minimum=0)
     if rank >= (world_size if world_size is not None else max_world_size):
         raise _Invalid("rank_out_of_range")
+    attempt = _int(attrs, ATTR_ATTEMPT, minimum=0, required=False) or 0
+    if attempt > MAX_ATTEMPT:
+        raise _Invalid("bad_value")
     span_world = _int(attrs, ATTR_WORLD_SIZE, minimum=1, required=False)
     if span_world is not None and span_world > max_world_size:
         raise _Invalid("world_size_out_of_range")
@@ -349,10 +357,12 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                 bubble[stage] = float(value)
     trace = bytes(span.trace_id)
     end_ns = span.end_time_unix_nano
+    if ends is not None and end_ns and not ends[0] <= end_ns / 1e9 <= ends[1]:
+        raise _Invalid("end_out_of_range")
     return StepSpan(run_id=run_id, step=step, rank=rank, world_size=span_world,
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
-                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble)
+                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt)
 
 
 def _resource_run_id(scope_spans: Any) -> str:
@@ -368,8 +378,13 @@ def _resource_run_id(scope_spans: Any) -> str:
 
 
 def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = None, *,
-                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, max_step: int = DEFAULT_MAX_STEP) -> Extracted:
+                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, max_step: int = DEFAULT_MAX_STEP,
+                  ends: tuple[float, float] | None = None) -> Extracted:
     """The ``train.step`` spans of ``request``; other spans are only counted.
+
+    ``ends`` (unix seconds, earliest and latest) skips a step span that ended outside it as
+    ``end_out_of_range``: the collector's clock minus ``--max-span-age-s`` to plus
+    ``--max-clock-skew-s``, so spans sent ahead of a run with made-up ends cannot take its steps.
 
     A rank outside ``[0, world_size)`` (the collector's ``--world-size``, else
     ``max_world_size``) is skipped as ``rank_out_of_range``; a ``train.world_size``
@@ -386,7 +401,7 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
                 if span.name != _STEP_SPAN:
                     continue
                 try:
-                    out.steps.append(_step_span(span, world_size, max_world_size, max_step))
+                    out.steps.append(_step_span(span, world_size, max_world_size, max_step, ends))
                 except _Invalid as bad:
                     out.invalid[bad.reason] = out.invalid.get(bad.reason, 0) + 1
         if count:

@@ -43,7 +43,13 @@ _SERVICES = {
 
 
 def _export(collector: Collector, signal: str, data: bytes, context: Any) -> Any:
+    peer = _peer(context)
+    key = peer[0] if peer else ""
+    reserved = 0
     try:
+        if not collector.budget.acquire(key, len(data)):
+            raise Rejected(503, "memory_limited", "the in-flight body budget is spent; retry")
+        reserved = len(data)
         metadata = dict(context.invocation_metadata())
         grant = authorized_grant(collector.tokens, metadata.get("authorization"))
         if grant is None:
@@ -51,9 +57,12 @@ def _export(collector: Collector, signal: str, data: bytes, context: Any) -> Any
         message = parse_request(signal, data, MEDIA_PROTOBUF)
         rejected, note = collector.accept(signal, message, "grpc", grant)
     except Rejected as exc:
-        count_refusal(collector, exc.reason, f"gRPC {exc.message}", _peer(context))
+        count_refusal(collector, exc.reason, f"gRPC {exc.message}", peer)
         context.abort(_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
         raise  # not reached: abort raises
+    finally:
+        if reserved:
+            collector.budget.release(key, reserved)
     return response_message(signal, rejected, note)
 
 
@@ -64,11 +73,19 @@ def _peer(context: Any) -> tuple[str, int] | None:
     return (host, 0) if host else None
 
 
+#: gRPC calls in progress at once (8 run, the rest wait); more are RESOURCE_EXHAUSTED. With
+#: ``--max-body-bytes`` this bounds what gRPC holds of bodies before our code sees them.
+MAX_CONCURRENT_RPCS = 16
+
+
 def start_grpc_server(collector: Collector, host: str, port: int, max_body_bytes: int,
-                      tls: tuple[bytes, bytes] | None = None) -> tuple[Any, int]:
+                      tls: tuple[bytes, bytes] | None = None, *, max_connections: int = 1024,
+                      idle_s: float = 30.0) -> tuple[Any, int]:
     """Start the gRPC server; returns (server, bound port). Raises ``OSError`` when the port is taken.
 
-    ``tls`` is (private key PEM, certificate chain PEM).
+    ``tls`` is (private key PEM, certificate chain PEM). At most ``max_connections``
+    connections are accepted (``grpc.max_allowed_incoming_connections``) and one idle for
+    ``idle_s`` is closed.
     """
     handlers = []
     for signal, service in _SERVICES.items():
@@ -77,9 +94,12 @@ def start_grpc_server(collector: Collector, host: str, port: int, max_body_bytes
             request_deserializer=None, response_serializer=lambda message: message.SerializeToString())
         handlers.append(grpc.method_handlers_generic_handler(service, {"Export": method}))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="steptrace-collector-grpc"),
-                         handlers=handlers,
+                         handlers=handlers, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                          options=[("grpc.max_receive_message_length", max_body_bytes),
-                                  ("grpc.so_reuseport", 0)])
+                                  ("grpc.so_reuseport", 0),
+                                  ("grpc.max_allowed_incoming_connections", max_connections),
+                                  ("grpc.max_connection_idle_ms", int(idle_s * 1000)),
+                                  ("grpc.max_concurrent_streams", MAX_CONCURRENT_RPCS)])
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         if tls is not None:

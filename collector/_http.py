@@ -11,8 +11,16 @@ A ``ThreadingHTTPServer`` with bounds, so that no client can stop the others:
   socket read is given only what is left of that deadline, and at most
   ``read_timeout_s``), so a client trickling one header byte at a time holds
   a thread for a bounded time; past it the request is ``408`` and closed;
+* body bytes in flight are bounded across all connections
+  (``--max-inflight-body-bytes``) and per peer address (a quarter of it, at
+  least ``--max-body-bytes``): a body that would pass either is ``503``
+  (``memory_limited``, with ``Retry-After``) before it is read;
+* when the process is out of file descriptors the accept loop pauses 50 ms
+  instead of spinning (the collector sizes its connection caps below
+  ``RLIMIT_NOFILE`` so that this is rare);
 * ``Content-Length`` is checked before anything is read (``413``); a body
-  without one is ``411``. A refused body is read and discarded (up to
+  without one is ``411``; two of them, or one that is not plain decimal
+  digits (``+308``, ``3_0_8``), is ``400`` and the connection closed; A refused body is read and discarded (up to
   ``_DRAIN_LIMIT`` bytes and the deadline) after the answer is sent, so a
   client that writes its whole body before reading (urllib, requests, the
   OTLP exporters) gets the ``413`` instead of a broken pipe;
@@ -37,6 +45,7 @@ server carries on.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import socket
@@ -61,7 +70,7 @@ from steptrace.collector._ratelog import RateLimitedLog
 if TYPE_CHECKING:  # pragma: no cover
     from steptrace.collector._app import Collector
 
-__all__ = ["OtlpHttpServer", "refusal_log"]
+__all__ = ["ByteBudget", "OtlpHttpServer", "refusal_log"]
 
 log = logging.getLogger("steptrace.collector")
 #: Refusals are counted; the log says so once per reason per 10 s.
@@ -84,6 +93,39 @@ def count_refusal(collector: Collector, reason: str, detail: str, peer: Any = No
                                 "steptrace_collector_rejected_requests_total{reason=%r}", who, reason, detail, reason)
 
 
+class ByteBudget:
+    """Body bytes in flight across all connections (``total``) and from one peer address (``per_peer``).
+
+    Like the OpenTelemetry Collector's memory limiter: a request whose body would pass
+    either bound is refused (503, retryable) before it is read.
+    """
+
+    def __init__(self, total: int, per_peer: int):
+        self.total = total
+        self.per_peer = per_peer
+        self.used = 0
+        self._by_peer: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, peer: str, n: int) -> bool:
+        with self._lock:
+            mine = self._by_peer.get(peer, 0)
+            if n and (self.used + n > self.total or mine + n > self.per_peer):
+                return False
+            self.used += n
+            self._by_peer[peer] = mine + n
+            return True
+
+    def release(self, peer: str, n: int) -> None:
+        with self._lock:
+            self.used -= n
+            left = self._by_peer.get(peer, n) - n
+            if left > 0:
+                self._by_peer[peer] = left
+            else:
+                self._by_peer.pop(peer, None)
+
+
 class BoundedServer(ThreadingHTTPServer):
     """A threading HTTP server with a cap on connections, overall and per peer address, and optional TLS."""
 
@@ -104,7 +146,15 @@ class BoundedServer(ThreadingHTTPServer):
         super().__init__(address, handler)
 
     def get_request(self) -> tuple[Any, Any]:
-        sock, address = super().get_request()
+        try:
+            sock, address = super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # Out of descriptors: the pending connection stays in the backlog and select()
+                # reports it again at once. Pause instead of spinning the accept loop.
+                self._on_refuse("overloaded", None)
+                time.sleep(0.05)
+            raise
         if self.tls is not None:  # the handshake runs in the connection's thread, under its deadline
             sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return sock, address
@@ -236,8 +286,10 @@ class OtlpHttpServer(BoundedServer):
 
     def __init__(self, address: tuple[str, int], collector: Collector, *, tokens: Tokens | None,
                  max_body_bytes: int, read_timeout_s: float, request_timeout_s: float, max_connections: int,
-                 max_connections_per_peer: int | None = None, tls: ssl.SSLContext | None = None):
+                 max_connections_per_peer: int | None = None, tls: ssl.SSLContext | None = None,
+                 budget: ByteBudget | None = None):
         self.collector = collector
+        self.budget = budget if budget is not None else ByteBudget(1 << 62, 1 << 62)
         self.tokens = tokens
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
@@ -247,6 +299,24 @@ class OtlpHttpServer(BoundedServer):
                          max_connections_per_peer=max_connections_per_peer or max_connections, tls=tls,
                          on_refuse=lambda reason, peer: count_refusal(collector, reason, "no free connection slot",
                                                                       peer))
+
+
+def _declared_length(headers: Any) -> int | None:
+    """The one ``Content-Length`` of a request, None without one; 400 for two, or for anything but digits.
+
+    ``int()`` takes ``+308``, ``3_0_8`` and ``-0``, and ``headers.get`` the first of two
+    conflicting lengths: behind a proxy that reads them differently, that is request
+    smuggling (nginx answers 400 too).
+    """
+    values = headers.get_all("Content-Length") or []
+    if not values:
+        return None
+    if len(values) > 1:
+        raise Rejected(400, "malformed", f"{len(values)} Content-Length headers; send one")
+    raw = values[0].strip()
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
+        raise Rejected(400, "malformed", f"Content-Length must be decimal digits, got {raw[:40]!r}")
+    return int(raw)
 
 
 class _Handler(DeadlineHandler):
@@ -265,6 +335,23 @@ class _Handler(DeadlineHandler):
     do_PUT = do_DELETE = do_PATCH = do_GET
 
     def _serve(self, post: bool) -> None:
+        self._reserved = 0
+        try:
+            self._serve_one(post)
+        finally:
+            if self._reserved:
+                self.server.budget.release(self._peer(), self._reserved)
+                self._reserved = 0
+
+    def _peer(self) -> str:
+        return self.client_address[0] if isinstance(self.client_address, tuple) else ""
+
+    def _reserve(self, n: int) -> None:
+        if not self.server.budget.acquire(self._peer(), n):
+            raise Rejected(503, "memory_limited", f"{n} more body bytes would pass the in-flight body budget; retry")
+        self._reserved += n
+
+    def _serve_one(self, post: bool) -> None:
         server = self.server
         media: str | None = None
         body_read = False
@@ -280,9 +367,13 @@ class _Handler(DeadlineHandler):
                 raise Rejected(401, "unauthorized", "missing or wrong bearer token")
             media = media_type(self.headers.get("Content-Type"))
             length = self._content_length()
+            self._reserve(length)
             body = self._read_body(length)
             body_read = True
             data = decompress(body, self.headers.get("Content-Encoding"), server.max_body_bytes)
+            if data is not body:
+                self._reserve(len(data))
+            del body
             message = parse_request(signal, data, media)
             rejected, note = server.collector.accept(signal, message, "http", grant)
             self._reply(200, encode_response(signal, media, rejected, note), media)
@@ -312,12 +403,8 @@ class _Handler(DeadlineHandler):
     def _content_length(self) -> int:
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             raise Rejected(411, "length_required", "chunked bodies are not accepted: send Content-Length")
-        raw = self.headers.get("Content-Length")
-        try:
-            length = int(raw) if raw is not None else -1
-        except ValueError:
-            length = -1
-        if length < 0:
+        length = _declared_length(self.headers)
+        if length is None:
             raise Rejected(411, "length_required", "Content-Length is required")
         if length > self.server.max_body_bytes:
             raise Rejected(413, "too_large", f"body of {length} bytes exceeds {self.server.max_body_bytes}")
@@ -346,10 +433,10 @@ class _Handler(DeadlineHandler):
         client may never see our answer. True when the whole body was read.
         """
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            return False
-        if length < 0 or "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            length = _declared_length(self.headers) or 0
+        except Rejected:
+            return False  # an ambiguous length: nothing to drain, the connection is closed
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             return False
         try:
             if length > limit:

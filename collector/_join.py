@@ -8,7 +8,8 @@ the same thing and needs no hashing. A step is emitted
   ``complete: true``); ``world_size`` is the collector's ``--world-size`` or,
   without it, the first span's ``train.world_size``;
 * ``window_s`` after its first span arrived, with whatever ranks did report
-  (``reason: "window"``, ``complete: false``, ``missing_ranks``);
+  (``reason: "window"``, ``complete: false``, ``missing_rank_count``,
+  ``missing_rank_ranges`` and the first ``missing_ranks``, each bounded);
 * early when more than ``max_open_steps`` steps are open (the oldest goes,
   ``reason: "evicted"``), which bounds memory whatever the senders do;
 * at :meth:`Joiner.flush` (collector shutdown, ``reason: "shutdown"``).
@@ -37,12 +38,18 @@ step and was idle for ``run_idle_s``. Spans of a run not admitted are
 refused (``too_many_runs``): one request naming 5,000 runs makes at most
 ``max_runs`` of them.
 
-A run resumed from a checkpoint under the same ``run_id`` executes some steps
-again. A span that ended more than ``rerun_gap_s`` (60 s) after the emitted
-step's latest end is taken for such a re-run, not for a late span: the step is
-joined afresh and written again (the report keeps the later record). Ranks of
-one step end within a step time of each other, and a resume takes longer
-than a minute; host clocks more than ``rerun_gap_s`` apart would defeat this.
+Steps are keyed by (run, attempt, step): ``train.attempt`` (0 when absent)
+numbers the process starts of a run, so a step a resumed run executes again
+is a new unit of its attempt, joined and written afresh (``attempt`` in the
+record). A written (run, attempt, step, rank) is never replaced: whatever arrives later for
+it is a duplicate (the same fingerprint), a ``late`` record (a rank the step
+did not have) or a conflict (kept apart in ``conflicts``, counted), however
+much later it claims to have ended. (A time gap once told a resumed run's
+re-executed step from a late span; a token holder re-sending a written step
+with ends an hour on then wrote a second record that stood.)
+
+Without ``--world-size`` a run's world size is the one its first accepted
+span carried; a span claiming another is refused (``world_size_mismatch``).
 
 The straggler is the rank with the largest ``compute_seconds`` (the lowest
 such rank on a tie), named only for complete steps: when a rank is missing,
@@ -70,14 +77,23 @@ __all__ = ["JoinResult", "Joiner", "cluster_record"]
 #: ``reason`` values of ``cluster_step`` records.
 REASONS = ("all_ranks", "window", "evicted", "shutdown")
 
+#: ``missing_ranks`` lists at most this many ranks and ``missing_rank_ranges`` this many ranges
+#: (``missing_rank_count`` is exact).
+MAX_MISSING_LISTED = 64
+#: Stages in one record's ``pipeline_bubble_ratio`` (the first ones met, by rank).
+MAX_STAGES_PER_STEP = 256
+
 #: A history entry: a rank, or (rank, fingerprint); a bare rank matches any span (a duplicate).
 HistoryRank = int | tuple[int, int | None]
+#: What ``history`` gives per written step: (step, ranks, end time) or (step, ranks, end time, attempt).
+HistoryEntry = tuple[int, Iterable[HistoryRank], float | None] | tuple[int, Iterable[HistoryRank], float | None, int]
 
 
 @dataclass
 class _OpenStep:
     run_id: str
     step: int
+    attempt: int
     trace_id: str
     world_size: int | None
     first_seen: float  # monotonic
@@ -112,10 +128,12 @@ class _Emitted:
 
 
 class _Run:
-    __slots__ = ("emitted", "last_active", "open", "owner")
+    __slots__ = ("emitted", "last_active", "open", "owner", "world_size")
 
     def __init__(self, now: float, owner: str):
-        self.emitted: collections.OrderedDict[int, _Emitted] = collections.OrderedDict()
+        self.world_size: int | None = None  # established by the run's first span that carries one
+        #: (attempt, step) -> the ranks it was written with
+        self.emitted: collections.OrderedDict[tuple[int, int], _Emitted] = collections.OrderedDict()
         self.open = 0
         self.last_active = now
         self.owner = owner
@@ -131,11 +149,14 @@ class JoinResult:
     conflicts: list[dict[str, Any]] = field(default_factory=list)
     #: spans refused because their run was not admitted (``too_many_runs``)
     refused: int = 0
+    #: spans refused because their world size is not their run's (``world_size_mismatch``)
+    mismatched: int = 0
 
     def extend(self, other: JoinResult) -> None:
         self.records += other.records
         self.conflicts += other.conflicts
         self.refused += other.refused
+        self.mismatched += other.mismatched
         for run, n in other.duplicates.items():
             self.duplicates[run] = self.duplicates.get(run, 0) + n
 
@@ -144,12 +165,11 @@ class Joiner:
     """Groups step spans by ``(run_id, step)`` and emits joined records (see the module doc)."""
 
     def __init__(self, *, world_size: int | None = None, window_s: float = 10.0, max_open_steps: int = 4096,
-                 max_emitted: int = 8192, rerun_gap_s: float = 60.0, max_runs: int = 64, run_idle_s: float = 300.0,
+                 max_emitted: int = 8192, max_runs: int = 64, run_idle_s: float = 300.0,
                  max_runs_per_owner: int | None = None,
-                 history: Callable[[str], Iterable[tuple[int, Iterable[HistoryRank], float | None]]] | None = None,
+                 history: Callable[[str], Iterable[HistoryEntry]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.world_size = world_size
-        self.rerun_gap_s = rerun_gap_s
         self.window_s = window_s
         self.max_open_steps = max_open_steps
         self.max_emitted = max_emitted
@@ -178,6 +198,24 @@ class Joiner:
         """The spans of ``run_id``'s open steps (what a journal must keep)."""
         return [s for o in self._open.values() if o.run_id == run_id for s in o.ranks.values()]
 
+    def seen(self, span: StepSpan) -> bool:
+        """Whether the joiner holds or wrote this very span (an exporter retry: not journaled again)."""
+        fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
+        open_step = self._open.get((span.run_id, span.attempt, span.step))
+        if open_step is not None:
+            first = open_step.ranks.get(span.rank)
+            return first is not None and \
+                span_fingerprint(first.compute_seconds, first.interval_seconds) == fingerprint
+        run = self._runs.get(span.run_id)
+        emitted = run.emitted.get((span.attempt, span.step)) if run is not None else None
+        return emitted is not None and emitted.find(span.rank) in (-1, fingerprint)
+
+    def mismatched(self, span: StepSpan) -> bool:
+        """Whether ``span`` claims a world size other than its run's (it will be refused; not journaled)."""
+        run = self._runs.get(span.run_id)
+        return (self.world_size is None and run is not None and run.world_size is not None
+                and span.world_size is not None and span.world_size != run.world_size)
+
     def known(self, run_id: str) -> bool:
         """Whether ``run_id`` is admitted now (admits nothing)."""
         return run_id in self._runs
@@ -200,32 +238,34 @@ class Joiner:
                 result.refused += 1
                 continue
             run.last_active = now
-            fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
-            emitted = run.emitted.get(span.step)
-            if emitted is not None:
-                if emitted.end is not None and span.end_time is not None and \
-                        span.end_time > emitted.end + self.rerun_gap_s:
-                    del run.emitted[span.step]  # a re-run of the step (resumed run): join it afresh
-                else:
-                    have = emitted.find(span.rank)
-                    if have is None:
-                        emitted.add(span.rank, fingerprint)
-                        result.records.append(self._late(span))
-                    elif have in (-1, fingerprint):
-                        result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
-                    else:
-                        result.conflicts.append(self._conflict(span, "after_emit"))
+            if self.world_size is None and span.world_size is not None:
+                if run.world_size is None:
+                    run.world_size = span.world_size
+                elif span.world_size != run.world_size:
+                    result.mismatched += 1
                     continue
-            key = (span.run_id, span.step)
+            fingerprint = span_fingerprint(span.compute_seconds, span.interval_seconds)
+            emitted = run.emitted.get((span.attempt, span.step))
+            if emitted is not None:
+                have = emitted.find(span.rank)
+                if have is None:
+                    emitted.add(span.rank, fingerprint)
+                    result.records.append(self._late(span))
+                elif have in (-1, fingerprint):
+                    result.duplicates[span.run_id] = result.duplicates.get(span.run_id, 0) + 1
+                else:
+                    result.conflicts.append(self._conflict(span, "after_emit"))
+                continue
+            key = (span.run_id, span.attempt, span.step)
             open_step = self._open.get(key)
             if open_step is None:
                 if len(self._open) >= self.max_open_steps:
                     _, oldest = self._open.popitem(last=False)
                     result.records.append(self._emit(oldest, "evicted"))
                 open_step = _OpenStep(
-                    run_id=span.run_id, step=span.step,
-                    trace_id=span.trace_id or trace_id_hex(span.run_id, span.step),
-                    world_size=self.world_size if self.world_size is not None else span.world_size,
+                    run_id=span.run_id, step=span.step, attempt=span.attempt,
+                    trace_id=span.trace_id or trace_id_hex(span.run_id, span.step, span.attempt),
+                    world_size=self.world_size if self.world_size is not None else run.world_size,
                     first_seen=now, first_seen_time=self._wall())
                 self._open[key] = open_step
                 run.open += 1
@@ -248,11 +288,11 @@ class Joiner:
                     result.records.append(self._emit(open_step, "all_ranks"))
         return result
 
-    def expire(self) -> JoinResult:
-        """Emit the steps whose window has passed."""
+    def expire(self, max_steps: int | None = None) -> JoinResult:
+        """Emit the steps whose window has passed, at most ``max_steps`` of them (the oldest first)."""
         result = JoinResult()
         deadline = self._clock() - self.window_s
-        while self._open:
+        while self._open and (max_steps is None or len(result.records) < max_steps):
             key, oldest = next(iter(self._open.items()))
             if oldest.first_seen > deadline:
                 break
@@ -306,17 +346,19 @@ class Joiner:
     def _seed(self, run_id: str, run: _Run) -> None:
         if self._history is None:
             return
-        for step, ranks, end in self._history(run_id):
+        for entry in self._history(run_id):
+            step, ranks, end = entry[0], entry[1], entry[2]
+            unit = (entry[3] if len(entry) > 3 else 0, step)  # type: ignore[misc]
             pairs = [(r, None) if isinstance(r, int) else (r[0], r[1]) for r in ranks]
-            have = run.emitted.get(step)
+            have = run.emitted.get(unit)
             if have is not None:
                 pairs += [(r, None if f == -1 else f) for r, f in zip(have.ranks, have.fingerprints)]
                 end = have.end if end is None else end if have.end is None else max(end, have.end)
-            self._remember(run, step, _Emitted(pairs, end))
+            self._remember(run, unit, _Emitted(pairs, end))
 
-    def _remember(self, run: _Run, step: int, emitted: _Emitted) -> None:
-        run.emitted[step] = emitted
-        run.emitted.move_to_end(step)
+    def _remember(self, run: _Run, unit: tuple[int, int], emitted: _Emitted) -> None:
+        run.emitted[unit] = emitted
+        run.emitted.move_to_end(unit)
         while len(run.emitted) > self.max_emitted:
             run.emitted.popitem(last=False)
 
@@ -327,17 +369,18 @@ class Joiner:
         if run is not None:
             run.open -= 1
             pairs = [(s.rank, span_fingerprint(s.compute_seconds, s.interval_seconds)) for s in spans]
-            self._remember(run, open_step.step, _Emitted(pairs, max(ends) if ends else None))
+            self._remember(run, (open_step.attempt, open_step.step), _Emitted(pairs, max(ends) if ends else None))
         trusted = [s for s in spans if s.rank not in open_step.conflicted]
         return cluster_record(open_step.run_id, open_step.step, open_step.trace_id, open_step.world_size,
-                              trusted, reason=reason, first_seen_time=open_step.first_seen_time,
+                              trusted, reason=reason, attempt=open_step.attempt,
+                              first_seen_time=open_step.first_seen_time,
                               joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
                               conflicting_ranks=sorted(open_step.conflicted))
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
-            "type": "late", "run_id": span.run_id, "step": span.step,
-            "trace_id": span.trace_id or trace_id_hex(span.run_id, span.step), "rank": span.rank,
+            "type": "late", "run_id": span.run_id, "attempt": span.attempt, "step": span.step,
+            "trace_id": span.trace_id or trace_id_hex(span.run_id, span.step, span.attempt), "rank": span.rank,
             "received_time": self._wall(), "compute_seconds": span.compute_seconds,
             "interval_seconds": span.interval_seconds, "idle_seconds": span.idle_seconds, "status": span.status,
             "end_time": span.end_time, "pipeline_bubble_ratio": dict(span.bubble),
@@ -358,17 +401,32 @@ def _stats(values: list[float]) -> tuple[float | None, float | None, float | Non
 
 def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None, spans: list[StepSpan], *,
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
-                   conflicting_ranks: list[int] | None = None) -> dict[str, Any]:
+                   conflicting_ranks: list[int] | None = None, attempt: int = 0) -> dict[str, Any]:
     """The ``cluster_step`` record of one step from its ranks' spans (the schema is in the README).
 
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
     """
     spans = sorted(spans, key=lambda s: s.rank)
-    ranks = [s.rank for s in spans]
-    reported = set(ranks)
-    # world_size is bounded (--max-world-size), so this list is too.
-    missing = [r for r in range(world_size) if r not in reported] if world_size is not None else []
-    complete = world_size is not None and not missing
+    # Missing ranks as ranges between the reported ones: the work grows with the ranks that
+    # reported, not with a world size a sender claims (one span of world_size 65536 once made
+    # a 65,535-entry list per step).
+    ranges: list[list[int]] = []
+    missing_count = 0
+    if world_size is not None:
+        low = 0
+        for rank in sorted({s.rank for s in spans if s.rank < world_size} - set(conflicting_ranks or ())) + \
+                [world_size]:
+            if rank > low:
+                missing_count += rank - low
+                if len(ranges) < MAX_MISSING_LISTED:
+                    ranges.append([low, rank - 1])
+            low = rank + 1
+    missing: list[int] = []
+    for first, last in ranges:
+        missing += range(first, min(last + 1, first + MAX_MISSING_LISTED - len(missing)))
+        if len(missing) >= MAX_MISSING_LISTED:
+            break
+    complete = world_size is not None and missing_count == 0
     compute = [s.compute_seconds for s in spans]
     interval = [s.interval_seconds for s in spans]
     c_min, c_median, c_max = _stats(compute)
@@ -379,7 +437,8 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     by_stage: dict[str, list[float]] = {}
     for s in spans:
         for stage, ratio in s.bubble.items():
-            by_stage.setdefault(stage, []).append(ratio)
+            if stage in by_stage or len(by_stage) < MAX_STAGES_PER_STEP:
+                by_stage.setdefault(stage, []).append(ratio)
     status: dict[str, int] = {}
     for s in spans:
         status[s.status] = status.get(s.status, 0) + 1
@@ -387,11 +446,14 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     return {
         "type": "cluster_step",
         "run_id": run_id,
+        "attempt": attempt,
         "step": step,
         "trace_id": trace_id,
         "world_size": world_size,
         "ranks_reporting": len(spans),
         "missing_ranks": missing,
+        "missing_rank_count": missing_count,
+        "missing_rank_ranges": ranges,
         "complete": complete,
         "reason": reason,
         "first_seen_time": first_seen_time,

@@ -8,7 +8,9 @@ so far (a step completed out of order does not move them back):
 * ``steptrace_cluster_step_compute_seconds{stat}``, ``..._interval_seconds{stat}``
   (``stat`` = ``min``/``median``/``max`` over ranks), ``steptrace_cluster_step_skew_seconds``
   (max − min compute), ``steptrace_cluster_straggler_rank`` and
-  ``steptrace_cluster_pipeline_bubble_ratio{stage}``: the last *complete* step.
+  ``steptrace_cluster_pipeline_bubble_ratio{stage}``: the last *complete* step (at most
+  ``MAX_STAGES_PER_RUN`` stages per run; more are counted in
+  ``steptrace_collector_dropped_label_values_total{label="stage"}``).
   ``steptrace_cluster_last_complete_step`` says which one.
 * ``steptrace_cluster_ranks_reporting``, ``steptrace_cluster_world_size``,
   ``steptrace_cluster_last_step``: the last step emitted, complete or not.
@@ -44,6 +46,8 @@ JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
                       120.0, 300.0)
 
 _STATS = ("min", "median", "max")
+#: ``stage`` label values of ``steptrace_cluster_pipeline_bubble_ratio`` per run (the last complete step's).
+MAX_STAGES_PER_RUN = 64
 
 
 class _RunState:
@@ -128,6 +132,11 @@ class ClusterMetrics:
                                    "Metric data points received (accepted and counted, not joined).", ())
         self.write_errors = counter("steptrace_collector_write_errors",
                                     "Records that could not be written to the run directory.", ())
+        self.dropped_labels = counter("steptrace_collector_dropped_label_values",
+                                      "Label values not exported because their bound was reached.", ("label",))
+        self.dropped_labels.labels("stage")
+        self.journal_skipped = counter("steptrace_collector_journal_skipped_lines",
+                                       "Journal lines skipped at replay: torn, corrupt or not a span.", ())
         self.open = Gauge("steptrace_collector_open_steps", "Steps waiting for more ranks.", registry=reg)
         if open_steps is not None:
             self.open.set_function(open_steps)
@@ -223,8 +232,18 @@ class ClusterMetrics:
             self.interval.labels(run_id, stat).set(r[f"interval_{stat}_seconds"])
         self.skew.labels(run_id).set(r["skew_seconds"])
         self.straggler.labels(run_id).set(r["straggler_rank"])
-        for stage, ratio in r["pipeline_bubble_ratio"].items():
-            state.stages.add(stage)
+        # The last complete step's stages only, and at most MAX_STAGES_PER_RUN: a stage the
+        # run no longer reports leaves the exposition (stage names once piled up without end).
+        stages = dict(list(r["pipeline_bubble_ratio"].items())[:MAX_STAGES_PER_RUN])
+        if len(r["pipeline_bubble_ratio"]) > len(stages):
+            self.dropped_labels.labels("stage").inc(len(r["pipeline_bubble_ratio"]) - len(stages))
+        for stage in state.stages - stages.keys():
+            try:
+                self.bubble.remove(run_id, stage)
+            except KeyError:
+                pass
+        state.stages = set(stages)
+        for stage, ratio in stages.items():
             self.bubble.labels(run_id, stage).set(ratio)
 
     # -- the bound on runs ---------------------------------------------------------------------

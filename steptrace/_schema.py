@@ -49,6 +49,11 @@ def invalid_record_reason(sink_name: str) -> str:
     return f"invalid:{sink_name}"
 
 
+def rejected_record_reason(sink_name: str, reason: str) -> str:
+    """Records the receiver refused after taking the export (OTLP ``partial_success``): ``rejected:<name>:<why>``."""
+    return f"rejected:{sink_name}:{reason}"
+
+
 KNOWN_DROP_REASONS = (RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS)
                       + tuple(invalid_record_reason(s) for s in BUILTIN_SINKS))
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from steptrace._schema import invalid_record_reason, sink_drop_reason
+from steptrace._schema import invalid_record_reason, rejected_record_reason, sink_drop_reason
 from steptrace._wakeup import Wakeup
 
 log = logging.getLogger("steptrace")
@@ -158,6 +158,7 @@ class SinkWorker:
 
     def _export(self, batch: list[Mapping[str, Any]]) -> None:
         invalid_before = getattr(self.sink, "invalid_records", 0)
+        rejected_before = dict(getattr(self.sink, "rejected", None) or {})
         self._in_flight = len(batch)
         failed = False
         try:
@@ -174,6 +175,10 @@ class SinkWorker:
         invalid = max(0, getattr(self.sink, "invalid_records", 0) - invalid_before)
         if invalid:
             self._count_drop(invalid_record_reason(self.name), invalid)
+        # Spans the receiver refused (OTLP partial_success), by its reason.
+        for reason, count in (getattr(self.sink, "rejected", None) or {}).items():
+            if count > rejected_before.get(reason, 0):
+                self._count_drop(rejected_record_reason(self.name, reason), count - rejected_before.get(reason, 0))
         if failed:
             self._count_drop(sink_drop_reason(self.name), len(batch) - invalid)
 

@@ -119,6 +119,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
@@ -167,6 +168,12 @@ __all__ = [
 log = logging.getLogger("steptrace")
 
 _DEFAULT_SERVICE_NAME = "steptrace"
+#: The most bytes of an OTLP/HTTP answer read: an ExportServiceResponse is a few hundred bytes;
+#: an endpoint answering gigabytes must not fill the training process's memory.
+MAX_RESPONSE_BYTES = 64 << 10
+#: Distinct refusal reasons kept per sink (a receiver's error text is not trusted to be few).
+_MAX_REJECT_REASONS = 16
+_REASON = re.compile(r"(\d+) ([a-z][a-z0-9_]{0,39})\b")
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -412,8 +419,9 @@ class OtlpSink:
         self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}").merge(
             Resource({ATTR_ATTEMPT: self.attempt}))
         self._scope = InstrumentationScope("steptrace", __version__)
+        self._answers = threading.local()  # the last ExportTraceServiceResponse, per exporting thread
         self._span_exporter, self._metric_exporter = _exporters(
-            protocol, traces_url, metrics_url, header_pairs, compression, self.timeout_s)
+            protocol, traces_url, metrics_url, header_pairs, compression, self.timeout_s, self._answers)
 
         # No attempt label on metrics: a restarted rank's counters restart, which Prometheus's
         # reset handling expects; the attempt is on the resource and on every span.
@@ -447,6 +455,9 @@ class OtlpSink:
         self._closed = False
         #: Records that could not be turned into spans (each dropped alone, ``invalid:otlp``).
         self.invalid_records = 0
+        #: Spans the receiver refused in ``partial_success``, by its reason (``rejected:otlp:<reason>``).
+        self.rejected: dict[str, int] = {}
+        self._rejected_since_flush = 0
         self._drop_counter_attached = False
         self._stop_ticker = threading.Event()
         self._ticker = threading.Thread(target=self._tick, args=(float(metrics_interval_s),),
@@ -526,7 +537,10 @@ class OtlpSink:
             return True
         spans_ok = _run_bounded(self._export_tail, deadline, "flush")
         metrics_ok = _run_bounded(self._collect_metrics, deadline, "metrics-flush")
-        return spans_ok and metrics_ok
+        # Spans the receiver refused since the last flush make it False, like a failed export.
+        with self._lock:
+            refused, self._rejected_since_flush = self._rejected_since_flush, 0
+        return spans_ok and metrics_ok and not refused
 
     def shutdown(self, timeout_s: float) -> None:
         """Export what is left and stop, returning within ``timeout_s``; aborts the exporters' retries."""
@@ -568,6 +582,7 @@ class OtlpSink:
 
     # -- spans ---------------------------------------------------------------------------
     def _send(self, spans: list[ReadableSpan]) -> None:
+        self._answers.response = None
         try:
             result = self._span_exporter.export(spans)
         except Exception as exc:
@@ -575,6 +590,39 @@ class OtlpSink:
         if result is not SpanExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export of {len(spans)} spans to {self.endpoint} failed "
                                   f"(endpoint down, refusing or timing out after {self.timeout_s:g} s)")
+        self._read_partial_success(self._answers.response)
+
+    def _read_partial_success(self, answer: Any) -> None:
+        """Count the spans the receiver refused (``partial_success``) by the reasons its message gives.
+
+        The steptrace collector says ``"train.step spans skipped: 3 too_many_runs, 1 bad_value"``;
+        any other receiver's refusals are counted as ``partial_success``.
+        """
+        if answer is None:
+            return
+        try:
+            if isinstance(answer, bytes):
+                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+                answer = ExportTraceServiceResponse.FromString(answer)
+            rejected = int(answer.partial_success.rejected_spans)
+            message = str(answer.partial_success.error_message)[:1000]
+        except Exception:
+            return  # not an ExportTraceServiceResponse (a JSON or truncated answer): nothing to read
+        if rejected <= 0:
+            return
+        reasons: dict[str, int] = {}
+        for count, reason in _REASON.findall(message):
+            reasons[reason] = reasons.get(reason, 0) + int(count)
+        if sum(reasons.values()) != rejected:
+            reasons = {"partial_success": rejected}
+        for reason, count in reasons.items():
+            if reason not in self.rejected and len(self.rejected) >= _MAX_REJECT_REASONS:
+                reason = "partial_success"
+            self.rejected[reason] = self.rejected.get(reason, 0) + count
+        self._rejected_since_flush += rejected
+        log.warning("steptrace OTLP: %s refused %d step span(s) (%s); counted as rejected:otlp:<reason> drops",
+                    self.endpoint, rejected, message[:200] or "no reason given")
 
     def _export_tail(self) -> bool:
         with self._lock:
@@ -747,8 +795,51 @@ def _resource(service_name: str | None, instance_id: str) -> Resource:
     return detected.merge(Resource({SERVICE_NAME: name, SERVICE_INSTANCE_ID: instance_id}))
 
 
+def _bounded_session(answers: threading.local | None) -> Any:
+    """A ``requests`` session that reads at most :data:`MAX_RESPONSE_BYTES` of each answer.
+
+    The SDK's exporter reads the whole body of every response; this one streams it, keeps the
+    first bytes (where an OTLP answer fits) and drops the connection on the rest. The traces
+    exporter's session also hands each answer's body to the sink (``answers.response``), which
+    reads ``partial_success`` from it.
+    """
+    import requests
+
+    class BoundedSession(requests.Session):
+        def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+            kwargs["stream"] = True
+            response = super().request(method, url, *args, **kwargs)
+            try:
+                data = response.raw.read(MAX_RESPONSE_BYTES + 1, decode_content=True) or b""
+            except Exception:
+                data = b""
+            finally:
+                response.close()  # the rest is never read: the connection goes, not back to the pool
+            response._content = data[:MAX_RESPONSE_BYTES]
+            response._content_consumed = True
+            if answers is not None and response.status_code == 200 and len(data) <= MAX_RESPONSE_BYTES and \
+                    "json" not in (response.headers.get("Content-Type") or ""):
+                answers.response = data
+            return response
+
+    return BoundedSession()
+
+
+class _AnswerKeepingStub:
+    """An OTLP/gRPC trace stub that hands each Export answer to the sink (``answers.response``)."""
+
+    def __init__(self, stub: Any, answers: threading.local):
+        self._stub = stub
+        self._answers = answers
+
+    def Export(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - the gRPC method's name
+        response = self._stub.Export(*args, **kwargs)
+        self._answers.response = response
+        return response
+
+
 def _exporters(protocol: str, traces_url: str, metrics_url: str, headers: tuple[tuple[str, str], ...],
-               compression: str, timeout_s: float) -> tuple[Any, Any]:
+               compression: str, timeout_s: float, answers: threading.local | None = None) -> tuple[Any, Any]:
     """The SDK's span and metric exporters, every setting passed explicitly (code wins over env)."""
     if protocol == "grpc":
         try:
@@ -763,7 +854,13 @@ def _exporters(protocol: str, traces_url: str, metrics_url: str, headers: tuple[
         # gRPC metadata keys must be lowercase.
         metadata = tuple((k.lower(), v) for k, v in headers)
         kwargs = dict(insecure=insecure, headers=metadata, timeout=timeout_s, compression=grpc_compression)
-        return OTLPSpanExporter(endpoint=traces_url, **kwargs), OTLPMetricExporter(endpoint=metrics_url, **kwargs)
+        spans = OTLPSpanExporter(endpoint=traces_url, **kwargs)
+        stub = getattr(spans, "_stub", None)
+        if answers is not None and callable(stub) and getattr(spans, "_client", None) is not None:
+            # The SDK drops the Export answer; keep it (also across the exporter's reconnects).
+            spans._stub = lambda channel: _AnswerKeepingStub(stub(channel), answers)
+            spans._client = _AnswerKeepingStub(spans._client, answers)
+        return spans, OTLPMetricExporter(endpoint=metrics_url, **kwargs)
     try:
         from opentelemetry.exporter.otlp.proto.http import Compression
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -773,4 +870,5 @@ def _exporters(protocol: str, traces_url: str, metrics_url: str, headers: tuple[
                           "pip install 'steptrace[otlp]'") from exc
     http_compression = Compression.Gzip if compression == "gzip" else Compression.NoCompression
     kwargs = dict(headers=dict(headers), timeout=timeout_s, compression=http_compression)
-    return OTLPSpanExporter(endpoint=traces_url, **kwargs), OTLPMetricExporter(endpoint=metrics_url, **kwargs)
+    return (OTLPSpanExporter(endpoint=traces_url, session=_bounded_session(answers), **kwargs),
+            OTLPMetricExporter(endpoint=metrics_url, session=_bounded_session(None), **kwargs))

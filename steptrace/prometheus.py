@@ -82,8 +82,9 @@ import threading
 from typing import Any, Callable, Iterable
 
 try:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import choose_encoder
 except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "steptrace's Prometheus exporter needs prometheus_client: pip install 'steptrace[prometheus]'"
@@ -105,6 +106,18 @@ _MAX_SCALAR_NAMES = 64
 _MAX_SPAN_NAMES = 32
 # Drop reasons exported at 0 from the start (see _dropped_family).
 _KNOWN_DROP_REASONS = {reason: 0 for reason in KNOWN_DROP_REASONS}
+
+
+def _drop_labels(reason: str) -> tuple[str, str]:
+    """The (sink, reason) labels of a drop reason of ``stats()["dropped"]``."""
+    if reason.startswith("sink:"):
+        return reason[len("sink:"):], "queue_full_or_error"
+    if reason.startswith("invalid:"):
+        return reason[len("invalid:"):], "invalid_record"
+    if reason.startswith("rejected:"):
+        sink, _, why = reason[len("rejected:"):].partition(":")
+        return sink, f"rejected:{why}"
+    return "resolver", reason
 
 
 class PrometheusSink:
@@ -155,10 +168,10 @@ class PrometheusSink:
 
         bind_port = port + local_rank if port else 0
         try:
-            self._server, self._thread = start_http_server(bind_port, addr, registry=served)
+            self._server = MetricsServer(addr, bind_port, served)
         except OSError as exc:
             raise _bind_error(exc, addr, port, local_rank) from exc
-        bound = self._server.socket.getsockname()[1]
+        bound = self._server.port
         host = f"[{addr}]" if ":" in addr else addr
         #: The URL Prometheus should scrape (with the real port when ``port`` was 0).
         self.endpoint = f"http://{host}:{bound}/metrics"
@@ -416,12 +429,7 @@ class PrometheusSink:
         # increase() cannot see the first count of a series that appears with it.
         counts = {**_KNOWN_DROP_REASONS, **counts}
         for reason, count in sorted(counts.items()):
-            if reason.startswith("sink:"):
-                family.add_metric([*self._labels, reason[len("sink:"):], "queue_full_or_error"], count)
-            elif reason.startswith("invalid:"):
-                family.add_metric([*self._labels, reason[len("invalid:"):], "invalid_record"], count)
-            else:
-                family.add_metric([*self._labels, "resolver", reason], count)
+            family.add_metric([*self._labels, *_drop_labels(reason)], count)
         return family
 
     def _position_families(self) -> list[GaugeMetricFamily]:
@@ -473,10 +481,178 @@ class PrometheusSink:
             if self._closed:
                 return
             self._closed = True
-        # shutdown() waits for serve_forever's poll loop (up to 0.5 s) to notice.
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close(timeout_s)
+
+
+class MetricsServer:
+    """``/metrics`` on a server with bounds, in place of ``prometheus_client.start_http_server``.
+
+    That one keeps a thread per connection with no timeout: 2,000 idle connections made
+    2,005 threads, and under a container's pids limit the training process died. Here one
+    thread accepts and waits, in a selector, for each connection's first bytes; ``workers``
+    threads read and answer the requests that arrive; at most ``max_connections`` connections are
+    held at once (half of them from one peer address), the rest closed at accept; a
+    connection must send its request within ``timeout_s`` or is closed. One request per
+    connection (HTTP/1.0, as Prometheus scrapes); ``GET``/``HEAD`` of any path serves
+    prometheus_client's exposition of ``registry`` (text or OpenMetrics by ``Accept``,
+    ``name[]`` filters, gzip by ``Accept-Encoding``).
+    """
+
+    def __init__(self, addr: str, port: int, registry: Any, *, workers: int = 4, max_connections: int = 32,
+                 timeout_s: float = 5.0):
+        self._registry = registry
+        self._timeout_s = timeout_s
+        self._max = max_connections
+        self._per_peer = max(1, max_connections // 2)
+        self._held: dict[str, int] = {}
+        self._held_lock = threading.Lock()
+        #: Connections closed at accept because the bounds were reached.
+        self.refused = 0
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((addr, port))
+            self._sock.listen(64)
+            self._sock.setblocking(False)
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = self._sock.getsockname()[1]
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="steptrace-metrics")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="steptrace-metrics-accept", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
         self._thread.join(max(0.0, timeout_s))
+        self._sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _accept(self) -> None:
+        # Connections wait for their request here, in one selector, not in a thread each; a
+        # worker is given only to a connection that has sent something.
+        import selectors
+        import time
+
+        selector = selectors.DefaultSelector()
+        selector.register(self._sock, selectors.EVENT_READ)
+        waiting: dict[socket.socket, tuple[str, float]] = {}
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(0.2):
+                    if key.fileobj is self._sock:
+                        self._take(selector, waiting)
+                        continue
+                    conn = key.fileobj
+                    selector.unregister(conn)
+                    host, deadline = waiting.pop(conn)  # type: ignore[call-overload]
+                    try:
+                        self._pool.submit(self._serve, conn, host, deadline)
+                    except RuntimeError:  # the pool is shut down
+                        conn.close()  # type: ignore[union-attr]
+                        self._release(host)
+                now = time.monotonic()
+                for conn, (host, deadline) in list(waiting.items()):
+                    if deadline <= now:  # idle past the timeout
+                        selector.unregister(conn)
+                        del waiting[conn]
+                        conn.close()
+                        self._release(host)
+        finally:
+            for conn, (host, _) in waiting.items():
+                conn.close()
+                self._release(host)
+            selector.close()
+
+    def _take(self, selector: Any, waiting: dict[socket.socket, tuple[str, float]]) -> None:
+        import selectors
+        import time
+
+        try:
+            conn, peer = self._sock.accept()
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError:
+            time.sleep(0.05)  # out of descriptors: do not spin
+            return
+        host = peer[0] if isinstance(peer, tuple) else ""
+        with self._held_lock:
+            ok = sum(self._held.values()) < self._max and self._held.get(host, 0) < self._per_peer
+            if ok:
+                self._held[host] = self._held.get(host, 0) + 1
+        if not ok:
+            self.refused += 1
+            conn.close()
+            return
+        conn.setblocking(False)
+        waiting[conn] = (host, time.monotonic() + self._timeout_s)
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _release(self, host: str) -> None:
+        with self._held_lock:
+            left = self._held.get(host, 1) - 1
+            if left > 0:
+                self._held[host] = left
+            else:
+                self._held.pop(host, None)
+
+    def _serve(self, conn: socket.socket, host: str, deadline: float) -> None:
+        import time
+
+        try:
+            conn.setblocking(True)
+            data = b""
+            while b"\r\n\r\n" not in data and b"\n\n" not in data:
+                left = deadline - time.monotonic()
+                if left <= 0 or len(data) > 16384:
+                    return
+                conn.settimeout(left)
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            conn.settimeout(self._timeout_s)
+            conn.sendall(self._answer(data))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            self._release(host)
+
+    def _answer(self, data: bytes) -> bytes:
+        import gzip
+        from urllib.parse import parse_qs, urlsplit
+
+        lines = data.decode("latin-1").replace("\r\n", "\n").split("\n")
+        parts = lines[0].split(" ")
+        headers = {}
+        for line in lines[1:]:
+            key, sep, value = line.partition(":")
+            if sep:
+                headers[key.strip().lower()] = value.strip()
+        if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
+            return b"HTTP/1.0 405 Method Not Allowed\r\nAllow: GET, HEAD\r\nContent-Length: 0\r\n\r\n"
+        registry = self._registry
+        names = parse_qs(urlsplit(parts[1]).query).get("name[]")
+        if names:
+            registry = registry.restricted_registry(names)
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        try:
+            body = encoder(registry)
+        except Exception:
+            log.exception("steptrace prometheus: building the exposition failed")
+            return b"HTTP/1.0 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+        extra = ""
+        if "gzip" in headers.get("accept-encoding", ""):
+            body = gzip.compress(body)
+            extra = "Content-Encoding: gzip\r\n"
+        head = (f"HTTP/1.0 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}"
+                "Connection: close\r\n\r\n").encode()
+        return head if parts[0] == "HEAD" else head + body
 
 
 class _Exposition:

@@ -24,6 +24,9 @@ from steptrace._ids import span_id, trace_id, trace_id_hex
 from steptrace.collector import Collector, CollectorConfig
 from steptrace.collector._decode import StepSpan
 
+#: Step n of a test span ends at END_BASE_S + n: an hour ago, within the collector's clock bounds.
+END_BASE_S = int(time.time()) - 3600
+
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
@@ -40,7 +43,8 @@ def any_value(value: Any) -> AnyValue:
 
 def step_span(run_id: str = "run", step: int = 0, rank: int = 0, compute: float = 0.1, interval: float = 0.2, *,
               world_size: int | None = 3, status: str | None = "ok", bubble: dict[str, float] | None = None,
-              name: str = "train.step", drop: tuple[str, ...] = (), **extra: Any) -> Span:
+              name: str = "train.step", drop: tuple[str, ...] = (), end_s: float | None = None,
+              **extra: Any) -> Span:
     """A span shaped like steptrace/otlp.py's ``train.step`` (or another ``name``) for one rank and step."""
     attrs: dict[str, Any] = {"train.run_id": run_id, "train.rank": rank, "train.step": step,
                              "train.world_size": world_size, "train.status": status,
@@ -49,7 +53,9 @@ def step_span(run_id: str = "run", step: int = 0, rank: int = 0, compute: float 
     for stage, ratio in (bubble or {}).items():
         attrs[f"train.pipeline.bubble_ratio.{stage}"] = ratio
     attrs.update(extra)
-    end_ns = 1_700_000_000_000_000_000 + min(step, 1 << 30) * 1_000_000_000
+    end_ns = (END_BASE_S + min(step, 1 << 30)) * 1_000_000_000
+    if end_s is not None:
+        end_ns = round(end_s * 1e9)
     return Span(trace_id=trace_id(run_id, step).to_bytes(16, "big"),
                 span_id=span_id(run_id, step, rank, "step" if name == "train.step" else name).to_bytes(8, "big"),
                 name=name, kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=end_ns - round(interval * 1e9),

@@ -32,6 +32,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberData
 
 import steptrace  # noqa: E402
 from collector_helpers import (  # noqa: E402
+    END_BASE_S,
     JSON,
     PROTOBUF,
     FakeClock,
@@ -97,7 +98,7 @@ def test_protobuf_request_decodes_to_step_spans_and_counts_other_spans():
     assert first.compute_seconds == 0.25 and first.interval_seconds == 0.5 and first.idle_seconds == 0.25
     assert first.bubble == {"0": 0.125, "1": 0.5}
     assert first.trace_id == trace_id_hex("run", 7)
-    assert first.end_time == pytest.approx(1_700_000_007.0)
+    assert first.end_time == pytest.approx(END_BASE_S + 7.0)
     assert (second.rank, second.status, second.compute_seconds) == (2, "error", 0.75)
 
 
@@ -276,18 +277,20 @@ def test_history_from_a_previous_collector_makes_old_steps_late_not_new():
     assert joiner.open_steps == 1
 
 
-def test_a_step_run_again_after_a_resume_is_joined_again_not_late():
+def test_a_written_step_is_never_replaced_however_late_its_second_version_ends():
+    """A re-sent step with ends an hour on once wrote a second record for it (a forgery that stood)."""
     clock = FakeClock()
     joiner = Joiner(world_size=2, window_s=1.0, clock=clock)
     first = [span(step=3, rank=r) for r in range(2)]
     [record] = joiner.add(first).records
     assert record["end_time"] == pytest.approx(1.7e9 + 3)
-    # A late-looking span that ended within the gap is a duplicate; one ended 2 minutes later is a re-run.
-    again = [StepSpan(**{**{f: getattr(s, f) for f in s.__dataclass_fields__}, "end_time": s.end_time + 120,
+    again = [StepSpan(**{**{f: getattr(s, f) for f in s.__dataclass_fields__}, "end_time": s.end_time + 3600,
                          "compute_seconds": 0.5}) for s in first]
     assert joiner.add([first[0]]).duplicates == {"run": 1}
-    [rerun] = joiner.add(again).records
-    assert (rerun["step"], rerun["complete"], rerun["compute_max_seconds"]) == (3, True, 0.5)
+    result = joiner.add(again)
+    assert result.records == []
+    assert [(c["type"], c["rank"], c["when"]) for c in result.conflicts] == [("conflict", 0, "after_emit"),
+                                                                            ("conflict", 1, "after_emit")]
 
 
 # -- the collector: metrics and cluster.jsonl --------------------------------------------------------

@@ -604,3 +604,26 @@ def test_promtool_check_metrics_is_clean(sink):
         assert "steptrace_mfu" in text
     finally:
         with_peak.shutdown(1)
+
+
+def test_idle_connections_to_the_ranks_metrics_keep_its_threads_bounded_500_made_500():
+    """Issue 25, defect 12: prometheus_client's server kept one thread per idle connection, no timeout:
+    2,000 idle connections made 2,005 threads and a pids limit killed the training process."""
+    sink = PrometheusSink(0, run_id="r")
+    idle = []
+    try:
+        before = threading.active_count()
+        for _ in range(500):  # from another address than the scraper
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", sink.port), timeout=5,
+                                                      source_address=("127.0.0.2", 0)))
+            except OSError:
+                break
+        time.sleep(0.5)
+        assert threading.active_count() - before <= 8, f"{threading.active_count() - before} threads more"
+        with urllib.request.urlopen(sink.endpoint, timeout=10) as response:  # a scrape still works
+            assert b"steptrace_dropped_records_total" in response.read()
+    finally:
+        for sock in idle:
+            sock.close()
+        sink.shutdown(5)

@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from steptrace.analysis._text import code_span, literal_text, visible
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
 from steptrace.analysis.summary import as_number, present_values, percentile
 
@@ -324,20 +326,33 @@ def _cells(row: Row) -> tuple[str, ...]:
     verdict = row.verdict
     if row.p_value is not None:
         verdict += f" (p={row.p_value:.2g})"
-    return (row.label, _fmt(row.a, row.unit), _fmt(row.b, row.unit), _fmt_diff(row), _fmt_rel(row), verdict)
+    return (visible(row.label), _fmt(row.a, row.unit), _fmt(row.b, row.unit), _fmt_diff(row), _fmt_rel(row),
+            verdict)
+
+
+_PLAIN_LABEL = re.compile(r"[A-Za-z0-9 :,()%./_-]*")
+
+
+def _markdown_label(cells: tuple[str, ...]) -> tuple[str, ...]:
+    """A row label naming something from the run files (an idle reason) goes in a code span."""
+    label = cells[0]
+    return cells if _PLAIN_LABEL.fullmatch(label) else (code_span(label), *cells[1:])
 
 
 def render_markdown(result: dict[str, Any]) -> str:
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
-    out = [f"**A** `{result['a']['run_id']}` vs **B** `{result['b']['run_id']}`", "", line(HEADER),
-           line(["---"] * len(HEADER))]
-    out += [line(_cells(row)) for row in result["rows"]]
+    # Run ids, tags and host names come from the run files: code spans, so no heading, image,
+    # link or @mention in them is rendered in a PR comment.
+    out = [f"**A** {code_span(result['a']['run_id'])} vs **B** {code_span(result['b']['run_id'])}", "",
+           line(HEADER), line(["---"] * len(HEADER))]
+    out += [line(_markdown_label(_cells(row))) for row in result["rows"]]
     out += ["", STEADY_NOTE.format(alpha=result["alpha"], min_effect=result["min_effect"])]
     if result["metadata"]:
         out += ["", line(("differs", "A", "B")), line(["---"] * 3)]
-        out += [line((key, "—" if a is None else a, "—" if b is None else b)) for key, a, b in result["metadata"]]
+        out += [line((code_span(key), "—" if a is None else code_span(a), "—" if b is None else code_span(b)))
+                for key, a, b in result["metadata"]]
     return "\n".join(out) + "\n"
 
 
@@ -345,7 +360,7 @@ def render_text(result: dict[str, Any], file: Any = None) -> None:
     file = file or sys.stdout
     rows = [HEADER] + [_cells(row) for row in result["rows"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    print(f"A: {result['a']['path']}\nB: {result['b']['path']}\n", file=file)
+    print(f"A: {visible(result['a']['path'])}\nB: {visible(result['b']['path'])}\n", file=file)
     for index, cells in enumerate(rows):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))),
               file=file)
@@ -355,9 +370,10 @@ def render_text(result: dict[str, Any], file: Any = None) -> None:
     if result["metadata"]:
         print("\nwhere the runs differ:", file=file)
         for key, a, b in result["metadata"]:
-            print(f"  {key}: {a} -> {b}", file=file)
+            print(f"  {visible(key)}: {visible(a)} -> {visible(b)}", file=file)
 
 
+@literal_text
 def plot_intervals(run_a: Run, run_b: Run, path: str | Path) -> Path:
     """The two runs' steady-state step intervals as empirical CDFs, in one PNG."""
     import matplotlib
@@ -370,7 +386,7 @@ def plot_intervals(run_a: Run, run_b: Run, path: str | Path) -> Path:
         values = sorted(present_values(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
         if values:
             ax.step([v * 1e3 for v in values], [(i + 1) / len(values) for i in range(len(values))],
-                    where="post", label=f"{name}: {run.run_id}")
+                    where="post", label=f"{name}: {visible(run.run_id)}")
     ax.set_xlabel("steady-state step interval (ms)")
     ax.set_ylabel("fraction of steps")
     ax.legend()
@@ -422,7 +438,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return 2
     for run in (run_a, run_b):
         for warning in run.warnings:
-            print(f"steptrace compare: warning: {run.path}: {warning}", file=sys.stderr)
+            print(f"steptrace compare: warning: {visible(run.path)}: {visible(warning)}", file=sys.stderr)
     if not (0 < args.alpha < 1) or args.min_effect < 0:
         print("steptrace compare: --alpha must be in (0, 1) and --min-effect >= 0", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from steptrace.analysis._text import literal_text
 from steptrace.analysis.lanes import (
     Bar,
     StepWindow,
@@ -62,6 +63,7 @@ def _before_first_step_bar(ax, first: dict, x: float, width: float, labelled: se
                     fontsize="x-small")
 
 
+@literal_text
 def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> Path:
     """Save a per-step stacked bar chart (compute, then idle reasons) as PNG."""
     # Build a Figure directly instead of going through pyplot: it renders with
@@ -153,6 +155,7 @@ _BOTTOM_IN = 1.1  # x label and the legend under it
 _MAX_LABELS = 3000
 
 
+@literal_text
 def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None,
                steps: str | StepWindow | None = None, dpi: int = 100) -> Path:
     """Draw the timeline as a PNG: per rank a host row, a device row and one row per (stage, chunk).

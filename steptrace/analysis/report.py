@@ -18,6 +18,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
+from steptrace.analysis._text import markup, visible
 from steptrace.analysis.goodput import BUCKETS, job_accounting
 from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
@@ -88,11 +89,11 @@ def _top_reasons(breakdown: Any, limit: int = 3) -> str:
         return ""
     items = [(k, as_number(v)) for k, v in breakdown.items()]
     items = sorted(((k, v) for k, v in items if v and v >= 0.005), key=lambda kv: -kv[1])
-    return ", ".join(f"{k} {v:.2f}" for k, v in items[:limit])
+    return ", ".join(f"{markup(k)} {v:.2f}" for k, v in items[:limit])
 
 
 def _status_cell(step: dict) -> str:
-    from rich.markup import escape
+    from steptrace.analysis._text import markup as escape
 
     status = str(step.get("status", "?"))
     if status == "ok":
@@ -118,7 +119,7 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
 
     def add(step: dict) -> None:
         table.add_row(
-            str(step.get("step", "?")),
+            markup(step.get("step", "?")),
             _fmt(step.get("interval_seconds")),
             _fmt(step.get("compute_seconds")),
             _fmt(step.get("idle_seconds")),
@@ -133,7 +134,7 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
 
 
 def _checkpoint_table(checkpoints: list[dict], rank: int):
-    from rich.markup import escape
+    from steptrace.analysis._text import markup as escape
     from rich.table import Table
 
     table = Table(title=f"Checkpoints (rank {rank})", title_justify="left")
@@ -145,7 +146,7 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
     for ckpt in checkpoints:
         status = str(ckpt.get("status", "?"))
         table.add_row(
-            str(ckpt.get("step", "?")),
+            markup(ckpt.get("step", "?")),
             _fmt(ckpt.get("host_seconds")),
             _fmt(ckpt.get("blocking_seconds")),
             _fmt(ckpt.get("async_seconds")),
@@ -155,7 +156,7 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
 
 
 def _summary_panel(summary: dict, title: str):
-    from rich.markup import escape
+    from steptrace.analysis._text import markup as escape
     from rich.panel import Panel
     from rich.table import Table
 
@@ -179,7 +180,7 @@ def _summary_panel(summary: dict, title: str):
     for row in _flops_rows(summary):
         grid.add_row(*row)
     for name, value in summary.get("scalars", {}).items():
-        grid.add_row(name, _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
+        grid.add_row(markup(name), _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
     if summary.get("memory_peak_bytes") is not None:
         percent = summary.get("memory_peak_percent")
         grid.add_row("peak device memory", f"{summary['memory_peak_bytes'] / 2**30:.2f} GiB",
@@ -285,7 +286,7 @@ def _flops_rows(summary: dict) -> list[tuple[str, str, str]]:
 
 
 def _rank_table(run: Run):
-    from rich.markup import escape
+    from steptrace.analysis._text import markup as escape
     from rich.table import Table
 
     table = Table(title="Per-rank summary", title_justify="left")
@@ -326,24 +327,26 @@ def _cluster_table(steps: list[dict], max_rows: int):
         missing = step.get("missing_ranks") if isinstance(step.get("missing_ranks"), list) else []
         straggler = step.get("straggler_rank")
         table.add_row(
-            str(step.get("step", "?")),
-            ranks if step.get("complete") else f"[yellow]{ranks}[/]",
+            markup(step.get("step", "?")),
+            markup(ranks) if step.get("complete") else f"[yellow]{markup(ranks)}[/]",
             str(straggler) if isinstance(straggler, int) else "—",
             _fmt(step.get("skew_seconds")),
             _fmt(step.get("compute_min_seconds")),
             _fmt(step.get("compute_median_seconds")),
             _fmt(step.get("compute_max_seconds")),
             _fmt(step.get("interval_median_seconds")),
-            f"[yellow]{_rank_list(missing)}[/]" if missing else "",
+            f"[yellow]{_rank_list(missing, total=step.get('missing_rank_count'))}[/]" if missing else "",
         )
 
     _add_rows(table, steps, max_rows, add, columns=9, elided_column=8)
     return table
 
 
-def _rank_list(ranks: list, limit: int = 8) -> str:
-    shown = ", ".join(str(r) for r in ranks[:limit])
-    return shown + (f", … ({len(ranks)} in all)" if len(ranks) > limit else "")
+def _rank_list(ranks: list, limit: int = 8, total: object = None) -> str:
+    # The collector lists at most 64 missing ranks; missing_rank_count has them all.
+    count = total if isinstance(total, int) and not isinstance(total, bool) and total > len(ranks) else len(ranks)
+    shown = markup(", ".join(str(r) for r in ranks[:limit]))
+    return shown + (f", … ({count} in all)" if count > limit else "")
 
 
 def _cluster_panel(summary: dict):
@@ -366,9 +369,9 @@ def _cluster_panel(summary: dict):
     grid.add_row("goodput", percent_text(summary["goodput"]), "all ranks: Σcompute / Σinterval")
     for rank, count in list(summary["straggler_steps"].items())[:8]:
         share = f"{count / complete * 100:.0f}% of complete steps" if complete else ""
-        grid.add_row(f"straggler: rank {rank}", f"{count} step{'' if count == 1 else 's'}", share)
+        grid.add_row(f"straggler: rank {markup(rank)}", f"{count} step{'' if count == 1 else 's'}", share)
     for rank, count in list(summary["missing_rank_steps"].items())[:8]:
-        grid.add_row(f"missing: rank {rank}", f"{count} step{'' if count == 1 else 's'}",
+        grid.add_row(f"missing: rank {markup(rank)}", f"{count} step{'' if count == 1 else 's'}",
                      "not in the step when it was written")
     return Panel(grid, title="Cluster summary", title_align="left", expand=False)
 
@@ -390,7 +393,7 @@ def render_report(
     (the CLI prints them to stderr instead).
     """
     from rich.console import Console
-    from rich.markup import escape
+    from steptrace.analysis._text import markup as escape
 
     console = console or Console()
     console.print(
@@ -469,7 +472,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     # Warnings go to stderr so that --json output on stdout stays parseable.
     for warning in run.warnings:
-        print(f"steptrace report: warning: {warning}", file=sys.stderr)
+        print(f"steptrace report: warning: {visible(warning)}", file=sys.stderr)
 
     if args.json:
         summary = summarize(run.steps(rank), run.checkpoints(rank)) if rank is not None else {}

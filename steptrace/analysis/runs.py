@@ -82,6 +82,10 @@ def find_run(path: str | Path) -> Path:
     return newest[1]
 
 
+#: A line longer than this is skipped and counted, never read whole (a record is a few KiB).
+MAX_LINE_BYTES = 16 << 20
+
+
 def _read_rank_file(file: Path, warnings: list[str], skipped: dict[str, int] | None = None) -> list[dict]:
     """Parse one JSONL file, skipping every line that is not a JSON object, wherever it is.
 
@@ -94,16 +98,29 @@ def _read_rank_file(file: Path, warnings: list[str], skipped: dict[str, int] | N
     bad = 0
     first: tuple[int, str] | None = None
     with file.open("rb") as handle:
-        for lineno, raw in enumerate(handle, start=1):
+        lineno = 0
+        while True:
+            raw = handle.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            lineno += 1
+            problem = None
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):  # the rest of the line, never held whole
+                    raw = handle.readline(1 << 20)
+                bad += 1
+                first = first or (lineno, f"longer than {MAX_LINE_BYTES} bytes")
+                continue
             if not raw.strip():
                 continue
-            problem = None
             try:
                 record = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 problem = "invalid UTF-8"
             except json.JSONDecodeError as exc:
                 problem = f"invalid JSON ({exc.msg})"
+            except RecursionError:
+                problem = "nested too deeply"
             else:
                 if not isinstance(record, dict):
                     problem = "not a JSON object"
