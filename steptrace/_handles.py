@@ -56,7 +56,9 @@ class TimedUnit:
     end_event: Any = None
     end_recorded_after = 0.0
     seen_complete = 0.0  # resolver: a host time at which all its markers were known complete
-    first_complete_seen = 0.0  # resolver: when it first found them complete (waiting for calibration)
+    seen_incomplete = 0.0  # resolver: a host time at which its end marker was still incomplete
+    end_g: float | None = None  # resolver: the end marker's time on its device's timeline
+    placement_uncertainty: float | None = None  # resolver: how well its end is placed on the host clock
 
 
 class StepHandle(TimedUnit):
