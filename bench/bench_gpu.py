@@ -25,8 +25,9 @@ all alike), and ratios are paired within a round, then the median over rounds is
   launch work, the device mostly idle) and a *GPU-bound* loop (4096² fp32 matmuls, ~5 ms per step),
   each run as: uninstrumented; steptrace; ``sync every step`` (the naive way:
   ``torch.cuda.synchronize()`` and two ``perf_counter()`` reads per step); ``CUDA events`` (the usual
-  hand-rolled way: an event pair per step, ``elapsed_time`` read one step later, which synchronizes on
-  the previous step's end event). Ratios are to the uninstrumented loop of the same round.
+  hand-rolled way: an event pair per step, read one step later after ``synchronize()`` on the previous
+  step's end event, since ``elapsed_time`` refuses events that have not completed). Ratios are to
+  the uninstrumented loop of the same round.
 * **Process CPU**: ``time.process_time()`` per wall-clock second of each throughput loop: a resolver
   that spins in ``event.synchronize()`` shows here as ~1 extra CPU-second per second.
 """
@@ -125,7 +126,10 @@ def measure(torch, small_work, host_bound_work, gpu_bound_work, *, rounds, iters
             end.record()
             if i:
                 prev_start, prev_end = pairs[(i - 1) % 2]
-                times.append(prev_start.elapsed_time(prev_end) / 1e3)  # waits for the previous step
+                # elapsed_time refuses events that have not completed (c10 CUDAEvent::elapsed_time
+                # checks both): the hand-rolled way waits for the previous step's end first.
+                prev_end.synchronize()
+                times.append(prev_start.elapsed_time(prev_end) / 1e3)
         return times
 
     def timed(fn):

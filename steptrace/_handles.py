@@ -119,6 +119,12 @@ class StepHandle(TimedUnit):
             return
         backends = rt.backends
         device = backends.for_values(values)
+        if device is not None and device.uses_events and self.device.uses_events and device is not self.device:
+            # CUDA tensors on another GPU than the markers' (a rank that never called set_device):
+            # time the tensors' GPU; the end marker goes on its current stream.
+            rt.drop_markers(self)
+            self.device = device
+            return
         if device is None or device is self.device or backends.forced_stream is not None:
             return  # the values do not say, or forced markers time every step
         if device.uses_events:

@@ -290,7 +290,8 @@ class Resolver:
 
     def clock_stats(self) -> dict[str, Any]:
         """Calibration figures of each stream device's clock, by backend name."""
-        return {clock.device.name: clock.stats() for clock in list(self._clocks.values())}
+        return {getattr(clock.device, "clock_name", clock.device.name): clock.stats()
+                for clock in list(self._clocks.values())}
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, StepHandle):

@@ -73,35 +73,47 @@ def test_a_global_mode_graph_capture_mid_run_is_never_invalidated(monkeypatch):
     assert all(r["end_source"] == "device_clock" for r in steps)
 
 
-def _poll_stretches(monkeypatch, fake):
-    """The longest stretch (seconds) the resolver thread kept querying one incomplete event without going
-    back to its wait: how long one resolver call blocks on the device."""
-    from steptrace import _resolver
-
-    rounds = {"n": 0}
-    original_wait = _resolver.Wakeup.wait
-
-    def wait(self, timeout=None):
-        if threading.current_thread().name == "steptrace-resolver":
-            rounds["n"] += 1
-        return original_wait(self, timeout)
-
-    monkeypatch.setattr(_resolver.Wakeup, "wait", wait)
-    first: dict[tuple[int, int], float] = {}
+def _poll_stretches(monkeypatch):
+    """The longest stretch (seconds) over which the resolver thread kept polling one incomplete event
+    (three queries or more, with no other query, no finalizing and no return to its wait in between): how long a
+    resolver call waited on the device. Two looks alone are not a wait (the GIL may pass between)."""
+    run = {"event": None, "since": 0.0, "count": 0}
     longest = [0.0]
     Event = torch.cuda.Event
     original_query = Event.query
 
     def query(self):
+        before = time.perf_counter()
         done = original_query(self)
         if threading.current_thread().name == "steptrace-resolver":
-            now = time.perf_counter()
-            key = (rounds["n"], id(self))
-            start = first.setdefault(key, now)
-            longest[0] = max(longest[0], now - start)
+            if done or run["event"] is not self:
+                run["event"], run["since"], run["count"] = (None if done else self), before, 1
+            else:
+                run["count"] += 1
+                if run["count"] >= 3:
+                    longest[0] = max(longest[0], before - run["since"])
         return done
 
     monkeypatch.setattr(Event, "query", query)
+    from steptrace import _wakeup
+
+    original_wait = _wakeup.Wakeup.wait
+
+    def wait(self, *args, **kwargs):
+        if threading.current_thread().name == "steptrace-resolver":
+            run["event"] = None  # it went back to waiting: whatever it polled next is a new look
+        return original_wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(_wakeup.Wakeup, "wait", wait)
+    from steptrace import _resolver
+
+    original_handle = _resolver.Resolver._handle
+
+    def handle(self, item):
+        run["event"] = None  # it finalized something in between: not a wait either
+        return original_handle(self, item)
+
+    monkeypatch.setattr(_resolver.Resolver, "_handle", handle)
     return longest
 
 
@@ -111,7 +123,7 @@ def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_wi
     drains: steps are finalized while training runs, durations are the device's to 1 µs, and the
     resolver never waits on the device."""
     fake = FakeCuda(monkeypatch, one_queue=True, drift_ppm=20.0)
-    longest_poll = _poll_stretches(monkeypatch, fake)
+    longest_poll = _poll_stretches(monkeypatch)
     sink = ArrivalSink()
     kernels: dict[int, list] = {}
     steptrace.init(sinks=[sink], jsonl=False, strict=True, run_id="test", backend="torch")
@@ -121,7 +133,7 @@ def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_wi
                 kernels[n] = []
                 for i in range(32):
                     with steptrace.microbatch(i, stage=0, kind="forward"):
-                        kernels[n].append(fake.run(0.25 * MS))
+                        kernels[n].append(fake.run(0.4 * MS))
             if n:
                 kernels[n - 1][-1].block_until_ready()  # the host runs one step ahead
         loop_end = time.perf_counter()
@@ -133,15 +145,25 @@ def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_wi
     assert not late, f"{len(late)} steps were finalized only after training ended"
     lags = [sink.arrived[n] - kernels[n][-1].end_time for n in range(195)]
     assert max(lags) <= 1.0, max(lags)
+    back_to_back = 0
     for n in range(1, 200):
         r, k = steps[n], kernels[n]
         assert r["end_source"] == "device_clock"
-        assert r["compute_seconds"] == pytest.approx(k[-1].end_time - k[0].start_time, abs=US), n
         assert r["interval_seconds"] == pytest.approx(k[-1].end_time - kernels[n - 1][-1].end_time, abs=US), n
-    mbs = [m for m in sink.microbatches() if m["step"] > 0]
-    assert len(mbs) == 199 * 32
-    for m in mbs:
-        assert m["compute_seconds"] == pytest.approx(0.25 * MS, abs=US), m
+        # The step's window opens at its start marker: at the previous step's end unless the device
+        # drained in between (the host held up, e.g. waiting for the GIL), when it opens a launch early.
+        if k[0].start_time == kernels[n - 1][-1].end_time:
+            back_to_back += 1
+            assert r["compute_seconds"] == pytest.approx(k[-1].end_time - k[0].start_time, abs=US), n
+        else:
+            assert r["compute_seconds"] >= k[-1].end_time - k[0].start_time - US, n
+    assert back_to_back >= 150, back_to_back  # the device practically never drained
+    mbs = {(m["step"], m["microbatch"]): m for m in sink.microbatches()}
+    assert len(mbs) == 200 * 32
+    for n in range(1, 200):
+        for i in range(1, 32):
+            if kernels[n][i].start_time == kernels[n][i - 1].end_time:
+                assert mbs[n, i]["compute_seconds"] == pytest.approx(0.4 * MS, abs=US), (n, i)
     assert longest_poll[0] <= 1 * MS, longest_poll[0]
 
 
@@ -226,12 +248,12 @@ def test_a_busy_pool_stream_neither_stalls_nor_misplaces(monkeypatch):
     for stream in nccl:
         fake.run(1.5, stream=stream)  # collectives that keep them busy for the whole run
     sink = ArrivalSink()
-    kernels, entries = {}, {}
+    kernels = {}
     steptrace.init(sinks=[sink], jsonl=False, strict=True, run_id="test", backend="torch")
+    unix_offset = steptrace._active.resolver.unix_offset  # the records' own perf -> unix offset
     try:
         for n in range(40):
             with steptrace.step(n):
-                entries[n] = time.perf_counter()
                 kernels[n] = fake.run(4 * MS)
             time.sleep(2 * MS)
         loop_end = time.perf_counter()
@@ -241,8 +263,8 @@ def test_a_busy_pool_stream_neither_stalls_nor_misplaces(monkeypatch):
     steps = {r["step"]: r for r in sink.steps()}
     assert sorted(steps) == list(range(40))
     assert all(sink.arrived[n] <= loop_end + 0.1 for n in range(40))
-    offset = steps[0]["host_start_time"] - entries[0]
     for n in range(40):
         r = steps[n]
-        assert r["end_time"] == pytest.approx(kernels[n].end_time + offset, abs=0.5 * MS), n
-        assert r["placement_uncertainty_seconds"] < 50 * US, r
+        stated = r["placement_uncertainty_seconds"]
+        assert stated < 50 * US, r
+        assert abs(r["end_time"] - (kernels[n].end_time + unix_offset)) <= stated + US, (n, stated)

@@ -226,22 +226,19 @@ def test_a_side_stream_queued_behind_the_training_stream_degrades_gracefully(mon
     fake = FakeCuda(monkeypatch, device)
     kernels = {}
     with capture() as sink:
+        unix_offset = steptrace._active.resolver.unix_offset  # the records' own perf -> unix offset
         for n in range(20):
             with steptrace.step(n):
-                if n == 0:
-                    entry = time.perf_counter()
                 kernels[n] = fake.run(10 * MS)
             if n % 4 == 3:
                 device.synchronize()  # the loop reads a grad norm: the stream drains for a moment
             if n == 11:
                 time.sleep(0.1)  # a data stall: the device idles
     steps = {r["step"]: r for r in sink.steps()}
-    truth = Truth()
-    truth.anchor(steps[0]["host_start_time"], entry)
     for n in range(20):
         r = steps[n]
         stated = r["placement_uncertainty_seconds"]
-        assert abs(r["end_time"] - truth.unix(kernels[n].end_time)) <= stated + 20e-6, (n, stated)
+        assert abs(r["end_time"] - (kernels[n].end_time + unix_offset)) <= stated + 1e-6, (n, stated)
         # After a drain the step's window opens at its start marker, a launch before the kernel.
         assert r["compute_seconds"] == pytest.approx(10 * MS, abs=TOL if n % 4 == 0 else 2e-6), n
     assert all(steps[n]["placement_uncertainty_seconds"] < 50e-6 for n in range(13, 20))
