@@ -57,6 +57,8 @@ _WINDOW_UNRATED_S = 2.0
 #: of GPUs and hosts differ by tens of ppm. Once measured: its own error, at least _DRIFT_RATED.
 _DRIFT_UNRATED = 100e-6
 _DRIFT_RATED = 2e-6
+#: The event timer's resolution (cudaEventElapsedTime: about half a microsecond), and float32 rounding.
+_RESOLUTION_S = 1e-6
 #: Samples kept (the newest; tight ones survive longer through the rate baseline).
 _SAMPLES_KEPT = 64
 #: While the placement is wider than MAX_UNCERTAINTY_S, a drained device is re-anchored this often.
@@ -79,7 +81,7 @@ class Mapping:
         return self.offset + g * self.rate
 
     def uncertainty_at(self, g: float) -> float:
-        return self.uncertainty + max(0.0, g - self.newest) * self.drift
+        return _RESOLUTION_S + self.uncertainty + max(0.0, g - self.newest) * self.drift
 
 
 class DeviceClock:
