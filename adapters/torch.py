@@ -137,9 +137,17 @@ class TorchCudaDevice:
         return gpu
 
     def current_stream(self) -> Any:
+        # Training thread, once per unit: three C calls and a cache hit (no Python Stream object).
+        if self._capturing():
+            return None
         index = self.tensor_device
         if index is None:
             index = self._get_device()
+        raw = self._raw_stream
+        if raw is not None:
+            placement = self._placements.get((index, raw(index)))
+            if placement is not None:
+                return placement
         return self.placement(index)
 
     def placement(self, index: int) -> Any:

@@ -140,20 +140,24 @@ class FakeCuda:
                 fake.events_created += 1
 
             def record(self, stream: Any = None) -> None:
-                fake._unsafe("Event.record")
-                stream = fake.current_stream() if stream is None else stream
+                capture = fake.capture
+                if capture is not None:
+                    fake._unsafe("Event.record")
+                    if stream is capture["stream"] or stream is None and fake.is_current_stream_capturing():
+                        fake.records_on_capturing_stream += 1
+                if stream is None:
+                    stream = fake.current_stream()
                 if self._device is not None and stream.device_index != self._device:
                     raise RuntimeError(f"Event device {self._device} does not match recording stream's device "
                                        f"{stream.device_index}.")
-                if fake._capturing_stream(stream):
-                    fake.records_on_capturing_stream += 1
                 self._device = stream.device_index
                 if self._marker is None:
                     self._marker = SimulatedMarker()
                 fake.gpus[self._device].stamp(self._marker, stream=stream.key)
 
             def query(self) -> bool:
-                fake._unsafe("Event.query")
+                if fake.capture is not None:
+                    fake._unsafe("Event.query")
                 fake.query_calls += 1
                 return self._marker is None or fake.gpus[self._device].query(self._marker)
 
@@ -281,10 +285,6 @@ class FakeCuda:
         if capture is None:
             return self.capturing
         return capture["thread"] == threading.get_ident() and self.current_stream() is capture["stream"]
-
-    def _capturing_stream(self, stream: Any) -> bool:
-        capture = self.capture
-        return capture is not None and stream is capture["stream"]
 
     @contextlib.contextmanager
     def graph_capture(self, mode: str = "global") -> Iterator[dict[str, Any]]:
