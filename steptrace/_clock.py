@@ -60,7 +60,7 @@ _DRIFT_RATED = 2e-6
 #: The event timer's resolution (cudaEventElapsedTime: about half a microsecond), and float32 rounding.
 _RESOLUTION_S = 1e-6
 #: Samples kept (the newest; tight ones survive longer through the rate baseline).
-_SAMPLES_KEPT = 64
+_SAMPLES_KEPT = 32
 #: While the placement is wider than MAX_UNCERTAINTY_S, a drained device is re-anchored this often.
 _TIGHTEN_EVERY_S = 0.05
 
@@ -152,9 +152,18 @@ class DeviceClock:
 
     def _take(self, sample: tuple[float, float, float]) -> None:
         g, lower, upper = sample
+        tight = (upper - lower) / 2 <= MAX_UNCERTAINTY_S
+        mapping = self._mapping
+        if mapping is not None and not tight:
+            # A wide sample that does not cut into the current offset interval changes nothing
+            # (most step markers once anchors are tight): skip it, and the map's recomputation.
+            at = g * mapping.rate
+            low, high = mapping.offset - mapping.uncertainty, mapping.offset + mapping.uncertainty
+            if lower - at <= low and upper - at >= high:
+                return
         self._samples.append(sample)
         self._mapping = None
-        if (upper - lower) / 2 <= MAX_UNCERTAINTY_S:
+        if tight:
             self._tight.append(sample)  # kept beyond the newest samples: they bound the offset best
             host = (lower + upper) / 2
             self._newest_tight = (g, host)
