@@ -119,7 +119,8 @@ class StepHandle(TimedUnit):
             return
         backends = rt.backends
         device = backends.for_values(values)
-        if device is not None and device.uses_events and self.device.uses_events and device is not self.device:
+        if (device is not None and device.uses_events and self.device.uses_events and device is not self.device
+                and device.name == self.device.name):
             # CUDA tensors on another GPU than the markers' (a rank that never called set_device):
             # time the tensors' GPU; the end marker goes on its current stream.
             rt.drop_markers(self)

@@ -5,9 +5,9 @@ per-thread current device, pool streams shared with NCCL, events that must be co
 failed on the code before it.
 
 Ground truth is the simulated GPU's own timeline (each kernel's start and end, host
-``perf_counter`` seconds). Durations are compared within 1 µs: they are differences of events on
-one device and must not depend on calibration (the simulated clock drifts 20 ppm; 1 µs is that
-drift over a 50 ms step, not a speed threshold).
+``perf_counter`` seconds). Durations are compared within 1 µs plus the clock's 20 ppm rate
+difference: they are differences of events on one device and must not depend on calibration.
+These are accuracy bounds, not speed thresholds.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ pytestmark = pytest.mark.integration
 
 MS = 1e-3
 US = 1e-6
+# The simulated GPU clock runs 20 ppm fast; with no tight anchor (a device that never drains) the
+# rate cannot be measured, so device seconds are reported as they are: within 20 ppm.
+RATE = 20e-6
 
 
 class ArrivalSink(MemorySink):
@@ -149,12 +152,14 @@ def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_wi
     for n in range(1, 200):
         r, k = steps[n], kernels[n]
         assert r["end_source"] == "device_clock"
-        assert r["interval_seconds"] == pytest.approx(k[-1].end_time - kernels[n - 1][-1].end_time, abs=US), n
+        true_interval = k[-1].end_time - kernels[n - 1][-1].end_time
+        assert r["interval_seconds"] == pytest.approx(true_interval, abs=US + RATE * true_interval), n
         # The step's window opens at its start marker: at the previous step's end unless the device
         # drained in between (the host held up, e.g. waiting for the GIL), when it opens a launch early.
         if k[0].start_time == kernels[n - 1][-1].end_time:
             back_to_back += 1
-            assert r["compute_seconds"] == pytest.approx(k[-1].end_time - k[0].start_time, abs=US), n
+            true_compute = k[-1].end_time - k[0].start_time
+            assert r["compute_seconds"] == pytest.approx(true_compute, abs=US + RATE * true_compute), n
         else:
             assert r["compute_seconds"] >= k[-1].end_time - k[0].start_time - US, n
     assert back_to_back >= 150, back_to_back  # the device practically never drained
