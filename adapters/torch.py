@@ -64,14 +64,29 @@ class _Driver:
                     "cuThreadExchangeStreamCaptureMode")
         return value.value
 
-    def stream_priority_range(self) -> tuple[int, int]:
+    def _bind(self, device: int) -> None:
+        # Driver calls act on the calling thread's current context: make it the device's primary
+        # context (the one torch's runtime uses) if the thread has none yet.
+        lib = self._cuda()
+        current = ctypes.c_void_p()
+        self._check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value:
+            return
+        handle, context = ctypes.c_int(), ctypes.c_void_p()
+        self._check(lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)), "cuDeviceGet")
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
+        self._check(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
+        self._bind(device)
         least, greatest = ctypes.c_int(), ctypes.c_int()
         self._check(self._cuda().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
                     "cuCtxGetStreamPriorityRange")
         return least.value, greatest.value
 
-    def create_stream(self, priority: int) -> int:
-        """A new stream in the calling thread's current context (the caller set the device)."""
+    def create_stream(self, priority: int, device: int) -> int:
+        """A new stream on ``device`` (the calling thread's current device, set by the caller)."""
+        self._bind(device)
         stream = ctypes.c_void_p()
         self._check(self._cuda().cuStreamCreateWithPriority(ctypes.byref(stream), _STREAM_NON_BLOCKING,
                                                             ctypes.c_int(priority)),
@@ -299,8 +314,8 @@ class TorchCudaGpu:
         highest-priority pool stream, said once."""
         cuda = self._torch.cuda
         try:
-            _least, greatest = _DRIVER.stream_priority_range()
-            pointer = _DRIVER.create_stream(greatest)
+            _least, greatest = _DRIVER.stream_priority_range(self.index)
+            pointer = _DRIVER.create_stream(greatest, self.index)
             stream = cuda.ExternalStream(pointer, device=self.index)
             self.anchor_stream_kind = "own"
             return stream

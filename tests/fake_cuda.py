@@ -352,11 +352,12 @@ class _FakeDriver:
         self.exchanges.append((threading.current_thread().name, self.MODES[mode]))
         return {v: k for k, v in self.MODES.items()}[old]
 
-    def stream_priority_range(self) -> tuple[int, int]:
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
         return 0, -5
 
-    def create_stream(self, priority: int) -> int:
-        """A new non-blocking stream on this thread's current device, never a pool stream."""
+    def create_stream(self, priority: int, device: int) -> int:
+        """A new non-blocking stream on ``device``, never a pool stream."""
+        assert device == self.fake.current_device(), "the adapter sets the device before creating a stream"
         self.fake.streams_created += 1
         return next(self._ptrs)
 
@@ -367,8 +368,8 @@ class _NoDriver:
     def exchange_capture_mode(self, mode: int) -> int:
         raise OSError("libcuda.so.1: cannot open shared object file")
 
-    def stream_priority_range(self) -> tuple[int, int]:
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
         raise OSError("libcuda.so.1: cannot open shared object file")
 
-    def create_stream(self, priority: int) -> int:
+    def create_stream(self, priority: int, device: int) -> int:
         raise OSError("libcuda.so.1: cannot open shared object file")

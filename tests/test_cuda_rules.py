@@ -13,6 +13,7 @@ These are accuracy bounds, not speed thresholds.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import pathlib
 import sys
 import threading
@@ -71,6 +72,7 @@ def test_a_global_mode_graph_capture_mid_run_is_never_invalidated(monkeypatch):
                             time.sleep(MS)
     assert fake.captures_invalidated == 0, fake.unsafe_calls_during_capture
     assert fake.records_on_capturing_stream == 0
+    assert ("steptrace-resolver", "thread_local") in fake.driver.exchanges
     steps = sink.steps()
     assert [r["step"] for r in steps] == list(range(8))
     assert all(r["end_source"] == "device_clock" for r in steps)
@@ -273,3 +275,22 @@ def test_a_busy_pool_stream_neither_stalls_nor_misplaces(monkeypatch):
         stated = r["placement_uncertainty_seconds"]
         assert stated < 50 * US, r
         assert abs(r["end_time"] - (kernels[n].end_time + unix_offset)) <= stated + US, (n, stated)
+    assert fake.streams_created == 1  # the anchors' stream is steptrace's own, not one of the pool's
+
+
+def test_without_the_driver_library_steptrace_says_so_and_still_times(monkeypatch, caplog):
+    """No libcuda for ctypes: the resolver's calls cannot be made capture-safe and the anchors fall back to
+    a high-priority pool stream; both are said once, and steps are still device-timed."""
+    fake = FakeCuda(monkeypatch, driver=False)
+    with caplog.at_level(logging.WARNING, logger="steptrace"), capture(backend="torch") as sink:
+        for n in range(6):
+            with steptrace.step(n):
+                fake.run(2 * MS)
+            time.sleep(MS)
+    steps = sink.steps()
+    assert [r["end_source"] for r in steps] == ["device_clock"] * 6
+    assert all(r["compute_seconds"] == pytest.approx(2 * MS, abs=0.5 * MS) for r in steps[1:])
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("capture-safe" in m for m in messages) == 1
+    assert sum("stream of its own" in m for m in messages) == 1
+    assert fake.streams_created == 0
