@@ -122,6 +122,13 @@ class DeviceClock:
             self.newest_located = g
         return g
 
+    def device_time(self, marker: Any, recorded_after: float, completed_seen: float) -> float:
+        """The device time of a complete marker (any marker a resolver places, e.g. a span boundary),
+        its bracket ``[recorded_after, completed_seen]`` taken as a sample (from the next commit)."""
+        g = self.locate(marker)
+        self.add_sample(g, recorded_after, completed_seen)
+        return g
+
     def rebase(self, marker: Any, g: float) -> None:
         """Make ``marker`` (complete, at ``g``) the base later markers are measured from; the clock keeps
         it (``owns``) and gives the previous base back to the device's pool."""
