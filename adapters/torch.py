@@ -245,6 +245,10 @@ class TorchCudaGpu:
         return self._owner.placement(self.index)
 
     def record(self, stream: Any, marker: Any = None) -> Any:
+        if stream is None:  # a unit without a start marker: this GPU's current stream, if not captured
+            stream = self.current_stream()
+            if stream is None:
+                raise RuntimeError("the current stream is being captured into a CUDA graph")
         if marker is None:
             try:
                 marker = self._free.pop()

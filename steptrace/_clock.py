@@ -122,12 +122,19 @@ class DeviceClock:
             self.newest_located = g
         return g
 
-    def device_time(self, marker: Any, recorded_after: float, completed_seen: float) -> float:
-        """The device time of a complete marker (any marker a resolver places, e.g. a span boundary),
-        its bracket ``[recorded_after, completed_seen]`` taken as a sample (from the next commit)."""
+    def device_time(self, marker: Any, recorded_after: float, completed_seen: float) -> float | None:
+        """The device time of a complete marker the caller gives back to the pool itself (a span
+        boundary), its bracket ``[recorded_after, completed_seen]`` taken as a sample (from the next
+        commit); None before any marker of this device was located (it cannot be the origin)."""
+        if self._base is None:
+            return None
         g = self.locate(marker)
         self.add_sample(g, recorded_after, completed_seen)
         return g
+
+    def calibrate(self) -> None:
+        """Take an anchor now if one is due (never waits on the device; see ``poll``)."""
+        self.poll(drained=True)
 
     def rebase(self, marker: Any, g: float) -> None:
         """Make ``marker`` (complete, at ``g``) the base later markers are measured from; the clock keeps
