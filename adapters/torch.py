@@ -181,11 +181,11 @@ class TorchCudaDevice:
     def for_value(self, value: Any) -> Any:
         """The GPU a CUDA tensor given to ``wait_for`` lives on."""
         try:
-            index = value.get_device()
+            index = int(value.get_device())
         except Exception:
-            return self
+            index = -1
         if index < 0:
-            return self
+            return self.gpu(self._get_device())
         if self.tensor_device != index and index != self._get_device():
             if not self._warned_device:
                 self._warned_device = True
