@@ -25,8 +25,9 @@ all alike), and ratios are paired within a round, then the median over rounds is
   launch work, the device mostly idle) and a *GPU-bound* loop (4096² fp32 matmuls, ~5 ms per step),
   each run as: uninstrumented; steptrace; ``sync every step`` (the naive way:
   ``torch.cuda.synchronize()`` and two ``perf_counter()`` reads per step); ``CUDA events`` (the usual
-  hand-rolled way: an event pair per step, ``elapsed_time`` read one step later, which synchronizes on
-  the previous step's end event). Ratios are to the uninstrumented loop of the same round.
+  hand-rolled way: an event pair per step, read one step later after ``synchronize()`` on the previous
+  step's end event, since ``elapsed_time`` refuses events that have not completed). Ratios are to
+  the uninstrumented loop of the same round.
 * **Process CPU**: ``time.process_time()`` per wall-clock second of each throughput loop: a resolver
   that spins in ``event.synchronize()`` shows here as ~1 extra CPU-second per second.
 """
@@ -64,9 +65,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); nothing to measure")
         return 0
-    import steptrace
-    from steptrace.testing import MemorySink
-
     rounds = args.rounds or (3 if args.quick else 7)
     iters = args.iters or (2000 if args.quick else 10000)
     steps = args.steps or (100 if args.quick else 300)
@@ -77,6 +75,9 @@ def main() -> int:
     tiny = torch.zeros(16, device=device)
     torch.cuda.synchronize()
 
+    def small_work():
+        small.add_(1.0)
+
     def host_bound_work():
         for _ in range(args.host_ops):
             tiny.add_(1.0)
@@ -85,6 +86,16 @@ def main() -> int:
         nonlocal big
         for _ in range(2):
             big = torch.tanh(big @ big) * 0.5
+
+    measured = measure(torch, small_work, host_bound_work, gpu_bound_work, rounds=rounds, iters=iters, steps=steps)
+    report(torch, measured, rounds=rounds, iters=iters, steps=steps, json_path=args.json)
+    return 0
+
+
+def measure(torch, small_work, host_bound_work, gpu_bound_work, *, rounds, iters, steps):
+    """Every loop of the benchmark, on whatever ``torch.cuda`` is (tests run it on tests/fake_cuda.py)."""
+    import steptrace
+    from steptrace.testing import MemorySink
 
     # ---- the loops -------------------------------------------------------------------------------
     def loop_plain(work, n):
@@ -115,7 +126,10 @@ def main() -> int:
             end.record()
             if i:
                 prev_start, prev_end = pairs[(i - 1) % 2]
-                times.append(prev_start.elapsed_time(prev_end) / 1e3)  # waits for the previous step
+                # elapsed_time refuses events that have not completed (c10 CUDAEvent::elapsed_time
+                # checks both): the hand-rolled way waits for the previous step's end first.
+                prev_end.synchronize()
+                times.append(prev_start.elapsed_time(prev_end) / 1e3)
         return times
 
     def timed(fn):
@@ -146,6 +160,7 @@ def main() -> int:
         steptrace.flush()
 
         thread = {"empty with": [], "steptrace": []}
+        thread_cpu = {"empty with": [], "steptrace": []}
         throughput = {(kind, v): [] for kind in ("host-bound", "GPU-bound")
                       for v in ("uninstrumented", "steptrace", "sync every step", "CUDA events")}
         cpu_per_s = {key: [] for key in throughput}
@@ -156,24 +171,28 @@ def main() -> int:
             sys.setswitchinterval(1.0)
             try:
                 torch.cuda.synchronize()
-                t0 = perf()
+                t0, c0 = perf(), time.thread_time()
                 for _i in range(iters):
                     with contextlib.nullcontext():
-                        small.add_(1.0)
-                empty = perf() - t0
+                        small_work()
+                empty, empty_cpu = perf() - t0, time.thread_time() - c0
                 steptrace.flush()
                 b = next_base(iters)
                 torch.cuda.synchronize()
-                t0 = perf()
+                t0, c0 = perf(), time.thread_time()
                 for i in range(iters):
                     with steptrace.step(b + i):
-                        small.add_(1.0)
-                traced = perf() - t0
+                        small_work()
+                traced, traced_cpu = perf() - t0, time.thread_time() - c0
             finally:
                 sys.setswitchinterval(old)
             steptrace.flush()
             thread["empty with"].append(empty / iters)
             thread["steptrace"].append(traced / iters)
+            # The training thread's own CPU (time.thread_time): what steptrace costs that thread,
+            # whatever the background threads took meanwhile (torch ops release the GIL).
+            thread_cpu["empty with"].append(empty_cpu / iters)
+            thread_cpu["steptrace"].append(traced_cpu / iters)
 
             for kind, work in (("host-bound", host_bound_work), ("GPU-bound", gpu_bound_work)):
                 variants = {
@@ -197,7 +216,14 @@ def main() -> int:
     finally:
         steptrace.shutdown()
 
-    # ---- report ----------------------------------------------------------------------------------
+    return {"thread": thread, "throughput": throughput, "cpu_per_s": cpu_per_s,
+            "background_per_step": background_per_step, "thread_cpu": thread_cpu, "clock": clock}
+
+
+def report(torch, measured, *, rounds, iters, steps, json_path):
+    thread, throughput, cpu_per_s = measured["thread"], measured["throughput"], measured["cpu_per_s"]
+    background_per_step, clock = measured["background_per_step"], measured["clock"]
+    thread_cpu = measured["thread_cpu"]
     props = torch.cuda.get_device_properties(0)
     print(f"bench_gpu: {props.name}, torch {torch.__version__}, {rounds} rounds, "
           f"{iters} trivial steps, {steps} steps per throughput loop")
@@ -207,6 +233,9 @@ def main() -> int:
     paired = _median([b - a for a, b in zip(thread["empty with"], thread["steptrace"])])
     print(f"  empty with     {e * 1e6:8.2f} µs")
     print(f"  steptrace      {s * 1e6:8.2f} µs   (+{paired * 1e6:.2f} µs over the empty with, median of paired)")
+    cpu_paired = _median([b - a for a, b in zip(thread_cpu["empty with"], thread_cpu["steptrace"])])
+    print(f"  thread CPU     {_median(thread_cpu['steptrace']) * 1e6:8.2f} µs   (+{cpu_paired * 1e6:.2f} µs over the "
+          "empty with: time.thread_time() of the training thread)")
     print(f"  background     {_median(background_per_step) * 1e6:8.2f} µs CPU (GIL) per step, resolver + sinks")
     print()
     print(f"{'loop':<12}{'variant':<18}{'steps/s':>10}{'x uninstr.':>12}{'CPU-s/s':>10}")
@@ -222,12 +251,12 @@ def main() -> int:
     if clock:
         print()
         print(f"device clock: {clock}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"device": props.name, "torch": torch.__version__, "rounds": rounds,
-                       "thread_seconds": thread, "background_cpu_per_step": background_per_step,
+                       "thread_seconds": thread, "thread_cpu_seconds": thread_cpu,
+                       "background_cpu_per_step": background_per_step,
                        "throughput": results, "device_clock": clock}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

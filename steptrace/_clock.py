@@ -1,282 +1,344 @@
-"""Placing a stream device's marker timestamps on the host clock.
+"""A stream device's marker timestamps: durations from the device clock, placement on the host clock.
 
 A stream device (CUDA) stamps each marker (``cudaEventRecord``) with its own
 clock when the stream reaches it, and only the difference between two
-completed markers can be read (``cudaEventElapsedTime``, float32 milliseconds).
-The resolver needs host times (``perf_counter`` seconds), and it must not take
-them from the moment it *notices* a marker completed: it needs the GIL to read
-a clock, and a GIL-holding call on the training thread (``torch.save``'s
-pickling, a C sort, a GC pass) delays that moment by its whole length.
+completed markers of one device can be read (``cudaEventElapsedTime``, float32
+milliseconds). Two separate questions, answered separately:
 
-So every marker time is computed, never observed:
+* **Durations** (interval, compute, microbatch compute, bubble, optimizer
+  time) are differences of markers on one device. Each marker's time on the
+  device timeline ``G`` (float64 seconds) is ``G(base) + elapsed(base, m)``,
+  ``base`` being the newest marker already placed (the previous step's end,
+  kept from the pool for that): short spans, so float32 milliseconds keep
+  sub-microsecond precision, and no calibration is involved. All of a step's
+  markers are mapped to the host clock with one linear map, so the record's
+  durations are those device differences (times the measured clock rate),
+  whatever the calibration did.
+* **Placement** (absolute times: the step's start and end on the host clock,
+  next to host spans and checkpoints) comes from *samples*: markers whose host
+  time is bracketed. The device cannot stamp a marker before it was recorded
+  (a host clock read just before ``record`` is a lower bound) nor after the
+  resolver saw it complete (an upper bound). Every step end marker is such a
+  sample, and so is an *anchor*: a marker the resolver records on a stream of
+  its own and queries until it completes. An anchor taken while the device is
+  drained (the newest marker complete) completes within microseconds, which is
+  the one moment a device with one hardware queue
+  (``CUDA_DEVICE_MAX_CONNECTIONS=1``) gives a tight sample. The map's offset is
+  the intersection of the recent samples' brackets; half its width is the
+  *placement uncertainty* each record carries.
 
-* **Anchors.** On its own thread the resolver records a marker on an idle side
-  stream, reading the host clock just before recording (``t0``) and polling
-  until it completes (first seen complete at ``t2``; last seen incomplete at
-  ``t1``). The device stamped it inside ``[max(t0, t1), t2]``; the midpoint is
-  the anchor's host time and half the width its uncertainty. Samples wider
-  than ``max_uncertainty_s`` (the side stream was held up, or the GIL was
-  taken mid-sample) still order markers, but place nothing.
-* **Device time of a marker.** Anchors are chained by ``elapsed`` into one
-  device timeline ``G`` (float64 seconds). A unit marker is measured against
-  a nearby anchor it is *known* to follow or precede: an anchor that had
-  completed before the marker was recorded (``G_m = G_a + elapsed(a, m)``), or
-  one recorded after the marker was seen complete (``G_m = G_a - elapsed(m, a)``).
-  Only non-negative elapsed times are ever asked for, and over short spans,
-  so float32 milliseconds keep sub-microsecond precision.
-* **Host time.** ``G`` is mapped to the host clock by interpolating between
-  the placed anchors around it, which follows any rate difference (drift)
-  between the two oscillators; past the newest anchor it extrapolates with the
-  rate measured over a long baseline. Anchors are taken every ``every_s``
-  and whenever a marker would otherwise only be extrapolated, so the error is
-  the anchors' own uncertainty (a few microseconds), not accumulated drift.
-
-Nothing here imports a framework: the device is anything implementing
-``clock_marker``/``query``/``elapsed``/``release`` (see ``steptrace._devices``).
+Nothing here waits on the device: at most one anchor is in flight, queried on
+later polls until it completes (``poll``). Nothing here imports a framework:
+the device is anything implementing ``clock_marker``/``query``/``elapsed``/
+``release`` (see ``steptrace._devices``).
 """
 
 from __future__ import annotations
 
-import bisect
+import collections
+import math
 import time
 from typing import Any, Callable
 
 _perf = time.perf_counter
 
-#: Anchors wider than this (seconds, half-width) order markers but place none.
+#: Samples narrower than this (seconds, half-width) count as placed anchors (tight).
 MAX_UNCERTAINTY_S = 50e-6
-#: How long one calibration sample may poll its marker before giving up.
-SAMPLE_POLL_S = 0.5e-3
-#: Placed anchors at least this far apart form the long baseline for the clock rate.
+#: How long one anchor may be polled in a row before it is left in flight (seconds).
+ANCHOR_SPIN_S = 0.2e-3
+#: Tight samples at least this far apart form the long baseline for the clock rate.
 RATE_BASELINE_S = 10.0
 #: Fewer than this many seconds of baseline: assume the clocks tick at the same rate.
 _RATE_MIN_SPAN_S = 1.0
+#: How far back (device seconds) samples bound the offset: with a measured rate / without one.
+_WINDOW_RATED_S = 30.0
+_WINDOW_UNRATED_S = 2.0
+#: Rate error assumed (host seconds per device second) before the rate is measured; oscillators
+#: of GPUs and hosts differ by tens of ppm. Once measured: its own error, at least _DRIFT_RATED.
+_DRIFT_UNRATED = 100e-6
+_DRIFT_RATED = 2e-6
+#: The event timer's resolution (cudaEventElapsedTime: about half a microsecond), and float32 rounding.
+_RESOLUTION_S = 1e-6
+#: Samples kept (the newest; tight ones survive longer through the rate baseline).
+_SAMPLES_KEPT = 32
+#: While the placement is wider than MAX_UNCERTAINTY_S, a drained device is re-anchored this often.
+_TIGHTEN_EVERY_S = 0.05
 
 
-class Anchor:
-    """A marker on the device clock whose host time is known (within ``uncertainty``)."""
+class Mapping:
+    """One linear map from the device timeline to host ``perf_counter`` seconds."""
 
-    __slots__ = ("marker", "recorded_before", "completed_seen", "host", "uncertainty", "device")
+    __slots__ = ("offset", "rate", "uncertainty", "newest", "drift")
 
-    def __init__(self, marker: Any, recorded_before: float, completed_seen: float, host: float,
-                 uncertainty: float, device: float):
-        self.marker = marker
-        self.recorded_before = recorded_before  # host clock read just before recording it
-        self.completed_seen = completed_seen  # first host time it was seen complete
-        self.host = host  # estimated host time of its device timestamp
-        self.uncertainty = uncertainty  # half-width of the interval that timestamp lies in
-        self.device = device  # its time on the chained device timeline, seconds
+    def __init__(self, offset: float, rate: float, uncertainty: float, newest: float, drift: float):
+        self.offset = offset
+        self.rate = rate
+        self.uncertainty = uncertainty  # half-width of the offset's interval
+        self.newest = newest  # the newest sample's device time
+        self.drift = drift
 
-    @property
-    def placed(self) -> bool:
-        return self.uncertainty <= MAX_UNCERTAINTY_S
+    def host(self, g: float) -> float:
+        return self.offset + g * self.rate
+
+    def uncertainty_at(self, g: float) -> float:
+        return _RESOLUTION_S + self.uncertainty + max(0.0, g - self.newest) * self.drift
 
 
 class DeviceClock:
-    """Maps one stream device's markers to host ``perf_counter`` seconds.
+    """Device timeline and host placement of one device's markers (resolver thread only)."""
 
-    Used from the resolver thread only (``calibrate``, ``to_host``, ``prune``).
-    """
-
-    def __init__(self, device: Any, *, every_s: float = 1.0, clock: Callable[[], float] = _perf,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, device: Any, *, every_s: float = 1.0, clock: Callable[[], float] = _perf):
         self.device = device
         self.every_s = every_s
         self._clock = clock
-        self._sleep = sleep
-        self._anchors: list[Anchor] = []  # in recording order (== device order: one thread records them)
-        self._placed: list[Anchor] | None = None  # cache of the placed anchors
-        # Placed (device, host) points kept for the long-baseline rate, thinned to one per RATE_BASELINE_S.
+        self._base: Any = None  # the newest marker with a known device time (kept from the pool)
+        self._base_g = 0.0
+        self.newest_located = 0.0  # the latest device time located so far
+        self._samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=_SAMPLES_KEPT)
+        self._tight: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=8)
+        self._pending: list[tuple[float, float, float]] = []  # the step being resolved's own samples
+        self._mapping: Mapping | None = None
+        # The anchor in flight: [marker, recorded_before, lower bound so far].
+        self._anchor: list[Any] | None = None
+        self._last_anchor = -math.inf
+        # Tight (g, host) points kept for the long-baseline rate, one per RATE_BASELINE_S.
         self._rate_points: list[tuple[float, float]] = []
-        self.samples = 0
-        self.rejected = 0
+        self._newest_tight: tuple[float, float] | None = None
+        self.anchors = 0
+        self.anchors_unplaced = 0
         self.failures = 0
         self.max_uncertainty_used = 0.0
 
-    # -- anchors -----------------------------------------------------------------------
-    def due(self, now: float) -> bool:
-        return not self._anchors or now - self._anchors[-1].recorded_before >= self.every_s
+    # -- the device timeline ---------------------------------------------------------------
+    def locate(self, marker: Any) -> float:
+        """The device time of a complete marker. The first marker ever located becomes the origin."""
+        if self._base is None:
+            self._base, self._base_g = marker, 0.0
+            return 0.0
+        if marker is self._base:
+            return self._base_g
+        g = self._base_g + self.device.elapsed(self._base, marker)
+        if g > self.newest_located:
+            self.newest_located = g
+        return g
 
-    def calibrate(self) -> Anchor | None:
-        """Record one anchor (resolver thread). Returns it, or None if the sample failed.
-
-        Polls its marker for at most ``SAMPLE_POLL_S`` while holding the GIL (a few
-        microseconds when the side stream is idle); a marker that takes longer is
-        left to complete and still serves to order markers once it has.
-        """
-        device = self.device
-        clock = self._clock
-        self.samples += 1
-        try:
-            recorded_before = lower = clock()  # the device cannot stamp it before it is recorded
-            marker = device.clock_marker()
-            deadline = lower + SAMPLE_POLL_S
-            while True:
-                before = clock()
-                done = device.query(marker)
-                after = clock()
-                if done:
-                    upper = after  # stamped before this query returned
-                    break
-                lower = before  # still incomplete when queried: stamped after this
-                if after > deadline:
-                    # A blocked side stream (CUDA_DEVICE_MAX_CONNECTIONS=1 behind a long kernel):
-                    # wait for it off the hot path; it will order markers but place none.
-                    pause = 0.001
-                    while not device.query(marker):
-                        self._sleep(pause)
-                        pause = min(pause * 2, 0.02)
-                    upper = clock()
-                    break
-        except Exception:
-            self.failures += 1
+    def device_time(self, marker: Any, recorded_after: float, completed_seen: float) -> float | None:
+        """The device time of a complete marker the caller gives back to the pool itself (a span
+        boundary), its bracket ``[recorded_after, completed_seen]`` taken as a sample (from the next
+        commit); None before any marker of this device was located (it cannot be the origin)."""
+        if self._base is None:
             return None
-        anchor = Anchor(marker, recorded_before, upper, (lower + upper) / 2, (upper - lower) / 2, 0.0)
-        if self._anchors:
-            prev = self._anchors[-1]
-            # prev completed before this one was recorded: elapsed(prev, anchor) >= 0.
-            try:
-                anchor.device = prev.device + device.elapsed(prev.marker, marker)
-            except Exception:
-                self.failures += 1
-                device.release(marker)
-                return None
-        self._placed = None
-        if not anchor.placed:
-            self.rejected += 1
-        self._anchors.append(anchor)
-        if anchor.placed:
+        g = self.locate(marker)
+        self.add_sample(g, recorded_after, completed_seen)
+        return g
+
+    def calibrate(self) -> None:
+        """Take an anchor now if one is due (never waits on the device; see ``poll``)."""
+        self.poll(drained=True)
+
+    def rebase(self, marker: Any, g: float) -> None:
+        """Make ``marker`` (complete, at ``g``) the base later markers are measured from; the clock keeps
+        it (``owns``) and gives the previous base back to the device's pool."""
+        old = self._base
+        self._base, self._base_g = marker, g
+        if old is not None and old is not marker:
+            self._give_back(old)
+
+    def owns(self, marker: Any) -> bool:
+        return marker is self._base or (self._anchor is not None and marker is self._anchor[0])
+
+    # -- samples -----------------------------------------------------------------------------
+    def add_sample(self, g: float, lower: float, upper: float) -> None:
+        """A marker at device time ``g`` was stamped between host times ``lower`` and ``upper``. Held
+        back until ``commit()`` (so one step's markers share one map), except for the very first."""
+        if upper < lower:
+            return
+        self._pending.append((g, lower, upper))
+        if self._mapping is None and not self._samples:
+            self.commit()
+
+    def commit(self) -> None:
+        """Take the held-back samples into the map (between steps)."""
+        if self._pending:
+            for sample in self._pending:
+                self._take(sample)
+            self._pending.clear()
+
+    def _take(self, sample: tuple[float, float, float]) -> None:
+        g, lower, upper = sample
+        tight = (upper - lower) / 2 <= MAX_UNCERTAINTY_S
+        mapping = self._mapping
+        if mapping is not None and not tight:
+            # A wide sample that does not cut into the current offset interval changes nothing
+            # (most step markers once anchors are tight): skip it, and the map's recomputation.
+            at = g * mapping.rate
+            low, high = mapping.offset - mapping.uncertainty, mapping.offset + mapping.uncertainty
+            if lower - at <= low and upper - at >= high:
+                return
+        self._samples.append(sample)
+        self._mapping = None
+        if tight:
+            self._tight.append(sample)  # kept beyond the newest samples: they bound the offset best
+            host = (lower + upper) / 2
+            self._newest_tight = (g, host)
             points = self._rate_points
-            if not points or anchor.host - points[-1][1] >= RATE_BASELINE_S:
-                points.append((anchor.device, anchor.host))
+            if not points or host - points[-1][1] >= RATE_BASELINE_S:
+                points.append((g, host))
                 if len(points) > 64:
                     del points[1:2]  # keep the oldest: the longest baseline
-        return anchor
 
-    def prune(self, keep_after_host: float) -> None:
-        """Release anchors no pending marker can need (resolver thread).
-
-        ``keep_after_host``: the earliest record time of a marker not yet placed. The
-        newest anchor completed before it is kept (the forward base of that marker),
-        and a placed one at or before it, so the marker can be interpolated.
-        """
-        anchors = self._anchors
-        base = None
-        for i, anchor in enumerate(anchors):
-            if anchor.completed_seen >= keep_after_host:
-                break
-            base = i
-        if base is None:
-            return
-        cut = base
-        while cut > 0 and not anchors[cut].placed:
-            cut -= 1
-        for anchor in anchors[:cut]:
-            try:
-                self.device.release(anchor.marker)
-            except Exception:
-                pass
-        del anchors[:cut]
-        self._placed = None
-
-    def close(self) -> None:
-        """Give every anchor's marker back to the device."""
-        for anchor in self._anchors:
-            try:
-                self.device.release(anchor.marker)
-            except Exception:
-                pass
-        self._anchors.clear()
-        self._placed = None
-
-    # -- mapping -----------------------------------------------------------------------
-    def device_time(self, marker: Any, recorded_after: float, completed_seen: float) -> float | None:
-        """The marker's time on the chained device timeline, or None when no anchor is known to
-        precede or follow it (take an anchor now, after ``completed_seen``, and ask again).
-
-        ``recorded_after``: a host time read before the marker was recorded.
-        ``completed_seen``: a host time at which the marker was known to be complete.
-        """
-        anchors = self._anchors
-        forward = None
-        backward = None
-        # The newest anchor seen complete before the marker was recorded...
-        for anchor in reversed(anchors):
-            if anchor.completed_seen < recorded_after:
-                forward = anchor
-                break
-        # ...and the oldest one recorded after the marker was seen complete.
-        for anchor in anchors:
-            if anchor.recorded_before > completed_seen:
-                backward = anchor
-                break
-        device = self.device
-        if forward is not None and (backward is None
-                                    or recorded_after - forward.completed_seen
-                                    <= backward.recorded_before - completed_seen):
-            return forward.device + device.elapsed(forward.marker, marker)
-        if backward is not None:
-            return backward.device - device.elapsed(marker, backward.marker)
-        return None
-
-    def host_time(self, device_time: float) -> float:
-        """Host ``perf_counter`` time of a point on the device timeline (needs one placed anchor)."""
-        placed = self._placed
-        if placed is None:
-            placed = self._placed = [a for a in self._anchors if a.placed]
-        if not placed:
-            if not self._anchors:
-                raise LookupError("no anchor yet")
-            # No sample was ever tight (a side stream always queued behind the training stream):
-            # the best one still bounds the marker; its width is reported as the uncertainty.
-            best = min(self._anchors, key=lambda a: a.uncertainty)
-            self.max_uncertainty_used = max(self.max_uncertainty_used, best.uncertainty)
-            return best.host + (device_time - best.device) * self.rate()
-        keys = [a.device for a in placed]
-        i = bisect.bisect_right(keys, device_time)
-        if 0 < i < len(placed):
-            lo, hi = placed[i - 1], placed[i]
-            span = hi.device - lo.device
-            if span > 0:
-                used = max(lo.uncertainty, hi.uncertainty)
-                self.max_uncertainty_used = max(self.max_uncertainty_used, used)
-                return lo.host + (device_time - lo.device) * (hi.host - lo.host) / span
-        nearest = placed[0] if i == 0 else placed[-1]
-        self.max_uncertainty_used = max(self.max_uncertainty_used, nearest.uncertainty)
-        return nearest.host + (device_time - nearest.device) * self.rate()
-
-    def has_placed(self) -> bool:
-        """True once some anchor places markers (its sample was tight)."""
-        return any(anchor.placed for anchor in self._anchors)
-
-    def beyond_placed(self, device_time: float) -> float:
-        """How far ``device_time`` lies past the newest placed anchor (how far it would be
-        extrapolated); infinity when no anchor is placed."""
-        for anchor in reversed(self._anchors):
-            if anchor.placed:
-                return device_time - anchor.device
-        return float("inf")
+    def _rated_span(self) -> float:
+        points, newest = self._rate_points, self._newest_tight
+        if not points or newest is None:
+            return 0.0
+        return newest[0] - points[0][0]
 
     def rate(self) -> float:
-        """Host seconds per device second, over the longest baseline of placed anchors (1.0 until
-        there is one of at least a second)."""
-        points = self._rate_points
-        newest = next((a for a in reversed(self._anchors) if a.placed), None)
-        if not points or newest is None:
-            return 1.0
-        g0, h0 = points[0]
-        span = newest.device - g0
+        """Host seconds per device second over the longest baseline of tight samples (1.0 until there
+        is one of at least a second)."""
+        span = self._rated_span()
         if span < _RATE_MIN_SPAN_S:
             return 1.0
-        return (newest.host - h0) / span
+        g0, h0 = self._rate_points[0]
+        assert self._newest_tight is not None
+        return (self._newest_tight[1] - h0) / span
+
+    def mapping(self) -> Mapping | None:
+        """The current map (None before the first sample). Changes only on ``commit`` and anchors."""
+        mapping = self._mapping
+        if mapping is None and self._samples:
+            mapping = self._mapping = self._compute()
+        return mapping
+
+    def _compute(self) -> Mapping:
+        rate = self.rate()
+        span = self._rated_span()
+        if span >= _RATE_MIN_SPAN_S:
+            drift = min(_DRIFT_UNRATED, max(_DRIFT_RATED, 2 * MAX_UNCERTAINTY_S / span))
+            window = _WINDOW_RATED_S
+        else:
+            drift, window = _DRIFT_UNRATED, _WINDOW_UNRATED_S
+        newest = max(sample[0] for sample in self._samples)
+        samples = sorted({*self._samples, *self._tight}, key=lambda sample: abs(newest - sample[0]))
+        lo, hi = -math.inf, math.inf
+        # Each sample bounds the offset as of its own time; an older one, as of now, only up to the
+        # drift since. Newest first; a sample that contradicts the newer ones (a rate error beyond
+        # the assumed drift) ends the intersection there.
+        for g, lower, upper in samples:
+            age = abs(newest - g)
+            if age > window:
+                break
+            widen = age * drift
+            new_lo, new_hi = max(lo, lower - g * rate - widen), min(hi, upper - g * rate + widen)
+            if new_lo > new_hi:
+                break
+            lo, hi = new_lo, new_hi
+        return Mapping((lo + hi) / 2, rate, (hi - lo) / 2, newest, drift)
+
+    def host_time(self, g: float) -> float:
+        """Host time of a point on the device timeline (needs one sample)."""
+        mapping = self.mapping()
+        if mapping is None:
+            raise LookupError("no sample yet")
+        return mapping.host(g)
+
+    def uncertainty(self, g: float) -> float:
+        """Placement uncertainty (seconds, half-width) of a point on the device timeline."""
+        mapping = self.mapping()
+        if mapping is None:
+            return math.inf
+        used = mapping.uncertainty_at(g)
+        self.max_uncertainty_used = max(self.max_uncertainty_used, used)
+        return used
+
+    # -- anchors -----------------------------------------------------------------------------
+    def poll(self, drained: bool) -> None:
+        """One look at the anchors (resolver thread, every poll; never waits on the device).
+
+        Queries the anchor in flight, if any; else records a new one when one is due: every
+        ``every_s``, and more often while the placement is wide, but only when the device is
+        ``drained`` (on a one-queue device an anchor recorded behind queued work waits for it).
+        """
+        now = self._clock()
+        try:
+            if self._anchor is not None:
+                self._query_anchor()
+                return
+            mapping = self.mapping()
+            since = now - self._last_anchor
+            if mapping is None:
+                due = since >= _TIGHTEN_EVERY_S
+            elif not drained:
+                # Behind queued work (one hardware queue) an anchor would wait for it: the step
+                # markers' own samples place meanwhile.
+                due = False
+            else:
+                wide = mapping.uncertainty_at(self.newest_located) > MAX_UNCERTAINTY_S / 2
+                due = since >= self.every_s or (wide and since >= _TIGHTEN_EVERY_S)
+            if not due:
+                return
+            self._last_anchor = now
+            recorded_before = self._clock()
+            marker = self.device.clock_marker()
+            self._anchor = [marker, recorded_before, recorded_before]
+            self._query_anchor(spin=True)
+        except Exception:
+            self.failures += 1
+            anchor, self._anchor = self._anchor, None
+            if anchor is not None:
+                self._give_back(anchor[0])
+
+    def _query_anchor(self, spin: bool = False) -> None:
+        anchor = self._anchor
+        assert anchor is not None
+        marker = anchor[0]
+        clock = self._clock
+        deadline = clock() + (ANCHOR_SPIN_S if spin else 0.0)
+        while True:
+            before = clock()
+            done = self.device.query(marker)
+            after = clock()
+            if done:
+                break
+            anchor[2] = before  # still incomplete when queried: stamped after this
+            if after >= deadline:
+                return  # left in flight: looked at again on the next poll
+        self._anchor = None
+        self.anchors += 1
+        lower, upper = anchor[2], after
+        if (upper - lower) / 2 > MAX_UNCERTAINTY_S:
+            self.anchors_unplaced += 1
+        if self._base is None:
+            self._base, self._base_g = marker, 0.0
+            g = 0.0
+        else:
+            g = self.locate(marker)
+            self._give_back(marker)
+        self._take((g, lower, upper))
+
+    def _give_back(self, marker: Any) -> None:
+        try:
+            self.device.release(marker)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Give the base and any anchor in flight back to the device."""
+        for marker in (self._base, self._anchor[0] if self._anchor is not None else None):
+            if marker is not None:
+                self._give_back(marker)
+        self._base = None
+        self._anchor = None
 
     def stats(self) -> dict[str, Any]:
         """Calibration figures for ``steptrace.stats()`` and the run record."""
-        rate = self.rate()
+        mapping = self.mapping()
         return {
-            "anchors": self.samples - self.failures,
-            "anchors_unplaced": self.rejected,
+            "anchors": self.anchors,
+            "anchors_unplaced": self.anchors_unplaced,
             "anchor_failures": self.failures,
+            "samples": len(self._samples),
+            "uncertainty_seconds": mapping.uncertainty if mapping is not None else None,
             "max_uncertainty_seconds": self.max_uncertainty_used,
-            "rate_ppm": (rate - 1.0) * 1e6,
+            "rate_ppm": (self.rate() - 1.0) * 1e6,
         }

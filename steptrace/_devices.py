@@ -59,8 +59,13 @@ class StreamDevice(Device, Protocol):
         """Give a marker back to the pool once its time has been read (resolver thread)."""
 
     def clock_marker(self) -> Any:
-        """Record a marker on an idle side stream of the same device now (resolver thread):
-        the calibration anchor of ``steptrace._clock``."""
+        """Record a marker on a stream of steptrace's own on the same device now (resolver thread):
+        the calibration anchor of ``steptrace._clock``.
+
+        Optional: ``drained()`` (resolver thread, never blocks) says whether the newest marker the
+        training thread recorded has completed, when an anchor is tight even with one hardware
+        queue; a stream object with a ``steptrace_device`` attribute times the unit on that device
+        (a backend of several GPUs)."""
 
 
 class HostDevice:
@@ -237,7 +242,10 @@ class Backends:
             try:
                 if value.is_cuda:
                     self.timed_by_values = False
-                    return self.cuda_if_initialised()
+                    cuda = self.cuda_if_initialised()
+                    # The GPU the tensor lives on (a rank that never called set_device).
+                    for_value = getattr(cuda, "for_value", None)
+                    return cuda if for_value is None else for_value(value)
             except Exception:
                 return None
             return HOST

@@ -59,7 +59,9 @@ class TimedUnit:
     end_event: Any = None
     end_recorded_after = 0.0
     seen_complete = 0.0  # resolver: a host time at which all its markers were known complete
-    first_complete_seen = 0.0  # resolver: when it first found them complete (waiting for calibration)
+    seen_incomplete = 0.0  # resolver: a host time at which its end marker was still incomplete
+    end_g: float | None = None  # resolver: the end marker's time on its device's timeline
+    placement_uncertainty: float | None = None  # resolver: how well its end is placed on the host clock
 
 
 class _Submits(Protocol):
@@ -164,6 +166,13 @@ class StepHandle(TimedUnit):
             return
         backends = rt.backends
         device = backends.for_values(values)
+        if (device is not None and device.uses_events and self.device.uses_events and device is not self.device
+                and device.name == self.device.name):
+            # CUDA tensors on another GPU than the markers' (a rank that never called set_device):
+            # time the tensors' GPU; the end marker goes on its current stream.
+            rt.drop_markers(self)
+            self.device = device
+            return
         if device is None or device is self.device or backends.forced_stream is not None:
             return  # the values do not say, or forced markers time every step
         if device.uses_events:

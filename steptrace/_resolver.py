@@ -7,10 +7,13 @@ resolved. Waiting on the device happens here and only here: the training
 thread never waits because of steptrace.
 
 * Stream units (CUDA): the resolver polls their markers (``query``) every
-  ``_STREAM_POLL_S`` and, once complete, places their device-clock timestamps
-  on the host clock (``steptrace._clock``). When it looks changes nothing in
-  what it records, so it looks rarely and finalizes what completed in one
-  batch: few GIL hand-offs with the training thread, no spinning core.
+  ``_STREAM_POLL_S`` and, once complete, reads their durations from the device
+  clock and places them on the host clock (``steptrace._clock``). When it looks
+  changes nothing in what it records, so it looks rarely and finalizes what
+  completed in one batch: few GIL hand-offs with the training thread, no
+  spinning core. It never waits on the device: a unit is finalized on the
+  first poll that finds its markers complete, whatever the calibration state
+  (the record's ``placement_uncertainty_seconds`` says how well it is placed).
 * Value units (JAX): the resolver blocks on the outputs and, unless the
   device reports the time itself, reads the clock when the wait returns
   (``end_source: "observed"``), so it waits on them as soon as they arrive.
@@ -56,14 +59,8 @@ _IDLE_POLL_S = 0.02
 # How often the resolver looks at the markers of a stream unit that has not completed. Its
 # times come from the device clock, so this sets only how fresh the records are.
 _STREAM_POLL_S = 0.02
-# How long a complete stream unit may wait for a tight calibration sample before it is placed
-# with the best one there is.
-_PLACE_WAIT_S = 5.0
 # Stream items confirmed complete in one look (one calibration anchor serves them all).
 _CONFIRM_BATCH = 256
-# A marker placed further than this past the newest calibration anchor gets a fresh anchor
-# first, so it is interpolated rather than extrapolated with an estimated clock rate.
-_EXTRAPOLATE_MAX_S = 0.2
 # end_source values: where a unit's end time came from.
 END_DEVICE_CLOCK = "device_clock"  # a stream marker's device timestamp, placed on the host clock
 END_DEVICE = "device"  # the device reported the completion time itself
@@ -129,6 +126,8 @@ class Resolver:
         self._wait_failures = 0
         self._clocks: dict[int, DeviceClock] = {}
         self._clock_failures = 0
+        self._new_bases: list[tuple[DeviceClock, Any, float]] = []
+        self._prev_end_g: tuple[DeviceClock, float, int] | None = None
         self.records_emitted = 0
         self.steps_resolved = 0
         #: CPU seconds this thread has used (it holds the GIL for nearly all of them).
@@ -214,6 +213,8 @@ class Resolver:
         cpu_start = time.thread_time()
         while True:
             if not queue:
+                if self._clocks and not self._stopping:
+                    self._poll_idle_clocks()  # an idle resolver is the moment to anchor a drained device
                 self.cpu_seconds = time.thread_time() - cpu_start
                 if self._stopping:
                     return
@@ -252,9 +253,8 @@ class Resolver:
         """
         if getattr(item, "microbatches", None) is None or item.seen_complete:
             return True  # checkpoints and flush markers; or confirmed with an earlier batch
+        self._poll_clocks(item)
         if not self._markers_complete(item):
-            return False
-        if not self._clocks_can_place(item):
             return False
         confirmed = [item]
         queue = self._queue
@@ -270,34 +270,35 @@ class Resolver:
             unit.seen_complete = seen
         return True
 
-    def _clocks_can_place(self, step: "StepHandle") -> bool:
-        """Whether the step's stream markers can be placed now; False defers it to a later poll.
+    def _poll_clocks(self, step: "StepHandle") -> None:
+        """Give the step's device clock one look at its calibration anchor (never waits on the device)."""
+        device = step.device
+        if not device.uses_events:
+            return
+        try:
+            drained = getattr(device, "drained", None)
+            self._clock(device).poll(True if drained is None else drained())
+        except Exception:
+            pass  # an anchor is an improvement to placement, never a condition for a record
 
-        Until one calibration sample is tight (the side stream idle when sampled; with
-        CUDA_DEVICE_MAX_CONNECTIONS=1 it waits behind the training stream's queue), placing a
-        marker would carry the sample's whole width as error. Each poll tries a new sample; after
-        _PLACE_WAIT_S the markers are placed with the best one (its width is reported).
-        """
-        for unit in (step, *step.microbatches):
-            if unit.device.uses_events and unit.end_event is not None:
-                clock = self._clock(unit.device)
-                if clock.has_placed():
-                    continue
-                clock.calibrate()
-                if clock.has_placed():
-                    continue
-                if step.first_complete_seen == 0.0:
-                    step.first_complete_seen = _perf()
-                return _perf() - step.first_complete_seen > _PLACE_WAIT_S
-        return True
+    def _poll_idle_clocks(self) -> None:
+        for clock in list(self._clocks.values()):
+            try:
+                drained = getattr(clock.device, "drained", None)
+                clock.poll(True if drained is None else drained())
+            except Exception:
+                pass
 
     @staticmethod
     def _markers_complete(step: "StepHandle") -> bool:
         for unit in (step, *step.microbatches):
             device = unit.device
             if device.uses_events:
-                if unit.end_event is not None and not device.query(unit.end_event):
-                    return False
+                if unit.end_event is not None:
+                    before = _perf()
+                    if not device.query(unit.end_event):
+                        unit.seen_incomplete = before  # a lower bound on its device timestamp
+                        return False
                 if unit.start_event is not None and not device.query(unit.start_event):
                     return False
         return True
@@ -311,7 +312,8 @@ class Resolver:
 
     def clock_stats(self) -> dict[str, Any]:
         """Calibration figures of each stream device's clock, by backend name."""
-        return {clock.device.name: clock.stats() for clock in list(self._clocks.values())}
+        return {getattr(clock.device, "clock_name", clock.device.name): clock.stats()
+                for clock in list(self._clocks.values())}
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, StepHandle):
@@ -399,30 +401,35 @@ class Resolver:
         return clock
 
     def _place_markers(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float] | None:
-        """Host times of a stream unit's start and end markers, from the device clock (None on failure).
+        """Host times of a stream unit's start and end markers (None on failure).
 
-        The markers go back to the device's pool either way.
+        Their device times come from ``elapsed`` against the clock's base (the previous step's end
+        marker); all markers of one step are mapped to the host with the same map, so differences
+        between them (the durations) are the device's. The step's end marker becomes the next base
+        (``_prune_clocks``); every other marker goes back to the device's pool.
         """
         device = unit.device
         clock = self._clock(device)
         start_event, end_event = unit.start_event, unit.end_event
         unit.start_event = unit.end_event = None
+        keep = None
         try:
-            end_g = clock.device_time(end_event, unit.end_recorded_after, seen)
-            if end_g is None or clock.beyond_placed(end_g) > _EXTRAPOLATE_MAX_S:
-                # Take an anchor now (after `seen`): a base for markers recorded before every
-                # anchor, and a point to interpolate to instead of extrapolating.
-                clock.calibrate()
-                end_g = clock.device_time(end_event, unit.end_recorded_after, seen)
-            if end_g is None:
-                raise LookupError("no calibration anchor could be taken")
-            end = clock.host_time(end_g)
-            start = None
-            if start_event is not None:
-                start_g = clock.device_time(start_event, unit.start_recorded_after, seen)
-                if start_g is not None:
-                    start = clock.host_time(start_g)
-            return start, end
+            end_g = clock.locate(end_event)
+            start_g = clock.locate(start_event) if start_event is not None else None
+            # Each marker is a sample too: not stamped before it was recorded, nor after it was seen
+            # complete. Held back until the step is done, so the map stays one for all its markers.
+            clock.add_sample(end_g, max(unit.end_recorded_after, unit.seen_incomplete), seen)
+            if start_g is not None:
+                clock.add_sample(start_g, unit.start_recorded_after, seen)
+            mapping = clock.mapping()
+            if mapping is None:
+                raise LookupError("no calibration sample")
+            unit.end_g = end_g
+            unit.placement_uncertainty = clock.uncertainty(end_g)
+            if isinstance(unit, StepHandle):
+                keep = end_event
+                self._new_bases.append((clock, end_event, end_g))
+            return (None if start_g is None else mapping.host(start_g)), mapping.host(end_g)
         except Exception as exc:
             self._clock_failures += 1
             self.count_drop(DROP_DEVICE_CLOCK_ERROR)
@@ -432,7 +439,7 @@ class Resolver:
             return None
         finally:
             for marker in (start_event, end_event):
-                if marker is not None:
+                if marker is not None and marker is not keep and not clock.owns(marker):
                     try:
                         device.release(marker)
                     except Exception:
@@ -447,6 +454,7 @@ class Resolver:
 
     def _resolve_step(self, step: "StepHandle") -> list[Mapping[str, Any]]:
         prev_end = attribution.previous_end(self._prev_end, step.host_start)
+        prev_end = self._remapped_prev_end(step, prev_end)
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
         waited = list(step.microbatches)
@@ -541,11 +549,29 @@ class Resolver:
         return drained
 
     def _prune_clocks(self, step: "StepHandle") -> None:
-        # Every marker still pending was recorded after this step's end marker (the training
-        # thread records in order), so anchors completed before it are no longer needed.
-        keep_after = step.end_recorded_after or step.host_start
+        # The step is resolved: its end marker becomes its clock's base for the next step's markers,
+        # and its markers' samples join the map (from the next step on).
+        bases, self._new_bases = self._new_bases, []
+        for clock, marker, g in bases:
+            clock.rebase(marker, g)
         for clock in self._clocks.values():
-            clock.prune(keep_after)
+            clock.commit()
+        if step.end_g is not None and step.device.uses_events:
+            self._prev_end_g = (self._clock(step.device), step.end_g, self.steps_resolved)
+        else:
+            self._prev_end_g = None
+
+    def _remapped_prev_end(self, step: "StepHandle", prev_end: float) -> float:
+        """The previous step's end placed with the map this step's markers use (same device), so the
+        step's interval is the device's own difference whatever calibration learned in between."""
+        prev = self._prev_end_g
+        if prev is None or not step.device.uses_events:
+            return prev_end
+        clock, g, index = prev
+        if index != self.steps_resolved - 1 or clock is not self._clocks.get(id(step.device)):
+            return prev_end
+        mapping = clock.mapping()
+        return prev_end if mapping is None else mapping.host(g)
 
     def _microbatch_records(self, step: "StepHandle", prev_end: float,
                             results: list[tuple[float | None, float | None, str]], step_end: float):
@@ -559,7 +585,8 @@ class Resolver:
             compute_by_stage.append((mb.stage, t.end, t.compute_seconds))
             records.append(self.records.microbatch(
                 step=step.step, index=mb.index, stage=mb.stage, chunk=mb.chunk, kind=mb.kind,
-                host_start=mb.host_start, host_end=host_end, timing=t, end_source=end_source))
+                host_start=mb.host_start, host_end=host_end, timing=t, end_source=end_source,
+                placement_uncertainty=mb.placement_uncertainty if end_source == END_DEVICE_CLOCK else None))
         return records, compute_by_stage
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
@@ -580,7 +607,8 @@ class Resolver:
             bubble=attribution.bubble_ratios(timing.start, mb_compute) if mb_compute else None,
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),
-            scalars=self._read_scalars(step), device_memory=self._memory(step.device))
+            scalars=self._read_scalars(step), device_memory=self._memory(step.device),
+            placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None)
 
     def _read_scalars(self, step: "StepHandle") -> dict[str, float] | None:
         # The step has ended on the device, so device scalars' copies (queued before its end) are done.

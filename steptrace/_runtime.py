@@ -90,6 +90,8 @@ class Runtime:
             stream = device.current_stream()
             if stream is None:
                 return  # a graph capture is in progress: no marker may go on this stream
+            # A backend of several GPUs (torch) names the GPU of the stream: the unit is timed there.
+            device = getattr(stream, "steptrace_device", device)
             unit.start_event = device.record(stream)
         except Exception as exc:  # a broken backend must not kill training
             self.device_failed(exc)

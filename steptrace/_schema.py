@@ -123,6 +123,9 @@ class StepRecord(_Common):
     # Device memory after the step, where the backend reports it: in_use_bytes, peak_bytes,
     # limit_bytes, peak_percent (peak / limit * 100).
     device_memory: NotRequired[dict[str, float]]
+    # Device-clock steps (end_source "device_clock"): half-width (seconds) of the interval the step's
+    # placement on the host clock is known within; its durations do not depend on it.
+    placement_uncertainty_seconds: NotRequired[float]
     # On the first step of a run only: the time from init() to this step's host start, by the
     # spans covering it ("eval", "data", ...), "startup" for what no span covers. It is wall time
     # of the run outside every step's interval.
@@ -142,6 +145,7 @@ class MicrobatchRecord(_Common):
     end_time: float
     compute_seconds: float
     end_source: str
+    placement_uncertainty_seconds: NotRequired[float]  # as the step's, device-clock microbatches
 
 
 class CheckpointRecord(_Common):
@@ -257,7 +261,7 @@ class RecordBuilder:
              bubble: dict[str, float] | None, optimizer_seconds: float | None = None,
              scalars: dict[str, float] | None = None,
              device_memory: dict[str, float] | None = None, hardware_flops: float | None = None,
-             flops_source: str | None = None) -> StepRecord:
+             flops_source: str | None = None, placement_uncertainty: float | None = None) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         model_flops = flops
@@ -298,6 +302,8 @@ class RecordBuilder:
             if memory.get("limit_bytes") and "peak_bytes" in memory:
                 memory["peak_percent"] = 100.0 * memory["peak_bytes"] / memory["limit_bytes"]
             record["device_memory"] = memory
+        if placement_uncertainty is not None:
+            record["placement_uncertainty_seconds"] = placement_uncertainty
         return record
 
     @staticmethod
@@ -310,15 +316,19 @@ class RecordBuilder:
         record["before_step_breakdown"] = breakdown
 
     def microbatch(self, *, step: int, index: Any, stage: Any, chunk: Any, kind: str, host_start: float,
-                   host_end: float, timing: Any, end_source: str) -> MicrobatchRecord:
+                   host_end: float, timing: Any, end_source: str,
+                   placement_uncertainty: float | None = None) -> MicrobatchRecord:
         off = self.unix_offset
-        return {
+        record: MicrobatchRecord = {
             "type": "microbatch", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
             "microbatch": index, "stage": stage, "chunk": chunk, "kind": kind,
             "host_start_time": host_start + off, "host_end_time": host_end + off,
             "start_time": timing.start + off, "end_time": timing.end + off,
             "compute_seconds": timing.compute_seconds, "end_source": end_source,
         }
+        if placement_uncertainty is not None:
+            record["placement_uncertainty_seconds"] = placement_uncertainty
+        return record
 
     def checkpoint(self, *, step: int, status: str, error: str | None, host_start: float, host_end: float,
                    blocking_seconds: float, async_end: float | None) -> CheckpointRecord:

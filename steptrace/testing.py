@@ -151,9 +151,15 @@ class SimulatedDevice:
     never blocks, and ``elapsed`` is the difference of two markers on the
     device's clock, which runs ``clock_drift_ppm`` fast against the host and
     is returned as float32 milliseconds (as ``cudaEventElapsedTime``), so the
-    resolver has to calibrate it exactly as it does a GPU. ``side_stream_blocked``
-    makes calibration markers wait behind the main stream, like
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
+    resolver has to calibrate it exactly as it does a GPU.
+
+    Streams: ``run(seconds, stream=key)`` and ``stamp(marker, stream=key)`` queue on a named
+    stream (``None`` is the main stream); each stream executes in order, independently of the
+    others, and ``"side"`` (what ``clock_marker`` uses) has no work of its own. ``one_queue``
+    (alias ``side_stream_blocked``) is ``CUDA_DEVICE_MAX_CONNECTIONS=1``: every stream feeds one
+    hardware queue, so everything runs in submission order, whatever stream it was queued on
+    (CUDA C Programming Guide, "Implicit Synchronization" / the ``CUDA_DEVICE_MAX_CONNECTIONS``
+    environment variable: with one connection all streams share one hardware work queue).
     """
 
     name = "simulated"
@@ -161,16 +167,20 @@ class SimulatedDevice:
     def __init__(self, *, uses_events: bool = True, report_end_times: bool = True,
                  clock_drift_ppm: float = 0.0, clock_offset_s: float = 1000.0,
                  record_latency_s: float = 5e-6, side_stream_blocked: bool = False,
-                 memory_limit_bytes: int | None = None):
+                 one_queue: bool = False, memory_limit_bytes: int | None = None):
         #: When passed as ``init(backend=device)``: True times steps by stream markers.
         self.uses_events = uses_events
         self.report_end_times = report_end_times
         self.clock_drift_ppm = clock_drift_ppm
         self.clock_offset_s = clock_offset_s
         self.record_latency_s = record_latency_s
-        self.side_stream_blocked = side_stream_blocked
+        #: One hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``): all streams in submission order.
+        self.one_queue = one_queue or side_stream_blocked
+        self.side_stream_blocked = self.one_queue
         self._origin = _perf()
-        self._busy_until = self._origin
+        self._busy_until = self._origin  # the main stream's
+        self._streams: dict[Any, float] = {}  # other streams: key -> busy until
+        self._queue_until = self._origin  # everything submitted, any stream
         self._lock = threading.Lock()
         #: Every work item dispatched, in stream order.
         self.dispatched: list[SimulatedWork] = []
@@ -210,20 +220,40 @@ class SimulatedDevice:
         now = _perf()
         return [w for w in self.dispatched if w.end_time <= now]
 
-    def run(self, seconds: float, label: str | None = None) -> SimulatedWork:
-        """Dispatch ``seconds`` of device work asynchronously; returns its handle."""
+    def run(self, seconds: float, label: str | None = None, stream: Any = None) -> SimulatedWork:
+        """Dispatch ``seconds`` of device work asynchronously on ``stream`` (None: the main one)."""
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         with self._lock:
-            start = max(_perf(), self._busy_until)
+            start = max(_perf(), self._floor(stream))
             work = SimulatedWork(self, seconds, label, start)
-            self._busy_until = work.end_time
+            self._occupy(stream, work.end_time)
             self.dispatched.append(work)
         return work
 
+    def _floor(self, stream: Any) -> float:
+        # When work queued on ``stream`` now can start: after its stream's earlier work, or after
+        # everything submitted on any stream when there is one hardware queue.
+        if self.one_queue:
+            return self._queue_until
+        if stream is None:
+            return self._busy_until
+        return self._streams.get(stream, self._origin)
+
+    def _occupy(self, stream: Any, until: float) -> None:
+        if stream is None:
+            self._busy_until = until
+        else:
+            self._streams[stream] = until
+        self._queue_until = max(self._queue_until, until)
+
+    def drained(self) -> bool:
+        """True once everything queued on any stream has executed (the device is idle)."""
+        return _perf() >= self._queue_until
+
     def synchronize(self) -> None:
-        """Block until everything dispatched so far has executed."""
-        _sleep_until(self._busy_until)
+        """Block until everything dispatched so far, on every stream, has executed."""
+        _sleep_until(self._queue_until)
 
     def close(self) -> None:
         """Nothing to stop (the stream is a computed timeline); kept for symmetry with real devices."""
@@ -274,14 +304,16 @@ class SimulatedDevice:
     def clock_marker(self) -> SimulatedMarker:
         return self.record("side")
 
-    def stamp(self, marker: SimulatedMarker, *, side: bool = False) -> None:
-        """Record ``marker`` now on the main stream (reached after the work queued so far) or on an
-        idle side stream (reached at once, unless ``side_stream_blocked``)."""
+    def stamp(self, marker: SimulatedMarker, *, side: bool = False, stream: Any = None) -> None:
+        """Record ``marker`` now on ``stream`` (None: the main one; ``side=True``: the idle side
+        stream): reached once the work queued before it on that stream has executed (with one
+        hardware queue, once everything submitted before it has)."""
         with self._lock:
             now = _perf()
             marker.recorded_at = now
-            floor = self._busy_until if (not side or self.side_stream_blocked) else now
-            marker.done_at = max(now + self.record_latency_s, floor)
+            key = "side" if side else stream
+            marker.done_at = max(now + self.record_latency_s, self._floor(key))
+            self._occupy(key, marker.done_at)
 
     def _take_marker(self) -> SimulatedMarker:
         with self._lock:

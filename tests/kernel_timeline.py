@@ -111,10 +111,16 @@ def relative_error(measured: float, true: float) -> float:
     return abs(measured - true) / true
 
 
-def xla_module_windows(trace: dict[str, Any] | list[dict[str, Any]]) -> list[tuple[float, float]]:
+def xla_module_windows(trace: dict[str, Any] | list[dict[str, Any]], *, module: str | None = None,
+                       runs: int | None = None) -> list[tuple[float, float]]:
     """(start, end) of every XLA program execution on a GPU, in order, from a ``jax.profiler`` trace
-    (``create_perfetto_trace=True``): the events of the "XLA Modules" line of each ``/device:GPU:N``
-    process, which XLA's profiler derives from the kernels of one executable run."""
+    (``create_perfetto_trace=True``).
+
+    From the "XLA Modules" line of each ``/device:GPU:N`` process where the trace has one; else
+    (jax 0.11's exported trace has only ``Stream #N(...)`` lines under ``/device:GPU:0``) from the
+    kernels themselves: those whose ``hlo_module`` argument is ``module`` (any module when None),
+    grouped by their ``run_id`` argument when they carry one, else cut into ``runs`` executions of
+    equally many kernels (one jitted step launches the same kernels every time)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     process = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -124,10 +130,30 @@ def xla_module_windows(trace: dict[str, Any] | list[dict[str, Any]]) -> list[tup
     modules = [(float(e["ts"]) / 1e6, (float(e["ts"]) + float(e.get("dur", 0.0))) / 1e6) for e in events
                if e.get("ph") == "X" and e.get("pid") in gpu_pids
                and thread.get((e["pid"], e.get("tid"))) == "XLA Modules"]
-    if not modules:
+    if modules:
+        return sorted(modules)
+    kernels = sorted((float(e["ts"]) / 1e6, (float(e["ts"]) + float(e.get("dur", 0.0))) / 1e6,
+                      (e.get("args") or {}).get("run_id"))
+                     for e in events
+                     if e.get("ph") == "X" and e.get("pid") in gpu_pids
+                     and str(thread.get((e["pid"], e.get("tid")), "")).startswith("Stream")
+                     and "hlo_module" in (e.get("args") or {})
+                     and (module is None or e["args"]["hlo_module"] == module))
+    windows: list[tuple[float, float]] = []
+    if kernels and all(run_id is not None for _, _, run_id in kernels):
+        by_run: dict[Any, list[tuple[float, float]]] = {}
+        for start, end, run_id in kernels:
+            by_run.setdefault(run_id, []).append((start, end))
+        windows = sorted((min(s for s, _ in ks), max(e for _, e in ks)) for ks in by_run.values())
+    elif kernels and runs and len(kernels) % runs == 0:
+        per_run = len(kernels) // runs
+        windows = [(kernels[i][0], max(e for _, e, _ in kernels[i:i + per_run]))
+                   for i in range(0, len(kernels), per_run)]
+    if not windows:
         lines = sorted({name for (pid, _), name in thread.items() if pid in gpu_pids})
-        raise ValueError(f"no 'XLA Modules' line on a GPU in this trace; GPU lines: {lines}")
-    return sorted(modules)
+        raise ValueError(f"no 'XLA Modules' line on a GPU in this trace, and no kernels with an hlo_module "
+                         f"to group; GPU lines: {lines}")
+    return windows
 
 
 def load_json(path: str | Path) -> Any:

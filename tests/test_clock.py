@@ -1,4 +1,4 @@
-"""The device clock (steptrace._clock): markers placed on the host clock from calibration anchors.
+"""The device clock (steptrace._clock): durations from the device timeline, placement from samples.
 
 These tests drive DeviceClock with a virtual host clock and a virtual device whose
 clock drifts and whose elapsed times are float32 milliseconds, so an hour of
@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from steptrace._clock import MAX_UNCERTAINTY_S, DeviceClock
+from steptrace._clock import DeviceClock
 
 
 class VirtualMarker:
@@ -64,49 +64,58 @@ class VirtualDevice:
         marker.released = True
 
 
-def place(clock, device, marker, recorded_after, completed_seen):
-    g = clock.device_time(marker, recorded_after, completed_seen)
-    assert g is not None
-    return clock.host_time(g)
+def resolve(clock, marker, recorded_after, seen):
+    """What the resolver does with a step's end marker: locate it, add its sample, map it, rebase."""
+    g = clock.locate(marker)
+    clock.add_sample(g, recorded_after, seen)
+    host = clock.host_time(g)
+    clock.rebase(marker, g)
+    clock.commit()
+    return g, host
 
 
 def test_a_marker_between_two_anchors_is_placed_to_within_the_anchor_uncertainty():
     device = VirtualDevice(drift_ppm=80.0)
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
+    clock = DeviceClock(device, clock=lambda: device.now)
     device.tick(1.0)
-    assert clock.calibrate().placed
+    clock.poll(drained=True)
+    assert clock.stats()["anchors"] == 1 and clock.stats()["anchors_unplaced"] == 0
     device.tick(0.3)
     marker = device.unit_marker(device.now + 0.0123)  # recorded now, stamped 12.3 ms later
     recorded_after = device.now
     device.tick(0.5)
     seen = device.now
-    device.tick(0.01)
-    assert clock.calibrate().placed
-    assert place(clock, device, marker, recorded_after, seen) == pytest.approx(marker.host_stamp, abs=5e-6)
+    _, host = resolve(clock, marker, recorded_after, seen)
+    assert host == pytest.approx(marker.host_stamp, abs=5e-6 + 0.8 * 100e-6)  # 0.8 s from the anchor
+    assert clock.uncertainty(clock.locate(marker)) >= abs(host - marker.host_stamp)
 
 
-def test_markers_recorded_before_any_anchor_are_placed_from_a_later_one():
-    device = VirtualDevice()
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
-    device.tick(5.0)
-    marker = device.unit_marker(device.now + 0.002)
-    recorded_after = device.now
-    device.tick(0.01)
-    seen = device.now
-    assert clock.device_time(marker, recorded_after, seen) is None  # no anchor is known to follow it yet
-    device.tick(0.001)
-    clock.calibrate()
-    assert place(clock, device, marker, recorded_after, seen) == pytest.approx(marker.host_stamp, abs=5e-6)
+def test_durations_are_device_differences_whatever_the_samples_say():
+    """Two markers of one step are mapped with one map: their difference is the device's (at the
+    measured rate), even when the only samples are wide (a device that never drains)."""
+    device = VirtualDevice(drift_ppm=0.0)
+    clock = DeviceClock(device, clock=lambda: device.now)
+    device.tick(1.0)
+    first = device.unit_marker(device.now + 0.040)  # queued behind 40 ms of work
+    device.tick(0.070)
+    resolve(clock, first, 1.0, device.now)  # a 70 ms wide sample: the only one
+    start = device.unit_marker(device.now + 0.031)
+    end = device.unit_marker(device.now + 0.0437)
+    device.tick(0.1)
+    g_start, g_end = clock.locate(start), clock.locate(end)
+    assert clock.host_time(g_end) - clock.host_time(g_start) == pytest.approx(0.0127, abs=1e-8)  # float32 ms
+    assert clock.uncertainty(g_end) > 1e-3  # and the record says the placement is loose
 
 
 def test_an_hour_of_drift_stays_well_under_a_tenth_of_a_millisecond():
-    """100 ppm of drift is 360 ms an hour; anchors every second keep every placement within microseconds."""
+    """100 ppm of drift is 360 ms an hour; anchors every second keep every placement within microseconds
+    once the rate is measured (after the first second), and within its stated uncertainty before."""
     rng = random.Random(7)
     device = VirtualDevice(drift_ppm=100.0, offset_s=-777.0)
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
+    clock = DeviceClock(device, clock=lambda: device.now)
     worst = 0.0
     device.tick(0.5)
-    clock.calibrate()
+    clock.poll(drained=True)
     for _second in range(3600):
         # A step every 100 ms whose end marker is stamped up to 50 ms after it was recorded.
         pending = []
@@ -116,14 +125,12 @@ def test_an_hour_of_drift_stays_well_under_a_tenth_of_a_millisecond():
         device.tick(0.06)
         seen = device.now
         for marker, recorded_after in pending:
-            g = clock.device_time(marker, recorded_after, seen)
-            if g is None or clock.beyond_placed(g) > 0.2:
-                clock.calibrate()
-                g = clock.device_time(marker, recorded_after, seen)
-            worst = max(worst, abs(clock.host_time(g) - marker.host_stamp))
-        clock.prune(pending[-1][1])
-        if clock.due(device.now):
-            clock.calibrate()
+            g, host = resolve(clock, marker, recorded_after, seen)
+            error = abs(host - marker.host_stamp)
+            assert error <= clock.uncertainty(g)
+            if _second:
+                worst = max(worst, error)
+        clock.poll(drained=True)
     assert worst < 20e-6
     assert clock.rate() == pytest.approx(1 / (1 + 100e-6), abs=1e-7)
     assert clock.stats()["rate_ppm"] == pytest.approx(-100.0, abs=0.2)
@@ -131,7 +138,7 @@ def test_an_hour_of_drift_stays_well_under_a_tenth_of_a_millisecond():
 
 def test_elapsed_times_are_only_asked_forward_and_over_short_spans():
     """float32 milliseconds lose precision over long spans (a quarter millisecond after an hour):
-    markers are measured against a nearby anchor, never against the first one."""
+    markers are measured from the previous step's end, never from the first marker."""
     device = VirtualDevice()
     asked = []
     elapsed = device.elapsed
@@ -142,50 +149,57 @@ def test_elapsed_times_are_only_asked_forward_and_over_short_spans():
         return span
 
     device.elapsed = recording_elapsed
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
-    clock.calibrate()
+    clock = DeviceClock(device, clock=lambda: device.now)
+    clock.poll(drained=True)
     for _ in range(7200):
         device.tick(1.0)
-        clock.calibrate()
-        clock.prune(device.now - 2.0)
-    marker = device.unit_marker(device.now + 0.5)
-    recorded_after = device.now
-    device.tick(0.6)
-    seen = device.now
-    clock.calibrate()
-    assert place(clock, device, marker, recorded_after, seen) == pytest.approx(marker.host_stamp, abs=5e-6)
+        marker = device.unit_marker(device.now + 0.01)
+        recorded_after = device.now
+        device.tick(0.02)
+        resolve(clock, marker, recorded_after, device.now)
+        clock.poll(drained=True)
     assert min(asked) >= 0 and max(asked) < 2.0
 
 
-def test_an_anchor_whose_side_stream_was_held_up_orders_markers_but_places_none():
+def test_no_anchor_is_taken_behind_queued_work_and_none_is_waited_for():
+    """On one hardware queue an anchor recorded behind queued kernels waits for them: the clock takes
+    anchors only when the device is drained, keeps at most one in flight and never blocks on it."""
     device = VirtualDevice(blocked=True)
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
+    clock = DeviceClock(device, clock=lambda: device.now)
     device.tick(1.0)
-    assert clock.calibrate().placed  # the device is idle: the side stream is not held up
-    device.tick(0.001)
-    device.busy_until = device.now + 0.03  # 30 ms of queued kernels ahead of the next anchor
-    marker = device.unit_marker(device.now + 0.025)  # a step's end marker, inside that queue
-    recorded_after = device.now
-    anchor = clock.calibrate()
-    assert anchor is not None and not anchor.placed and anchor.uncertainty > MAX_UNCERTAINTY_S
-    assert clock.stats()["anchors_unplaced"] == 1
-    device.tick(0.001)
-    assert clock.calibrate().placed
-    # The marker is ordered by the held-up anchor and placed by the placed ones around it.
-    assert place(clock, device, marker, recorded_after, device.now) == pytest.approx(marker.host_stamp, abs=5e-6)
+    clock.poll(drained=True)  # the device is idle: a tight anchor
+    assert clock.stats()["anchors"] == 1 and clock.stats()["anchors_unplaced"] == 0
+    device.busy_until = device.now + 2.0  # two seconds of queued kernels
+    device.tick(1.5)
+    clock.poll(drained=False)
+    assert clock.stats()["anchors"] == 1  # due, but not taken behind the queue
+    clock._last_anchor = -1e9  # pretend none was ever tight: the first one is taken anyway...
+    clock._samples.clear()
+    clock._mapping = None
+    queries = device.queries
+    clock.poll(drained=False)
+    assert device.queries - queries < 300  # ...polled for at most ANCHOR_SPIN_S (1 µs per query), then left
+    assert clock.stats()["anchors"] == 1  # in flight
+    device.tick(0.6)
+    clock.poll(drained=False)  # one look on a later poll: complete now
+    assert clock.stats()["anchors"] == 2 and clock.stats()["anchors_unplaced"] == 1
 
 
-def test_pruning_releases_anchor_markers_no_pending_marker_needs():
+def test_the_base_and_anchors_go_back_to_the_device():
     device = VirtualDevice()
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
-    anchors = []
-    for _ in range(10):
+    clock = DeviceClock(device, clock=lambda: device.now)
+    markers = []
+    for _ in range(5):
         device.tick(1.0)
-        anchors.append(clock.calibrate())
-    clock.prune(anchors[6].completed_seen + 0.5)
-    assert [a.marker.released for a in anchors] == [True] * 6 + [False] * 4
+        marker = device.unit_marker(device.now + 0.001)
+        markers.append(marker)
+        recorded_after = device.now
+        device.tick(0.01)
+        resolve(clock, marker, recorded_after, device.now)
+        clock.poll(drained=True)
+    assert [m.released for m in markers] == [True] * 4 + [False]  # the newest is the base
     clock.close()
-    assert all(a.marker.released for a in anchors)
+    assert markers[-1].released
 
 
 def test_a_failing_device_is_counted_not_raised():
@@ -195,8 +209,8 @@ def test_a_failing_device_is_counted_not_raised():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     device.clock_marker = broken
-    clock = DeviceClock(device, clock=lambda: device.now, sleep=device.tick)
-    assert clock.calibrate() is None
+    clock = DeviceClock(device, clock=lambda: device.now)
+    clock.poll(drained=True)
     assert clock.stats()["anchor_failures"] == 1
     with pytest.raises(LookupError):
         clock.host_time(0.0)

@@ -218,29 +218,30 @@ def test_no_marker_is_recorded_while_a_cuda_graph_is_being_captured(monkeypatch)
 
 
 def test_a_side_stream_queued_behind_the_training_stream_degrades_gracefully(monkeypatch):
-    """With CUDA_DEVICE_MAX_CONNECTIONS=1 a calibration marker waits behind queued kernels. Samples taken
-    then place nothing: finished steps wait (up to a bound) for a sample taken while the device is idle
-    (here a data stall), so their times stay true."""
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 a calibration marker waits behind queued kernels, so an anchor
+    is tight only when the device has drained (a data stall here). Steps are finalized at once with
+    what is known (they used to wait up to 5 s for a tight anchor): durations are the device's, and
+    every step's end lies within the placement uncertainty its record states, tight after the stall."""
     device = SimulatedDevice(side_stream_blocked=True, clock_drift_ppm=50.0)
     fake = FakeCuda(monkeypatch, device)
     kernels = {}
     with capture() as sink:
+        unix_offset = steptrace._active.resolver.unix_offset  # the records' own perf -> unix offset
         for n in range(20):
             with steptrace.step(n):
-                if n == 0:
-                    entry = time.perf_counter()
                 kernels[n] = fake.run(10 * MS)
             if n % 4 == 3:
                 device.synchronize()  # the loop reads a grad norm: the stream drains for a moment
             if n == 11:
                 time.sleep(0.1)  # a data stall: the device idles
     steps = {r["step"]: r for r in sink.steps()}
-    truth = Truth()
-    truth.anchor(steps[0]["host_start_time"], entry)
     for n in range(20):
-        assert steps[n]["end_time"] == pytest.approx(truth.unix(kernels[n].end_time), abs=TOL), n
-    (run,) = sink.of_type("run")
-    assert run["device_clock"]["torch-cuda"]["anchors_unplaced"] >= 1
+        r = steps[n]
+        stated = r["placement_uncertainty_seconds"]
+        assert abs(r["end_time"] - (kernels[n].end_time + unix_offset)) <= stated + 1e-6, (n, stated)
+        # After a drain the step's window opens at its start marker, a launch before the kernel.
+        assert r["compute_seconds"] == pytest.approx(10 * MS, abs=TOL if n % 4 == 0 else 2e-6), n
+    assert all(steps[n]["placement_uncertainty_seconds"] < 50e-6 for n in range(13, 20))
 
 
 def test_the_run_record_reports_the_device_clock_and_background_cpu(monkeypatch):
@@ -250,8 +251,10 @@ def test_the_run_record_reports_the_device_clock_and_background_cpu(monkeypatch)
             with steptrace.step(n):
                 fake.run(2 * MS)
     (run,) = sink.of_type("run")
-    assert run["device_clock"]["torch-cuda"]["anchors"] >= 1
-    assert run["device_clock"]["torch-cuda"]["max_uncertainty_seconds"] < 50e-6
+    (clock,) = run["device_clock"].values()
+    assert clock["anchors"] >= 1 and clock["anchors_unplaced"] == 0
+    assert clock["max_uncertainty_seconds"] < 50e-6
+    assert all(r["placement_uncertainty_seconds"] < 50e-6 for r in sink.steps())
     assert set(run["background_cpu_seconds"]) == {"resolver", "sink:memory"}
     assert run["background_cpu_seconds"]["resolver"] > 0
 

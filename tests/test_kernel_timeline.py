@@ -90,3 +90,30 @@ def test_xla_module_windows_come_from_the_gpu_modules_line():
                                          (pytest.approx(300e-6), pytest.approx(400e-6))]
     with pytest.raises(ValueError, match="Stream #13"):
         xla_module_windows({"traceEvents": trace["traceEvents"][:2] + trace["traceEvents"][3:4]})
+
+
+def test_xla_module_windows_from_kernels_when_there_is_no_modules_line():
+    """jax 0.11's exported trace has only ``Stream #N(...)`` lines on the GPU: executions are the kernels'
+    ``hlo_module``, grouped by ``run_id`` when given, else cut into equal runs."""
+    from kernel_timeline import xla_module_windows
+
+    def meta(kind, pid, tid, name):
+        return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+    def kernel(ts, dur, **args):
+        return {"ph": "X", "pid": 2, "tid": 11, "ts": ts, "dur": dur, "name": "fusion", "args": args}
+
+    head = [meta("process_name", 2, 0, "/device:GPU:0"), meta("thread_name", 2, 11, "Stream #13(compute)")]
+    with_ids = {"traceEvents": head + [kernel(100, 10, hlo_module="jit_f", run_id=1),
+                                       kernel(110, 20, hlo_module="jit_f", run_id=1),
+                                       kernel(140, 10, hlo_module="jit_f", run_id=2),
+                                       kernel(150, 30, hlo_module="jit_f", run_id=2),
+                                       kernel(500, 5, hlo_module="jit_other", run_id=3)]}
+    assert xla_module_windows(with_ids, module="jit_f") == [(pytest.approx(100e-6), pytest.approx(130e-6)),
+                                                            (pytest.approx(140e-6), pytest.approx(180e-6))]
+    without = {"traceEvents": head + [kernel(100, 10, hlo_module="jit_f"), kernel(110, 20, hlo_module="jit_f"),
+                                      kernel(140, 10, hlo_module="jit_f"), kernel(150, 30, hlo_module="jit_f")]}
+    assert xla_module_windows(without, module="jit_f", runs=2) == [(pytest.approx(100e-6), pytest.approx(130e-6)),
+                                                                   (pytest.approx(140e-6), pytest.approx(180e-6))]
+    with pytest.raises(ValueError):
+        xla_module_windows(without, module="jit_f", runs=3)

@@ -36,7 +36,36 @@ def _square(n=4096):
     return x
 
 
+def _check_clock(sink):
+    """The calibration did its job: anchors were taken and placed, and no record's placement is wider
+    than 50 µs (a calibration that never placed an anchor passes every difference check)."""
+    (run,) = sink.of_type("run")
+    clocks = run["device_clock"]
+    assert clocks, run
+    for name, clock in clocks.items():
+        assert clock["anchors"] >= 1, (name, clock)
+        assert clock["anchors_unplaced"] <= max(1, clock["anchors"] // 20), (name, clock)
+        assert clock["max_uncertainty_seconds"] < 50e-6, (name, clock)
+
+
+def _check_absolute(sink, timeline, steps, slack=50e-6):
+    """Step ends against the kernel timeline in absolute terms, not only as differences: the trace's
+    clock is tied to the records' by steptrace's own per-step host range (``steptrace.step.N``,
+    opened just before ``host_start`` is read); each device end must then lie within the record's
+    stated placement uncertainty, plus that tie's own jitter."""
+    records = by_step(sink)
+    offsets = sorted(timeline.annotations[f"steptrace.step.{n}"][0][0] - records[n]["host_start_time"]
+                     for n in steps)
+    offset = offsets[len(offsets) // 2]
+    for n in steps:
+        record = records[n]
+        true_end = timeline.window(f"steptrace.step.{n}").end - offset
+        assert abs(record["end_time"] - true_end) <= record["placement_uncertainty_seconds"] + slack, (
+            n, record["end_time"] - true_end, record["placement_uncertainty_seconds"])
+
+
 def _check_steps(sink, timeline, steps, median_max=0.01, p95_max=0.03):
+    _check_absolute(sink, timeline, steps)
     records = by_step(sink)
     errors, interval_errors = [], []
     for n in steps:
@@ -63,6 +92,7 @@ def test_gpu_bound_steps_match_their_kernel_windows(profiled):
             with steptrace.step(n):
                 x = _work(x, r)
     _check_steps(sink, profiled.timeline, range(1, len(reps)))
+    _check_clock(sink)
 
 
 def test_steps_around_a_gil_holding_host_call(profiled):
@@ -186,3 +216,115 @@ def test_cuda_scalars_and_device_memory_are_in_the_records():
         memory = record["device_memory"]
         assert memory["limit_bytes"] == total and 0 < memory["in_use_bytes"] <= memory["limit_bytes"]
         assert memory["peak_bytes"] >= 4096 * 4096 * 4  # at least the working matrix
+
+
+def test_a_global_mode_graph_capture_mid_run_is_not_invalidated():
+    """torch.cuda.graph captures in "global" mode: a query/record/elapsed_time from another thread would
+    invalidate it (pytorch#104487). Steps 0-2 are still running through the capture, so the resolver
+    is polling them; its thread runs in thread-local capture mode."""
+    x = _square()
+    static = torch.randn(2048, 2048, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as the graphs docs ask
+        for _ in range(3):
+            _work(static, 2)
+    torch.cuda.current_stream().wait_stream(side)
+    with capture() as sink:
+        for n in range(8):
+            with steptrace.step(n):
+                x = _work(x, 12)  # ~50-100 ms of queued work per step on an H100
+                if n == 3:
+                    with torch.cuda.graph(graph):  # capture_error_mode="global", the default
+                        out = _work(static, 4)
+                        time.sleep(0.1)  # the resolver polls meanwhile
+                if n > 3:
+                    graph.replay()
+    assert out.shape == static.shape
+    steps = by_step(sink)
+    assert sorted(steps) == list(range(8))
+    assert all(r["end_source"] == "device_clock" for r in steps.values())
+
+
+def test_a_second_gpu_is_timed_on_that_gpu(profiled):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    torch.cuda.set_device(1)
+    try:
+        x = _square()
+        with capture(backend="torch") as sink, profiled.run():
+            for n in range(10):
+                with steptrace.step(n):
+                    x = _work(x, 3)
+        _check_steps(sink, profiled.timeline, range(1, 10))
+        _check_clock(sink)
+        (run,) = sink.of_type("run")
+        assert set(run["device_clock"]) == {"torch-cuda:1"}
+        memory = by_step(sink)[9]["device_memory"]
+        assert memory["limit_bytes"] == torch.cuda.get_device_properties(1).total_memory
+    finally:
+        torch.cuda.set_device(0)
+
+
+_ONE_QUEUE_CHILD = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist
+import steptrace
+from steptrace.testing import MemorySink
+
+class Arrivals(MemorySink):
+    def export(self, records):
+        now = time.perf_counter()
+        for r in records:
+            r["_arrived"] = now
+        super().export(records)
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29533")
+dist.init_process_group("nccl", rank=0, world_size=1)
+torch.cuda.set_device(0)
+x = torch.randn(4096, 4096, device="cuda")
+grad = torch.randn(64 * 2**20 // 4, device="cuda")
+sink = Arrivals()
+steptrace.init(sinks=[sink], jsonl=False, run_id="one-queue", backend="torch")
+ends = {}
+start = time.perf_counter()
+n = 0
+while time.perf_counter() - start < float(sys.argv[1]):
+    with steptrace.step(n):
+        for _ in range(4):
+            x = torch.tanh(x @ x) * 0.5
+        dist.all_reduce(grad)
+    ends[n] = time.perf_counter()
+    n += 1
+training_end = time.perf_counter()
+steptrace.shutdown()
+dist.destroy_process_group()
+steps = [r for r in sink.records if r["type"] == "step"]
+run = [r for r in sink.records if r["type"] == "run"][0]
+json.dump({"steps": len(steps), "late": sum(1 for r in steps if r["_arrived"] > training_end),
+           "lag": max(r["_arrived"] - ends[r["step"]] for r in steps if r["_arrived"] <= training_end),
+           "clock": run["device_clock"], "n": n}, sys.stdout)
+"""
+
+
+def test_one_hardware_queue_for_a_minute_with_an_all_reduce_every_step():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting) for 60 s with an NCCL all-reduce every step
+    (one process, world size 1): records arrive while training runs, and anchors are placed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("needs NCCL")
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    out = subprocess.run([sys.executable, "-c", _ONE_QUEUE_CHILD, "60"], env=env, capture_output=True,
+                         text=True, timeout=240, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == result["n"] and result["n"] > 100, result
+    assert result["late"] <= 5, result  # only the last steps may be finalized at shutdown
+    assert result["lag"] <= 1.0, result
+    ((_, clock),) = result["clock"].items()
+    assert clock["anchors"] >= 1 and clock["anchors_unplaced"] <= max(1, clock["anchors"] // 20), clock

@@ -43,15 +43,16 @@ def test_jax_steps_next_to_cuda_torch_are_timed_by_jax(tmp_path):
                 s.wait_for(x)
         x.block_until_ready()
     (path,) = glob.glob(str(tmp_path / "**" / "perfetto_trace.json.gz"), recursive=True)
-    modules = xla_module_windows(load_json(path))
+    # The device's own time of each execution: the "XLA Modules" line, or the kernels' hlo_module
+    # (jax 0.11.2's exported trace on an H100 had only Stream lines).
+    modules = xla_module_windows(load_json(path), module="jit_train_step", runs=16)
     steps = sorted(sink.steps(), key=lambda r: r["step"])
     assert [(r["backend"], r["end_source"]) for r in steps] == [("jax", "observed")] * 16
     assert len(modules) == 16, modules
     errors = []
     for record, (start, end) in zip(steps[1:], modules[1:]):
-        true = end - start
-        # An observed end is never early; it is late by the resolver's wake-up at most here.
-        assert record["compute_seconds"] >= true * 0.99, (record["step"], record["compute_seconds"], true)
-        errors.append(relative_error(record["compute_seconds"], true))
+        # Observed ends are never early, but a step's compute runs from the previous observed end,
+        # late as well: no one-sided bound follows for the compute, only the error's size.
+        errors.append(relative_error(record["compute_seconds"], end - start))
     median, _ = median_and_p95(errors)
     assert median <= 0.03, errors

@@ -99,11 +99,16 @@ def test_flops_tokens_and_mfu_are_megatrons(run):
 
 def test_pp1_bubble_leaves_the_optimizer_out(run):
     """PP=1: the optimizer and gradient finalization are `optimizer_seconds`; the bubble is what is
-    left between microbatches inside the pipeline window, smaller than the old whole-step rule."""
+    left between microbatches inside the pipeline window, which runs from the step's start to its last
+    microbatch's end (both device-clock times of the same records). Not yet checked against a kernel
+    timeline of Megatron's own run (issue 18 leaves that open)."""
     _, records, _ = run
     for s in [r for r in records if r["type"] == "step"][STEADY]:
         mbs = [m for m in records if m["type"] == "microbatch" and m["step"] == s["step"]]
         assert len(mbs) == 8  # 4 microbatches, forward and backward
-        assert s["optimizer_seconds"] > 0
+        assert all(m["end_source"] == "device_clock" for m in mbs)
         busy = sum(m["compute_seconds"] for m in mbs)
-        assert s["pipeline_bubble_ratio"]["0"] < 1 - busy / s["compute_seconds"]
+        window = max(m["end_time"] for m in mbs) - s["start_time"]
+        assert s["optimizer_seconds"] == pytest.approx(s["end_time"] - max(m["end_time"] for m in mbs), abs=1e-6)
+        assert s["pipeline_bubble_ratio"]["0"] == pytest.approx(1 - busy / window, abs=1e-3)
+        assert 0 <= s["pipeline_bubble_ratio"]["0"] < 1
