@@ -140,11 +140,14 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
         from steptrace._resolver import Resolver
 
         resolver = Resolver(config, built + sinks)
+        from steptrace._sinks import DropCounter
+
+        drops = DropCounter(resolver.dropped_snapshot, [worker.name for worker in resolver.sinks])
         for sink in built + sinks:
             # Exporters that publish drop counts (steptrace_dropped_records_total) read them here.
             attach = getattr(sink, "attach_drop_counter", None)
             if callable(attach):
-                attach(resolver.dropped_snapshot)
+                attach(drops)
         _install(Runtime(config, resolver, backends))
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from steptrace._schema import invalid_record_reason, sink_drop_reason
 from steptrace._wakeup import Wakeup
@@ -110,6 +110,21 @@ def _json_default(value: Any) -> Any:
         except Exception:
             pass
     return str(value)
+
+
+class DropCounter:
+    """A run's drop counts by reason (call it, from any thread), and the names of the sinks that exist.
+
+    Exporters that publish drops (``attach_drop_counter``) export the usual reasons of
+    ``sink_names`` at 0 before any drop, and nothing for sinks that are not configured.
+    """
+
+    def __init__(self, read: Callable[[], dict[str, int]], sink_names: Iterable[str]):
+        self._read = read
+        self.sink_names = tuple(sink_names)
+
+    def __call__(self) -> dict[str, int]:
+        return self._read()
 
 
 class SinkWorker:
