@@ -1,6 +1,7 @@
 """steptrace compare: rows, verdicts, outputs and exit codes; real JAX runs for regression vs noise."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from steptrace.analysis.compare import compare_runs, main, mann_whitney_p, steady_steps
+from steptrace.analysis.compare import (block_test_p, block_values, compare_runs, main, mann_whitney_p, runs_test_p,
+                                        steady_steps, t_test_p)
 from steptrace.analysis.runs import load_run
 
 from conftest import have
@@ -56,6 +58,92 @@ def test_mann_whitney_separates_shifted_samples_and_not_identical_ones():
     assert mann_whitney_p(a, list(a)) == pytest.approx(1.0, abs=0.05)
     assert mann_whitney_p([1.0, 1.0], [2.0, 2.0, 2.0]) is None  # too few
     assert mann_whitney_p([1.0] * 5, [1.0] * 5) == 1.0  # all tied
+
+
+def test_t_test_p_matches_known_quantiles():
+    # Two-sided critical values of Student's t (tables): p = 0.05 at t = 2.228 (10 df),
+    # p = 0.01 at t = 2.878 (18 df), the normal's 1.96 at large df.
+    assert t_test_p(2.228, 10) == pytest.approx(0.05, abs=2e-4)
+    assert t_test_p(2.878, 18) == pytest.approx(0.01, abs=1e-4)
+    assert t_test_p(1.96, 1e6) == pytest.approx(0.05, abs=1e-4)
+    assert t_test_p(0.0, 5) == pytest.approx(1.0)
+    assert t_test_p(-2.228, 10) == t_test_p(2.228, 10)
+
+
+def test_blocks_are_consecutive_steps_and_cover_every_step():
+    values = list(range(23))
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    assert block_values(values, mean, max_blocks=10, min_block=5) == [2, 7, 12, 18.5]  # the last block takes the rest
+    assert len(block_values(list(range(1000)), mean)) == 20  # at most 20 blocks: they grow with the run
+    assert block_test_p([1.0] * 8, [2.0] * 8) is None  # fewer than two blocks a side
+    assert block_test_p([1.0] * 20, [1.0] * 20) == 1.0
+
+
+def drifting_run(rng, n, base, *, drift=0.03, phi=0.95, noise=0.05):
+    """Per-step times of one run: base × a slow AR(1) drift (stationary sd *drift*, correlation
+    time 1/(1 − phi) steps) × log-normal noise: the load of a busy machine moving under the run."""
+    level = rng.gauss(0, drift)
+    out = []
+    for _ in range(n):
+        level = phi * level + rng.gauss(0, drift * (1 - phi * phi) ** 0.5)
+        out.append(base * math.exp(level) * rng.lognormvariate(0, noise))
+    return out
+
+
+def test_a_a_with_drift_is_noise_in_19_of_20_and_a_10_percent_regression_is_flagged(tmp_path):
+    """20 pairs of identical-code runs (300 steps, drift + noise) written as run dirs: compare calls
+    ≥ 19 of them noise; with B 10 % slower it is a regression in ≥ 14 of 20 (the drift makes 10 %
+    about 3 standard deviations of a run's level). Over seeds 26-33 the counts were 19-20 and
+    14-18; a per-step test (Mann–Whitney, the old verdict) called 1 to 7 of the 20 A/A pairs a
+    change, with this seed 3."""
+    rng = random.Random(32)
+    same, per_step_flags, flagged = 0, 0, 0
+    for k in range(20):
+        a = _write_run(tmp_path / f"a{k}", [1.0] + drifting_run(rng, 300, 0.1))
+        b = _write_run(tmp_path / f"b{k}", [1.0] + drifting_run(rng, 300, 0.1))
+        slow = _write_run(tmp_path / f"slow{k}", [1.0] + drifting_run(rng, 300, 0.11))
+        run_a = load_run(a)
+        rows = {r.metric: r for r in compare_runs(run_a, load_run(b))["rows"]}
+        same += rows["interval_median"].verdict == "noise"
+        steady = [[s["interval_seconds"] for s in steady_steps(load_run(p).steps(0))] for p in (a, b)]
+        per_step_flags += mann_whitney_p(*steady) < 0.01 and abs(rows["interval_median"].relative) >= 0.02
+        slow_rows = {r.metric: r for r in compare_runs(run_a, load_run(slow))["rows"]}
+        flagged += slow_rows["interval_median"].verdict == "regression"
+    assert same >= 19, same
+    assert flagged >= 14, flagged
+    assert per_step_flags >= 2, per_step_flags  # what the block test fixes
+
+
+def test_several_runs_a_side_use_the_run_to_run_spread(tmp_path, capsys):
+    """Runs whose levels differ from run to run (seeds, machines): a difference within that spread
+    is noise even when every run's steps are tight; a shift far outside it is a regression."""
+    rng = random.Random(5)
+    levels_a, levels_b = [0.100, 0.104, 0.097], [0.103, 0.099, 0.105]
+    paths_a = [_write_run(tmp_path / f"a{i}", [1.0] + _jitter(rng, level, 60, 0.002)) for i, level in
+               enumerate(levels_a)]
+    paths_b = [_write_run(tmp_path / f"b{i}", [1.0] + _jitter(rng, level, 60, 0.002)) for i, level in
+               enumerate(levels_b)]
+    slow = [_write_run(tmp_path / f"s{i}", [1.0] + _jitter(rng, level * 1.2, 60, 0.002)) for i, level in
+            enumerate(levels_b)]
+    runs_a = [load_run(p) for p in paths_a]
+    # One run each: the steps are tight, so a 3 % level difference looks like a change.
+    one = {r.metric: r for r in compare_runs(runs_a[0], load_run(paths_b[2]))["rows"]}
+    assert one["interval_median"].verdict == "regression"
+    result = compare_runs(runs_a, [load_run(p) for p in paths_b])
+    rows = {r.metric: r for r in result["rows"]}
+    assert result["test"] == "runs" and len(result["a"]["runs"]) == 3
+    assert rows["interval_median"].a == pytest.approx(sum(levels_a) / 3, rel=0.01)
+    assert rows["interval_median"].verdict == "noise"
+    assert rows["steps"].a == 61
+    slow_rows = {r.metric: r for r in compare_runs(runs_a, [load_run(p) for p in slow])["rows"]}
+    assert slow_rows["interval_median"].verdict == "regression"
+    assert runs_test_p([1.0], [1.1]) is None  # one run each: no run-to-run spread
+    assert 0 < runs_test_p([1.0, 1.1], [1.2]) < 1  # one against two: the pooled spread
+    assert main(["--a", *map(str, paths_a), "--b", *map(str, slow), "--fail-on-regression", "10"]) == 1
+    assert main(["--a", *map(str, paths_a), "--b", *map(str, slow), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "(+2 more)" in out and "run-to-run spread" in out
+    assert main(["--a", str(paths_a[0])]) == 2  # --a without --b
 
 
 def test_steady_state_excludes_the_first_step_errors_and_compile_checkpoint_eval(tmp_path):
