@@ -9,10 +9,11 @@ relative difference, and a verdict:
   autocorrelation: steps within a run are not independent samples (load drifts), so the
   steady-state steps are cut into at most 20 blocks of consecutive steps (batch means, at least
   5 steps each), each reduced to the row's median or mean, and a Welch t-test compares the two
-  runs' blocks, each side's variance widened by its blocks' (bias-corrected) lag-1
-  autocorrelation, the AR(1) factor (1 + r) / (1 − r) (p < ``alpha``,
-  default 0.01). With several runs a side (seeds, repeats: ``--a``/``--b``), each run is one
-  sample and the test weighs the difference against the run-to-run spread;
+  runs' blocks (on a log scale when all are positive: changes are relative), each side's
+  variance widened by its blocks' (bias-corrected) lag-1 autocorrelation, the AR(1) factor
+  (1 + r) / (1 − r) (p < ``alpha``, default 0.01). With several runs a side (seeds, repeats:
+  ``--a``/``--b``), each run is one sample and the test weighs the difference against the
+  run-to-run spread;
 * ``noise``: no change beyond the noise, or a difference below ``min_effect``;
 * ``—``: a metric with one value per run (totals, final loss) has no per-step distribution to
   test; its difference is shown without a verdict.
@@ -193,14 +194,26 @@ def _side_spread(blocks: Sequence[float]) -> tuple[float, float]:
     return _variance(blocks) / k * factor, k / factor
 
 
+def _logs(a: list[float], b: list[float]) -> tuple[list[float], list[float]]:
+    """Both samples' logarithms when every value is positive (times, rates), else as they are.
+
+    Step times are skewed to the right (a busy machine adds stalls, never takes time away) and
+    their changes are relative: on a log scale a slow spell weighs as much as a fast one.
+    """
+    if all(v > 0 for v in a) and all(v > 0 for v in b):
+        return [math.log(v) for v in a], [math.log(v) for v in b]
+    return a, b
+
+
 def block_test_p(a: Sequence[float], b: Sequence[float],
                  summary: Callable[[Sequence[float]], float | None] = lambda v: sum(v) / len(v) if v else None,
                  max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> float | None:
     """Two-sided p-value that two runs' per-step *a*, *b* (in step order) differ, respecting
-    autocorrelation: a Welch t-test on block values (:func:`block_values`), each side's variance
-    widened by its blocks' lag-1 autocorrelation. None with fewer than 2 blocks on a side."""
-    blocks_a = block_values(a, summary, max_blocks, min_block)
-    blocks_b = block_values(b, summary, max_blocks, min_block)
+    autocorrelation: a Welch t-test on block values (:func:`block_values`; their logarithms when all
+    are positive), each side's variance widened by its blocks' lag-1 autocorrelation. None with
+    fewer than 2 blocks on a side."""
+    blocks_a, blocks_b = _logs(block_values(a, summary, max_blocks, min_block),
+                               block_values(b, summary, max_blocks, min_block))
     if len(blocks_a) < 2 or len(blocks_b) < 2:
         return None
     (var_a, n_a), (var_b, n_b) = _side_spread(blocks_a), _side_spread(blocks_b)
@@ -227,6 +240,7 @@ def runs_test_p(a: Sequence[float], b: Sequence[float]) -> float | None:
     n_a, n_b = len(a), len(b)
     if n_a + n_b < 3 or n_a < 1 or n_b < 1:
         return None
+    a, b = _logs(list(a), list(b))
     mean_a, mean_b = sum(a) / n_a, sum(b) / n_b
     if n_a >= 2 and n_b >= 2:
         return _welch(mean_a, _variance(a) / n_a, n_a, mean_b, _variance(b) / n_b, n_b)
