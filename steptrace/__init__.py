@@ -113,7 +113,8 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     ``"torch"`` or a device object such as ``testing.SimulatedDevice``),
     ``peak_tflops`` (for MFU), ``strict`` (misuse raises instead of warning),
     ``annotate`` (profiler annotations), ``max_queue``, ``shutdown_timeout_s``,
-    ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on).
+    ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on; rotated at
+    ``jsonl_max_bytes``, default 256 MiB).
     ``sinks`` adds sink objects (``export``/``force_flush``/``shutdown``).
 
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
@@ -172,7 +173,8 @@ def _build_sinks(config: Config) -> list[Any]:
             # already taken say, must not leave an empty run file behind.
             from steptrace._sinks import JsonlSink
 
-            built.insert(0, JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")))
+            built.insert(0, JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl"),
+                                      max_bytes=config.jsonl_max_bytes))
     except BaseException:
         for sink in built:
             try:
