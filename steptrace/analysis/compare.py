@@ -11,7 +11,9 @@ relative difference, and a verdict:
   5 steps each), each reduced to the row's median or mean, and a Welch t-test compares the two
   runs' blocks (on a log scale when all are positive: changes are relative), each side's
   variance widened by its blocks' (bias-corrected) lag-1 autocorrelation, the AR(1) factor
-  (1 + r) / (1 − r) (p < ``alpha``, default 0.01). With several runs a side (seeds, repeats:
+  (1 + r) / (1 − r) (p < ``alpha``, default 0.01). Two runs recorded together on one host
+  (taking turns, or side by side) share the machine's drift and are compared window by window
+  instead (:func:`paired_block_test_p`). With several runs a side (seeds, repeats:
   ``--a``/``--b``), each run is one sample and the test weighs the difference against the
   run-to-run spread;
 * ``noise``: no change beyond the noise, or a difference below ``min_effect``;
@@ -42,8 +44,8 @@ from typing import Any, Callable, Sequence
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
 from steptrace.analysis.summary import _num, _present, percentile
 
-__all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "runs_test_p", "steady_steps",
-           "t_test_p", "add_compare_arguments", "run_compare", "main"]
+__all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "paired_block_test_p",
+           "runs_test_p", "steady_steps", "t_test_p", "add_compare_arguments", "run_compare", "main"]
 
 #: Idle reasons that make a step not steady-state.
 UNSTEADY_REASONS = ("compile", "checkpoint", "eval")
@@ -177,9 +179,19 @@ def block_values(values: Sequence[float], summary: Callable[[Sequence[float]], f
 
 
 def _side_spread(blocks: Sequence[float]) -> tuple[float, float]:
-    """(variance of the side's mean, its effective count) from block values, widened by the blocks'
-    own positive lag-1 autocorrelation (bias-corrected): drift slower than a block leaves neighbouring blocks
-    alike, so they count as fewer independent samples (the AR(1) factor (1 + r) / (1 - r))."""
+    """(variance of the side's mean, its count of blocks) from block values, the variance widened
+    by the blocks' own positive lag-1 autocorrelation r (bias-corrected): drift slower than a
+    block leaves neighbouring blocks alike, so their mean varies more than independent blocks'
+    would, by the AR(1) factor (1 + r) / (1 - r). The degrees of freedom stay those of the blocks:
+    also cutting them by that factor made a 10 % regression under drift a coin toss (80 % found
+    against 98 %) for a false-alarm rate of 0.9 % against 1.4 % (tests/test_compare.py's model)."""
+    k = len(blocks)
+    return _variance(blocks) / k * _widening(blocks), k
+
+
+def _widening(blocks: Sequence[float]) -> float:
+    """The AR(1) factor (1 + r) / (1 - r) of *blocks*' positive lag-1 autocorrelation r (see
+    :func:`_side_spread`); 1 for fewer than 4 values."""
     k = len(blocks)
     r = 0.0
     if k >= 4:
@@ -190,8 +202,7 @@ def _side_spread(blocks: Sequence[float]) -> tuple[float, float]:
             # fewer blocks the correction is noisier than the bias it removes.
             r += (1.0 + 3.0 * max(r, 0.0)) / k
     r = min(max(r, 0.0), MAX_BLOCK_AUTOCORRELATION)
-    factor = (1.0 + r) / (1.0 - r)
-    return _variance(blocks) / k * factor, k / factor
+    return (1.0 + r) / (1.0 - r)
 
 
 def _logs(a: list[float], b: list[float]) -> tuple[list[float], list[float]]:
@@ -205,8 +216,12 @@ def _logs(a: list[float], b: list[float]) -> tuple[list[float], list[float]]:
     return a, b
 
 
+def _mean_or_none(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def block_test_p(a: Sequence[float], b: Sequence[float],
-                 summary: Callable[[Sequence[float]], float | None] = lambda v: sum(v) / len(v) if v else None,
+                 summary: Callable[[Sequence[float]], float | None] = _mean_or_none,
                  max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> float | None:
     """Two-sided p-value that two runs' per-step *a*, *b* (in step order) differ, respecting
     autocorrelation: a Welch t-test on block values (:func:`block_values`; their logarithms when all
@@ -231,6 +246,43 @@ def _welch(mean_a: float, var_a: float, n_a: float, mean_b: float, var_b: float,
                                                                         else 0.0)
     df = max(1.0, spread ** 2 / terms) if terms > 0 else 1.0
     return t_test_p(t, df)
+
+
+def paired_block_test_p(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]],
+                        summary: Callable[[Sequence[float]], float | None] = _mean_or_none,
+                        max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> float | None:
+    """Two-sided p-value that two runs recorded at the same time differ, from ``(end_time, value)``
+    per step: both runs' steps in the time they share, in time order, are cut into windows of
+    consecutive steps (at most *max_blocks*, about *min_block* steps of each run apiece); each
+    window gives the ratio of B's to A's *summary* (its log; the difference when a value is not
+    positive), and a t-test asks whether those are centred on 0, their variance widened for lag-1
+    autocorrelation like :func:`block_test_p`'s. A slow spell of the machine slows both runs in
+    the same window and cancels. Windows hold equal numbers of steps, not equal time, so that a
+    window in a slow spell still holds both runs' steps. None with fewer than 2 windows."""
+    if not a or not b:
+        return None
+    start = max(min(t for t, _ in a), min(t for t, _ in b))
+    end = min(max(t for t, _ in a), max(t for t, _ in b))
+    merged = sorted([(t, 0, v) for t, v in a if start <= t <= end] + [(t, 1, v) for t, v in b if start <= t <= end])
+    count = min(max_blocks, sum(1 for _, side, _ in merged if side == 0) // min_block,
+                sum(1 for _, side, _ in merged if side == 1) // min_block)
+    if end <= start or count < 2:
+        return None
+    positive = all(v > 0 for _, _, v in merged)
+    differences = []
+    for index in range(count):
+        window = merged[index * len(merged) // count:(index + 1) * len(merged) // count]
+        va = summary([v for _, side, v in window if side == 0]) if any(s == 0 for _, s, _ in window) else None
+        vb = summary([v for _, side, v in window if side == 1]) if any(s == 1 for _, s, _ in window) else None
+        if va is not None and vb is not None:
+            differences.append(math.log(vb) - math.log(va) if positive else vb - va)
+    if len(differences) < 2:
+        return None
+    variance, k = _side_spread(differences)
+    mean = sum(differences) / len(differences)
+    if variance <= 0:
+        return 1.0 if mean == 0 else 0.0
+    return t_test_p(mean / math.sqrt(variance), k - 1)
 
 
 def runs_test_p(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -356,19 +408,45 @@ def _verdict(row: Row, alpha: float, min_effect: float) -> Row:
 
 def _tested(metric: str, label: str, a_runs: list[list[float]], b_runs: list[list[float]],
             summary: Callable[[Sequence[float]], float | None], unit: str, lower_is_better: bool,
-            alpha: float, min_effect: float, min_block: int = DEFAULT_MIN_BLOCK) -> Row:
+            alpha: float, min_effect: float, min_block: int = DEFAULT_MIN_BLOCK,
+            timed: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None) -> Row:
     """A row with a verdict. *a_runs*, *b_runs*: per run of each side, its per-step values in
-    step order. One run a side: the block test over steps (:func:`block_test_p`); several: the
-    runs' own values against the run-to-run spread (:func:`runs_test_p`)."""
+    step order. One run a side: the block test over steps (:func:`block_test_p`), or with *timed*
+    (the two runs' ``(end_time, value)``, recorded at the same time) the paired windows
+    (:func:`paired_block_test_p`); several: the runs' own values against the run-to-run spread
+    (:func:`runs_test_p`)."""
     if len(a_runs) == 1 and len(b_runs) == 1:
         row = Row(metric, label, summary(a_runs[0]), summary(b_runs[0]), unit, lower_is_better)
-        row.p_value = block_test_p(a_runs[0], b_runs[0], summary, min_block=min_block)
+        if timed is not None:
+            row.p_value = paired_block_test_p(*timed, summary, min_block=min_block)
+        else:
+            row.p_value = block_test_p(a_runs[0], b_runs[0], summary, min_block=min_block)
         return _verdict(row, alpha, min_effect)
     per_run_a = [v for v in map(summary, a_runs) if v is not None]
     per_run_b = [v for v in map(summary, b_runs) if v is not None]
     row = Row(metric, label, _mean(per_run_a), _mean(per_run_b), unit, lower_is_better)
     row.p_value = runs_test_p(per_run_a, per_run_b)
     return _verdict(row, alpha, min_effect)
+
+
+#: Two runs whose steady steps share this much of the shorter one's time span, on one host, were
+#: recorded together (taking turns or side by side): their rows are tested window by window.
+CONCURRENT_OVERLAP = 0.5
+
+
+def _concurrent(a: _Side, b: _Side) -> bool:
+    """Whether *a* and *b* ran at the same time on the same host, so that they share its drift."""
+    if a.metadata.get("hostname") != b.metadata.get("hostname"):
+        return False
+    spans = []
+    for side in (a, b):
+        times = [t for t in (_num(s.get("end_time")) for s in side.steady) if t is not None]
+        if len(times) < 2:
+            return False
+        spans.append((min(times), max(times)))
+    (a0, a1), (b0, b1) = spans
+    shorter = min(a1 - a0, b1 - b0)
+    return shorter > 0 and min(a1, b1) - max(a0, b0) >= CONCURRENT_OVERLAP * shorter
 
 
 def _runs(runs: Run | Sequence[Run]) -> list[Run]:
@@ -390,12 +468,20 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     As, Bs = [_Side(r) for r in runs_a], [_Side(r) for r in runs_b]
     rows: list[Row] = []
 
+    paired = len(As) == 1 and len(Bs) == 1 and _concurrent(As[0], Bs[0])
+
+    def timed(side: _Side, steps: str, fn: Callable[[dict], float | None]) -> list[tuple[float, float]]:
+        pairs = ((_num(s.get("end_time")), fn(s)) for s in getattr(side, steps))
+        return [(t, v) for t, v in pairs if t is not None and v is not None]
+
     def tested(metric, label, fn, summary, unit, lower, steps="steady"):
         a = [_per_step(getattr(side, steps), fn) for side in As]
         b = [_per_step(getattr(side, steps), fn) for side in Bs]
         a, b = [v for v in a if v], [v for v in b if v]
         if a or b:
-            rows.append(_tested(metric, label, a or [[]], b or [[]], summary, unit, lower, alpha, min_effect))
+            times = (timed(As[0], steps, fn), timed(Bs[0], steps, fn)) if paired else None
+            rows.append(_tested(metric, label, a or [[]], b or [[]], summary, unit, lower, alpha, min_effect,
+                                timed=times))
 
     def per_side(fn: Callable[[_Side], float | None]) -> tuple[float | None, float | None]:
         return (_mean([v for v in map(fn, As) if v is not None]),
@@ -468,7 +554,8 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
         return {"path": str(runs[0].path), "run_id": runs[0].run_id, "runs": [str(r.path) for r in runs]}
 
     return {"a": described(runs_a), "b": described(runs_b), "rows": rows, "metadata": metadata, "alpha": alpha,
-            "min_effect": min_effect, "test": "runs" if len(runs_a) > 1 or len(runs_b) > 1 else "blocks"}
+            "min_effect": min_effect,
+            "test": "runs" if len(runs_a) > 1 or len(runs_b) > 1 else "paired" if paired else "blocks"}
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -504,6 +591,7 @@ HEADER = ("metric", "A", "B", "B − A", "rel.", "verdict")
 STEADY_NOTE = ("Steady state: status ok, not the first step, no compile/checkpoint/eval idle. Verdicts: {test}, "
                "p < {alpha}, and |rel.| ≥ {min_effect:.0%}.")
 TESTS = {"blocks": "Welch t over blocks of consecutive steps (batch means, widened for drift)",
+         "paired": "runs recorded together: t over windows of B/A in time order (shared drift cancels)",
          "runs": "Welch t over the runs of each side (run-to-run spread)"}
 
 
