@@ -64,7 +64,8 @@ BIAS_CORRECTION_BLOCKS = 10
 # -- statistics ------------------------------------------------------------------------------
 def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Two-sided p-value of the Mann–Whitney U test (normal approximation, tie-corrected, with
-    continuity correction); None with fewer than 3 values on a side."""
+    continuity correction); None with fewer than 3 values on a side. No longer behind verdicts:
+    over the steps of two runs it takes drift for a change (see :func:`block_test_p`)."""
     n1, n2 = len(a), len(b)
     if n1 < 3 or n2 < 3:
         return None
