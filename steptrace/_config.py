@@ -67,6 +67,10 @@ ENV_OTLP_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
 ENV_OTLP_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_TAGS = "STEPTRACE_TAGS"
+#: Which process start of the run this is (0 for the first); see :func:`launcher_attempt` for the fallbacks.
+ENV_ATTEMPT = "STEPTRACE_ATTEMPT"
+#: Launcher variables that count restarts, read in this order when no attempt is given.
+LAUNCHER_ATTEMPT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 #: The longest timeout or interval accepted (a day): larger ones overflow the threading primitives.
 MAX_TIMEOUT_S = 86400.0
 MAX_TAGS = 64
@@ -107,6 +111,10 @@ class Config:
     otlp_metrics_interval_s: float = 10.0
     service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
     tags: tuple[tuple[str, str], ...] = ()  # user labels for the run (metadata record, compare)
+    # Which process start of the run this is: init(attempt=...), STEPTRACE_ATTEMPT, a launcher's restart
+    # count, or (at init, with JSONL on) one more than the attempts this rank's run directory records.
+    attempt: int = 0
+    attempt_source: str = "default"  # code | env | launcher:<VAR> | run_dir | default
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -195,7 +203,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
     Raises ``ValueError`` naming the offending argument or variable.
     """
     env = dict(os.environ if environ is None else environ)
-    unknown = set(code) - {f.name for f in dataclasses.fields(Config)}
+    unknown = set(code) - {f.name for f in dataclasses.fields(Config)} | ({"attempt_source"} & set(code))
     if unknown:
         raise ValueError(f"init() got unknown argument(s): {', '.join(sorted(unknown))}")
     _warn_unknown_variables(env)
@@ -225,7 +233,10 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                 stacklevel=3,
             )
 
+    attempt, attempt_source = _attempt(code.get("attempt"), env)
     config = Config(
+        attempt=attempt,
+        attempt_source=attempt_source,
         enabled=bool(enabled),
         run_dir=str(_first(code.get("run_dir"), env.get(ENV_RUN_DIR) or None, "steptrace-runs")),
         run_id=str(run_id),
@@ -256,6 +267,20 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
     )
     _validate(config)
     return config
+
+
+def _attempt(code_value: Any, env: dict[str, str]) -> tuple[Any, str]:
+    """The attempt number and where it came from (code, STEPTRACE_ATTEMPT, a launcher's restart count)."""
+    if code_value is not None:
+        return code_value, "code"
+    value = _env_int(ENV_ATTEMPT, env)
+    if value is not None:
+        return value, "env"
+    for name in LAUNCHER_ATTEMPT_VARIABLES:
+        value = _env_int(name, env)
+        if value is not None:
+            return value, f"launcher:{name}"
+    return 0, "default"
 
 
 def _parse_tags(value: Any) -> tuple[tuple[str, str], ...]:
@@ -316,8 +341,11 @@ def _validate(config: Config) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{field} must be an integer, got {value!r}")
 
-    for field in ("rank", "world_size", "local_rank", "max_queue", "jsonl_max_bytes"):
+    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt", "jsonl_max_bytes"):
         need_int(field, getattr(config, field))
+    if config.attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "
+                         f"{'/'.join(LAUNCHER_ATTEMPT_VARIABLES)})")
     if config.jsonl_max_bytes < 0:
         raise ValueError(f"jsonl_max_bytes must be >= 0 (0: never rotate), got {config.jsonl_max_bytes} "
                          f"(set by init(jsonl_max_bytes=...) or {ENV_JSONL_MAX_BYTES})")

@@ -80,6 +80,16 @@ class RunStart:
         self.tags = tags
 
 
+class AttemptStart:
+    """Queued at init(): the resolver writes the ``attempt`` record (process start, attempt source)."""
+
+    __slots__ = ("init_time", "source")
+
+    def __init__(self, init_time: float, source: str):
+        self.init_time = init_time
+        self.source = source
+
+
 class _Tail:
     """Spans closed after the last step, handed over by flush()/shutdown()."""
 
@@ -98,7 +108,8 @@ class Resolver:
         # Records carry unix seconds; the model runs on the monotonic clock.
         self.unix_offset = time.time() - _perf()
         self.records = RecordBuilder(run_id=config.run_id, rank=config.rank, world_size=config.world_size,
-                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset)
+                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset,
+                                     attempt=config.attempt)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
@@ -107,6 +118,8 @@ class Resolver:
         self._sleeping = False
         self._stopping = False
         self._prev_end: float | None = None
+        #: When steptrace started (init()): time before the first step is counted from here.
+        self.started = _perf()
         self._recent: list[ClosedSpan] = []
         self._step_ends: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._wait_failures = 0
@@ -118,6 +131,9 @@ class Resolver:
         self.cpu_seconds = 0.0
         self._abandon = False
         self._busy = False
+        # This process start of the run, written first (the step records of a crashed attempt
+        # still say which attempt they belong to, and the accounting when it started).
+        self._queue.append(AttemptStart(self.started, config.attempt_source))
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -296,11 +312,24 @@ class Resolver:
             self._emit(self._resolve_step(item))
         elif isinstance(item, CheckpointHandle):
             self._emit([self._checkpoint_record(item)])
+        elif isinstance(item, AttemptStart):
+            import os
+            import socket
+
+            from steptrace._attempts import process_start_time
+
+            started = process_start_time()
+            init_unix = item.init_time + self.unix_offset
+            self._emit([self.records.attempt_started(
+                process_start=init_unix if started is None or started > init_unix else started,
+                init_time=item.init_time, source=item.source, pid=os.getpid(), hostname=socket.gethostname())])
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 
             self._emit([self.records.metadata(start=item.host_start, facts=_metadata.collect(item.tags))])
         elif isinstance(item, _Tail):
+            for span in item.spans:
+                self._release_span_marker(span)
             self._recent.extend(item.spans)
             self._emit([self._span_record(s) for s in item.spans if s.emit])
             item.done.set()
@@ -409,16 +438,30 @@ class Resolver:
         self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
         mb_results += [self._unit_end(mb, seen) for mb in step.microbatches[len(waited):]]
+        # Host spans that began inside the step: idle only while the device had drained (DESIGN §2).
+        inside = [s for s in (*step.spans, *step.open_spans) if s.start >= step.host_start]
+        drained = self._span_drain_times(step, inside, seen)
         if step.device.uses_events or any(mb.device.uses_events for mb in step.microbatches):
             self._prune_clocks(step)
 
         end = attribution.unit_end(host_end, end_seen)
+        device = step.device
+        by_values = device is not HOST and not device.uses_events
+        exposed = [] if by_values else attribution.exposed_gaps(
+            [(s.start, s.end, drained.get(id(s), s.start)) for s in inside], step.host_start, end)
+        if not by_values:
+            step.dispatch = step.host_start  # the moved dispatch point is a value device's alone
         timing = attribution.unit_timing(
-            prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start)
+            prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start, exposed=exposed)
 
         self._recent.extend(step.spans)
         self._recent.extend(step.open_spans)
-        segments = attribution.idle_segments(prev_end, timing.start, self._recent)
+        before = None
+        if self._prev_end is None:
+            # Before the first step: the run's wall time too, by the spans covering it; the rest is startup.
+            before = attribution.window_segments([(self.started, step.host_start)], self._recent,
+                                                 attribution.STARTUP)
+        segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), self._recent)
         # Nothing that ended before this step's end can cover a later idle window.
         self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
@@ -430,8 +473,53 @@ class Resolver:
         records: list[Mapping[str, Any]] = [self._span_record(s) for s in step.spans if s.emit]
         mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
         records += mb_records
-        records.append(self._step_record(step, timing, segments, mb_compute, end_source))
+        record = self._step_record(step, timing, segments, mb_compute, end_source)
+        if before is not None:
+            self.records.add_before_steps(record, before)
+        records.append(record)
         return records
+
+    @staticmethod
+    def _release_span_marker(span: "ClosedSpan") -> None:
+        if span.marker is not None:
+            device, marker, _ = span.marker
+            span.marker = None
+            try:
+                device.release(marker)
+            except Exception:
+                pass
+
+    def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"], seen: float) -> dict[int, float]:
+        """For spans inside an event-timed step, when the device reached the marker recorded as each
+        began (it had drained the step's earlier work), on the host clock. Every marker of the step
+        goes back to its pool here."""
+        drained: dict[int, float] = {}
+        for span in (*step.spans, *step.open_spans):
+            if span.marker is None:
+                continue
+            device, marker, recorded_after = span.marker
+            span.marker = None
+            try:
+                if step.device is device and span in spans:
+                    clock = self._clock(device)
+                    point = clock.device_time(marker, recorded_after, seen)
+                    if point is None:
+                        clock.calibrate()
+                        point = clock.device_time(marker, recorded_after, seen)
+                    if point is not None:
+                        drained[id(span)] = clock.host_time(point)
+            except Exception as exc:
+                self._clock_failures += 1
+                self.count_drop(DROP_DEVICE_CLOCK_ERROR)
+                if self._clock_failures == 1:
+                    log.warning("steptrace could not place a span marker on the host clock (%r); such spans "
+                                "count as idle in full", exc)
+            finally:
+                try:
+                    device.release(marker)
+                except Exception:
+                    pass
+        return drained
 
     def _prune_clocks(self, step: "StepHandle") -> None:
         # Every marker still pending was recorded after this step's end marker (the training

@@ -46,7 +46,9 @@ class Runtime:
         self.backends = backends
         self.current: StepHandle | None = None
         self.last_step: int | None = None
+        self.last_step_end = 0.0  # host clock when the last step was left (where the thread has been since)
         self.open_spans: list[SpanHandle] = []
+        self.open_checkpoint: CheckpointHandle | None = None
         self.closed_spans: list[ClosedSpan] = []
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
@@ -109,21 +111,29 @@ class Runtime:
                     pass
         unit.start_event = unit.end_event = unit.stream = None
 
-    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
+    def span_marker(self, step: StepHandle) -> tuple[Any, Any, float] | None:
+        """Record a marker on ``step``'s stream as a host span begins inside it (training thread):
+        ``(device, marker, host time read before recording)``, or None."""
+        device = step.device
+        recorded_after = _perf()
+        try:
+            return device, device.record(step.stream), recorded_after
+        except Exception as exc:
+            self.device_failed(exc)
+            return None
+
+    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
+                   marker: tuple[Any, Any, float] | None = None) -> None:
         current = self.current
-        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
+        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
+                                            marker))
         if current is None:
             return
+        # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
+        # before that precedes the work. Host and stream devices know when the device drained.
         moved = attribution.dispatch_after_span(current.dispatch, current.waited, end)
         if moved is not None:
-            # The step's device work starts after this span: the start marker moves there.
             current.dispatch = moved
-            if current.start_event is not None:
-                try:
-                    current.device.record(current.stream, current.start_event)
-                    current.start_recorded_after = end
-                except Exception as exc:
-                    self.device_failed(exc)
 
     def take_closed_spans(self) -> list[ClosedSpan]:
         closed, self.closed_spans = self.closed_spans, []
@@ -204,8 +214,72 @@ class Runtime:
             return NULL_MICROBATCH
         return MicrobatchHandle(self, current, index, stage, chunk, kind)
 
+    def begin_step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None,
+                   **attrs: Any) -> Any:
+        """Open step ``n`` without a ``with`` block (see :func:`steptrace.begin_step`)."""
+        if self.current is not None:
+            self.misuse(f"begin_step({n}) while step({self.current.step}) is open: call "
+                        "steptrace.end_step() first (steps cannot nest)")
+            return NULL_STEP
+        handle = self.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
+        if handle is not NULL_STEP:
+            handle.__enter__()
+            handle.imperative = True
+        return handle
+
+    def end_step(self, wait_for: Any = None, error: BaseException | None = None) -> None:
+        """Close the step :meth:`begin_step` opened (see :func:`steptrace.end_step`)."""
+        current = self.current
+        if current is None:
+            self.misuse("end_step() without an open step: call steptrace.begin_step(n) first")
+            return
+        if not current.imperative:
+            self.misuse(f"end_step() while step({current.step}) is a `with` block: it ends when the block does")
+            return
+        if wait_for is not None:
+            current.wait_for(wait_for)
+        if error is None:
+            current.__exit__(None, None, None)
+        else:
+            current.__exit__(type(error), error, error.__traceback__)
+
     def current_step(self) -> StepHandle | None:
         return self.current
+
+    def position(self) -> tuple[int, bool, float, str | None] | None:
+        """Where the training thread is now, read from another thread (a ``/metrics`` scrape).
+
+        ``(step, in_step, seconds, span)``: the step open now (``in_step``) or, between steps,
+        the last one entered; the seconds since that step was entered, or since it was left;
+        the innermost host span or checkpoint opened since then and open now (None when none
+        is). None before the
+        first step: start-up and compilation are not a stall. Only reads attributes the
+        training thread sets, so it neither locks nor slows that thread; a value read while
+        the thread moves on describes a moment ago, never a torn step.
+        """
+        now = _perf()
+        current = self.current
+        if current is not None:
+            step, in_step = current.step, True
+            # host_start is set just after `current` (0.0 in between): that step opened just now.
+            since = current.host_start or now
+        elif self.last_step is not None:
+            step, in_step, since = self.last_step, False, self.last_step_end
+        else:
+            return None
+        # The innermost span or checkpoint opened since that boundary: one opened before it
+        # (a span around the whole loop) encloses the step and says nothing about where it is.
+        span, opened = None, since
+        try:
+            innermost = self.open_spans[-1] if self.open_spans else None
+        except IndexError:  # closed between the test and the read
+            innermost = None
+        if innermost is not None and innermost.start >= opened:
+            span, opened = innermost.name, innermost.start
+        checkpoint = self.open_checkpoint
+        if checkpoint is not None and checkpoint.host_start >= opened:
+            span = "checkpoint"
+        return step, in_step, max(0.0, now - since), span
 
     def _first_step_setup(self) -> None:
         """Decide, once, what depends on frameworks the user imported after init()."""

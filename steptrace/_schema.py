@@ -22,7 +22,7 @@ from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 from steptrace._ids import trace_id_hex
 
 
-RECORD_TYPES = ("metadata", "step", "microbatch", "checkpoint", "span", "run")
+RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "run")
 
 # -- drop reasons: records that never reached a sink, counted (stats()["dropped"], the run
 # record, steptrace_dropped_records_total, steptrace.dropped_records) ------------------------
@@ -70,6 +70,7 @@ ATTR_RUN_ID = "train.run_id"
 ATTR_RANK = "train.rank"
 ATTR_STEP = "train.step"
 ATTR_WORLD_SIZE = "train.world_size"
+ATTR_ATTEMPT = "train.attempt"
 ATTR_STATUS = "train.status"
 ATTR_INTERVAL_SECONDS = "train.interval_seconds"
 ATTR_COMPUTE_SECONDS = "train.compute_seconds"
@@ -87,6 +88,7 @@ class _Common(TypedDict):
     type: str
     run_id: str
     rank: int
+    attempt: int  # which process start of the run wrote it (see _config: attempt)
 
 
 class StepRecord(_Common):
@@ -121,6 +123,11 @@ class StepRecord(_Common):
     # Device memory after the step, where the backend reports it: in_use_bytes, peak_bytes,
     # limit_bytes, peak_percent (peak / limit * 100).
     device_memory: NotRequired[dict[str, float]]
+    # On the first step of a run only: the time from init() to this step's host start, by the
+    # spans covering it ("eval", "data", ...), "startup" for what no span covers. It is wall time
+    # of the run outside every step's interval.
+    before_step_seconds: NotRequired[float]
+    before_step_breakdown: NotRequired[dict[str, float]]
 
 
 class MicrobatchRecord(_Common):
@@ -169,6 +176,18 @@ class MetadataRecord(_Common):
     tags: dict[str, str]  # init(tags=...) / STEPTRACE_TAGS
 
 
+class AttemptRecord(_Common):
+    """Written at init(): this process start of the run. How it ended is read from what follows
+    (a ``run`` record: a clean shutdown; none and a later attempt: it crashed)."""
+
+    world_size: int
+    start_time: float  # the process start (Linux /proc), else init()
+    init_time: float
+    attempt_source: str  # where the attempt number came from: code, env, launcher, run_dir, default
+    pid: int
+    hostname: str
+
+
 class RunRecord(_Common):
     world_size: int
     steps: int
@@ -191,9 +210,11 @@ class RecordBuilder:
     """Builds the records of one rank's run. Times given are ``perf_counter`` seconds; records
     carry unix seconds (``+ unix_offset``)."""
 
-    def __init__(self, *, run_id: str, rank: int, world_size: int, peak_tflops: float | None, unix_offset: float):
+    def __init__(self, *, run_id: str, rank: int, world_size: int, peak_tflops: float | None, unix_offset: float,
+                 attempt: int = 0):
         self.run_id = run_id
         self.rank = rank
+        self.attempt = attempt
         self.world_size = world_size
         self.peak_tflops = peak_tflops
         self.unix_offset = unix_offset
@@ -212,8 +233,9 @@ class RecordBuilder:
         # knows the device, e.g. the Megatron hooks' table of bf16 dense peaks).
         peak = self.peak_tflops or _positive(attrs.get("peak_tflops"))
         record: StepRecord = {
-            "type": "step", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
-            "step": step, "trace_id": trace_id_hex(self.run_id, step), "status": status,
+            "type": "step", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+            "world_size": self.world_size,
+            "step": step, "trace_id": trace_id_hex(self.run_id, step, self.attempt), "status": status,
             "backend": backend, "end_source": end_source,
             "host_start_time": host_start + off, "host_end_time": host_end + off, "dispatch_time": dispatch + off,
             "start_time": timing.start + off, "end_time": timing.end + off,
@@ -242,11 +264,20 @@ class RecordBuilder:
             record["device_memory"] = memory
         return record
 
+    @staticmethod
+    def add_before_steps(record: StepRecord, segments: Sequence[Any]) -> None:
+        """Put the time before the run's first step (``segments`` tiling it) on that step's record."""
+        breakdown: dict[str, float] = {}
+        for segment in segments:
+            breakdown[segment.name] = breakdown.get(segment.name, 0.0) + (segment.end - segment.start)
+        record["before_step_seconds"] = sum(breakdown.values())
+        record["before_step_breakdown"] = breakdown
+
     def microbatch(self, *, step: int, index: Any, stage: Any, chunk: Any, kind: str, host_start: float,
                    host_end: float, timing: Any, end_source: str) -> MicrobatchRecord:
         off = self.unix_offset
         return {
-            "type": "microbatch", "run_id": self.run_id, "rank": self.rank, "step": step,
+            "type": "microbatch", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
             "microbatch": index, "stage": stage, "chunk": chunk, "kind": kind,
             "host_start_time": host_start + off, "host_end_time": host_end + off,
             "start_time": timing.start + off, "end_time": timing.end + off,
@@ -256,7 +287,8 @@ class RecordBuilder:
     def checkpoint(self, *, step: int, status: str, error: str | None, host_start: float, host_end: float,
                    blocking_seconds: float, async_end: float | None) -> CheckpointRecord:
         record: CheckpointRecord = {
-            "type": "checkpoint", "run_id": self.run_id, "rank": self.rank, "step": step, "status": status,
+            "type": "checkpoint", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+            "status": status,
             "start_time": host_start + self.unix_offset, "end_time": host_end + self.unix_offset,
             "host_seconds": host_end - host_start, "blocking_seconds": blocking_seconds,
             "async_seconds": None if async_end is None else max(0.0, async_end - host_end),
@@ -267,20 +299,30 @@ class RecordBuilder:
 
     def span(self, *, name: str, step: int | None, start: float, end: float, attrs: dict[str, Any]) -> SpanRecord:
         return {
-            "type": "span", "run_id": self.run_id, "rank": self.rank, "name": name, "step": step,
+            "type": "span", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "name": name,
+            "step": step,
             "start_time": start + self.unix_offset, "end_time": end + self.unix_offset,
             "seconds": end - start, "attrs": attrs,
         }
 
     def metadata(self, *, start: float, facts: dict[str, Any]) -> MetadataRecord:
-        return {"type": "metadata", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+        return {"type": "metadata", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+                "world_size": self.world_size,
                 "start_time": start + self.unix_offset, "hostname": facts["hostname"], "versions": facts["versions"],
                 "devices": facts["devices"], "git_commit": facts["git_commit"], "tags": facts["tags"]}
+
+    def attempt_started(self, *, process_start: float, init_time: float, source: str, pid: int,
+                        hostname: str) -> AttemptRecord:
+        """``process_start`` is unix seconds already; ``init_time`` a ``perf_counter`` time."""
+        return {"type": "attempt", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+                "world_size": self.world_size, "start_time": process_start, "init_time": init_time + self.unix_offset,
+                "attempt_source": source, "pid": pid, "hostname": hostname}
 
     def run(self, *, steps: int, dropped: dict[str, int], background_cpu_seconds: dict[str, float],
             device_clock: dict[str, Any] | None) -> RunRecord:
         record: RunRecord = {
-            "type": "run", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+            "type": "run", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+            "world_size": self.world_size,
             "steps": steps, "dropped": dropped, "background_cpu_seconds": background_cpu_seconds,
         }
         if device_clock:
@@ -290,7 +332,7 @@ class RecordBuilder:
 
 def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
-    cls = {"metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
+    cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
            "checkpoint": CheckpointRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

@@ -144,6 +144,7 @@ from steptrace._ratelimit import limit_otel_exporter_logs
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
 from steptrace._schema import (
+    ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
     ATTR_RANK,
@@ -374,7 +375,7 @@ class OtlpSink:
     def __init__(self, endpoint: str, *, run_id: str, rank: int = 0, world_size: int = 1,
                  protocol: str = "http/protobuf", headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
                  compression: str = "none", timeout_s: float = 10.0, metrics_interval_s: float = 10.0,
-                 service_name: str | None = None, goodput_window_steps: int = 100):
+                 service_name: str | None = None, goodput_window_steps: int = 100, attempt: int = 0):
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"otlp_endpoint must start with http:// or https://, got {endpoint!r}")
         if protocol not in OTLP_PROTOCOLS:
@@ -392,6 +393,7 @@ class OtlpSink:
         self.run_id = str(run_id)
         self.rank = int(rank)
         self.world_size = int(world_size)
+        self.attempt = int(attempt)
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
         traces_url, metrics_url = signal_endpoints(endpoint, protocol)
@@ -400,11 +402,14 @@ class OtlpSink:
         #: Where metrics go.
         self.metrics_endpoint = metrics_url
 
-        self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}")
+        self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}").merge(
+            Resource({ATTR_ATTEMPT: self.attempt}))
         self._scope = InstrumentationScope("steptrace", __version__)
         self._span_exporter, self._metric_exporter = _exporters(
             protocol, traces_url, metrics_url, header_pairs, compression, self.timeout_s)
 
+        # No attempt label on metrics: a restarted rank's counters restart, which Prometheus's
+        # reset handling expects; the attempt is on the resource and on every span.
         base = {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank}
         self._base = base
         views = [
@@ -456,6 +461,7 @@ class OtlpSink:
             metrics_interval_s=config.otlp_metrics_interval_s,
             service_name=config.service_name,
             goodput_window_steps=config.goodput_window_steps,
+            attempt=config.attempt,
         )
 
     def attach_drop_counter(self, read: Callable[[], Mapping[str, int]]) -> None:
@@ -591,13 +597,13 @@ class OtlpSink:
         )
 
     def _attrs(self, step: int) -> dict[str, Any]:
-        return {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank, ATTR_STEP: step}
+        return {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank, ATTR_ATTEMPT: self.attempt, ATTR_STEP: step}
 
     def _step_spans(self, r: dict[str, Any]) -> list[ReadableSpan]:
         n = r["step"]
         run, rank = self.run_id, self.rank
-        trace = trace_id(run, n)
-        step_span = span_id(run, n, rank, "step")
+        trace = trace_id(run, n, self.attempt)
+        step_span = span_id(run, n, rank, "step", self.attempt)
         end_ns = _ns(r["end_time"])
         interval = r.get("interval_seconds") or 0.0
         error = r.get("error") if r.get("status") == "error" else None
@@ -624,14 +630,14 @@ class OtlpSink:
 
         compute_attrs = self._attrs(n)
         _put(compute_attrs, ATTR_COMPUTE_SECONDS, r.get("compute_seconds"))
-        spans.append(self._span("train.compute", trace, span_id(run, n, rank, "compute"), step_span,
+        spans.append(self._span("train.compute", trace, span_id(run, n, rank, "compute", self.attempt), step_span,
                                 _ns(r["start_time"]), end_ns, compute_attrs))
         for i, segment in enumerate(r.get("idle_segments") or ()):
             reason, start, end = segment
             idle_attrs = self._attrs(n)
             idle_attrs["train.idle.reason"] = str(reason)
             idle_attrs["train.idle_seconds"] = end - start
-            spans.append(self._span("train.idle", trace, span_id(run, n, rank, f"idle/{i}"), step_span,
+            spans.append(self._span("train.idle", trace, span_id(run, n, rank, f"idle/{i}", self.attempt), step_span,
                                     _ns(start), _ns(end), idle_attrs))
         # Spans closed before this step entered: the idle time they cover is this step's.
         pending, self._pending = self._pending, []
@@ -649,8 +655,9 @@ class OtlpSink:
         _put(attrs, "train.span_seconds", r.get("seconds"))
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
-        return self._span(str(r.get("name")), trace_id(self.run_id, n), span_id(self.run_id, n, self.rank, f"span/{k}"),
-                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span(str(r.get("name")), trace_id(run, n, attempt), span_id(run, n, rank, f"span/{k}", attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
 
     def _own_trace_span(self, r: dict[str, Any]) -> ReadableSpan:
         trace, span = _own_trace_ids(self.run_id, self.rank, str(r.get("name")), r["start_time"])
@@ -667,9 +674,10 @@ class OtlpSink:
         attrs = self._attrs(n)
         for key in ("microbatch", "stage", "chunk", "kind", "compute_seconds"):
             _put(attrs, f"train.{key}", r.get(key))
-        return self._span("train.microbatch", trace_id(self.run_id, n),
-                          span_id(self.run_id, n, self.rank, f"microbatch/{k}"),
-                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span("train.microbatch", trace_id(run, n, attempt),
+                          span_id(run, n, rank, f"microbatch/{k}", attempt), span_id(run, n, rank, "step", attempt),
+                          _ns(r["start_time"]), _ns(r["end_time"]), attrs)
 
     def _checkpoint_span(self, r: dict[str, Any]) -> ReadableSpan:
         n = r["step"]
@@ -682,8 +690,9 @@ class OtlpSink:
         # Keyed by the save's start (not an ordinal): a replayed record keeps its id, and a
         # second save of the same step gets its own.
         role = f"checkpoint/{round(r['start_time'] * 1e6)}"
-        return self._span("train.checkpoint", trace_id(self.run_id, n), span_id(self.run_id, n, self.rank, role),
-                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]),
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span("train.checkpoint", trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]),
                           attrs, error)
 
 

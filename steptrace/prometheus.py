@@ -38,7 +38,23 @@ name                                                   type       extra labels
 ``steptrace_checkpoints_total``                        counter    ``status``
 ``steptrace_dropped_records_total``                    counter    ``sink, reason``
 ``steptrace_info``                                     gauge (1)  ``version, backend``
+``steptrace_step_interval_median_seconds``             gauge      (last ``goodput_window_steps`` steps)
+``steptrace_current_step``                             gauge      (read at scrape time)
+``steptrace_attempt``                                  gauge      (which process start of the run)
+``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
 =====================================================  =========  ======================
+
+``steptrace_current_step`` and ``steptrace_open_seconds`` say where the training
+thread is at the moment of the scrape (:meth:`PrometheusSink.attach_position`):
+the step open now (between steps, the last one entered), how long since that
+step was entered (between steps, since it was left), and ``span``, the innermost
+host span or checkpoint opened since then and open now: ``data``, ``checkpoint``, a span of yours, or
+``step`` inside a step outside any span (the step's own work: dispatch, device
+work, collectives) and ``between_steps`` outside both. A rank hung inside a step
+is a growing ``steptrace_open_seconds`` naming where it hangs; the "job stalled"
+alert (docs/alerts.md) reads it. One series at a time; span names past the first
+32 of a run read ``other``, so a run cannot grow the series without bound. Both
+are absent before the first step (start-up and compilation are not a stall).
 
 ``steptrace_dropped_records_total`` is read at scrape time from the run's drop
 counters (:meth:`PrometheusSink.attach_drop_counter`): records a sink's queue
@@ -55,14 +71,16 @@ sinks that exist are exported at 0; a sink that is not configured has no series.
 from __future__ import annotations
 
 import logging
+import collections
 import math
 import socket
+import statistics
 import threading
 from typing import Any, Callable, Iterable
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "steptrace's Prometheus exporter needs prometheus_client: pip install 'steptrace[prometheus]'"
@@ -81,6 +99,7 @@ log = logging.getLogger("steptrace")
 
 _RUN_LABELS = ("run_id", "rank")
 _MAX_SCALAR_NAMES = 64
+_MAX_SPAN_NAMES = 32
 
 
 class PrometheusSink:
@@ -94,7 +113,8 @@ class PrometheusSink:
     name = "prometheus"
 
     def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
-                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None):
+                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None,
+                 attempt: int = 0):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
         if peak_tflops is not None and not peak_tflops > 0:
@@ -106,6 +126,12 @@ class PrometheusSink:
         self._drop_counter: Callable[[], dict[str, int]] | None = None
         #: Drop reasons exported at 0 before any drop (see _dropped_family).
         self._usual_drops: dict[str, int] = dict.fromkeys(usual_drop_reasons((self.name,)), 0)
+        self._position: Callable[[], tuple[int, bool, float, str | None] | None] | None = None
+        self._position_failed = False
+        self._span_names: set[str] = set()
+        self._span_lock = threading.Lock()
+        # The recent intervals the median gauge reads (the goodput window's length).
+        self._intervals: collections.deque[float] = collections.deque(maxlen=goodput_window_steps)
         #: Records skipped as malformed (each dropped alone; the SinkWorker counts ``invalid:prometheus``).
         self.invalid_records = 0
         self._drop_counter_failed = False
@@ -115,6 +141,8 @@ class PrometheusSink:
 
         self._metrics = CollectorRegistry()
         self._define_metrics(peak_tflops)
+        # Counters restart with each attempt (a new process); Prometheus's reset handling expects that.
+        self._attempt.labels(*self._labels).set(attempt)
         # The served registry wraps ours: it drops `_created` series (which would double the series
         # count of every counter; the switch in prometheus_client is process-global and would change
         # the user's own metrics) and adds the drop counters, read at scrape time.
@@ -138,7 +166,7 @@ class PrometheusSink:
         """The sink ``steptrace.init`` builds when ``prometheus_port`` is set."""
         return cls(config.prometheus_port, addr=config.prometheus_addr, local_rank=config.local_rank,
                    run_id=config.run_id, rank=config.rank, goodput_window_steps=config.goodput_window_steps,
-                   peak_tflops=config.peak_tflops)
+                   peak_tflops=config.peak_tflops, attempt=config.attempt)
 
     def _define_metrics(self, peak_tflops: float | None) -> None:
         reg = self._metrics
@@ -157,6 +185,8 @@ class PrometheusSink:
         self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
                               run + ("status",), registry=reg)
         self._last_step = Gauge("steptrace_last_step", "Number of the last finalized step.", run, registry=reg)
+        self._attempt = Gauge("steptrace_attempt", "Which process start of the run this rank is (0 for the first; "
+                              "see docs/goodput.md).", run, registry=reg)
         self._tokens = Counter("steptrace_tokens", "Tokens processed by this rank.", run, registry=reg)
         self._tokens_per_second = Gauge("steptrace_tokens_per_second",
                                         "Tokens per second of wall time (interval) in the last step.",
@@ -190,6 +220,9 @@ class PrometheusSink:
                              "peak, and the device's limit.", run + ("kind",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
+        self._interval_median = Gauge("steptrace_step_interval_median_seconds", "Median interval of the last "
+                                      f"{self._window.steps} steps: the run's pace, which the stall alert "
+                                      "scales.", run, registry=reg)
 
         # Series that exist from the start read as 0 instead of missing, so rate() and sum() work
         # before the first step (and a run with no errors still has an error series).
@@ -218,6 +251,15 @@ class PrometheusSink:
         names = tuple(getattr(fn, "sink_names", ())) or (self.name,)
         self._usual_drops = dict.fromkeys(usual_drop_reasons(names), 0)
 
+    def attach_position(self, fn: Callable[[], tuple[int, bool, float, str | None] | None]) -> None:
+        """Publish where the training thread is (``steptrace_current_step``, ``steptrace_open_seconds``).
+
+        ``fn()`` returns ``(step, in_step, seconds, span)`` or None (see
+        :meth:`steptrace._runtime.Runtime.position`); ``steptrace.init`` attaches the run's
+        runtime; ``fn`` is called at scrape time.
+        """
+        self._position = fn
+
     # -- export (the sink's own thread) ------------------------------------------------------------
 
     def export(self, records: list[dict[str, Any]]) -> None:
@@ -242,6 +284,8 @@ class PrometheusSink:
         if goodput is not None:
             # Once per batch, not per step: only the value at scrape time matters.
             self._goodput.labels(*self._labels).set(goodput)
+        if steps and self._intervals:
+            self._interval_median.labels(*self._labels).set(statistics.median(self._intervals))
 
     def _step(self, r: dict[str, Any]) -> None:
         # Read and check everything first, so a bad field skips the record without half-applying it.
@@ -292,6 +336,7 @@ class PrometheusSink:
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
         self._window.add(compute, interval)
+        self._intervals.append(interval)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])
@@ -345,6 +390,38 @@ class PrometheusSink:
                 family.add_metric([*self._labels, "resolver", reason], count)
         return family
 
+    def _position_families(self) -> list[GaugeMetricFamily]:
+        position = None
+        if self._position is not None:
+            try:
+                position = self._position()
+            except Exception:
+                if not self._position_failed:
+                    self._position_failed = True
+                    log.exception("steptrace prometheus: reading the training thread's position failed")
+        if position is None:
+            return []
+        step, in_step, seconds, span = position
+        if span is None:
+            span = "step" if in_step else "between_steps"
+        else:
+            with self._span_lock:
+                # Span names are the user's: cap the label values a run can create.
+                if span not in self._span_names:
+                    if len(self._span_names) < _MAX_SPAN_NAMES:
+                        self._span_names.add(span)
+                    else:
+                        span = "other"
+        current = GaugeMetricFamily("steptrace_current_step", "The step open on the training thread now; "
+                                    "between steps, the last one entered.", labels=_RUN_LABELS)
+        current.add_metric(list(self._labels), step)
+        opened = GaugeMetricFamily("steptrace_open_seconds", "Seconds since the open step was entered (between "
+                                   "steps: since the last one was left); span: where the training thread is now "
+                                   "(the innermost open span, 'step' for the step's own work, "
+                                   "'between_steps').", labels=_RUN_LABELS + ("span",))
+        opened.add_metric([*self._labels, span], seconds)
+        return [current, opened]
+
     # -- protocol ----------------------------------------------------------------------------------
 
     def force_flush(self, timeout_s: float) -> bool:
@@ -364,7 +441,8 @@ class PrometheusSink:
 
 
 class _Exposition:
-    """What ``/metrics`` serves: the sink's metrics without ``_created`` samples, plus the drop counters."""
+    """What ``/metrics`` serves: the sink's metrics without ``_created`` samples, the drop counters and
+    the training thread's position."""
 
     def __init__(self, sink: PrometheusSink):
         self._sink = sink
@@ -375,6 +453,7 @@ class _Exposition:
             family.samples = [s for s in family.samples if s.name != created]
             yield family
         yield self._sink._dropped_family()
+        yield from self._sink._position_families()
 
 
 def _bind_error(exc: OSError, addr: str, port: int, local_rank: int) -> ValueError:

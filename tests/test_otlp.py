@@ -487,7 +487,7 @@ def test_flush_keeps_its_timeout_while_the_endpoint_hangs(device):
 
 def test_endpoint_down_counts_drops_and_raises_nothing(device):
     """Nothing listens: every record sent to OTLP is counted under sink:otlp; training is unaffected.
-    (The metadata record is not sent over OTLP: its facts are the resource's.)"""
+    (The metadata and attempt records are not sent over OTLP: their facts are the resource's.)"""
     memory = MemorySink()
     steptrace.init(sinks=[memory], otlp_endpoint=f"http://127.0.0.1:{free_port()}", otlp_timeout_s=1,
                    jsonl=False, run_id=RUN, otlp_metrics_interval_s=0.2)
@@ -497,7 +497,8 @@ def test_endpoint_down_counts_drops_and_raises_nothing(device):
         with steptrace.step(n) as s:
             s.wait_for(device.run(0.002))
     steptrace.flush(timeout_s=10)
-    exported = len([r for r in memory.records if r["type"] != "metadata"])
+    # The attempt record is not sent either: its attempt number is on the resource.
+    exported = len([r for r in memory.records if r["type"] not in ("metadata", "attempt")])
     assert steptrace.stats()["dropped"] == {"sink:otlp": exported}
     start = time.monotonic()
     steptrace.shutdown(timeout_s=5)

@@ -470,11 +470,11 @@ def test_cli_plot_writes_png(small_run, tmp_path, capsys):
 def test_reason_colours_are_stable():
     # Built-in reasons have fixed colours; user reasons hash (crc32, not the
     # per-process salted hash()) into a palette distinct from the fixed ones.
-    assert palette._reason_colour("checkpoint") == "#d62728"
-    user = palette._reason_colour("my_span")
+    assert palette.reason_colour("checkpoint") == "#d62728"
+    user = palette.reason_colour("my_span")
     assert user in palette._USER_PALETTE
-    assert user not in palette._REASON_COLOURS.values()
-    assert palette._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
+    assert user not in palette.REASON_COLOURS.values()
+    assert palette.reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
         "checkpoint", "data", "alpha", "zeta", "other"]
 
 

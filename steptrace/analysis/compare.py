@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
-from steptrace.analysis.summary import _num, _present, percentile
+from steptrace.analysis.summary import as_number, present_values, percentile
 
 __all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "paired_block_test_p",
            "runs_test_p", "steady_steps", "t_test_p", "add_compare_arguments", "run_compare", "main"]
@@ -309,13 +309,13 @@ def runs_test_p(a: Sequence[float], b: Sequence[float]) -> float | None:
 # -- what is compared --------------------------------------------------------------------------
 def steady_steps(steps: Sequence[dict]) -> list[dict]:
     """The steady-state steps (see the module docstring)."""
-    ordered = sorted(steps, key=lambda s: _num(s.get("step")) or 0)
+    ordered = sorted(steps, key=lambda s: as_number(s.get("step")) or 0)
     steady = []
     for index, step in enumerate(ordered):
         if index == 0 or step.get("status") != "ok":
             continue
         breakdown = step.get("idle_breakdown") or {}
-        if any((_num(breakdown.get(reason)) or 0.0) > 0 for reason in UNSTEADY_REASONS):
+        if any((as_number(breakdown.get(reason)) or 0.0) > 0 for reason in UNSTEADY_REASONS):
             continue
         steady.append(step)
     return steady
@@ -360,26 +360,26 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def _loss(step: dict) -> float | None:
     scalars = step.get("scalars")
-    return _num(scalars.get("loss")) if isinstance(scalars, dict) else None
+    return as_number(scalars.get("loss")) if isinstance(scalars, dict) else None
 
 
 def _bubble(step: dict) -> float | None:
     ratios = step.get("pipeline_bubble_ratio")
     if not isinstance(ratios, dict) or not ratios:
         return None
-    values = [v for v in (_num(x) for x in ratios.values()) if v is not None]
+    values = [v for v in (as_number(x) for x in ratios.values()) if v is not None]
     return sum(values) / len(values) if values else None
 
 
 def _peak_memory(steps: Sequence[dict], key: str) -> float | None:
-    values = [_num((s.get("device_memory") or {}).get(key)) for s in steps]
+    values = [as_number((s.get("device_memory") or {}).get(key)) for s in steps]
     present = [v for v in values if v is not None]
     return max(present) if present else None
 
 
 def _compile_seconds(run: Run, rank: int, steps: Sequence[dict]) -> float:
-    spans = sum(_num(s.get("seconds")) or 0.0 for s in run.records("span", rank) if s.get("name") == "compile")
-    idle = sum(_num((s.get("idle_breakdown") or {}).get("compile")) or 0.0 for s in steps)
+    spans = sum(as_number(s.get("seconds")) or 0.0 for s in run.records("span", rank) if s.get("name") == "compile")
+    idle = sum(as_number((s.get("idle_breakdown") or {}).get("compile")) or 0.0 for s in steps)
     return max(spans, idle)
 
 
@@ -441,7 +441,7 @@ def _concurrent(a: _Side, b: _Side) -> bool:
         return False
     spans = []
     for side in (a, b):
-        times = [t for t in (_num(s.get("end_time")) for s in side.steady) if t is not None]
+        times = [t for t in (as_number(s.get("end_time")) for s in side.steady) if t is not None]
         if len(times) < 2:
             return False
         spans.append((min(times), max(times)))
@@ -472,7 +472,7 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     paired = len(As) == 1 and len(Bs) == 1 and _concurrent(As[0], Bs[0])
 
     def timed(side: _Side, steps: str, fn: Callable[[dict], float | None]) -> list[tuple[float, float]]:
-        pairs = ((_num(s.get("end_time")), fn(s)) for s in getattr(side, steps))
+        pairs = ((as_number(s.get("end_time")), fn(s)) for s in getattr(side, steps))
         return [(t, v) for t, v in pairs if t is not None and v is not None]
 
     def tested(metric, label, fn, summary, unit, lower, steps="steady"):
@@ -498,20 +498,20 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     single("loss_final", "final loss", lambda side: next((v for v in map(_loss, reversed(side.steps))
                                                           if v is not None), None))
     tested("loss_mean", "mean loss", _loss, _mean, "", True, steps="steps")
-    interval = lambda s: _num(s.get("interval_seconds"))  # noqa: E731
-    compute = lambda s: _num(s.get("compute_seconds"))  # noqa: E731
+    interval = lambda s: as_number(s.get("interval_seconds"))  # noqa: E731
+    compute = lambda s: as_number(s.get("compute_seconds"))  # noqa: E731
     tested("interval_median", "step interval, median", interval, _median, "s", True)
     tested("interval_mean", "step interval, mean", interval, _mean, "s", True)
     tested("compute_median", "compute, median", compute, _median, "s", True)
     tested("compute_mean", "compute, mean", compute, _mean, "s", True)
-    tested("tokens_per_second", "tokens/s", lambda s: _num(s.get("tokens_per_second")), _median, "", False)
-    tested("tflops_per_second", "TFLOP/s (compute time)", lambda s: _num(s.get("tflops_per_second")), _median,
+    tested("tokens_per_second", "tokens/s", lambda s: as_number(s.get("tokens_per_second")), _median, "", False)
+    tested("tflops_per_second", "TFLOP/s (compute time)", lambda s: as_number(s.get("tflops_per_second")), _median,
            "", False)
-    tested("mfu", "MFU", lambda s: _num(s.get("mfu")), _median, "", False)
+    tested("mfu", "MFU", lambda s: as_number(s.get("mfu")), _median, "", False)
 
     def goodput(side: _Side) -> float | None:
-        wall = sum(_present(side.steps, "interval_seconds"))
-        return sum(_present(side.steps, "compute_seconds")) / wall if wall > 0 else None
+        wall = sum(present_values(side.steps, "interval_seconds"))
+        return sum(present_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
 
     single("goodput", "goodput (all steps)", goodput, lower=False)
     reasons: set[str] = set()
@@ -520,10 +520,10 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
             reasons.update((step.get("idle_breakdown") or {}).keys())
     for reason in sorted(reasons):
         def idle_total(side: _Side, reason: str = reason) -> float:
-            return sum(_num((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
+            return sum(as_number((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
         single(f"idle_{reason}", f"idle: {reason} (total)", idle_total, "s")
-    blocking_a = [v for v in (_present(side.checkpoints, "blocking_seconds") for side in As) if v]
-    blocking_b = [v for v in (_present(side.checkpoints, "blocking_seconds") for side in Bs) if v]
+    blocking_a = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in As) if v]
+    blocking_b = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in Bs) if v]
     if blocking_a or blocking_b:
         # Saves are far apart: each is its own sample (blocks of one).
         rows.append(_tested("checkpoint_blocking", "checkpoint blocking, mean", blocking_a or [[]],
@@ -535,7 +535,7 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
            lambda side: _peak_memory(side.steps, "peak_percent"), "%")
     tested("bubble", "pipeline bubble", _bubble, _mean, "", True)
     if all(side.cluster for side in As + Bs):
-        skew = lambda s: _num(s.get("skew_seconds"))  # noqa: E731
+        skew = lambda s: as_number(s.get("skew_seconds"))  # noqa: E731
         rows.append(_tested("skew", "cross-rank skew, median", [_per_step(side.cluster, skew) for side in As],
                             [_per_step(side.cluster, skew) for side in Bs], _median, "s", True, alpha,
                             min_effect))
@@ -656,7 +656,7 @@ def plot_intervals(run_a: Run, run_b: Run, path: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run, name in ((run_a, "A"), (run_b, "B")):
-        values = sorted(_present(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
+        values = sorted(present_values(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
         if values:
             ax.step([v * 1e3 for v in values], [(i + 1) / len(values) for i in range(len(values))],
                     where="post", label=f"{name}: {run.run_id}")

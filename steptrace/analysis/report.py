@@ -19,9 +19,10 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
+from steptrace.analysis.goodput import BUCKETS, job_accounting
 from steptrace.analysis.plotting import plot_timeline
-from steptrace.analysis.runs import Run, RunDirError, _ranks_reporting, find_run, load_run
-from steptrace.analysis.summary import _num, _pct, percentile, summarize, summarize_cluster
+from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
+from steptrace.analysis.summary import as_number, percent_text, percentile, summarize, summarize_cluster
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -71,7 +72,7 @@ def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None,
     if why is None:
         def why(item: dict) -> bool:
             breakdown = item.get("idle_breakdown")
-            return isinstance(breakdown, dict) and any((_num(breakdown.get(r)) or 0) > 0 for r in NOTABLE_REASONS)
+            return isinstance(breakdown, dict) and any((as_number(breakdown.get(r)) or 0) > 0 for r in NOTABLE_REASONS)
     chosen: dict[int, str] = {}
 
     def keep(indices: "Any", reason: str) -> None:
@@ -83,8 +84,8 @@ def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None,
     keep([0], "first")
     keep([i for i, item in enumerate(items) if item.get("status") not in ("ok", None)], "failed")
     keep([i for i, item in enumerate(items) if why(item)], "checkpoint/eval/compile")
-    by_time = sorted((i for i, item in enumerate(items) if _num(item.get(slow_key)) is not None),
-                     key=lambda i: -(_num(items[i].get(slow_key)) or 0.0))
+    by_time = sorted((i for i, item in enumerate(items) if as_number(item.get(slow_key)) is not None),
+                     key=lambda i: -(as_number(items[i].get(slow_key)) or 0.0))
     keep([i for i in by_time if i not in chosen][:SLOWEST_KEPT], "slowest")
     rest = [i for i in range(len(items)) if i not in chosen]
     room = max_rows - len(chosen)
@@ -114,7 +115,7 @@ def _add_rows(table, items: list[dict], max_rows: int, add, *, why: "Any" = None
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
     """Format a number, or an em dash for missing values."""
-    number = _num(value)
+    number = as_number(value)
     return "—" if number is None else format(number, spec)
 
 
@@ -128,7 +129,7 @@ def _top_reasons(breakdown: Any, limit: int = 3) -> str:
     """
     if not isinstance(breakdown, dict):
         return ""
-    items = [(k, _num(v)) for k, v in breakdown.items()]
+    items = [(k, as_number(v)) for k, v in breakdown.items()]
     items = sorted(((k, v) for k, v in items if v and v >= 0.005), key=lambda kv: -kv[1])
     return ", ".join(f"{k} {v:.2f}" for k, v in items[:limit])
 
@@ -148,7 +149,7 @@ def _status_cell(step: dict) -> str:
 
 
 def _has(items: list[dict], key: str) -> bool:
-    return any(_num(item.get(key)) is not None for item in items)
+    return any(as_number(item.get(key)) is not None for item in items)
 
 
 def _step_table(steps: list[dict], rank: int, max_rows: int):
@@ -168,7 +169,7 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
     if _has(steps, "tflops_per_second"):
         columns.append(("TFLOP/s", lambda step: _fmt(step.get("tflops_per_second"), ".2f")))
     if _has(steps, "mfu"):
-        columns.append(("MFU", lambda step: _pct(_num(step.get("mfu")))))
+        columns.append(("MFU", lambda step: percent_text(as_number(step.get("mfu")))))
     columns.append(("status", _status_cell))
     for name, _ in columns:
         if name == "top idle reasons":
@@ -218,9 +219,9 @@ def _summary_panel(summary: dict, title: str):
     errors = summary["error_steps"]
     error_text = f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else ""
     grid.add_row("steps", str(summary["steps"]), error_text)
-    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "sum of step intervals")
+    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "step intervals + time before the first step")
     grid.add_row("compute", f"{summary['compute_seconds']:.3f} s", "")
-    grid.add_row("goodput", _pct(summary["goodput"]), "compute / wall")
+    grid.add_row("goodput", percent_text(summary["goodput"]), "compute / wall")
     grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
     # Rates nobody gave the inputs for (tokens, flops, peak TFLOP/s) are left out, not dashes.
@@ -229,7 +230,7 @@ def _summary_panel(summary: dict, title: str):
     if summary["tflops_per_second"] is not None:
         grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"), "per second of compute")
     if summary["mfu"] is not None:
-        grid.add_row("MFU", _pct(summary["mfu"]), "mean over steps")
+        grid.add_row("MFU", percent_text(summary["mfu"]), "mean over steps")
     for name, value in summary.get("scalars", {}).items():
         grid.add_row(name, _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
     if summary.get("memory_peak_bytes") is not None:
@@ -246,6 +247,49 @@ def _summary_panel(summary: dict, title: str):
         share = f"{seconds / wall * 100:.1f}% of wall" if wall > 0 else ""
         grid.add_row(f"idle: {escape(reason)}", f"{seconds:.3f} s", share)
     return Panel(grid, title=title, title_align="left", expand=False)
+
+
+def _attempts_table(job: dict, rank: int):
+    from rich.table import Table
+
+    table = Table(title=f"Attempts (rank {rank}): each process start of the run", title_justify="left")
+    for name in ("attempt", "steps", "first", "last", "wasted steps", "seconds", "productive s", "startup s",
+                 "ended"):
+        table.add_column(name, justify="left" if name == "ended" else "right")
+    for attempt in job["attempts"]:
+        ended = attempt["status"]
+        table.add_row(str(attempt["attempt"]), str(attempt["steps"]), str(attempt["first_step"]),
+                      str(attempt["last_step"]), str(attempt["wasted_steps"]), f"{attempt['seconds']:.3f}",
+                      f"{attempt['productive_seconds']:.3f}", f"{attempt['badput']['startup']:.3f}",
+                      ended if ended == "clean" else f"[yellow]{ended}[/]")
+    return table
+
+
+def _job_panel(job: dict, rank: int):
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(justify="right")
+    grid.add_column()
+    total = job["total_seconds"]
+
+    def share(seconds: float) -> str:
+        return f"{seconds / total * 100:.1f}% of the job" if total > 0 else ""
+
+    grid.add_row("job wall", f"{total:.3f} s", "first process start → last record, every attempt")
+    grid.add_row("productive", f"{job['productive_seconds']:.3f} s", f"goodput {percent_text(job['goodput'])}")
+    for bucket in BUCKETS:
+        seconds = job["badput"][bucket]
+        if seconds > 0:
+            detail = share(seconds)
+            if bucket == "custom" and job["custom"]:
+                detail += " (" + ", ".join(f"{escape(k)} {v:.2f}" for k, v in job["custom"].items()) + ")"
+            grid.add_row(f"badput: {bucket}", f"{seconds:.3f} s", detail)
+    return Panel(grid, title=f"Job goodput across attempts (rank {rank}; docs/goodput.md)", title_align="left",
+                 expand=False)
 
 
 def _rank_table(run: Run):
@@ -268,7 +312,7 @@ def _rank_table(run: Run):
             str(rank),
             str(s["steps"]),
             f"{s['wall_seconds']:.3f}",
-            _pct(s["goodput"]),
+            percent_text(s["goodput"]),
             _fmt(s["compute_p50"]),
             *(_fmt(s[key], ",.0f" if key == "tokens_per_second" else ".2f") for key in rates),
             f"{escape(top[0])} {top[1]:.2f}" if top else "",
@@ -287,7 +331,7 @@ def _cluster_table(steps: list[dict], max_rows: int):
     table.add_column("missing ranks")
 
     def add(step: dict) -> None:
-        reporting = _ranks_reporting(step)
+        reporting = ranks_reporting(step)
         world = step.get("world_size")
         ranks = f"{reporting}/{world}" if isinstance(world, int) else str(reporting)
         missing = step.get("missing_ranks") if isinstance(step.get("missing_ranks"), list) else []
@@ -331,7 +375,7 @@ def _cluster_panel(summary: dict):
     grid.add_row("skew p50 / p90", f"{_fmt(summary['skew_p50'])} / {_fmt(summary['skew_p90'])} s",
                  "max − min compute over ranks, complete steps")
     grid.add_row("skew max", f"{_fmt(summary['skew_max'])} s", "")
-    grid.add_row("goodput", _pct(summary["goodput"]), "all ranks: Σcompute / Σinterval")
+    grid.add_row("goodput", percent_text(summary["goodput"]), "all ranks: Σcompute / Σinterval")
     for rank, count in list(summary["straggler_steps"].items())[:8]:
         share = f"{count / complete * 100:.0f}% of complete steps" if complete else ""
         grid.add_row(f"straggler: rank {rank}", f"{count} step{'' if count == 1 else 's'}", share)
@@ -385,6 +429,10 @@ def render_report(
         if checkpoints:
             console.print(_checkpoint_table(checkpoints, rank))
         console.print(_summary_panel(summary, f"Summary (rank {rank})"))
+        job = job_accounting(run.records_by_rank.get(rank, []))
+        if len(job["attempts"]) > 1:
+            console.print(_attempts_table(job, rank))
+            console.print(_job_panel(job, rank))
         if len(run.ranks) > 1:
             console.print(_rank_table(run))
     elif rank is not None:
@@ -473,6 +521,8 @@ def run_report(args: argparse.Namespace) -> int:
             "warnings": run.warnings,
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
+            # every second of the job across attempts (docs/goodput.md); null without rank files
+            "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
         }
         print(json.dumps(payload, indent=2))
     else:
