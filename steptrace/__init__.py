@@ -123,7 +123,8 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     ``enabled``, ``run_dir``, ``run_id``, ``rank``, ``world_size``,
     ``local_rank``, ``backend`` (``"auto"``, ``"host"``, ``"jax"``,
     ``"torch"`` or a device object such as ``testing.SimulatedDevice``),
-    ``peak_tflops`` (for MFU), ``strict`` (misuse raises instead of warning),
+    ``peak_tflops`` (for MFU and HFU; else the table for the device kind), ``flops``
+    (``"auto"``: every step's hardware FLOPs from the compiler), ``strict`` (misuse raises instead of warning),
     ``annotate`` (profiler annotations), ``max_queue``, ``shutdown_timeout_s``,
     ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on; rotated at
     ``jsonl_max_bytes``, default 256 MiB).
@@ -206,19 +207,21 @@ def _build_sinks(config: Config) -> list[Any]:
     return built
 
 
-def step(n: int, *, tokens: int | float | None = None, flops: int | float | None = None,
+def step(n: int, *, tokens: int | float | None = None, flops: int | float | str | None = None,
          samples: int | float | None = None, **attrs: Any) -> Any:
     """Time training step ``n`` (a context manager). Step numbers must increase.
 
-    ``tokens``/``samples`` processed and ``flops`` executed by this rank's
-    device in the step give tokens/s (from the interval) and TFLOP/s (from
-    device compute time). Extra keyword arguments are recorded as ``attrs``.
+    ``tokens``/``samples`` processed by this rank in the step give tokens/s (from the
+    interval). ``flops``: the model FLOPs of the step on this rank's device (MFU's numerator),
+    or ``"auto"``: the hardware FLOPs the device executed, from the compiler (XLA cost analysis,
+    torch's FLOP counter; HFU's numerator); TFLOP/s is over device compute time (docs/flops.md).
+    Extra keyword arguments are recorded as ``attrs``.
     Inside the block call ``s.wait_for(outputs)`` with the step's device outputs.
     """
     return _active.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
 
 
-def begin_step(n: int, *, tokens: int | float | None = None, flops: int | float | None = None,
+def begin_step(n: int, *, tokens: int | float | None = None, flops: int | float | str | None = None,
                samples: int | float | None = None, **attrs: Any) -> Any:
     """Open step ``n`` without re-indenting a loop: the same step as ``with steptrace.step(n)``,
     closed by :func:`end_step`. Returns the step's handle (``.wait_for``, ``.log``). Opening a

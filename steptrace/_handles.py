@@ -95,6 +95,8 @@ class HandleRuntime(Protocol):
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
                    marker: tuple[Any, Any, float] | None = None) -> None: ...
     def take_closed_spans(self) -> list[ClosedSpan]: ...
+    def flops_enter(self, step: "StepHandle") -> None: ...  # flops="auto": its counters start
+    def flops_exit(self, step: "StepHandle") -> None: ...  # ...and give its hardware FLOPs
 
 
 class StepHandle(TimedUnit):
@@ -111,6 +113,10 @@ class StepHandle(TimedUnit):
     #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
     scalars: dict[str, Any] | None = None
     _annotation: Any = None
+    #: flops="auto": the runtime's FLOP counters look at this step (hardware FLOPs, with their source)
+    auto_flops = False
+    hardware_flops: float | None = None
+    flops_source: str | None = None
 
     def __init__(self, rt: "HandleRuntime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
         self._rt = rt
@@ -130,6 +136,8 @@ class StepHandle(TimedUnit):
         rt.current = self
         if rt.annotate is not None:
             self._annotation = rt.annotate(self.step)
+        if self.auto_flops:
+            rt.flops_enter(self)
         self.host_start = self.dispatch = _perf()
         device = rt.backends.stream_for_unit()
         if device is not None:
@@ -201,6 +209,8 @@ class StepHandle(TimedUnit):
         if self.device.uses_events:
             rt.end_marker(self)
         end = _perf()
+        if self.auto_flops:
+            rt.flops_exit(self)
         if exc_type is not None:
             self.status = "error"
             self.error = f"{exc_type.__name__}: {exc}"

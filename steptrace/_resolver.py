@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
+from steptrace import _peaks
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
@@ -114,6 +115,9 @@ class Resolver:
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
         self._queue: collections.deque[Any] = collections.deque()
+        self._emit_lock = threading.Lock()
+        #: Told each finalized step's interval (the stall watch's pace), when one runs.
+        self.on_step_interval: Any = None
         self._wake = Wakeup()
         self._sleeping = False
         self._stopping = False
@@ -134,6 +138,8 @@ class Resolver:
         # This process start of the run, written first (the step records of a crashed attempt
         # still say which attempt they belong to, and the accounting when it started).
         self._queue.append(AttemptStart(self.started, config.attempt_source))
+        self._device_kind: str | None = None
+        self._warned_no_peak = False
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -326,7 +332,11 @@ class Resolver:
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 
-            self._emit([self.records.metadata(start=item.host_start, facts=_metadata.collect(item.tags))])
+            facts = _metadata.collect(item.tags)
+            self._device_kind = facts["devices"].get("kind")
+            peak = _peaks.lookup(self._device_kind)
+            self.records.set_peak(peak.tflops * 1e12 if peak is not None else None)
+            self._emit([self.records.metadata(start=item.host_start, facts=facts)])
         elif isinstance(item, _Tail):
             for span in item.spans:
                 self._release_span_marker(span)
@@ -337,9 +347,16 @@ class Resolver:
     def _emit(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not records:
             return
-        self.records_emitted += len(records)
-        for worker in self.sinks:
-            worker.offer(records)
+        with self._emit_lock:  # the stall watch emits from its own thread
+            self.records_emitted += len(records)
+            for worker in self.sinks:
+                worker.offer(records)
+
+    def emit_now(self, records: list[dict[str, Any]]) -> None:
+        """Hand records straight to the sinks from another thread (the stall watch): the resolver
+        may be the thing that is stuck, waiting on a device that never finishes."""
+        if not self._stopping:
+            self._emit(records)
 
     def _unit_end(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float | None, str]:
         """When the unit's device work started and ended: (device start or None, end or None, end_source).
@@ -465,6 +482,8 @@ class Resolver:
         # Nothing that ended before this step's end can cover a later idle window.
         self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
+        if self.on_step_interval is not None:
+            self.on_step_interval(timing.interval_seconds)
         self._step_ends[step.step] = timing.end
         if len(self._step_ends) > _STEP_ENDS_KEPT:
             self._step_ends.popitem(last=False)
@@ -545,11 +564,19 @@ class Resolver:
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
                      mb_compute: list[tuple[Any, float, float]], end_source: str) -> StepRecord:
+        if self.records.peak_flops is None and not self._warned_no_peak and (
+                step.flops is not None or step.hardware_flops is not None):
+            # Never a guessed peak (another device's): no MFU, said once.
+            self._warned_no_peak = True
+            log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
+                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to the device's "
+                        "dense bf16 TFLOP/s", self._device_kind)
         return self.records.step(
             step=step.step, status=step.status, error=step.error, backend=step.device.name,
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
             dispatch=step.dispatch, timing=timing, segments=segments, breakdown=attribution.breakdown(segments),
             tokens=step.tokens, samples=step.samples, flops=step.flops, attrs=step.attrs,
+            hardware_flops=step.hardware_flops, flops_source=step.flops_source,
             bubble=attribution.bubble_ratios(timing.start, mb_compute) if mb_compute else None,
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),

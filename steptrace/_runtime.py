@@ -42,6 +42,7 @@ class Runtime:
     def __init__(self, config: Config, resolver: Resolver, backends: Backends):
         self.config = config
         self.strict = config.strict
+        self.auto_flops = config.flops == "auto"
         self.resolver = resolver
         self.backends = backends
         self.current: StepHandle | None = None
@@ -56,6 +57,19 @@ class Runtime:
         self._setup_done = False
         self._device_errors = 0
         self.active = True
+        #: flops="auto": what counts hardware FLOPs (set up at the first such step; see _devices)
+        self.flop_counters: list[Any] | None = None
+        self._auto_steps = 0
+        self._auto_counted = False
+        self.stall_watch: Any = None
+        if config.stall_watch:
+            from steptrace._stall import StallWatch
+
+            self.stall_watch = StallWatch(position=self.position, train_thread=lambda: self.train_thread,
+                                          emit=resolver.emit_now, build=resolver.records,
+                                          unix_offset=resolver.unix_offset, factor=config.stall_factor,
+                                          min_s=config.stall_min_s)
+            resolver.on_step_interval = self.stall_watch.step_finalized
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
@@ -135,6 +149,35 @@ class Runtime:
         if moved is not None:
             current.dispatch = moved
 
+    def flops_enter(self, step: StepHandle) -> None:
+        """A flops="auto" step opens: its counters start (training thread; a failure is never the loop's)."""
+        counters = self.flop_counters
+        if counters is None:
+            counters = self.flop_counters = self.backends.flop_counters(self)
+        for counter in counters:
+            try:
+                counter.enter(step)
+            except Exception:
+                pass
+
+    def flops_exit(self, step: StepHandle) -> None:
+        """A flops="auto" step closes: every counter stops; the first that knows gives the step's
+        hardware FLOPs and their source."""
+        for counter in self.flop_counters or ():
+            try:
+                flops = counter.exit(step)
+            except Exception:
+                continue
+            if flops is not None and step.hardware_flops is None:
+                step.hardware_flops, step.flops_source = flops, counter.source
+                self._auto_counted = True
+        self._auto_steps += 1
+        if self._auto_steps == 3 and not self._auto_counted:
+            misuse("flops='auto': no hardware FLOPs after 3 steps. JAX: the step's program must be compiled "
+                   "inside a step (steptrace reads XLA's cost analysis as it compiles), not in a warm-up "
+                   "call before the loop; PyTorch: its operators run inside the step. Pass "
+                   "step(n, flops=<model FLOPs>) otherwise (docs/flops.md)", strict=False, stacklevel=5)
+
     def take_closed_spans(self) -> list[ClosedSpan]:
         closed, self.closed_spans = self.closed_spans, []
         return closed
@@ -163,11 +206,18 @@ class Runtime:
             tokens = self._number("tokens", tokens)
         elif tokens is not None and tokens < 0:
             tokens = self._number("tokens", tokens)
+        auto = self.auto_flops
         if flops is not None:
-            flops = self._number("flops", flops)
+            if type(flops) is str and flops == "auto":
+                auto, flops = True, None
+            else:
+                flops = self._number("flops", flops)
         if samples is not None:
             samples = self._number("samples", samples)
-        return StepHandle(self, n, tokens, flops, samples, attrs)
+        handle = StepHandle(self, n, tokens, flops, samples, attrs)
+        if auto:
+            handle.auto_flops = True
+        return handle
 
     def _number(self, field: str, value: Any) -> float | int | None:
         # Only plain numbers: float() on a device array would synchronise the device.
@@ -295,6 +345,8 @@ class Runtime:
 
     def shutdown(self, timeout_s: float) -> bool:
         self.active = False
+        if self.stall_watch is not None:
+            self.stall_watch.close()
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
             step = self.current

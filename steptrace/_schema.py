@@ -15,14 +15,12 @@ places them in records. A leaf module: it imports nothing from steptrace but ``_
 
 from __future__ import annotations
 
-import math
-
 from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 
 from steptrace._ids import trace_id_hex
 
 
-RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "run")
+RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "stall", "stall_end", "run")
 
 # -- drop reasons: records that never reached a sink, counted (stats()["dropped"], the run
 # record, steptrace_dropped_records_total, steptrace.dropped_records) ------------------------
@@ -111,11 +109,16 @@ class StepRecord(_Common):
     idle_segments: list[list[Any]]  # [reason, start_time, end_time]
     tokens: float | None
     samples: float | None
-    flops: float | None
+    flops: float | None  # the count tflops_per_second is of: hardware_flops where measured, else model_flops
+    model_flops: float | None  # step(n, flops=<number>): what the model needs (MFU's numerator)
+    hardware_flops: float | None  # flops="auto": what the device executed, from the compiler (HFU's)
+    flops_source: str | None  # where hardware_flops come from: "xla_cost_analysis" | "torch_flop_counter"
+    peak_flops: float | None  # the device's dense bf16 peak, FLOP/s (config peak_tflops, else the table)
     tokens_per_second: float | None
     samples_per_second: float | None
     tflops_per_second: float | None
-    mfu: float | None
+    mfu: float | None  # model_flops / compute_seconds / peak_flops
+    hfu: float | None  # hardware_flops / compute_seconds / peak_flops
     attrs: dict[str, Any]
     pipeline_bubble_ratio: NotRequired[dict[str, float]]  # stage -> ratio, steps with microbatches
     optimizer_seconds: NotRequired[float]  # device time after the last microbatch, steps with microbatches
@@ -188,6 +191,29 @@ class AttemptRecord(_Common):
     hostname: str
 
 
+class StallRecord(_Common):
+    """The rank stopped moving for longer than its threshold: where every thread's Python was."""
+
+    step: int  # the open step, or (between steps) the last one entered
+    in_step: bool
+    span: str | None  # the innermost span or checkpoint open since the step boundary
+    start_time: float  # when the step was entered (in_step) or the last one left
+    open_seconds: float  # how long it had been open when the watch noticed
+    threshold_seconds: float
+    threads: list[dict[str, Any]]  # name, training, frames [[file, line, function], ...], frames_left_out
+    collectives: list[dict[str, Any]] | None  # NCCL flight recorder entries, where available
+
+
+class StallEndRecord(_Common):
+    """The stalled rank moved again."""
+
+    step: int
+    in_step: bool
+    span: str | None
+    start_time: float
+    lasted_seconds: float
+
+
 class RunRecord(_Common):
     world_size: int
     steps: int
@@ -200,10 +226,11 @@ def _per_second(amount: float | None, seconds: float) -> float | None:
     return amount / seconds if amount is not None and seconds > 0 else None
 
 
-def _positive(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    return None
+def _utilization(flops: float | None, compute_seconds: float, per: float | None) -> float | None:
+    """FLOPs per second of compute, divided by ``per`` (1e12 for TFLOP/s, the peak for MFU/HFU)."""
+    if flops is None or not per or compute_seconds <= 0:
+        return None
+    return flops / compute_seconds / per
 
 
 class RecordBuilder:
@@ -216,8 +243,15 @@ class RecordBuilder:
         self.rank = rank
         self.attempt = attempt
         self.world_size = world_size
-        self.peak_tflops = peak_tflops
+        #: The device's peak FLOP/s for MFU and HFU: the configured one, else the table's for the
+        #: device kind (set_peak, once the resolver knows the device), else None (no MFU).
+        self.peak_flops = peak_tflops * 1e12 if peak_tflops else None
         self.unix_offset = unix_offset
+
+    def set_peak(self, peak_flops: float | None) -> None:
+        """The device's peak from the table, unless one is configured."""
+        if self.peak_flops is None:
+            self.peak_flops = peak_flops
 
     def step(self, *, step: int, status: str, error: str | None, backend: str, end_source: str,
              host_start: float, host_end: float, dispatch: float, timing: Any,
@@ -225,13 +259,15 @@ class RecordBuilder:
              samples: float | None, flops: float | None, attrs: dict[str, Any],
              bubble: dict[str, float] | None, optimizer_seconds: float | None = None,
              scalars: dict[str, float] | None = None,
-             device_memory: dict[str, float] | None = None) -> StepRecord:
+             device_memory: dict[str, float] | None = None, hardware_flops: float | None = None,
+             flops_source: str | None = None) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
-        tflops = flops / compute / 1e12 if flops is not None and compute > 0 else None
-        # MFU's peak: the configured one, else one the step was given (a framework hook that
-        # knows the device, e.g. the Megatron hooks' table of bf16 dense peaks).
-        peak = self.peak_tflops or _positive(attrs.get("peak_tflops"))
+        model_flops = flops
+        if hardware_flops is None:
+            flops_source = None
+        counted = hardware_flops if hardware_flops is not None else model_flops
+        peak = self.peak_flops
         record: StepRecord = {
             "type": "step", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
             "world_size": self.world_size,
@@ -242,11 +278,14 @@ class RecordBuilder:
             "interval_seconds": interval, "compute_seconds": compute, "idle_seconds": timing.idle_seconds,
             "idle_breakdown": breakdown,
             "idle_segments": [[s.name, s.start + off, s.end + off] for s in segments],
-            "tokens": tokens, "samples": samples, "flops": flops,
+            "tokens": tokens, "samples": samples, "flops": counted,
+            "model_flops": model_flops, "hardware_flops": hardware_flops, "flops_source": flops_source,
+            "peak_flops": peak,
             "tokens_per_second": _per_second(tokens, interval),
             "samples_per_second": _per_second(samples, interval),
-            "tflops_per_second": tflops,
-            "mfu": tflops / peak if tflops is not None and peak else None,
+            "tflops_per_second": _utilization(counted, compute, 1e12),
+            "mfu": _utilization(model_flops, compute, peak),
+            "hfu": _utilization(hardware_flops, compute, peak),
             "attrs": attrs,
         }
         if error is not None:
@@ -318,6 +357,18 @@ class RecordBuilder:
                 "world_size": self.world_size, "start_time": process_start, "init_time": init_time + self.unix_offset,
                 "attempt_source": source, "pid": pid, "hostname": hostname}
 
+    def stall(self, *, step: int, in_step: bool, span: str | None, open_seconds: float, threshold_seconds: float,
+              start: float, threads: list[dict[str, Any]], collectives: list[dict[str, Any]] | None) -> StallRecord:
+        """``start`` is unix seconds already (the watch converts)."""
+        return {"type": "stall", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+                "in_step": in_step, "span": span, "start_time": start, "open_seconds": open_seconds,
+                "threshold_seconds": threshold_seconds, "threads": threads, "collectives": collectives}
+
+    def stall_end(self, *, step: int, in_step: bool, span: str | None, start: float,
+                  lasted_seconds: float) -> StallEndRecord:
+        return {"type": "stall_end", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+                "in_step": in_step, "span": span, "start_time": start, "lasted_seconds": lasted_seconds}
+
     def run(self, *, steps: int, dropped: dict[str, int], background_cpu_seconds: dict[str, float],
             device_clock: dict[str, Any] | None) -> RunRecord:
         record: RunRecord = {
@@ -332,7 +383,8 @@ class RecordBuilder:
 
 def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
-    cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
+    cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "stall": StallRecord,
+           "stall_end": StallEndRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
            "checkpoint": CheckpointRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

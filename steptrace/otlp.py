@@ -50,8 +50,9 @@ a bounded queue). Per rank and step ``n``::
   ``train.rank``, ``train.step``. ``train.step`` adds ``train.world_size``,
   ``train.status``, ``train.error``, ``train.backend``, ``train.interval_seconds``,
   ``train.compute_seconds``, ``train.idle_seconds``, ``train.idle.<reason>_seconds``,
-  ``train.tokens``, ``train.samples``, ``train.flops``, ``train.tokens_per_second``,
-  ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``,
+  ``train.tokens``, ``train.samples``, ``train.flops``, ``train.model_flops``,
+  ``train.hardware_flops``, ``train.flops_source``, ``train.peak_flops``, ``train.tokens_per_second``,
+  ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``, ``train.hfu``,
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
   attributes). ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
@@ -81,7 +82,8 @@ Every point carries ``train.run_id`` and ``train.rank``. Histograms with explici
 ``steptrace.tokens``, ``steptrace.dropped_records`` (``train.drop.reason``,
 observed from the run's drop counters). Gauges (last step):
 ``steptrace.tokens_per_second``, ``steptrace.tflops_per_second``,
-``steptrace.mfu``, ``steptrace.goodput_ratio`` (Σcompute / Σinterval over the
+``steptrace.mfu`` and ``steptrace.hfu`` with their parts (``steptrace.model_flops``,
+``steptrace.hardware_flops``, ``steptrace.peak_flops``), ``steptrace.goodput_ratio`` (Σcompute / Σinterval over the
 last ``goodput_window_steps`` steps), ``steptrace.pipeline.bubble_ratio``
 (``train.stage``).
 
@@ -300,7 +302,11 @@ class _Metrics:
         for name, unit, description in (
                 ("tokens_per_second", "{token}/s", "Tokens per second of interval, last step"),
                 ("tflops_per_second", "TFLOP/s", "TFLOP/s per device over compute time, last step"),
-                ("mfu", "1", "Model FLOPs utilisation, last step"),
+                ("model_flops", "{FLOP}", "Model FLOPs per device, last step"),
+                ("hardware_flops", "{FLOP}", "Hardware FLOPs per device (from the compiler), last step"),
+                ("peak_flops", "{FLOP}/s", "The device's dense bf16 peak MFU and HFU divide by"),
+                ("mfu", "1", "Model FLOPs utilisation, last step: model FLOPs / compute / peak"),
+                ("hfu", "1", "Hardware FLOPs utilisation, last step: hardware FLOPs / compute / peak"),
                 ("goodput_ratio", "1", "Σcompute / Σinterval over the last goodput_window_steps steps")):
             meter.create_observable_gauge(
                 f"steptrace.{name}", unit=unit, description=description,
@@ -338,7 +344,8 @@ class _Metrics:
                 tokens = r.get("tokens")
                 if tokens is not None:
                     self._tokens = tokens if self._tokens is None else self._tokens + tokens
-                for field in ("tokens_per_second", "tflops_per_second", "mfu"):
+                for field in ("tokens_per_second", "tflops_per_second", "model_flops", "hardware_flops",
+                              "peak_flops", "mfu", "hfu"):
                     if r.get(field) is not None:
                         self._last[field] = r[field]
                 if interval is not None and compute is not None:
@@ -502,6 +509,8 @@ class OtlpSink:
             spans = [self._microbatch_span(record)]
         elif kind == "checkpoint":
             spans = [self._checkpoint_span(record)]
+        elif kind in ("stall", "stall_end"):
+            spans = [self._stall_span(record)]
         else:
             spans = []
         # Metrics after the spans: a record that fails above leaves no half-recorded metrics.
@@ -613,7 +622,8 @@ class OtlpSink:
         attrs = self._attrs(n)
         _put(attrs, ATTR_WORLD_SIZE, r.get("world_size", self.world_size))
         for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
-                    "samples", "flops", "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu"):
+                    "samples", "flops", "model_flops", "hardware_flops", "flops_source", "peak_flops",
+                    "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu"):
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
             _put(attrs, f"train.idle.{reason}_seconds", seconds)
@@ -694,6 +704,36 @@ class OtlpSink:
         return self._span("train.checkpoint", trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
                           span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]),
                           attrs, error)
+
+
+    def _stall_span(self, r: dict[str, Any]) -> ReadableSpan:
+        """A stall (or its end) on the stalled step's trace: where the training thread was, as text."""
+        n = r["step"]
+        attrs = self._attrs(n)
+        _put(attrs, "train.stall.in_step", r.get("in_step"))
+        _put(attrs, "train.stall.span", r.get("span"))
+        start = r["start_time"]
+        if r["type"] == "stall":
+            seconds = r.get("open_seconds") or 0.0
+            _put(attrs, "train.stall.open_seconds", seconds)
+            _put(attrs, "train.stall.threshold_seconds", r.get("threshold_seconds"))
+            train = next((t for t in r.get("threads") or () if t.get("training")), None)
+            if train is not None:
+                lines = [f"{path}:{line} in {function}" for path, line, function in train.get("frames", [])[-24:]]
+                _put(attrs, "train.stall.stack", "\n".join(lines)[-_STACK_ATTR_CHARS:])
+            name, role = "train.stall", f"stall/{round(start * 1e6)}"
+        else:
+            seconds = r.get("lasted_seconds") or 0.0
+            _put(attrs, "train.stall.lasted_seconds", seconds)
+            name, role = "train.stall_end", f"stall_end/{round(start * 1e6)}"
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span(name, trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(start), _ns(start + seconds), attrs,
+                          "stalled" if name == "train.stall" else None)
+
+
+#: The stalled training thread's innermost frames, as one attribute of at most this many characters.
+_STACK_ATTR_CHARS = 4096
 
 
 def _resource(service_name: str | None, instance_id: str) -> Resource:

@@ -27,7 +27,10 @@ name                                                   type       extra labels
 ``steptrace_tokens_total``                             counter
 ``steptrace_tokens_per_second``                        gauge
 ``steptrace_tflops_per_second``                        gauge      (per device)
-``steptrace_mfu``                                      gauge      (only with ``peak_tflops``)
+``steptrace_step_flops``                               gauge      ``kind`` (model, hardware; per device)
+``steptrace_peak_flops``                               gauge      (FLOP/s per device, with a known peak)
+``steptrace_mfu``                                      gauge      (with a peak: configured or the table's)
+``steptrace_hfu``                                      gauge      (with a peak and hardware FLOPs)
 ``steptrace_goodput_ratio``                            gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
@@ -41,6 +44,7 @@ name                                                   type       extra labels
 ``steptrace_step_interval_median_seconds``             gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_current_step``                             gauge      (read at scrape time)
 ``steptrace_attempt``                                  gauge      (which process start of the run)
+``steptrace_stall_seconds``                            gauge      ``span`` (0 unless a stall is open)
 ``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
 =====================================================  =========  ======================
 
@@ -128,6 +132,7 @@ class PrometheusSink:
         self._usual_drops: dict[str, int] = dict.fromkeys(usual_drop_reasons((self.name,)), 0)
         self._position: Callable[[], tuple[int, bool, float, str | None] | None] | None = None
         self._position_failed = False
+        self._stalled: tuple[int, bool] | None = None  # the stall the watch reported, until its end
         self._span_names: set[str] = set()
         self._span_lock = threading.Lock()
         # The recent intervals the median gauge reads (the goodput window's length).
@@ -194,10 +199,18 @@ class PrometheusSink:
         self._tflops = Gauge("steptrace_tflops_per_second",
                              "TFLOP/s per device over device compute time in the last step.", run, registry=reg)
         self._peak_tflops = peak_tflops
-        self._mfu = None
-        if peak_tflops is not None:
-            self._mfu = Gauge("steptrace_mfu", f"Model FLOPs utilization in the last step (TFLOP/s per device "
-                              f"/ peak {peak_tflops:g}).", run, registry=reg)
+        # The parts travel with the ratios: MFU = model FLOPs / compute / peak, HFU the same of
+        # hardware FLOPs, each part a series of its own.
+        self._step_flops = Gauge("steptrace_step_flops", "FLOPs per device in the last step: model (what the "
+                                 "model needs) and hardware (what the device executed, from the compiler).",
+                                 run + ("kind",), registry=reg)
+        self._peak = Gauge("steptrace_peak_flops", "The device's dense bf16 peak FLOP/s MFU and HFU divide by "
+                           "(configured peak_tflops, else steptrace's table for the device kind).", run,
+                           registry=reg)
+        self._mfu = Gauge("steptrace_mfu", "Model FLOPs utilization in the last step: model FLOPs / compute "
+                          "seconds / peak FLOP/s.", run, registry=reg)
+        self._hfu = Gauge("steptrace_hfu", "Hardware FLOPs utilization in the last step: hardware FLOPs / "
+                          "compute seconds / peak FLOP/s.", run, registry=reg)
         self._goodput = Gauge("steptrace_goodput_ratio", "Sum of compute over sum of interval in the last "
                               f"{self._window.steps} steps.", run, registry=reg)
         self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / pipeline window per "
@@ -298,6 +311,17 @@ class PrometheusSink:
         tokens_per_second = _optional(r.get("tokens_per_second"))
         tflops = _optional(r.get("tflops_per_second"))
         mfu = _optional(r.get("mfu"))
+        hfu = _optional(r.get("hfu"))
+        # Records written before model_flops existed carry their model FLOPs as `flops`.
+        model_flops = _optional(r.get("model_flops") if "model_flops" in r else r.get("flops"), nonnegative=True)
+        hardware_flops = _optional(r.get("hardware_flops"), nonnegative=True)
+        peak = _optional(r.get("peak_flops"))
+        if peak is None and self._peak_tflops is not None:
+            peak = self._peak_tflops * 1e12
+            if mfu is None and model_flops is not None and compute > 0:
+                mfu = model_flops / compute / peak
+            if hfu is None and hardware_flops is not None and compute > 0:
+                hfu = hardware_flops / compute / peak
         bubble = {str(k): float(v) for k, v in (r.get("pipeline_bubble_ratio") or {}).items()}
         scalars = {str(k): float(v) for k, v in (r.get("scalars") or {}).items()}
         memory = {str(k).removesuffix("_bytes"): float(v) for k, v in (r.get("device_memory") or {}).items()
@@ -322,8 +346,16 @@ class PrometheusSink:
             self._tokens_per_second.labels(*labels).set(tokens_per_second)
         if tflops is not None:
             self._tflops.labels(*labels).set(tflops)
-            if self._mfu is not None:
-                self._mfu.labels(*labels).set(mfu if mfu is not None else tflops / self._peak_tflops)
+        if model_flops is not None:
+            self._step_flops.labels(*labels, "model").set(model_flops)
+        if hardware_flops is not None:
+            self._step_flops.labels(*labels, "hardware").set(hardware_flops)
+        if peak is not None:
+            self._peak.labels(*labels).set(peak)
+        if mfu is not None:
+            self._mfu.labels(*labels).set(mfu)
+        if hfu is not None:
+            self._hfu.labels(*labels).set(hfu)
         for stage, ratio in bubble.items():
             self._bubble.labels(*labels, stage).set(ratio)
         for name, value in scalars.items():
@@ -360,8 +392,16 @@ class PrometheusSink:
         exemplar = {"trace_id": trace_id_hex(self._run_id, step)}
         self._microbatch.labels(*self._labels, kind, stage, chunk).observe(compute, exemplar)
 
+    def _stall(self, record: dict[str, Any]) -> None:
+        self._stalled = (record["step"], bool(record["in_step"]))
+
+    def _stall_end(self, record: dict[str, Any]) -> None:
+        if self._stalled == (record["step"], bool(record["in_step"])):
+            self._stalled = None
+
     _HANDLERS: dict[Any, Callable[["PrometheusSink", dict[str, Any]], None]] = {
-        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch,
+        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch, "stall": _stall,
+        "stall_end": _stall_end,
     }
 
     # -- scrape (the HTTP server's threads) --------------------------------------------------------
@@ -420,7 +460,12 @@ class PrometheusSink:
                                    "(the innermost open span, 'step' for the step's own work, "
                                    "'between_steps').", labels=_RUN_LABELS + ("span",))
         opened.add_metric([*self._labels, span], seconds)
-        return [current, opened]
+        stall = GaugeMetricFamily("steptrace_stall_seconds", "Seconds the rank has been stuck where the stall watch "
+                                  "found it (a stall record with every thread's stack is in the run file); 0 unless "
+                                  "a stall is open. span as for steptrace_open_seconds.",
+                                  labels=_RUN_LABELS + ("span",))
+        stall.add_metric([*self._labels, span], seconds if self._stalled == (step, in_step) else 0.0)
+        return [current, opened, stall]
 
     # -- protocol ----------------------------------------------------------------------------------
 

@@ -170,17 +170,31 @@ def test_goodput_is_compute_over_interval_in_the_last_window_steps(sink):
     assert expected != pytest.approx(sum(computes) / sum(intervals))  # the window matters
 
 
-def test_mfu_is_exported_only_with_peak_tflops(sink):
+def test_mfu_and_hfu_are_exported_with_their_parts(sink):
+    """MFU and HFU come with the FLOPs and the peak they divide; without a peak there is no ratio."""
     sink.export([step_record(0, 0.5, 0.4, flops=4e12)])
     text = scrape(sink.endpoint)
-    assert "steptrace_mfu" not in text
+    assert value(text, "steptrace_step_flops", kind="model") == 4e12
+    assert not [line for line in text.splitlines() if line.startswith(("steptrace_mfu{", "steptrace_hfu{",
+                                                                       "steptrace_peak_flops{"))]
+    record = step_record(1, 0.5, 0.4, flops=4e12, mfu=0.2)
+    record.update(hardware_flops=6e12, flops_source="xla_cost_analysis", peak_flops=50e12, hfu=0.3)
+    sink.export([record])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_step_flops", kind="hardware") == 6e12
+    assert value(text, "steptrace_peak_flops") == 50e12
+    assert value(text, "steptrace_mfu") == pytest.approx(0.2)
+    assert value(text, "steptrace_hfu") == pytest.approx(0.3)
+
+
+def test_a_sinks_own_peak_gives_mfu_to_records_without_one():
     with_peak = PrometheusSink(0, run_id="r", rank=0, peak_tflops=50.0)
     try:
-        with_peak.export([step_record(0, 0.5, 0.4, flops=4e12, mfu=0.2)])
-        assert value(scrape(with_peak.endpoint), "steptrace_mfu") == pytest.approx(0.2)
-        # A record without mfu (its run had no peak) still gets one from this sink's peak.
+        # A record without mfu (its run had no peak) gets one from this sink's peak.
         with_peak.export([step_record(1, 0.5, 0.4, flops=4e12)])
-        assert value(scrape(with_peak.endpoint), "steptrace_mfu") == pytest.approx(10.0 / 50.0)
+        text = scrape(with_peak.endpoint)
+        assert value(text, "steptrace_mfu") == pytest.approx(10.0 / 50.0)
+        assert value(text, "steptrace_peak_flops") == 50e12
     finally:
         with_peak.shutdown(1)
 

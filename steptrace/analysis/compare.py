@@ -377,6 +377,20 @@ def _peak_memory(steps: Sequence[dict], key: str) -> float | None:
     return max(present) if present else None
 
 
+def _model_flops(step: dict) -> float | None:
+    # Records written before model_flops existed carry the user's (model) count as `flops`.
+    return as_number(step.get("model_flops") if "model_flops" in step else step.get("flops"))
+
+
+def _last(steps: Sequence[dict], key: str) -> float | None:
+    values = present_values(steps, key)
+    return values[-1] if values else None
+
+
+def _last_text(steps: Sequence[dict], key: str) -> str | None:
+    return next((str(s[key]) for s in reversed(steps) if s.get(key)), None)
+
+
 def _compile_seconds(run: Run, rank: int, steps: Sequence[dict]) -> float:
     spans = sum(as_number(s.get("seconds")) or 0.0 for s in run.records("span", rank) if s.get("name") == "compile")
     idle = sum(as_number((s.get("idle_breakdown") or {}).get("compile")) or 0.0 for s in steps)
@@ -508,6 +522,14 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     tested("tflops_per_second", "TFLOP/s (compute time)", lambda s: as_number(s.get("tflops_per_second")), _median,
            "", False)
     tested("mfu", "MFU", lambda s: as_number(s.get("mfu")), _median, "", False)
+    tested("hfu", "HFU", lambda s: as_number(s.get("hfu")), _median, "", False)
+    # The parts of MFU and HFU: a ratio that moved because the FLOPs per step or the peak changed
+    # is not a speed change (neither better nor worse).
+    for kind in ("model", "hardware"):
+        read = _model_flops if kind == "model" else (lambda s: as_number(s.get("hardware_flops")))
+        single(f"{kind}_flops", f"{kind} FLOPs per step, median",
+               lambda side, read=read: _median(_per_step(side.steady, read)), lower=None)
+    single("peak_flops", "peak FLOP/s (MFU's divisor)", lambda side: _last(side.steps, "peak_flops"), lower=None)
 
     def goodput(side: _Side) -> float | None:
         wall = sum(present_values(side.steps, "interval_seconds"))
@@ -550,6 +572,9 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     for key in ("git_commit", "hostname"):
         if meta_a.get(key) != meta_b.get(key):
             metadata.append((key, meta_a.get(key), meta_b.get(key)))
+    source_a, source_b = _last_text(As[0].steps, "flops_source"), _last_text(Bs[0].steps, "flops_source")
+    if source_a != source_b:
+        metadata.append(("flops_source", source_a, source_b))
 
     def described(runs: list[Run]) -> dict[str, Any]:
         return {"path": str(runs[0].path), "run_id": runs[0].run_id, "runs": [str(r.path) for r in runs]}

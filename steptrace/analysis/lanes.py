@@ -164,7 +164,8 @@ _STEP_ARG_KEYS = (
     "step", "trace_id", "status", "error", "backend",
     "interval_seconds", "compute_seconds", "idle_seconds", "idle_breakdown",
     "tokens", "samples", "flops", "tokens_per_second", "samples_per_second",
-    "tflops_per_second", "mfu", "pipeline_bubble_ratio",
+    "model_flops", "hardware_flops", "flops_source", "peak_flops",
+    "tflops_per_second", "mfu", "hfu", "pipeline_bubble_ratio",
 )
 
 

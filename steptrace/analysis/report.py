@@ -20,6 +20,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from steptrace.analysis.goodput import BUCKETS, job_accounting
+from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
 from steptrace.analysis.summary import as_number, percent_text, percentile, summarize, summarize_cluster
@@ -224,13 +225,15 @@ def _summary_panel(summary: dict, title: str):
     grid.add_row("goodput", percent_text(summary["goodput"]), "compute / wall")
     grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
-    # Rates nobody gave the inputs for (tokens, flops, peak TFLOP/s) are left out, not dashes.
+    # Rates nobody gave the inputs for (tokens, flops) are left out, not dashes.
     if summary["tokens_per_second"] is not None:
         grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
     if summary["tflops_per_second"] is not None:
-        grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"), "per second of compute")
-    if summary["mfu"] is not None:
-        grid.add_row("MFU", percent_text(summary["mfu"]), "mean over steps")
+        grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
+                     "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
+                     else "per second of compute")
+    for row in _flops_rows(summary):
+        grid.add_row(*row)
     for name, value in summary.get("scalars", {}).items():
         grid.add_row(name, _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
     if summary.get("memory_peak_bytes") is not None:
@@ -290,6 +293,51 @@ def _job_panel(job: dict, rank: int):
             grid.add_row(f"badput: {bucket}", f"{seconds:.3f} s", detail)
     return Panel(grid, title=f"Job goodput across attempts (rank {rank}; docs/goodput.md)", title_align="left",
                  expand=False)
+
+
+def _stall_panel(view: dict):
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    cause = view["cause_ranks"]
+    grid.add_row("cause", escape(view["summary"]) if cause else f"[yellow]no single rank: {escape(view['reason'])}[/]")
+    if cause:
+        grid.add_row("why", escape(view["reason"]))
+    for rank in view["ranks"]:
+        ended = view["ended_after"][rank]
+        state = "still stalled" if ended is None else f"moved on after {ended:.1f} s"
+        span = view["span"][rank]
+        grid.add_row(f"rank {rank}", escape(f"step {view['step'][rank]}{f', span {span}' if span else ''}: "
+                                            f"{view['where'][rank]} ({state})"))
+    return Panel(grid, title="Stall: where each rank was when it stopped moving (docs/hangs.md)",
+                 title_align="left", expand=False)
+
+
+def _flops_rows(summary: dict) -> list[tuple[str, str, str]]:
+    """FLOPs per step, the peak, and MFU / HFU each with its formula line: the parts travel with
+    the ratio, so a reader can redo the division."""
+    rows = []
+    peak = summary.get("peak_flops")
+    for kind, ratio, what in (("model", "mfu", "MFU"), ("hardware", "hfu", "HFU")):
+        per_step = summary.get(f"{kind}_flops_per_step")
+        if per_step is None:
+            continue
+        source = summary.get("flops_source") if kind == "hardware" else "step(flops=...)"
+        rows.append((f"{kind} FLOPs", f"{per_step / 1e9:,.3f} GFLOP", f"per step and device, from {source}"))
+        tflops = summary.get(f"{kind}_tflops_per_second")
+        if summary.get(ratio) is not None:
+            rows.append((what, percent_text(summary[ratio]),
+                         f"= {kind} FLOPs / compute s / peak = {_fmt(tflops, '.3f')} / {peak / 1e12:,.1f} TFLOP/s"
+                         if peak else "mean of the steps' own (their records name no peak)"))
+    if peak is None and rows and summary.get("mfu") is None and summary.get("hfu") is None:
+        rows.append(("MFU / HFU", "-", "no peak for this device: set peak_tflops (docs/flops.md)"))
+    elif peak is not None and not rows:
+        rows.append(("MFU", "-", f"no FLOPs per step (peak {peak / 1e12:,.1f} TFLOP/s): pass flops"))
+    return rows
 
 
 def _rank_table(run: Run):
@@ -435,6 +483,9 @@ def render_report(
             console.print(_job_panel(job, rank))
         if len(run.ranks) > 1:
             console.print(_rank_table(run))
+        stalls = job_view(run)
+        if stalls is not None:
+            console.print(_stall_panel(stalls))
     elif rank is not None:
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
@@ -521,6 +572,8 @@ def run_report(args: argparse.Namespace) -> int:
             "warnings": run.warnings,
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
+            # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
+            "stalls": job_view(run) if run.ranks else None,
             # every second of the job across attempts (docs/goodput.md); null without rank files
             "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
         }

@@ -62,7 +62,7 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
     token_time = _sum_field(with_tokens, "interval_seconds")
     with_flops = [s for s in steps if as_number(s.get("flops")) is not None]
     flop_time = _sum_field(with_flops, "compute_seconds")
-    mfus = present_values(steps, "mfu")
+    flops = _flops_parts(steps)
 
     return {
         "steps": len(steps),
@@ -86,7 +86,7 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
             if with_flops and flop_time > 0
             else None
         ),
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        **flops,
         "checkpoints": len(checkpoints),
         "checkpoint_blocking_seconds": _sum_field(checkpoints, "blocking_seconds"),
         # s.log(...) scalars: the last value and the mean of each name
@@ -97,6 +97,35 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
         "memory_peak_percent": max(present_values([s.get("device_memory") or {} for s in steps], "peak_percent"),
                                    default=None),
     }
+
+
+def _model_flops(step: dict) -> float | None:
+    # Records written before model_flops existed carry the user's (model) count as `flops`.
+    return as_number(step.get("model_flops") if "model_flops" in step else step.get("flops"))
+
+
+def _flops_parts(steps: Sequence[dict]) -> dict:
+    """MFU and HFU over the run with their parts: Σ FLOPs / Σ compute seconds / peak, each over the
+    steps that carry that count (a weighted mean, like TFLOP/s), and the parts themselves."""
+    peaks = present_values(steps, "peak_flops")
+    peak = peaks[-1] if peaks else None
+    parts: dict = {"peak_flops": peak}
+    for kind, read in (("model", _model_flops), ("hardware", lambda s: as_number(s.get("hardware_flops")))):
+        counted = [(read(s), as_number(s.get("compute_seconds"))) for s in steps]
+        counted = [(f, c) for f, c in counted if f is not None and c is not None]
+        total = sum(f for f, _ in counted)
+        seconds = sum(c for _, c in counted)
+        parts[f"{kind}_flops_per_step"] = total / len(counted) if counted else None
+        parts[f"{kind}_tflops_per_second"] = total / seconds / 1e12 if counted and seconds > 0 else None
+        ratio = "mfu" if kind == "model" else "hfu"
+        if peak:
+            parts[ratio] = total / seconds / peak if counted and seconds > 0 else None
+        else:  # records without their peak (written before peak_flops existed): the steps' own ratios
+            ratios = present_values(steps, ratio)
+            parts[ratio] = sum(ratios) / len(ratios) if ratios else None
+    sources = [s.get("flops_source") for s in steps if s.get("flops_source")]
+    parts["flops_source"] = sources[-1] if sources else None
+    return parts
 
 
 def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
