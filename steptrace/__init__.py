@@ -126,7 +126,8 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     ``peak_tflops`` (for MFU and HFU; else the table for the device kind), ``flops``
     (``"auto"``: every step's hardware FLOPs from the compiler), ``strict`` (misuse raises instead of warning),
     ``annotate`` (profiler annotations), ``max_queue``, ``shutdown_timeout_s``,
-    ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on).
+    ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on; rotated at
+    ``jsonl_max_bytes``, default 256 MiB).
     ``sinks`` adds sink objects (``export``/``force_flush``/``shutdown``).
 
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
@@ -156,11 +157,14 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
         from steptrace._resolver import Resolver
 
         resolver = Resolver(config, built + sinks)
+        from steptrace._sinks import DropCounter
+
+        drops = DropCounter(resolver.dropped_snapshot, [worker.name for worker in resolver.sinks])
         for sink in built + sinks:
             # Exporters that publish drop counts (steptrace_dropped_records_total) read them here.
             attach = getattr(sink, "attach_drop_counter", None)
             if callable(attach):
-                attach(resolver.dropped_snapshot)
+                attach(drops)
         runtime = Runtime(config, resolver, backends)
         for sink in built + sinks:
             # Exporters that say where the training thread is (a hung step) read it at scrape time.
@@ -191,7 +195,8 @@ def _build_sinks(config: Config) -> list[Any]:
             # already taken say, must not leave an empty run file behind.
             from steptrace._sinks import JsonlSink
 
-            built.insert(0, JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl")))
+            built.insert(0, JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl"),
+                                      max_bytes=config.jsonl_max_bytes))
     except BaseException:
         for sink in built:
             try:

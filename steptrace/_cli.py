@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     compare_parser = commands.add_parser("compare", help="two runs side by side, with a verdict on noise",
                                          description="Compare two runs (A, the baseline, and B): steady-state "
                                                      "step times, throughput, idle, checkpoints, memory, with "
-                                                     "a rank test per metric.")
+                                                     "a noise test per metric that respects drift within a run.")
     compare.add_compare_arguments(compare_parser)
     compare_parser.set_defaults(handler=compare.run_compare)
     # Only argparse until it runs: the collector's dependencies load in run_collector.

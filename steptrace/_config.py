@@ -47,6 +47,10 @@ ENV_ANNOTATE = "STEPTRACE_ANNOTATE"
 ENV_MAX_QUEUE = "STEPTRACE_MAX_QUEUE"
 #: Seconds ``shutdown()`` may take to resolve and export what is pending.
 ENV_SHUTDOWN_TIMEOUT_S = "STEPTRACE_SHUTDOWN_TIMEOUT_S"
+#: Size in bytes at which a rank's JSONL file is rotated (``0``: never).
+ENV_JSONL_MAX_BYTES = "STEPTRACE_JSONL_MAX_BYTES"
+#: The default of ``jsonl_max_bytes``: 256 MiB, about 250,000 steps at ~1 KiB a step.
+DEFAULT_JSONL_MAX_BYTES = 256 * 2**20
 
 #: Serve Prometheus ``/metrics`` on this port + local_rank (one port per rank).
 ENV_PROMETHEUS_PORT = "STEPTRACE_PROMETHEUS_PORT"
@@ -104,6 +108,7 @@ class Config:
     max_queue: int = 65536
     shutdown_timeout_s: float = 10.0
     jsonl: bool = True
+    jsonl_max_bytes: int = DEFAULT_JSONL_MAX_BYTES  # rotate rank-<r>.jsonl at this size; 0: never
     prometheus_port: int | None = None  # None: no /metrics server
     prometheus_addr: str = "127.0.0.1"
     goodput_window_steps: int = 100
@@ -258,6 +263,8 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         max_queue=_first(code.get("max_queue"), _env_int(ENV_MAX_QUEUE, env), 65536),
         shutdown_timeout_s=_first(code.get("shutdown_timeout_s"), _env_float(ENV_SHUTDOWN_TIMEOUT_S, env), 10.0),
         jsonl=bool(_first(code.get("jsonl"), True)),
+        jsonl_max_bytes=_first(code.get("jsonl_max_bytes"), _env_int(ENV_JSONL_MAX_BYTES, env),
+                               DEFAULT_JSONL_MAX_BYTES),
         prometheus_port=_first(code.get("prometheus_port"), _env_int(ENV_PROMETHEUS_PORT, env)),
         prometheus_addr=str(_first(code.get("prometheus_addr"), env.get(ENV_PROMETHEUS_ADDR) or None, "127.0.0.1")),
         goodput_window_steps=_first(code.get("goodput_window_steps"), _env_int(ENV_GOODPUT_WINDOW_STEPS, env), 100),
@@ -350,11 +357,14 @@ def _validate(config: Config) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{field} must be an integer, got {value!r}")
 
-    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt"):
+    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt", "jsonl_max_bytes"):
         need_int(field, getattr(config, field))
     if config.attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "
                          f"{'/'.join(LAUNCHER_ATTEMPT_VARIABLES)})")
+    if config.jsonl_max_bytes < 0:
+        raise ValueError(f"jsonl_max_bytes must be >= 0 (0: never rotate), got {config.jsonl_max_bytes} "
+                         f"(set by init(jsonl_max_bytes=...) or {ENV_JSONL_MAX_BYTES})")
     if config.world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {config.world_size}")
     if not 0 <= config.rank < config.world_size:

@@ -54,8 +54,16 @@ def rejected_record_reason(sink_name: str, reason: str) -> str:
     return f"rejected:{sink_name}:{reason}"
 
 
-KNOWN_DROP_REASONS = (RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in BUILTIN_SINKS)
-                      + tuple(invalid_record_reason(s) for s in BUILTIN_SINKS))
+def usual_drop_reasons(sink_names: "tuple[str, ...] | list[str]") -> tuple[str, ...]:
+    """The resolver's reasons and each named sink's two: what is exported at 0 before any drop.
+
+    Only sinks that exist: a ``sink="otlp"`` series with OTLP off would say an exporter runs.
+    """
+    return (RESOLVER_DROP_REASONS + tuple(sink_drop_reason(s) for s in sink_names)
+            + tuple(invalid_record_reason(s) for s in sink_names))
+
+
+KNOWN_DROP_REASONS = usual_drop_reasons(BUILTIN_SINKS)
 
 
 # -- OTLP: the train.* attributes the OTLP exporter writes and the collector reads ------------

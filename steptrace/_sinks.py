@@ -14,9 +14,10 @@ import collections
 import json
 import logging
 import os
+import re
 import threading
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from steptrace._schema import invalid_record_reason, rejected_record_reason, sink_drop_reason
 from steptrace._wakeup import Wakeup
@@ -45,24 +46,56 @@ class JsonlSink:
     failed write (a full disk) is cut back to the last whole line before the batch is counted
     as dropped, so the file never holds a torn line in the middle; where even that fails, the
     next write starts on a fresh line (and readers skip the torn one).
+
+    With ``max_bytes`` (> 0), the file is rotated before a batch would take it past that size:
+    ``rank-<r>.jsonl`` is renamed ``rank-<r>.<k>.jsonl``, k = 1, 2, ... in the order they were
+    written (a restart continues the numbering), and a new ``rank-<r>.jsonl`` is opened. Readers
+    take the numbered files in order, then the unnumbered one. A batch is never split, so every
+    file holds whole lines; a rotation that fails is logged once and writing goes on in the
+    current file.
     """
 
     name = "jsonl"
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 0):
         self.path = os.fspath(path)
+        self.max_bytes = max_bytes
         #: Records that could not be encoded as JSON (each dropped alone).
         self.invalid_records = 0
+        #: Files this sink rotated out (``rank-<r>.<k>.jsonl``).
+        self.rotations = 0
+        self._rotate_failed = False
         self._torn = False
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, exist_ok=True)
+            self._next_segment = 1 + max(rotated_segments(self.path), default=0)
             self._file = open(self.path, "ab", buffering=0)
             # A crashed earlier writer left half a line: end it, so our first record starts a
             # line of its own (readers skip the torn line).
             self._torn = self._file.tell() > 0 and not _ends_with_newline(self.path)
         except OSError as exc:
             raise ValueError(f"run_dir: cannot write {self.path}: {exc.strerror or exc}") from exc
+
+    def _rotate(self) -> None:
+        """Move the full file aside as the next numbered segment and start an empty one."""
+        base, ext = os.path.splitext(self.path)
+        target = f"{base}.{self._next_segment}{ext}"
+        try:
+            if os.path.exists(target):  # never overwrite: a segment is written once
+                raise FileExistsError(f"{target} exists")
+            os.rename(self.path, target)
+            fresh = open(self.path, "ab", buffering=0)
+        except OSError as exc:
+            if not self._rotate_failed:
+                self._rotate_failed = True
+                log.warning("steptrace jsonl: cannot rotate %s (%s); writing on in it", self.path, exc)
+            return
+        self._file.close()
+        self._file = fresh
+        self._next_segment += 1
+        self.rotations += 1
+        self._torn = False  # the torn line, if any, stays at the end of the rotated file
 
     def export(self, records: Sequence[Mapping[str, Any]]) -> None:
         lines = []
@@ -73,7 +106,12 @@ class JsonlSink:
                 self.invalid_records += 1
         if not lines:
             return
-        data = ("\n" if self._torn else "").encode() + ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        body = ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        if self.max_bytes > 0:
+            size = self._file.tell()
+            if size > 0 and size + len(body) > self.max_bytes:
+                self._rotate()
+        data = ("\n" if self._torn else "").encode() + body
         start = self._file.tell()
         try:
             view = memoryview(data)
@@ -95,6 +133,18 @@ class JsonlSink:
         self._file.close()
 
 
+def rotated_segments(path: str) -> list[int]:
+    """The numbers k of the rotated files ``<base>.<k>.jsonl`` beside *path* (``<base>.jsonl``)."""
+    directory, name = os.path.split(path)
+    stem, ext = os.path.splitext(name)
+    pattern = re.compile(re.escape(stem) + r"\.(\d+)" + re.escape(ext) + "$")
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+
 def _ends_with_newline(path: str) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
@@ -110,6 +160,21 @@ def _json_default(value: Any) -> Any:
         except Exception:
             pass
     return str(value)
+
+
+class DropCounter:
+    """A run's drop counts by reason (call it, from any thread), and the names of the sinks that exist.
+
+    Exporters that publish drops (``attach_drop_counter``) export the usual reasons of
+    ``sink_names`` at 0 before any drop, and nothing for sinks that are not configured.
+    """
+
+    def __init__(self, read: Callable[[], dict[str, int]], sink_names: Iterable[str]):
+        self._read = read
+        self.sink_names = tuple(sink_names)
+
+    def __call__(self) -> dict[str, int]:
+        return self._read()
 
 
 class SinkWorker:

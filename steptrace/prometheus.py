@@ -68,7 +68,8 @@ records a sink could not take, this exporter's malformed ones included, are
 ``invalid_records`` and the SinkWorker, so they are in ``stats()`` and the run
 record too); drops before any sink (the resolver's queue, misuse, steps still
 unresolved at shutdown, failed device waits) are ``{sink="resolver",
-reason="<reason>"}``.
+reason="<reason>"}``. Before any drop, the resolver's reasons and those of the
+sinks that exist are exported at 0; a sink that is not configured has no series.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ from steptrace._attribution import GoodputWindow
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
-from steptrace._schema import KNOWN_DROP_REASONS
+from steptrace._schema import usual_drop_reasons
 
 __all__ = ["PrometheusSink"]
 
@@ -104,8 +105,6 @@ log = logging.getLogger("steptrace")
 _RUN_LABELS = ("run_id", "rank")
 _MAX_SCALAR_NAMES = 64
 _MAX_SPAN_NAMES = 32
-# Drop reasons exported at 0 from the start (see _dropped_family).
-_KNOWN_DROP_REASONS = {reason: 0 for reason in KNOWN_DROP_REASONS}
 
 
 def _drop_labels(reason: str) -> tuple[str, str]:
@@ -142,6 +141,8 @@ class PrometheusSink:
         self._labels = (self._run_id, self._rank)
         self._window = GoodputWindow(goodput_window_steps)  # raises ValueError for a bad size
         self._drop_counter: Callable[[], dict[str, int]] | None = None
+        #: Drop reasons exported at 0 before any drop (see _dropped_family).
+        self._usual_drops: dict[str, int] = dict.fromkeys(usual_drop_reasons((self.name,)), 0)
         self._position: Callable[[], tuple[int, bool, float, str | None] | None] | None = None
         self._position_failed = False
         self._stalled: tuple[int, bool] | None = None  # the stall the watch reported, until its end
@@ -267,9 +268,14 @@ class PrometheusSink:
     def attach_drop_counter(self, fn: Callable[[], dict[str, int]]) -> None:
         """Publish ``fn()`` (reason → records dropped) as ``steptrace_dropped_records_total``.
 
-        ``steptrace.init`` attaches the run's counters; ``fn`` is called at scrape time.
+        ``steptrace.init`` attaches the run's counters; ``fn`` is called at scrape time. The
+        resolver's reasons, and those of the sinks ``fn.sink_names`` names (a
+        :class:`~steptrace._sinks.DropCounter`; this sink alone otherwise), are exported at 0
+        until something is dropped; a sink that does not exist gets no series.
         """
         self._drop_counter = fn
+        names = tuple(getattr(fn, "sink_names", ())) or (self.name,)
+        self._usual_drops = dict.fromkeys(usual_drop_reasons(names), 0)
 
     def attach_position(self, fn: Callable[[], tuple[int, bool, float, str | None] | None]) -> None:
         """Publish where the training thread is (``steptrace_current_step``, ``steptrace_open_seconds``).
@@ -427,7 +433,7 @@ class PrometheusSink:
                     log.exception("steptrace prometheus: reading the drop counters failed")
         # The usual reasons are always present, at 0 until something is dropped: Prometheus's
         # increase() cannot see the first count of a series that appears with it.
-        counts = {**_KNOWN_DROP_REASONS, **counts}
+        counts = {**self._usual_drops, **counts}
         for reason, count in sorted(counts.items()):
             family.add_metric([*self._labels, *_drop_labels(reason)], count)
         return family

@@ -45,3 +45,20 @@ def test_links_between_readme_and_docs_resolve():
 def test_the_readme_stays_short():
     # A newcomer reads it in five minutes; the reference lives in docs/.
     assert len((ROOT / "README.md").read_text().split()) < 2000
+
+
+@pytest.mark.parametrize("command, page", [("report", "report.md"), ("compare", "compare.md"),
+                                           ("timeline", "timeline.md")])
+def test_every_command_option_is_documented(command, page):
+    import argparse
+
+    from steptrace.analysis import compare, report
+    from steptrace import timeline
+
+    parser = argparse.ArgumentParser()
+    {"report": report.add_report_arguments, "compare": compare.add_compare_arguments,
+     "timeline": timeline.add_timeline_arguments}[command](parser)
+    text = _text(page)
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    missing = [o for o in options if o != "--help" and not re.search(re.escape(o) + r"(?![\w-])", text)]
+    assert not missing, f"docs/{page} lacks {command} options {missing}"

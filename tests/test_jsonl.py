@@ -72,7 +72,7 @@ def test_completed_steps_survive_a_killed_training_process(tmp_path):
         path = tmp_path / "crash" / "rank-0.jsonl"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # wait until some steps are resolved and written
-            if path.exists() and path.read_text().count("\n") >= 12:  # attempt, metadata, 10 steps
+            if path.exists() and path.read_text().count("\"type\":\"step\"") >= 11:
                 break
             time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)  # no atexit, no flush: a hard crash
@@ -88,3 +88,96 @@ def test_completed_steps_survive_a_killed_training_process(tmp_path):
     assert steps == list(range(len(steps)))  # in order, none missing
     assert [r["type"] for r in complete[:2]] == ["attempt", "metadata"]
     assert all(r["status"] == "ok" and r["compute_seconds"] > 0 for r in complete[2:])
+
+
+# -- rotation --------------------------------------------------------------------------------
+def _record(n, pad=0):
+    return {"type": "step", "run_id": "r", "rank": 0, "step": n, "status": "ok", "interval_seconds": 0.1,
+            "compute_seconds": 0.1, "idle_seconds": 0.0, "idle_breakdown": {}, "attrs": {"pad": "x" * pad}}
+
+
+def test_rank_files_rotate_at_max_bytes_in_numbered_segments_that_keep_order(tmp_path):
+    from steptrace._sinks import JsonlSink
+
+    path = tmp_path / "r" / "rank-0.jsonl"
+    sink = JsonlSink(path, max_bytes=1000)
+    for n in range(30):
+        sink.export([_record(2 * n, 100), _record(2 * n + 1, 100)])  # ~470 bytes a batch
+    sink.shutdown(1)
+    names = sorted(p.name for p in path.parent.iterdir())
+    assert "rank-0.jsonl" in names and "rank-0.1.jsonl" in names
+    segments = sorted(int(name.split(".")[1]) for name in names if name.count(".") == 2)
+    assert segments == list(range(1, len(segments) + 1)) and sink.rotations == len(segments) >= 10
+    ordered = [path.parent / f"rank-0.{k}.jsonl" for k in segments] + [path]
+    assert all(0 < p.stat().st_size <= 1000 for p in ordered)  # whole batches, never past the limit
+    steps = [r["step"] for p in ordered for r in read_lines(p)]
+    assert steps == list(range(60))  # every record once, in write order
+
+
+def test_a_batch_larger_than_max_bytes_goes_whole_into_a_file_and_zero_never_rotates(tmp_path):
+    from steptrace._sinks import JsonlSink
+
+    sink = JsonlSink(tmp_path / "rank-0.jsonl", max_bytes=200)
+    sink.export([_record(0, 500)])
+    sink.export([_record(1, 500)])
+    sink.shutdown(1)
+    assert [r["step"] for r in read_lines(tmp_path / "rank-0.1.jsonl")] == [0]
+    assert [r["step"] for r in read_lines(tmp_path / "rank-0.jsonl")] == [1]
+    never = JsonlSink(tmp_path / "n" / "rank-0.jsonl", max_bytes=0)
+    for n in range(20):
+        never.export([_record(n, 500)])
+    never.shutdown(1)
+    assert [p.name for p in (tmp_path / "n").iterdir()] == ["rank-0.jsonl"]
+
+
+def test_a_restart_continues_the_segment_numbering(tmp_path):
+    from steptrace._sinks import JsonlSink
+
+    run = tmp_path / "r"
+    for attempt in range(2):
+        sink = JsonlSink(run / "rank-0.jsonl", max_bytes=600)
+        for n in range(6):
+            sink.export([_record(attempt * 100 + n, 200)])
+        sink.shutdown(1)
+    from steptrace.analysis.runs import load_run
+
+    steps = [r["step"] for r in load_run(run).records_by_rank[0]]
+    assert steps == [*range(6), *range(100, 106)]  # file order: the first attempt's records first
+
+
+def test_init_rotates_at_jsonl_max_bytes_and_every_reader_follows(tmp_path, device, monkeypatch):
+    """A run written in many segments reads back whole: report, timeline and compare."""
+    from steptrace.analysis.compare import compare_runs
+    from steptrace.analysis.runs import load_run
+    from steptrace.analysis.timeline import build_trace
+    from steptrace.analysis.summary import summarize
+
+    monkeypatch.setenv("STEPTRACE_JSONL_MAX_BYTES", "4096")
+    config = steptrace.init(run_dir=str(tmp_path), run_id="rot", backend=device)
+    assert config.jsonl_max_bytes == 4096
+    for n in range(40):
+        with steptrace.step(n, tokens=100) as s:
+            with steptrace.span("data"):
+                pass
+            s.wait_for(device.run(0.001))
+    steptrace.shutdown()
+    files = sorted(p.name for p in (tmp_path / "rot").iterdir())
+    assert len(files) > 3 and "rank-0.jsonl" in files
+    run = load_run(tmp_path / "rot")
+    assert [s["step"] for s in run.steps(0)] == list(range(40))
+    assert {r["type"] for r in run.records_by_rank[0]} >= {"metadata", "step", "span", "run"}
+    assert summarize(run.steps(0))["steps"] == 40
+    trace = build_trace(run)
+    assert sum(1 for e in trace["traceEvents"] if e.get("name", "").startswith("step ")) >= 40
+    rows = {r.metric: r for r in compare_runs(run, run)["rows"]}
+    assert rows["steps"].a == 40
+
+
+def test_jsonl_max_bytes_is_checked_at_init(monkeypatch):
+    import pytest
+
+    with pytest.raises(ValueError, match="jsonl_max_bytes"):
+        steptrace.init(jsonl_max_bytes=-1, jsonl=False)
+    monkeypatch.setenv("STEPTRACE_JSONL_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="STEPTRACE_JSONL_MAX_BYTES"):
+        steptrace.init(jsonl=False)

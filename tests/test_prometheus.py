@@ -276,13 +276,47 @@ def test_a_failing_drop_counter_does_not_break_the_scrape(sink, caplog):
 
 
 def test_usual_drop_reasons_are_exported_at_zero_before_any_drop(sink):
-    """increase() only sees a drop if the series existed before it: they start at 0."""
+    """increase() only sees a drop if the series existed before it: they start at 0. Without the
+    names of the other sinks only this one's are seeded: no series claims an OTLP exporter."""
     sink.attach_drop_counter(lambda: {})
     text = scrape(sink.endpoint)
     name = "steptrace_dropped_records_total"
     assert value(text, name, sink="resolver", reason="misuse") == 0
-    assert value(text, name, sink="otlp", reason="queue_full_or_error") == 0
     assert value(text, name, sink="prometheus", reason="invalid_record") == 0
+    assert value(text, name, sink="prometheus", reason="queue_full_or_error") == 0
+    assert {s.labels["sink"] for s in samples(text) if s.name == name} == {"resolver", "prometheus"}
+
+
+def drop_series(text):
+    return {(s.labels["sink"], s.labels["reason"]): s.value for s in samples(text)
+            if s.name == "steptrace_dropped_records_total"}
+
+
+def test_drop_series_name_only_the_sinks_that_exist_plus_reasons_that_occurred(tmp_path, device):
+    """With OTLP off there is no sink="otlp" series; JSONL (on) is exported at 0; a reason
+    that occurred for a sink shows up with its count."""
+    steptrace.init(prometheus_port=0, run_dir=str(tmp_path), run_id="r")
+    try:
+        with steptrace.step(0) as s:
+            s.wait_for(device.run(0.001))
+        assert steptrace.flush(10)
+        series = drop_series(scrape(steptrace.stats()["endpoints"]["prometheus"]))
+    finally:
+        steptrace.shutdown()
+    assert {sink for sink, _ in series} == {"resolver", "jsonl", "prometheus"}
+    assert series[("jsonl", "queue_full_or_error")] == 0
+    assert series[("jsonl", "invalid_record")] == 0
+    assert all(v == 0 for v in series.values())
+
+
+def test_a_drop_of_an_unlisted_sink_still_shows_with_its_count(sink):
+    from steptrace._sinks import DropCounter
+
+    sink.attach_drop_counter(DropCounter(lambda: {"sink:mine": 2}, ["jsonl", "prometheus"]))
+    series = drop_series(scrape(sink.endpoint))
+    assert series[("mine", "queue_full_or_error")] == 2
+    assert series[("jsonl", "invalid_record")] == 0
+    assert ("mine", "invalid_record") not in series and not any(s == "otlp" for s, _ in series)
 
 
 def test_histogram_exemplars_carry_the_step_trace_id_in_openmetrics_only(sink):

@@ -298,20 +298,94 @@ def test_render_report_shows_steps_checkpoints_and_summary(small_run):
     assert "dropped" not in text
 
 
-def test_elision_row_with_many_steps(tmp_path):
+def test_max_rows_keeps_the_notable_steps_and_says_how_many_it_left_out(tmp_path):
+    """--max-rows keeps the first step, failures, checkpoint/eval/compile steps and the slowest,
+    wherever they are (cutting the middle by position hid them), then evenly spaced others."""
     run_dir = tmp_path / "r1"
-    # Step numbers from 1000 so they cannot collide with other table values.
-    write_rank(run_dir, 0, [step_record(1000 + i, 1.0, 0.9, tokens=None)
-                            for i in range(100)])
-    text = capture(load_run(run_dir), max_rows=10)
-    assert "… 90 steps elided …" in text
-    for shown in (1000, 1004, 1095, 1099):
-        assert str(shown) in text
-    for hidden in (1005, 1050, 1094):
-        assert str(hidden) not in text
-
+    records = []
+    for i in range(100):
+        n = 1000 + i  # step numbers that cannot collide with other table values
+        idle = {"checkpoint": 5.0} if i == 40 else {"eval": 3.0} if i == 55 else {"other": 0.1}
+        interval = 1.0 + sum(idle.values()) + (0.5 if i == 70 else 0.0) + i * 1e-4
+        records.append(step_record(n, interval, interval - sum(idle.values()), idle, tokens=None,
+                                   status="error" if i == 63 else "ok"))
+    write_rank(run_dir, 0, records)
+    text = capture(load_run(run_dir), max_rows=12)
+    table = text[text.index("Steps (rank 0)"):text.index("Summary")]
+    shown = [int(line.split("│")[1]) for line in table.splitlines() if line.startswith("│")]
+    assert len(shown) == 12 and shown == sorted(shown)
+    assert {1000, 1040, 1055, 1063, 1070} <= set(shown)  # first, checkpoint, eval, error, slowest
+    assert "12 of 100 steps shown (first 1, failed 1, checkpoint/eval/compile 2, slowest 5, evenly spaced 3)" \
+        in text and "88 left out" in text
+    assert 1099 in shown  # the slowest of the rest (intervals grow with i)
     full = capture(load_run(run_dir), max_rows=0)
-    assert "elided" not in full and "1050" in full
+    assert "left out" not in full and "1050" in full
+
+
+def test_notable_rows_fill_in_priority_order_when_short_of_room():
+    steps = [{"step": i, "status": "ok", "interval_seconds": 1.0 + i / 100, "idle_breakdown": {}} for i in range(50)]
+    steps[30]["status"] = "error"
+    steps[10]["idle_breakdown"] = {"checkpoint": 1.0}
+    rows, counts = report_view.notable_rows(steps, 3)
+    assert [r["step"] for r in rows] == [0, 10, 30] and counts == {"first": 1, "failed": 1,
+                                                                  "checkpoint/eval/compile": 1}
+    assert report_view.notable_rows(steps, 50)[0] == steps  # room for all: all, in order
+
+
+def test_columns_and_summary_rows_without_data_are_left_out(tmp_path):
+    """No FLOPs, tokens or MFU given: no TFLOP/s, tokens/s or MFU column or summary row of dashes."""
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [step_record(i, 1.0, 0.9, tokens=None, flops=None) for i in range(3)])
+    text = capture(load_run(run_dir))
+    assert "TFLOP/s" not in text and "tokens/s" not in text and "MFU" not in text
+    assert "—" not in text
+    write_rank(tmp_path / "r2", 0, [step_record(i, 1.0, 0.9, mfu=0.4) for i in range(3)])
+    text = capture(load_run(tmp_path / "r2"))
+    assert "TFLOP/s" in text and "tokens/s" in text and "40.0%" in text
+
+
+def test_multi_rank_table_leaves_out_rates_no_rank_has(tmp_path):
+    run_dir = tmp_path / "r1"
+    for rank in (0, 1):
+        write_rank(run_dir, rank, [step_record(s, 1.0, 0.5, rank=rank, world_size=2, tokens=None, flops=None)
+                                   for s in range(3)])
+    text = capture(load_run(run_dir))
+    per_rank = text[text.index("Per-rank summary"):]
+    assert "tok/s" not in per_rank and "TFLOP/s" not in per_rank and "top idle" in per_rank
+
+
+def test_report_width_follows_the_option_the_terminal_or_columns_else_never_wraps(monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert report_view.report_width(None, io.StringIO()) == report_view.UNWRAPPED_WIDTH
+    assert report_view.report_width(None, Tty()) is None  # rich asks the terminal
+    assert report_view.report_width(132, io.StringIO()) == 132
+    monkeypatch.setenv("COLUMNS", "100")
+    assert report_view.report_width(None, io.StringIO()) == 100
+
+
+def test_piped_report_keeps_one_line_per_step(tmp_path):
+    """Written to a pipe, a report used to wrap its step table at 80 columns (3-6 lines a step)."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "r1"
+    idle = {"checkpoint": 1.5, "data": 0.25, "other": 0.1}
+    write_rank(run_dir, 0, [step_record(i, 3.0, 1.15, idle, mfu=0.4,
+                                        status="error" if i == 2 else "ok") for i in range(5)])
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "steptrace", "report", str(run_dir)], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    table = out[out.index("Steps (rank 0)"):out.index("Summary")]
+    rows = [line for line in table.splitlines() if line.startswith("│")]
+    assert len(rows) == 5 and "checkpoint 1.50, data 0.25, other 0.10" in rows[0]
+    assert max(len(line) for line in out.splitlines()) > 80
+    narrow = subprocess.run([sys.executable, "-m", "steptrace", "report", str(run_dir), "--width", "60"],
+                            capture_output=True, text=True, env=env, check=True).stdout
+    assert max(len(line) for line in narrow.splitlines()) <= 60
 
 
 def test_multi_rank_report(tmp_path):
@@ -373,7 +447,7 @@ def test_cli_tables(small_run, capsys):
     assert report.main([str(small_run.parent), "--max-rows", "2"]) == 0
     out = capsys.readouterr().out
     assert "Steps (rank 0)" in out
-    assert "elided" in out  # the CLI console may wrap the row text
+    assert "2 of 3 steps shown" in out and "1 left out" in out
 
 
 def test_cli_plot_writes_png(small_run, tmp_path, capsys):

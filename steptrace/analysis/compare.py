@@ -3,12 +3,20 @@
 Each row is one metric of run A (the baseline) and run B: both values, the difference B − A, the
 relative difference, and a verdict:
 
-* ``regression`` / ``improvement``: the per-step values of the two runs differ by more than
-  run-to-run noise (a two-sided Mann–Whitney U rank test over the steady-state steps, normal
-  approximation with tie correction, p < ``alpha``, default 0.01) **and** by at least
-  ``min_effect`` (default 2 %) of A's value; which of the two depends on the metric's direction
-  (times: lower is better; throughput: higher is better);
-* ``noise``: the rank test does not separate them, or the difference is below ``min_effect``;
+* ``regression`` / ``improvement``: the two runs differ by more than their noise **and** by at
+  least ``min_effect`` (default 2 %) of A's value; which of the two depends on the metric's
+  direction (times: lower is better; throughput: higher is better). The noise test respects
+  autocorrelation: steps within a run are not independent samples (load drifts), so the
+  steady-state steps are cut into at most 20 blocks of consecutive steps (batch means, at least
+  5 steps each), each reduced to the row's median or mean, and a Welch t-test compares the two
+  runs' blocks (on a log scale when all are positive: changes are relative), each side's
+  variance widened by its blocks' (bias-corrected) lag-1 autocorrelation, the AR(1) factor
+  (1 + r) / (1 − r) (p < ``alpha``, default 0.01). Two runs recorded together on one host
+  (taking turns, or side by side) share the machine's drift and are compared window by window
+  instead (:func:`paired_block_test_p`). With several runs a side (seeds, repeats:
+  ``--a``/``--b``), each run is one sample and the test weighs the difference against the
+  run-to-run spread;
+* ``noise``: no change beyond the noise, or a difference below ``min_effect``;
 * ``—``: a metric with one value per run (totals, final loss) has no per-step distribution to
   test; its difference is shown without a verdict.
 
@@ -38,19 +46,28 @@ from steptrace.analysis._text import code_span, literal_text, visible
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
 from steptrace.analysis.summary import as_number, present_values, percentile
 
-__all__ = ["Row", "compare_runs", "mann_whitney_p", "steady_steps", "add_compare_arguments", "run_compare", "main"]
+__all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "paired_block_test_p",
+           "runs_test_p", "steady_steps", "t_test_p", "add_compare_arguments", "run_compare", "main"]
 
 #: Idle reasons that make a step not steady-state.
 UNSTEADY_REASONS = ("compile", "checkpoint", "eval")
 DEFAULT_ALPHA = 0.01
 DEFAULT_MIN_EFFECT = 0.02
 DEFAULT_METRIC = "interval_median"
+#: Batch means: at most this many blocks per run, of at least DEFAULT_MIN_BLOCK steps each.
+DEFAULT_MAX_BLOCKS = 20
+DEFAULT_MIN_BLOCK = 5
+#: The blocks' lag-1 autocorrelation is capped here (a 9x wider variance) when widening.
+MAX_BLOCK_AUTOCORRELATION = 0.8
+#: From this many blocks on, the lag-1 estimate is bias-corrected.
+BIAS_CORRECTION_BLOCKS = 10
 
 
 # -- statistics ------------------------------------------------------------------------------
 def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Two-sided p-value of the Mann–Whitney U test (normal approximation, tie-corrected, with
-    continuity correction); None with fewer than 3 values on a side."""
+    continuity correction); None with fewer than 3 values on a side. No longer behind verdicts:
+    over the steps of two runs it takes drift for a change (see :func:`block_test_p`)."""
     n1, n2 = len(a), len(b)
     if n1 < 3 or n2 < 3:
         return None
@@ -77,6 +94,218 @@ def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float | None:
         return 1.0
     z = (abs(u - mean) - 0.5) / math.sqrt(variance)
     return max(0.0, min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2))))
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta function (Lentz's method)."""
+    tiny = 1e-300
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-12:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_test_p(t: float, df: float) -> float:
+    """Two-sided p-value of Student's t statistic *t* with *df* degrees of freedom."""
+    if math.isnan(t) or df <= 0:
+        return 1.0
+    if math.isinf(t):
+        return 0.0
+    return max(0.0, min(1.0, _betainc(df / 2.0, 0.5, df / (df + t * t))))
+
+
+def _variance(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+
+
+def _lag1(values: Sequence[float]) -> float:
+    """Lag-1 autocorrelation of *values* (0 for a constant series)."""
+    mean = sum(values) / len(values)
+    centred = [v - mean for v in values]
+    denominator = sum(c * c for c in centred)
+    if denominator <= 0:
+        return 0.0
+    return sum(x * y for x, y in zip(centred, centred[1:])) / denominator
+
+
+def block_values(values: Sequence[float], summary: Callable[[Sequence[float]], float | None],
+                 max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> list[float]:
+    """*values* (in step order) cut into consecutive blocks of at least *min_block* steps, at most
+    *max_blocks* blocks, each reduced by *summary* (the row's median or mean): the batch means.
+
+    Steps within a run are autocorrelated (load drifts), so single steps are not independent
+    samples; blocks of consecutive steps are much closer to it, and fewer blocks of more steps
+    each get closer still (batch means: a fixed number of batches, whose size grows with the run).
+    """
+    n = len(values)
+    size = max(min_block, -(-n // max_blocks))
+    count = n // size
+    blocks = []
+    for index in range(count):
+        # The last block takes the remainder: every step is in exactly one block.
+        chunk = values[index * size:(index + 1) * size if index < count - 1 else n]
+        value = summary(chunk)
+        if value is not None:
+            blocks.append(value)
+    return blocks
+
+
+def _side_spread(blocks: Sequence[float]) -> tuple[float, float]:
+    """(variance of the side's mean, its count of blocks) from block values, the variance widened
+    by the blocks' own positive lag-1 autocorrelation r (bias-corrected): drift slower than a
+    block leaves neighbouring blocks alike, so their mean varies more than independent blocks'
+    would, by the AR(1) factor (1 + r) / (1 - r). The degrees of freedom stay those of the blocks:
+    also cutting them by that factor made a 10 % regression under drift a coin toss (80 % found
+    against 98 %) for a false-alarm rate of 0.9 % against 1.4 % (tests/test_compare.py's model)."""
+    k = len(blocks)
+    return _variance(blocks) / k * _widening(blocks), k
+
+
+def _widening(blocks: Sequence[float]) -> float:
+    """The AR(1) factor (1 + r) / (1 - r) of *blocks*' positive lag-1 autocorrelation r (see
+    :func:`_side_spread`); 1 for fewer than 4 values."""
+    k = len(blocks)
+    r = 0.0
+    if k >= 4:
+        r = _lag1(blocks)
+        if k >= BIAS_CORRECTION_BLOCKS:
+            # The lag-1 estimate from k values is biased low by about (1 + 3r) / k (Marriott and
+            # Pope): uncorrected, drift would pass for independence exactly when it matters. From
+            # fewer blocks the correction is noisier than the bias it removes.
+            r += (1.0 + 3.0 * max(r, 0.0)) / k
+    r = min(max(r, 0.0), MAX_BLOCK_AUTOCORRELATION)
+    return (1.0 + r) / (1.0 - r)
+
+
+def _logs(a: list[float], b: list[float]) -> tuple[list[float], list[float]]:
+    """Both samples' logarithms when every value is positive (times, rates), else as they are.
+
+    Step times are skewed to the right (a busy machine adds stalls, never takes time away) and
+    their changes are relative: on a log scale a slow spell weighs as much as a fast one.
+    """
+    if all(v > 0 for v in a) and all(v > 0 for v in b):
+        return [math.log(v) for v in a], [math.log(v) for v in b]
+    return a, b
+
+
+def _mean_or_none(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def block_test_p(a: Sequence[float], b: Sequence[float],
+                 summary: Callable[[Sequence[float]], float | None] = _mean_or_none,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> float | None:
+    """Two-sided p-value that two runs' per-step *a*, *b* (in step order) differ, respecting
+    autocorrelation: a Welch t-test on block values (:func:`block_values`; their logarithms when all
+    are positive), each side's variance widened by its blocks' lag-1 autocorrelation. None with
+    fewer than 2 blocks on a side."""
+    blocks_a, blocks_b = _logs(block_values(a, summary, max_blocks, min_block),
+                               block_values(b, summary, max_blocks, min_block))
+    if len(blocks_a) < 2 or len(blocks_b) < 2:
+        return None
+    (var_a, n_a), (var_b, n_b) = _side_spread(blocks_a), _side_spread(blocks_b)
+    return _welch(sum(blocks_a) / len(blocks_a), var_a, n_a, sum(blocks_b) / len(blocks_b), var_b, n_b)
+
+
+def _welch(mean_a: float, var_a: float, n_a: float, mean_b: float, var_b: float, n_b: float) -> float:
+    """Welch's test from each side's mean, the variance of that mean and its (effective) count."""
+    spread = var_a + var_b
+    if spread <= 0:
+        return 1.0 if mean_a == mean_b else 0.0
+    t = (mean_b - mean_a) / math.sqrt(spread)
+    # Welch–Satterthwaite degrees of freedom, at least 1.
+    terms = (var_a ** 2 / max(n_a - 1, 1e-9) if var_a > 0 else 0.0) + (var_b ** 2 / max(n_b - 1, 1e-9) if var_b > 0
+                                                                        else 0.0)
+    df = max(1.0, spread ** 2 / terms) if terms > 0 else 1.0
+    return t_test_p(t, df)
+
+
+def paired_block_test_p(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]],
+                        summary: Callable[[Sequence[float]], float | None] = _mean_or_none,
+                        max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> float | None:
+    """Two-sided p-value that two runs recorded at the same time differ, from ``(end_time, value)``
+    per step: both runs' steps in the time they share, in time order, are cut into windows of
+    consecutive steps (at most *max_blocks*, about *min_block* steps of each run apiece); each
+    window gives the ratio of B's to A's *summary* (its log; the difference when a value is not
+    positive), and a t-test asks whether those are centred on 0, their variance widened for lag-1
+    autocorrelation like :func:`block_test_p`'s. A slow spell of the machine slows both runs in
+    the same window and cancels. Windows hold equal numbers of steps, not equal time, so that a
+    window in a slow spell still holds both runs' steps. None with fewer than 2 windows."""
+    if not a or not b:
+        return None
+    start = max(min(t for t, _ in a), min(t for t, _ in b))
+    end = min(max(t for t, _ in a), max(t for t, _ in b))
+    merged = sorted([(t, 0, v) for t, v in a if start <= t <= end] + [(t, 1, v) for t, v in b if start <= t <= end])
+    count = min(max_blocks, sum(1 for _, side, _ in merged if side == 0) // min_block,
+                sum(1 for _, side, _ in merged if side == 1) // min_block)
+    if end <= start or count < 2:
+        return None
+    positive = all(v > 0 for _, _, v in merged)
+    differences = []
+    for index in range(count):
+        window = merged[index * len(merged) // count:(index + 1) * len(merged) // count]
+        va = summary([v for _, side, v in window if side == 0]) if any(s == 0 for _, s, _ in window) else None
+        vb = summary([v for _, side, v in window if side == 1]) if any(s == 1 for _, s, _ in window) else None
+        if va is not None and vb is not None:
+            differences.append(math.log(vb) - math.log(va) if positive else vb - va)
+    if len(differences) < 2:
+        return None
+    variance, k = _side_spread(differences)
+    mean = sum(differences) / len(differences)
+    if variance <= 0:
+        return 1.0 if mean == 0 else 0.0
+    return t_test_p(mean / math.sqrt(variance), k - 1)
+
+
+def runs_test_p(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Two-sided p-value that per-run values *a* and *b* (one per seed or repeat) differ: Welch's
+    t-test when both sides have 2 or more runs, else Student's with the pooled run-to-run spread
+    (one run against several). None with 3 runs or fewer in all, or one run on each side."""
+    n_a, n_b = len(a), len(b)
+    if n_a + n_b < 3 or n_a < 1 or n_b < 1:
+        return None
+    a, b = _logs(list(a), list(b))
+    mean_a, mean_b = sum(a) / n_a, sum(b) / n_b
+    if n_a >= 2 and n_b >= 2:
+        return _welch(mean_a, _variance(a) / n_a, n_a, mean_b, _variance(b) / n_b, n_b)
+    squares = sum((v - mean_a) ** 2 for v in a) + sum((v - mean_b) ** 2 for v in b)
+    df = n_a + n_b - 2
+    pooled = squares / df
+    spread = pooled * (1 / n_a + 1 / n_b)
+    if spread <= 0:
+        return 1.0 if mean_a == mean_b else 0.0
+    return t_test_p((mean_b - mean_a) / math.sqrt(spread), df)
 
 
 # -- what is compared --------------------------------------------------------------------------
@@ -171,6 +400,8 @@ def _compile_seconds(run: Run, rank: int, steps: Sequence[dict]) -> float:
 
 
 class _Side:
+    """One run of a side, reduced to what the rows read."""
+
     def __init__(self, run: Run):
         self.run = run
         self.rank = run.default_rank if run.ranks else None
@@ -181,43 +412,107 @@ class _Side:
         self.cluster = [s for s in run.cluster_steps() if s.get("complete", True)]
 
 
-def _tested(metric: str, label: str, a_values: list[float], b_values: list[float],
-            summary: Callable[[Sequence[float]], float | None], unit: str, lower_is_better: bool,
-            alpha: float, min_effect: float) -> Row:
-    row = Row(metric, label, summary(a_values), summary(b_values), unit, lower_is_better)
-    row.p_value = mann_whitney_p(a_values, b_values)
+def _verdict(row: Row, alpha: float, min_effect: float) -> Row:
     if row.p_value is None or row.relative is None:
         row.verdict = "—" if row.p_value is None else "noise"
-        return row
-    if row.p_value < alpha and abs(row.relative) >= min_effect:
-        worse = row.relative > 0 if lower_is_better else row.relative < 0
+    elif row.p_value < alpha and abs(row.relative) >= min_effect:
+        worse = row.relative > 0 if row.lower_is_better else row.relative < 0
         row.verdict = "regression" if worse else "improvement"
     else:
         row.verdict = "noise"
     return row
 
 
-def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
+def _tested(metric: str, label: str, a_runs: list[list[float]], b_runs: list[list[float]],
+            summary: Callable[[Sequence[float]], float | None], unit: str, lower_is_better: bool,
+            alpha: float, min_effect: float, min_block: int = DEFAULT_MIN_BLOCK,
+            timed: tuple[list[tuple[float, float]], list[tuple[float, float]]] | None = None) -> Row:
+    """A row with a verdict. *a_runs*, *b_runs*: per run of each side, its per-step values in
+    step order. One run a side: the block test over steps (:func:`block_test_p`), or with *timed*
+    (the two runs' ``(end_time, value)``, recorded at the same time) the paired windows
+    (:func:`paired_block_test_p`); several: the runs' own values against the run-to-run spread
+    (:func:`runs_test_p`)."""
+    if len(a_runs) == 1 and len(b_runs) == 1:
+        row = Row(metric, label, summary(a_runs[0]), summary(b_runs[0]), unit, lower_is_better)
+        if timed is not None:
+            row.p_value = paired_block_test_p(*timed, summary, min_block=min_block)
+        else:
+            row.p_value = block_test_p(a_runs[0], b_runs[0], summary, min_block=min_block)
+        return _verdict(row, alpha, min_effect)
+    per_run_a = [v for v in map(summary, a_runs) if v is not None]
+    per_run_b = [v for v in map(summary, b_runs) if v is not None]
+    row = Row(metric, label, _mean(per_run_a), _mean(per_run_b), unit, lower_is_better)
+    row.p_value = runs_test_p(per_run_a, per_run_b)
+    return _verdict(row, alpha, min_effect)
+
+
+#: Two runs whose steady steps share this much of the shorter one's time span, on one host, were
+#: recorded together (taking turns or side by side): their rows are tested window by window.
+CONCURRENT_OVERLAP = 0.5
+
+
+def _concurrent(a: _Side, b: _Side) -> bool:
+    """Whether *a* and *b* ran at the same time on the same host, so that they share its drift."""
+    if a.metadata.get("hostname") != b.metadata.get("hostname"):
+        return False
+    spans = []
+    for side in (a, b):
+        times = [t for t in (as_number(s.get("end_time")) for s in side.steady) if t is not None]
+        if len(times) < 2:
+            return False
+        spans.append((min(times), max(times)))
+    (a0, a1), (b0, b1) = spans
+    shorter = min(a1 - a0, b1 - b0)
+    return shorter > 0 and min(a1, b1) - max(a0, b0) >= CONCURRENT_OVERLAP * shorter
+
+
+def _runs(runs: Run | Sequence[Run]) -> list[Run]:
+    listed = [runs] if isinstance(runs, Run) else list(runs)
+    if not listed:
+        raise ValueError("compare_runs: each side needs at least one run")
+    return listed
+
+
+def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alpha: float = DEFAULT_ALPHA,
                  min_effect: float = DEFAULT_MIN_EFFECT) -> dict[str, Any]:
-    """Compare two loaded runs: ``{"rows": [Row], "metadata": [(key, a, b)], "a": ..., "b": ...}``."""
-    A, B = _Side(run_a), _Side(run_b)
+    """Compare two loaded runs, or two lists of runs (seeds or repeats of each side):
+    ``{"rows": [Row], "metadata": [(key, a, b)], "a": ..., "b": ...}``.
+
+    With several runs on a side, each row's value is the mean over that side's runs of the
+    per-run value, and the verdict weighs the difference against the run-to-run spread.
+    """
+    runs_a, runs_b = _runs(run_a), _runs(run_b)
+    As, Bs = [_Side(r) for r in runs_a], [_Side(r) for r in runs_b]
     rows: list[Row] = []
 
-    def tested(metric, label, fn, summary, unit, lower, steps="steady"):
-        a = _per_step(getattr(A, steps), fn)
-        b = _per_step(getattr(B, steps), fn)
-        if a or b:
-            rows.append(_tested(metric, label, a, b, summary, unit, lower, alpha, min_effect))
+    paired = len(As) == 1 and len(Bs) == 1 and _concurrent(As[0], Bs[0])
 
-    def single(metric, label, a, b, unit="", lower=True):
+    def timed(side: _Side, steps: str, fn: Callable[[dict], float | None]) -> list[tuple[float, float]]:
+        pairs = ((as_number(s.get("end_time")), fn(s)) for s in getattr(side, steps))
+        return [(t, v) for t, v in pairs if t is not None and v is not None]
+
+    def tested(metric, label, fn, summary, unit, lower, steps="steady"):
+        a = [_per_step(getattr(side, steps), fn) for side in As]
+        b = [_per_step(getattr(side, steps), fn) for side in Bs]
+        a, b = [v for v in a if v], [v for v in b if v]
+        if a or b:
+            times = (timed(As[0], steps, fn), timed(Bs[0], steps, fn)) if paired else None
+            rows.append(_tested(metric, label, a or [[]], b or [[]], summary, unit, lower, alpha, min_effect,
+                                timed=times))
+
+    def per_side(fn: Callable[[_Side], float | None]) -> tuple[float | None, float | None]:
+        return (_mean([v for v in map(fn, As) if v is not None]),
+                _mean([v for v in map(fn, Bs) if v is not None]))
+
+    def single(metric, label, fn, unit="", lower=True):
+        a, b = per_side(fn)
         if a is not None or b is not None:
             rows.append(Row(metric, label, a, b, unit, lower))
 
-    single("steps", "steps", float(len(A.steps)), float(len(B.steps)), lower=None)
-    single("steady_steps", "steady-state steps", float(len(A.steady)), float(len(B.steady)), lower=None)
-    final_a = next((v for v in map(_loss, reversed(A.steps)) if v is not None), None)
-    final_b = next((v for v in map(_loss, reversed(B.steps)) if v is not None), None)
-    single("loss_final", "final loss", final_a, final_b)
+    single("steps", "steps", lambda side: float(len(side.steps)), lower=None)
+    single("steady_steps", "steady-state steps", lambda side: float(len(side.steady)), lower=None)
+    single("loss_final", "final loss", lambda side: next((v for v in map(_loss, reversed(side.steps))
+                                                          if v is not None), None))
     tested("loss_mean", "mean loss", _loss, _mean, "", True, steps="steps")
     interval = lambda s: as_number(s.get("interval_seconds"))  # noqa: E731
     compute = lambda s: as_number(s.get("compute_seconds"))  # noqa: E731
@@ -234,45 +529,43 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
     # is not a speed change (neither better nor worse).
     for kind in ("model", "hardware"):
         read = _model_flops if kind == "model" else (lambda s: as_number(s.get("hardware_flops")))
-        single(f"{kind}_flops", f"{kind} FLOPs per step, median", _median(_per_step(A.steady, read)),
-               _median(_per_step(B.steady, read)), lower=None)
-    single("peak_flops", "peak FLOP/s (MFU's divisor)", _last(A.steps, "peak_flops"), _last(B.steps, "peak_flops"),
-           lower=None)
+        single(f"{kind}_flops", f"{kind} FLOPs per step, median",
+               lambda side, read=read: _median(_per_step(side.steady, read)), lower=None)
+    single("peak_flops", "peak FLOP/s (MFU's divisor)", lambda side: _last(side.steps, "peak_flops"), lower=None)
 
     def goodput(side: _Side) -> float | None:
         wall = sum(present_values(side.steps, "interval_seconds"))
         return sum(present_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
 
-    single("goodput", "goodput (all steps)", goodput(A), goodput(B), lower=False)
+    single("goodput", "goodput (all steps)", goodput, lower=False)
     reasons: set[str] = set()
-    for side in (A, B):
+    for side in As + Bs:
         for step in side.steps:
             reasons.update((step.get("idle_breakdown") or {}).keys())
     for reason in sorted(reasons):
         def idle_total(side: _Side, reason: str = reason) -> float:
             return sum(as_number((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
-        single(f"idle_{reason}", f"idle: {reason} (total)", idle_total(A), idle_total(B), "s")
-    blocking_a = present_values(A.checkpoints, "blocking_seconds")
-    blocking_b = present_values(B.checkpoints, "blocking_seconds")
+        single(f"idle_{reason}", f"idle: {reason} (total)", idle_total, "s")
+    blocking_a = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in As) if v]
+    blocking_b = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in Bs) if v]
     if blocking_a or blocking_b:
-        rows.append(_tested("checkpoint_blocking", "checkpoint blocking, mean", blocking_a, blocking_b, _mean,
-                            "s", True, alpha, min_effect))
-    if A.rank is not None and B.rank is not None:
-        single("compile", "compile time", _compile_seconds(run_a, A.rank, A.steps),
-               _compile_seconds(run_b, B.rank, B.steps), "s")
-    single("memory_peak", "peak device memory", _peak_memory(A.steps, "peak_bytes"),
-           _peak_memory(B.steps, "peak_bytes"), "B")
-    single("memory_peak_percent", "peak device memory, % of limit", _peak_memory(A.steps, "peak_percent"),
-           _peak_memory(B.steps, "peak_percent"), "%")
+        # Saves are far apart: each is its own sample (blocks of one).
+        rows.append(_tested("checkpoint_blocking", "checkpoint blocking, mean", blocking_a or [[]],
+                            blocking_b or [[]], _mean, "s", True, alpha, min_effect, min_block=1))
+    if all(side.rank is not None for side in As + Bs):
+        single("compile", "compile time", lambda side: _compile_seconds(side.run, side.rank, side.steps), "s")
+    single("memory_peak", "peak device memory", lambda side: _peak_memory(side.steps, "peak_bytes"), "B")
+    single("memory_peak_percent", "peak device memory, % of limit",
+           lambda side: _peak_memory(side.steps, "peak_percent"), "%")
     tested("bubble", "pipeline bubble", _bubble, _mean, "", True)
-    if A.cluster and B.cluster:
+    if all(side.cluster for side in As + Bs):
         skew = lambda s: as_number(s.get("skew_seconds"))  # noqa: E731
-        a_skew, b_skew = _per_step(A.cluster, skew), _per_step(B.cluster, skew)
-        rows.append(_tested("skew", "cross-rank skew, median", a_skew, b_skew, _median, "s", True, alpha,
+        rows.append(_tested("skew", "cross-rank skew, median", [_per_step(side.cluster, skew) for side in As],
+                            [_per_step(side.cluster, skew) for side in Bs], _median, "s", True, alpha,
                             min_effect))
 
     metadata = []
-    meta_a, meta_b = A.metadata, B.metadata
+    meta_a, meta_b = As[0].metadata, Bs[0].metadata
     for key in ("versions", "devices", "tags"):
         da, db = meta_a.get(key) or {}, meta_b.get(key) or {}
         for sub in sorted(set(da) | set(db)):
@@ -281,11 +574,16 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
     for key in ("git_commit", "hostname"):
         if meta_a.get(key) != meta_b.get(key):
             metadata.append((key, meta_a.get(key), meta_b.get(key)))
-    source_a, source_b = _last_text(A.steps, "flops_source"), _last_text(B.steps, "flops_source")
+    source_a, source_b = _last_text(As[0].steps, "flops_source"), _last_text(Bs[0].steps, "flops_source")
     if source_a != source_b:
         metadata.append(("flops_source", source_a, source_b))
-    return {"a": {"path": str(run_a.path), "run_id": run_a.run_id}, "b": {"path": str(run_b.path),
-            "run_id": run_b.run_id}, "rows": rows, "metadata": metadata, "alpha": alpha, "min_effect": min_effect}
+
+    def described(runs: list[Run]) -> dict[str, Any]:
+        return {"path": str(runs[0].path), "run_id": runs[0].run_id, "runs": [str(r.path) for r in runs]}
+
+    return {"a": described(runs_a), "b": described(runs_b), "rows": rows, "metadata": metadata, "alpha": alpha,
+            "min_effect": min_effect,
+            "test": "runs" if len(runs_a) > 1 or len(runs_b) > 1 else "paired" if paired else "blocks"}
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -318,8 +616,21 @@ def _fmt_rel(row: Row) -> str:
 
 
 HEADER = ("metric", "A", "B", "B − A", "rel.", "verdict")
-STEADY_NOTE = ("Steady state: status ok, not the first step, no compile/checkpoint/eval idle. Verdicts: Mann–Whitney "
-               "U over per-step values, p < {alpha}, and |rel.| ≥ {min_effect:.0%}.")
+STEADY_NOTE = ("Steady state: status ok, not the first step, no compile/checkpoint/eval idle. Verdicts: {test}, "
+               "p < {alpha}, and |rel.| ≥ {min_effect:.0%}.")
+TESTS = {"blocks": "Welch t over blocks of consecutive steps (batch means, widened for drift)",
+         "paired": "runs recorded together: t over windows of B/A in time order (shared drift cancels)",
+         "runs": "Welch t over the runs of each side (run-to-run spread)"}
+
+
+def _note(result: dict[str, Any]) -> str:
+    return STEADY_NOTE.format(test=TESTS[result.get("test", "blocks")], alpha=result["alpha"],
+                              min_effect=result["min_effect"])
+
+
+def _names(side: dict[str, Any], key: str) -> str:
+    runs = side.get("runs") or [side[key]]
+    return side[key] if len(runs) == 1 else f"{side[key]} (+{len(runs) - 1} more)"
 
 
 def _cells(row: Row) -> tuple[str, ...]:
@@ -345,10 +656,10 @@ def render_markdown(result: dict[str, Any]) -> str:
 
     # Run ids, tags and host names come from the run files: code spans, so no heading, image,
     # link or @mention in them is rendered in a PR comment.
-    out = [f"**A** {code_span(result['a']['run_id'])} vs **B** {code_span(result['b']['run_id'])}", "",
-           line(HEADER), line(["---"] * len(HEADER))]
+    out = [f"**A** {code_span(_names(result['a'], 'run_id'))} vs **B** {code_span(_names(result['b'], 'run_id'))}",
+           "", line(HEADER), line(["---"] * len(HEADER))]
     out += [line(_markdown_label(_cells(row))) for row in result["rows"]]
-    out += ["", STEADY_NOTE.format(alpha=result["alpha"], min_effect=result["min_effect"])]
+    out += ["", _note(result)]
     if result["metadata"]:
         out += ["", line(("differs", "A", "B")), line(["---"] * 3)]
         out += [line((code_span(key), "—" if a is None else code_span(a), "—" if b is None else code_span(b)))
@@ -360,13 +671,16 @@ def render_text(result: dict[str, Any], file: Any = None) -> None:
     file = file or sys.stdout
     rows = [HEADER] + [_cells(row) for row in result["rows"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    print(f"A: {visible(result['a']['path'])}\nB: {visible(result['b']['path'])}\n", file=file)
+    for name in ("a", "b"):
+        print(f"{name.upper()}: " + ", ".join(visible(p) for p in (result[name].get("runs") or [result[name]["path"]])),
+              file=file)
+    print(file=file)
     for index, cells in enumerate(rows):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))),
               file=file)
         if index == 0:
             print("  ".join("-" * w for w in widths), file=file)
-    print("\n" + STEADY_NOTE.format(alpha=result["alpha"], min_effect=result["min_effect"]), file=file)
+    print("\n" + _note(result), file=file)
     if result["metadata"]:
         print("\nwhere the runs differ:", file=file)
         for key, a, b in result["metadata"]:
@@ -410,18 +724,32 @@ def _two_runs(paths: Sequence[str]) -> tuple[Path, Path]:
             raise RunDirError(f"{parent}: needs two runs to compare (found {len(runs)}); or give RUN_A RUN_B")
         runs.sort(key=lambda d: max(f.stat().st_mtime for f in d.glob("rank-*.jsonl")))
         return runs[-2], runs[-1]
-    raise RunDirError("give RUN_A RUN_B, or one run_dir holding at least two runs")
+    raise RunDirError("give RUN_A RUN_B, or one run_dir holding at least two runs, or --a RUN... --b RUN...")
+
+
+def _sides(args: argparse.Namespace) -> tuple[list[Path], list[Path]]:
+    if args.a or args.b:
+        if not (args.a and args.b) or args.runs:
+            raise RunDirError("--a and --b go together (each with one or more runs), without RUN_A RUN_B")
+        return [find_run(p) for p in args.a], [find_run(p) for p in args.b]
+    path_a, path_b = _two_runs(args.runs)
+    return [path_a], [path_b]
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("runs", nargs="+", metavar="RUN",
+    parser.add_argument("runs", nargs="*", metavar="RUN",
                         help="RUN_A RUN_B (run directories), or one run_dir: its two newest runs, older as A")
+    parser.add_argument("--a", nargs="+", action="extend", metavar="RUN", default=[],
+                        help="several runs of A (seeds or repeats): verdicts use the run-to-run spread")
+    parser.add_argument("--b", nargs="+", action="extend", metavar="RUN", default=[],
+                        help="several runs of B (with --a)")
     parser.add_argument("--markdown", action="store_true", help="a Markdown table (for a pull-request comment)")
     parser.add_argument("--json", action="store_true", help="every row as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw both runs' step-interval distributions")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="significance level (default 0.01)")
     parser.add_argument("--min-effect", type=float, default=DEFAULT_MIN_EFFECT * 100, metavar="PCT",
-                        help="smallest relative difference called a regression or improvement (default 2)")
+                        help="smallest relative difference called a regression or improvement, in percent "
+                             "(default 2)")
     parser.add_argument("--fail-on-regression", type=float, metavar="PCT", default=None,
                         help="exit 1 when --metric is a significant regression by more than PCT percent")
     parser.add_argument("--metric", default=DEFAULT_METRIC,
@@ -431,18 +759,18 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def run_compare(args: argparse.Namespace) -> int:
     try:
-        path_a, path_b = _two_runs(args.runs)
-        run_a, run_b = load_run(path_a), load_run(path_b)
+        paths_a, paths_b = _sides(args)
+        runs_a, runs_b = [load_run(p) for p in paths_a], [load_run(p) for p in paths_b]
     except (RunDirError, OSError) as exc:
         print(f"steptrace compare: {exc}", file=sys.stderr)
         return 2
-    for run in (run_a, run_b):
+    for run in runs_a + runs_b:
         for warning in run.warnings:
             print(f"steptrace compare: warning: {visible(run.path)}: {visible(warning)}", file=sys.stderr)
     if not (0 < args.alpha < 1) or args.min_effect < 0:
         print("steptrace compare: --alpha must be in (0, 1) and --min-effect >= 0", file=sys.stderr)
         return 2
-    result = compare_runs(run_a, run_b, alpha=args.alpha, min_effect=args.min_effect / 100)
+    result = compare_runs(runs_a, runs_b, alpha=args.alpha, min_effect=args.min_effect / 100)
     if args.json:
         print(json.dumps({**result, "rows": [r.to_json() for r in result["rows"]]}, indent=1, default=str))
     elif args.markdown:
@@ -451,7 +779,7 @@ def run_compare(args: argparse.Namespace) -> int:
         render_text(result)
     if args.plot:
         try:
-            print(f"wrote {plot_intervals(run_a, run_b, args.plot)}", file=sys.stderr)
+            print(f"wrote {plot_intervals(runs_a[0], runs_b[0], args.plot)}", file=sys.stderr)
         except (OSError, ImportError) as exc:
             print(f"steptrace compare: cannot write plot: {exc}", file=sys.stderr)
             return 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -51,24 +52,67 @@ __all__ = [
 # --------------------------------------------------------------------------
 
 
-def _add_rows(table, items: list[dict], max_rows: int, add, columns: int, elided_column: int = 0) -> None:
-    """Add a row per item, eliding the middle beyond *max_rows* (``<= 0``: all)."""
-    if max_rows > 0 and len(items) > max_rows:
-        head = max_rows // 2
-        tail = max_rows - head
-        for item in items[:head]:
-            add(item)
-        elided = len(items) - head - tail
-        noun = "step" if elided == 1 else "steps"
-        cells = [""] * columns
-        cells[0] = "…"
-        cells[elided_column] = f"[dim]… {elided} {noun} elided …[/]"
-        table.add_row(*cells)
-        for item in items[-tail:]:
-            add(item)
-    else:
-        for item in items:
-            add(item)
+#: Idle reasons that make a step worth showing when rows are limited.
+NOTABLE_REASONS = ("checkpoint", "eval", "compile")
+#: How many of the slowest steps --max-rows keeps.
+SLOWEST_KEPT = 5
+#: Columns of a report written to a file or pipe with no --width or COLUMNS: rows never wrap.
+UNWRAPPED_WIDTH = 1000
+
+
+def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None,
+                 slow_key: str = "interval_seconds") -> tuple[list[dict], dict[str, int]]:
+    """The rows to show when *max_rows* (``> 0``) is less than ``len(items)``, in their order.
+
+    Kept first, in this priority: the first step, failed ones, those with notable work (*why*:
+    a step → whether it is notable; by default compile, checkpoint or eval idle), the
+    ``SLOWEST_KEPT`` slowest by *slow_key*, then steps spaced evenly through the rest of the run
+    (typical ones). Returns the rows and how many were kept for each reason.
+    """
+    if max_rows <= 0 or len(items) <= max_rows:
+        return list(items), {}
+    if why is None:
+        def why(item: dict) -> bool:
+            breakdown = item.get("idle_breakdown")
+            return isinstance(breakdown, dict) and any((as_number(breakdown.get(r)) or 0) > 0 for r in NOTABLE_REASONS)
+    chosen: dict[int, str] = {}
+
+    def keep(indices: "Any", reason: str) -> None:
+        for index in indices:
+            if len(chosen) >= max_rows:
+                return
+            chosen.setdefault(index, reason)
+
+    keep([0], "first")
+    keep([i for i, item in enumerate(items) if item.get("status") not in ("ok", None)], "failed")
+    keep([i for i, item in enumerate(items) if why(item)], "checkpoint/eval/compile")
+    by_time = sorted((i for i, item in enumerate(items) if as_number(item.get(slow_key)) is not None),
+                     key=lambda i: -(as_number(items[i].get(slow_key)) or 0.0))
+    keep([i for i in by_time if i not in chosen][:SLOWEST_KEPT], "slowest")
+    rest = [i for i in range(len(items)) if i not in chosen]
+    room = max_rows - len(chosen)
+    if room > 0 and rest:
+        keep([rest[round(k * (len(rest) - 1) / max(room - 1, 1))] for k in range(min(room, len(rest)))],
+             "evenly spaced")
+    counts: dict[str, int] = {}
+    for reason in chosen.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    return [items[i] for i in sorted(chosen)], counts
+
+
+def _add_rows(table, items: list[dict], max_rows: int, add, *, why: "Any" = None,
+              slow_key: str = "interval_seconds", noun: str = "steps") -> None:
+    """Add a row per item; beyond *max_rows* (``<= 0``: all) only the notable ones
+    (:func:`notable_rows`), and a note (``table.steptrace_note``) saying how many were left out
+    and which were kept."""
+    shown, counts = notable_rows(items, max_rows, why=why, slow_key=slow_key)
+    for item in shown:
+        add(item)
+    if len(shown) < len(items):
+        kept = ", ".join(f"{reason} {count}" for reason, count in counts.items())
+        # Printed after the table (render_report), on one line: a caption would wrap at its width.
+        table.steptrace_note = (f"[dim]{len(shown)} of {len(items)} {noun} shown ({kept}); "
+                                f"{len(items) - len(shown)} left out (--max-rows 0 shows all)[/]")
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -106,30 +150,39 @@ def _status_cell(step: dict) -> str:
     return escape(status)
 
 
+def _has(items: list[dict], key: str) -> bool:
+    return any(as_number(item.get(key)) is not None for item in items)
+
+
 def _step_table(steps: list[dict], rank: int, max_rows: int):
     from rich.table import Table
 
     table = Table(title=f"Steps (rank {rank})", title_justify="left")
-    for name in ("step", "interval s", "compute s", "idle s"):
-        table.add_column(name, justify="right")
-    table.add_column("top idle reasons", ratio=1)
-    table.add_column("tokens/s", justify="right")
-    table.add_column("TFLOP/s", justify="right")
-    table.add_column("status")
+    # Columns no step has data for (tokens, FLOPs, MFU not given) are left out, not dashes.
+    columns: list[tuple[str, Any]] = [
+        ("step", lambda step: markup(step.get("step", "?"))),
+        ("interval s", lambda step: _fmt(step.get("interval_seconds"))),
+        ("compute s", lambda step: _fmt(step.get("compute_seconds"))),
+        ("idle s", lambda step: _fmt(step.get("idle_seconds"))),
+        ("top idle reasons", lambda step: _top_reasons(step.get("idle_breakdown"))),
+    ]
+    if _has(steps, "tokens_per_second"):
+        columns.append(("tokens/s", lambda step: _fmt(step.get("tokens_per_second"), ",.0f")))
+    if _has(steps, "tflops_per_second"):
+        columns.append(("TFLOP/s", lambda step: _fmt(step.get("tflops_per_second"), ".2f")))
+    if _has(steps, "mfu"):
+        columns.append(("MFU", lambda step: percent_text(as_number(step.get("mfu")))))
+    columns.append(("status", _status_cell))
+    for name, _ in columns:
+        if name == "top idle reasons":
+            table.add_column(name, ratio=1)
+        else:
+            table.add_column(name, justify="left" if name == "status" else "right")
 
     def add(step: dict) -> None:
-        table.add_row(
-            markup(step.get("step", "?")),
-            _fmt(step.get("interval_seconds")),
-            _fmt(step.get("compute_seconds")),
-            _fmt(step.get("idle_seconds")),
-            _top_reasons(step.get("idle_breakdown")),
-            _fmt(step.get("tokens_per_second"), ",.0f"),
-            _fmt(step.get("tflops_per_second"), ".2f"),
-            _status_cell(step),
-        )
+        table.add_row(*(cell(step) for _, cell in columns))
 
-    _add_rows(table, steps, max_rows, add, columns=8, elided_column=4)
+    _add_rows(table, steps, max_rows, add)
     return table
 
 
@@ -173,10 +226,13 @@ def _summary_panel(summary: dict, title: str):
     grid.add_row("goodput", percent_text(summary["goodput"]), "compute / wall")
     grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
-    grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
-    grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
-                 "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
-                 else "per second of compute")
+    # Rates nobody gave the inputs for (tokens, flops) are left out, not dashes.
+    if summary["tokens_per_second"] is not None:
+        grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
+    if summary["tflops_per_second"] is not None:
+        grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
+                     "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
+                     else "per second of compute")
     for row in _flops_rows(summary):
         grid.add_row(*row)
     for name, value in summary.get("scalars", {}).items():
@@ -290,12 +346,16 @@ def _rank_table(run: Run):
     from rich.table import Table
 
     table = Table(title="Per-rank summary", title_justify="left")
-    # Short headers: ten columns must still fit an 80-column terminal.
-    for name in ("rank", "steps", "wall s", "goodput", "p50 s",
-                 "tok/s", "TFLOP/s", "top idle", "ckpt s", "errors"):
+    summaries = [(rank, summarize(run.steps(rank), run.checkpoints(rank))) for rank in run.ranks]
+    # Short headers: ten columns must still fit an 80-column terminal. Rates no rank has are left out.
+    rates = [key for key in ("tokens_per_second", "tflops_per_second")
+             if any(s[key] is not None for _, s in summaries)]
+    headers = ["rank", "steps", "wall s", "goodput", "p50 s"]
+    headers += [{"tokens_per_second": "tok/s", "tflops_per_second": "TFLOP/s"}[key] for key in rates]
+    headers += ["top idle", "ckpt s", "errors"]
+    for name in headers:
         table.add_column(name, justify="left" if name == "top idle" else "right")
-    for rank in run.ranks:
-        s = summarize(run.steps(rank), run.checkpoints(rank))
+    for rank, s in summaries:
         top = next(iter(s["idle_breakdown_totals"].items()), None)
         table.add_row(
             str(rank),
@@ -303,8 +363,7 @@ def _rank_table(run: Run):
             f"{s['wall_seconds']:.3f}",
             percent_text(s["goodput"]),
             _fmt(s["compute_p50"]),
-            _fmt(s["tokens_per_second"], ",.0f"),
-            _fmt(s["tflops_per_second"], ".2f"),
+            *(_fmt(s[key], ",.0f" if key == "tokens_per_second" else ".2f") for key in rates),
             f"{escape(top[0])} {top[1]:.2f}" if top else "",
             f"{s['checkpoint_blocking_seconds']:.3f}",
             f"[red]{s['error_steps']}[/]" if s["error_steps"] else "0",
@@ -338,7 +397,8 @@ def _cluster_table(steps: list[dict], max_rows: int):
             f"[yellow]{_rank_list(missing, total=step.get('missing_rank_count'))}[/]" if missing else "",
         )
 
-    _add_rows(table, steps, max_rows, add, columns=9, elided_column=8)
+    # Kept when rows are limited: incomplete steps, then the largest skew.
+    _add_rows(table, steps, max_rows, add, why=lambda step: not step.get("complete"), slow_key="skew_seconds")
     return table
 
 
@@ -376,6 +436,13 @@ def _cluster_panel(summary: dict):
     return Panel(grid, title="Cluster summary", title_align="left", expand=False)
 
 
+def _print_table(console: Console, table: Any) -> None:
+    console.print(table)
+    note = getattr(table, "steptrace_note", None)
+    if note:
+        console.print(note)
+
+
 def render_report(
     run: Run,
     *,
@@ -407,7 +474,7 @@ def render_report(
         checkpoints = run.checkpoints(rank)
         summary = summarize(steps, checkpoints)
         if steps:
-            console.print(_step_table(steps, rank, max_rows))
+            _print_table(console, _step_table(steps, rank, max_rows))
         else:
             console.print(f"[yellow]no step records for rank {rank}[/]")
         if checkpoints:
@@ -426,7 +493,7 @@ def render_report(
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
     if cluster_steps:
-        console.print(_cluster_table(cluster_steps, max_rows))
+        _print_table(console, _cluster_table(cluster_steps, max_rows))
         console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
 
     dropped = {k: v for k, v in run.dropped.items() if v}
@@ -452,12 +519,30 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--rank", type=int, default=None,
                         help="rank to report on (default: 0)")
     parser.add_argument("--max-rows", type=int, default=40, metavar="N",
-                        help="show at most N step rows, eliding the middle (0: all)")
+                        help="show at most N step rows: the first, failed, checkpoint/eval/compile and "
+                             "slowest steps, then evenly spaced ones (0: all; default 40)")
+    parser.add_argument("--width", type=int, default=None, metavar="COLUMNS",
+                        help="table width in columns (default: the terminal's; written to a file or pipe, "
+                             "$COLUMNS or else wide enough that no row wraps)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also write a per-step timeline PNG")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON instead of tables")
     return parser
+
+
+def report_width(width: int | None = None, stream: Any = None) -> int | None:
+    """Columns to render at: *width* if given; the terminal's when *stream* (stdout) is one
+    (None: rich asks the terminal); else ``$COLUMNS``; else ``UNWRAPPED_WIDTH``, so that a report
+    written to a file or a pipe keeps one line per row instead of wrapping at 80 columns."""
+    if width is not None:
+        return width
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    if callable(isatty) and isatty():
+        return None
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else UNWRAPPED_WIDTH
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -468,6 +553,9 @@ def run_report(args: argparse.Namespace) -> int:
         rank = run.resolve_rank(args.rank) if run.ranks or args.rank is not None else None
     except (RunDirError, OSError) as exc:  # OSError: e.g. an unreadable file
         print(f"steptrace report: {exc}", file=sys.stderr)
+        return 2
+    if args.width is not None and args.width < 20:
+        print("steptrace report: --width must be at least 20", file=sys.stderr)
         return 2
 
     # Warnings go to stderr so that --json output on stdout stays parseable.
@@ -494,7 +582,10 @@ def run_report(args: argparse.Namespace) -> int:
         }
         print(json.dumps(payload, indent=2))
     else:
-        render_report(run, rank=rank, max_rows=args.max_rows, show_warnings=False)
+        from rich.console import Console
+
+        render_report(run, rank=rank, max_rows=args.max_rows, show_warnings=False,
+                      console=Console(width=report_width(args.width)))
 
     if args.plot:
         if rank is None:

@@ -1,6 +1,7 @@
 """Loading steptrace run directories: each rank's JSONL file and the collector's ``cluster.jsonl``.
 
-A run directory is ``<run_dir>/<run_id>/`` holding one ``rank-<rank>.jsonl`` file per rank and,
+A run directory is ``<run_dir>/<run_id>/`` holding one ``rank-<rank>.jsonl`` file per rank (and the
+files rotated out of it, ``rank-<rank>.<k>.jsonl``, read first in order of k) and,
 when a steptrace collector joined the run, its ``cluster.jsonl`` (one ``cluster_step`` record per
 step across ranks, plus ``late`` records). :func:`load_run` reads them into a :class:`Run`.
 Only the standard library is imported.
@@ -9,13 +10,15 @@ Only the standard library is imported.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from steptrace.analysis.summary import as_number
 
-_RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
+# rank-<r>.jsonl, and the files rotated out of it, rank-<r>.<k>.jsonl (k = 1, 2, ... in write order).
+_RANK_FILE = re.compile(r"^rank-(\d+)(?:\.(\d+))?\.jsonl$")
 #: Written by the steptrace collector (steptrace.collector): the cross-rank join.
 CLUSTER_FILE = "cluster.jsonl"
 
@@ -29,19 +32,22 @@ class RunDirError(ValueError):
 # --------------------------------------------------------------------------
 
 
-def _rank_files(directory: Path) -> dict[int, Path]:
-    """Map rank -> file for every ``rank-<int>.jsonl`` directly in *directory*."""
-    files: dict[int, Path] = {}
+def _rank_files(directory: Path) -> dict[int, list[Path]]:
+    """Map rank -> its files in write order, for every ``rank-<int>.jsonl`` directly in *directory*:
+    the rotated ``rank-<r>.<k>.jsonl`` by k, then ``rank-<r>.jsonl`` (the one being written)."""
+    found: dict[int, list[tuple[float, Path]]] = {}
     for child in directory.iterdir():
         match = _RANK_FILE.match(child.name)
         if match and child.is_file():
-            files[int(match.group(1))] = child
-    return files
+            segment = match.group(2)
+            order = float(segment) if segment is not None else math.inf
+            found.setdefault(int(match.group(1)), []).append((order, child))
+    return {rank: [path for _, path in sorted(files)] for rank, files in found.items()}
 
 
 def _run_files(directory: Path) -> list[Path]:
     """The rank files and the collector's cluster file of *directory*."""
-    files = list(_rank_files(directory).values())
+    files = [file for files in _rank_files(directory).values() for file in files]
     cluster = directory / CLUSTER_FILE
     if cluster.is_file():
         files.append(cluster)
@@ -309,8 +315,8 @@ def load_run(path: str | Path) -> Run:
     warnings: list[str] = []
     skipped: dict[str, int] = {}
     records_by_rank = {
-        rank: _read_rank_file(file, warnings, skipped)
-        for rank, file in sorted(_rank_files(run_path).items())
+        rank: [record for file in files for record in _read_rank_file(file, warnings, skipped)]
+        for rank, files in sorted(_rank_files(run_path).items())
     }
     cluster_file = run_path / CLUSTER_FILE
     # The same torn-last-line tolerance as the rank files: a killed collector leaves one too.
