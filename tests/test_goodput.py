@@ -234,3 +234,19 @@ def test_the_attempt_is_on_every_exporter(tmp_path, monkeypatch):
     assert 'steptrace_attempt{rank="0",run_id="exp"} 3.0' in text
     (step,) = sink.steps()
     assert step["attempt"] == 3 and step["trace_id"] == trace_id_hex("exp", 0, 3) != trace_id_hex("exp", 0)
+
+
+def test_compare_shows_the_jobs_goodput_when_a_side_restarted(tmp_path):
+    restarted, clean = tmp_path / "restarted", tmp_path / "clean"
+    _attempt(tmp_path, restarted, last_step=12, kill=True)
+    time.sleep(0.2)
+    _attempt(tmp_path, restarted, last_step=14, kill=False)
+    _attempt(tmp_path, clean, last_step=14, kill=False)
+    out = subprocess.run([sys.executable, "-m", "steptrace", "compare", str(clean / "job"), str(restarted / "job"),
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {row["metric"]: row for row in json.loads(out.stdout)["rows"]}
+    assert rows["job_wasted"]["a"] == 0.0 and rows["job_wasted"]["b"] > 0
+    assert rows["job_downtime"]["b"] >= 0.2
+    assert rows["job_goodput"]["b"] < rows["job_goodput"]["a"]
+    assert rows["steps"]["a"] == rows["steps"]["b"] == 15  # the redone steps count once

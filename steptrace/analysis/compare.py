@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 from steptrace.analysis._text import code_span, literal_text, visible
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
+from steptrace.analysis.goodput import job_accounting
 from steptrace.analysis.summary import as_number, present_values, percentile
 
 __all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "paired_block_test_p",
@@ -534,18 +535,34 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     single("peak_flops", "peak FLOP/s (MFU's divisor)", lambda side: _last(side.steps, "peak_flops"), lower=None)
 
     def goodput(side: _Side) -> float | None:
-        wall = sum(present_values(side.steps, "interval_seconds"))
+        # The wall holds the time before the first step too (start-up, an eval before step 0).
+        wall = sum(present_values(side.steps, "interval_seconds")) + sum(
+            present_values(side.steps, "before_step_seconds"))
         return sum(present_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
 
-    single("goodput", "goodput (all steps)", goodput, lower=False)
+    single("goodput", "goodput (all steps and the time before them)", goodput, lower=False)
+    single("before_steps", "time before the first step",
+           lambda side: sum(present_values(side.steps, "before_step_seconds"))
+           if present_values(side.steps, "before_step_seconds") else None, "s")
     reasons: set[str] = set()
     for side in As + Bs:
         for step in side.steps:
             reasons.update((step.get("idle_breakdown") or {}).keys())
+            reasons.update((step.get("before_step_breakdown") or {}).keys())
     for reason in sorted(reasons):
         def idle_total(side: _Side, reason: str = reason) -> float:
-            return sum(as_number((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
+            return sum(as_number((s.get(field) or {}).get(reason)) or 0.0 for s in side.steps
+                       for field in ("idle_breakdown", "before_step_breakdown"))
         single(f"idle_{reason}", f"idle: {reason} (total)", idle_total, "s")
+    jobs = {id(side): job_accounting(side.run.records_by_rank[side.rank]) if side.rank is not None else None
+            for side in As + Bs}
+    if any(job is not None and len(job["attempts"]) > 1 for job in jobs.values()):
+        # A job that restarted: its goodput across attempts, and what the restarts cost (docs/goodput.md).
+        single("job_goodput", "job goodput (across attempts)",
+               lambda side: (jobs[id(side)] or {}).get("goodput"), lower=False)
+        for bucket in ("wasted", "downtime", "startup", "restore"):
+            single(f"job_{bucket}", f"job badput: {bucket}",
+                   lambda side, bucket=bucket: ((jobs[id(side)] or {}).get("badput") or {}).get(bucket), "s")
     blocking_a = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in As) if v]
     blocking_b = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in Bs) if v]
     if blocking_a or blocking_b:
