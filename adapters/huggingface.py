@@ -62,15 +62,35 @@ def transformers_version() -> str:
 _hooks = Hooks("Hugging Face", transformers_version)
 
 
-def _callback_of(trainer: Any) -> "StepTrace | None":
-    """The StepTrace callback of ``trainer``, when it has one and steptrace is on."""
-    if not steptrace.enabled():
+def _callback_of(trainer: Any, *, enabled_only: bool = True) -> "StepTrace | None":
+    """The StepTrace callback of ``trainer``, when it has one and steptrace is on (``enabled_only``)."""
+    if enabled_only and not steptrace.enabled():
         return None
     handler = getattr(trainer, "callback_handler", None)
     for callback in getattr(handler, "callbacks", ()):
         if isinstance(callback, StepTrace):
             return callback
     return None
+
+
+def _make_restore(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``train(resume_from_checkpoint=...)``: loading the model, optimizer, scheduler and RNG states in
+    ``steptrace.restore()``. The Trainer restores before ``on_train_begin``, so the callback starts
+    steptrace here (as it would there): the restore is timed, and charged to ``restore`` in the
+    job's accounting (docs/goodput.md)."""
+
+    def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint = args[0] if args else next(iter(kwargs.values()), None)
+        callback = _callback_of(self, enabled_only=False)
+        if callback is None or not checkpoint:
+            return original(self, *args, **kwargs)
+        callback._start(self.args)
+        if not steptrace.enabled():
+            return original(self, *args, **kwargs)
+        with steptrace.restore():
+            return original(self, *args, **kwargs)
+
+    return load
 
 
 def _batch_size(batch: Any, main_input: str) -> int | None:
@@ -156,6 +176,11 @@ _HOOKS = (
     ("Trainer.training_step", "training_step", {"requires": ("model", "inputs")}, _make_training_step),
     ("Trainer.evaluate", "evaluate", {}, _make_eval),
     ("Trainer.predict", "predict", {}, _make_eval),
+    ("Trainer._load_from_checkpoint", "_load_from_checkpoint", {"requires": ("resume_from_checkpoint",)},
+     _make_restore),
+    ("Trainer._load_optimizer_and_scheduler", "_load_optimizer_and_scheduler", {"requires": ("checkpoint",)},
+     _make_restore),
+    ("Trainer._load_rng_state", "_load_rng_state", {"requires": ("checkpoint",)}, _make_restore),
 )
 
 
@@ -203,10 +228,17 @@ class StepTrace(TrainerCallback):
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         install()  # a changed transformers warns when the Trainer is built, not mid-run
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _start(self, args: Any) -> None:
+        """Start steptrace per the hooks' contract, once per training run (at ``on_train_begin``, or
+        earlier when the Trainer restores a checkpoint first)."""
+        if self._started:
+            return
         if start_steptrace_for_trainer(self.init_settings, rank=int(getattr(args, "process_index", 0) or 0),
                                        world_size=int(getattr(args, "world_size", 1) or 1)):
             self._started = True
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._start(args)
         install()
         self._tokens_at_end = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 

@@ -111,6 +111,22 @@ def _make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     return save_checkpoint
 
 
+def _make_restore(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_CheckpointConnector`` restores (``fit(ckpt_path=...)``) in ``steptrace.restore()``: before the
+    first step, the job's accounting charges it to ``restore`` (docs/goodput.md)."""
+
+    def restore(self: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = getattr(self, "trainer", None)
+        restoring = bool(args[0] if args else kwargs.get("checkpoint_path")) or bool(
+            getattr(self, "_loaded_checkpoint", None))
+        if trainer is None or _active.get(trainer) is None or not restoring or not steptrace.enabled():
+            return original(self, *args, **kwargs)
+        with steptrace.restore():
+            return original(self, *args, **kwargs)
+
+    return restore
+
+
 def _batch_size(batch: Any) -> int | None:
     try:
         from lightning.pytorch.utilities.data import extract_batch_size
@@ -175,6 +191,13 @@ class StepTrace(*_BASES):  # type: ignore[misc]
         if cls is not None:
             _hooks.patch(f"{cls.__module__}.Trainer.save_checkpoint", cls, "save_checkpoint",
                          _make_save_checkpoint, requires=("filepath",))
+            connectors = cls.__module__.rpartition(".")[0] + ".connectors.checkpoint_connector"
+            # Loading the model and callbacks, then the optimizer, schedulers and loops: both restore.
+            _hooks.patch(f"{connectors}._CheckpointConnector._restore_modules_and_callbacks", connectors,
+                         "_CheckpointConnector._restore_modules_and_callbacks", _make_restore,
+                         requires=("checkpoint_path",), missing_ok=True)
+            _hooks.patch(f"{connectors}._CheckpointConnector.restore_training_state", connectors,
+                         "_CheckpointConnector.restore_training_state", _make_restore, missing_ok=True)
         self._wrap_profiler(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:

@@ -129,3 +129,31 @@ def test_a_changed_save_checkpoint_signature_turns_checkpoints_off_with_one_warn
     assert trainer.state.global_step == OPTIMIZER_STEPS and len(list((tmp_path / "out").iterdir())) == 2
     assert len(sink.steps()) == OPTIMIZER_STEPS and sink.checkpoints() == []
     assert len([sp for sp in sink.spans() if sp["name"] == "data"]) == OPTIMIZER_STEPS
+
+
+def test_a_resumed_training_times_the_restore(tmp_path):
+    """train(resume_from_checkpoint=...): the Trainer loads the model, optimizer, scheduler and RNG
+    states before on_train_begin; the callback starts steptrace there instead, and the loads are a
+    `restore` span before the first step (charged to `restore` in the job's accounting)."""
+    _train(tmp_path, [])
+    sink = MemorySink()
+    transformers.set_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64,
+                                                                 n_positions=SEQ))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+        per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATE,
+        max_steps=OPTIMIZER_STEPS, learning_rate=1e-2, save_strategy="no", dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Sequences(SAMPLES, 1),
+                                   callbacks=[hf_adapter.StepTrace(sinks=[sink], jsonl=False, run_id="hf-resume",
+                                                                   strict=True)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SteptraceWarning)
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert not steptrace.enabled() and sink.shut_down  # started by the callback (early), shut down by it
+    restores = [sp for sp in sink.spans() if sp["name"] == "restore"]
+    assert len(restores) >= 2 and all(sp["step"] is None for sp in restores)
+    steps = sink.steps()
+    assert len(steps) == OPTIMIZER_STEPS - 2  # resumed after global step 2
+    assert steps[0]["before_step_breakdown"]["restore"] == pytest.approx(sum(sp["seconds"] for sp in restores),
+                                                                         abs=1e-6)

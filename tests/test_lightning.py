@@ -174,3 +174,28 @@ def test_the_same_callback_works_with_the_pytorch_lightning_package(tmp_path):
 def test_bad_tokens_per_sample_fails_at_construction():
     with pytest.raises(ValueError, match="tokens_per_sample"):
         lightning_adapter.StepTrace(tokens_per_sample=0)
+
+
+def test_a_fit_resumed_from_a_checkpoint_times_the_restore(tmp_path):
+    """fit(ckpt_path=...): loading the model, callbacks, optimizer and loops is a `restore` span before
+    the first step (the job's accounting charges it to `restore`, docs/goodput.md); the resumed fit's
+    steps continue the run's numbering."""
+    _fit(tmp_path / "first", [])
+    ckpt = tmp_path / "first" / "ckpt" / "epoch=0-step=2.ckpt"
+    sink = MemorySink()
+    callback = lightning_adapter.StepTrace(sinks=[sink], jsonl=False, run_id="pl-resume", strict=True)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, accumulate_grad_batches=ACCUMULATE,
+                         limit_val_batches=0, callbacks=[callback], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path / "second",
+                         enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.simplefilter("error", SteptraceWarning)
+        trainer.fit(_tiny_regression(pl), _loader(1), ckpt_path=ckpt)
+    restores = [sp for sp in sink.spans() if sp["name"] == "restore"]
+    assert len(restores) == 2 and all(sp["step"] is None for sp in restores)  # modules, then training state
+    steps = sink.steps()
+    assert steps and steps[0]["before_step_breakdown"]["restore"] == pytest.approx(
+        sum(sp["seconds"] for sp in restores), abs=1e-6)
+    assert lightning_adapter.installed() == []
