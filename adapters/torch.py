@@ -250,12 +250,7 @@ class TorchCudaGpu:
             if stream is None:
                 raise RuntimeError("the current stream is being captured into a CUDA graph")
         if marker is None:
-            try:
-                marker = self._free.pop()
-            except IndexError:
-                marker = self._Event(enable_timing=True)
-                marker.steptrace_gpu = self
-                self.events_created += 1
+            marker = self._take_event()
         marker.record(stream.stream)
         self._last = marker
         return marker
@@ -302,13 +297,18 @@ class TorchCudaGpu:
             self._anchor_stream = self._make_anchor_stream()
         return self._record_anchor()
 
-    def _record_anchor(self) -> Any:
+    def _take_event(self) -> Any:
+        """A timing event from the pool (list.pop is atomic under the GIL), or a new one."""
         try:
-            marker = self._free.pop()
+            return self._free.pop()
         except IndexError:
             marker = self._Event(enable_timing=True)
             marker.steptrace_gpu = self
             self.events_created += 1
+            return marker
+
+    def _record_anchor(self) -> Any:
+        marker = self._take_event()
         marker.record(self._anchor_stream)  # not self._last: the training thread's work is not behind it
         return marker
 

@@ -208,15 +208,22 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
     return table
 
 
-def _summary_panel(summary: dict, title: str):
-    from steptrace.analysis._text import markup as escape
-    from rich.panel import Panel
+def _panel_grid():
+    """The label / value / note grid the summary and job panels share."""
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column(justify="right")
     grid.add_column()
+    return grid
+
+
+def _summary_panel(summary: dict, title: str):
+    from steptrace.analysis._text import markup as escape
+    from rich.panel import Panel
+
+    grid = _panel_grid()
 
     errors = summary["error_steps"]
     error_text = f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else ""
@@ -270,14 +277,9 @@ def _attempts_table(job: dict, rank: int):
 
 
 def _job_panel(job: dict, rank: int):
-    from rich.markup import escape
     from rich.panel import Panel
-    from rich.table import Table
 
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column(justify="right")
-    grid.add_column()
+    grid = _panel_grid()
     total = job["total_seconds"]
 
     def share(seconds: float) -> str:
@@ -290,15 +292,16 @@ def _job_panel(job: dict, rank: int):
         if seconds > 0:
             detail = share(seconds)
             if bucket == "custom" and job["custom"]:
-                detail += " (" + ", ".join(f"{escape(k)} {v:.2f}" for k, v in job["custom"].items()) + ")"
+                detail += " (" + ", ".join(f"{markup(k)} {v:.2f}" for k, v in job["custom"].items()) + ")"
             grid.add_row(f"badput: {bucket}", f"{seconds:.3f} s", detail)
     return Panel(grid, title=f"Job goodput across attempts (rank {rank}; docs/goodput.md)", title_align="left",
                  expand=False)
 
 
 def _stall_panel(view: dict):
-    from rich.markup import escape
     from rich.panel import Panel
+
+    escape = markup  # names and frames come from the run files: data, never markup
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 2))
