@@ -131,7 +131,10 @@ class ClusterLog:
             for line in data.split(b"\n"):
                 try:
                     values = json.loads(line)
-                    span = StepSpan(**dict(zip(_SPAN_FIELDS, values, strict=True)))
+                    if len(values) > len(_SPAN_FIELDS):
+                        raise ValueError("not a journal line")
+                    # A journal written before StepSpan gained its last optional fields has fewer.
+                    span = StepSpan(**dict(zip(_SPAN_FIELDS, values)))
                 except (ValueError, TypeError):
                     continue  # a torn last line
                 if span.run_id == run_id:

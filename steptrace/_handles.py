@@ -71,6 +71,10 @@ class StepHandle(TimedUnit):
     waited = False
     #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
     scalars: dict[str, Any] | None = None
+    #: seconds this step waited in collectives, and how that was measured (set by an adapter,
+    #: e.g. steptrace.adapters.torch_distributed; None: not measured in this step)
+    collective_wait = 0.0
+    collective_source: str | None = None
     _annotation: Any = None
 
     def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):

@@ -10,7 +10,7 @@ One place for the contract between the resolver that builds records and everythi
   and the collector reads.
 
 The timing numbers themselves come from the timing model (``_attribution``); this module only
-places them in records. A leaf module: it imports nothing from steptrace but ``_ids``.
+places them in records. A leaf module: it imports nothing from steptrace but ``_ids`` and ``_attribution``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 
 from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 
+from steptrace._attribution import own_seconds
 from steptrace._ids import trace_id_hex
 
 
@@ -66,6 +67,8 @@ ATTR_STATUS = "train.status"
 ATTR_INTERVAL_SECONDS = "train.interval_seconds"
 ATTR_COMPUTE_SECONDS = "train.compute_seconds"
 ATTR_IDLE_SECONDS = "train.idle_seconds"
+ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
+ATTR_OWN_SECONDS = "train.own_seconds"
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 
 
@@ -113,6 +116,12 @@ class StepRecord(_Common):
     # Device memory after the step, where the backend reports it: in_use_bytes, peak_bytes,
     # limit_bytes, peak_percent (peak / limit * 100).
     device_memory: NotRequired[dict[str, float]]
+    # Where the run measures its wait in collectives (steptrace.adapters.torch_distributed): the
+    # seconds of compute this rank spent waiting for other ranks, the rest (compute - wait), and how
+    # the wait was measured ("torch.distributed", "ddp_comm_hook", joined by "+").
+    collective_wait_seconds: NotRequired[float]
+    own_seconds: NotRequired[float]
+    collective_wait_source: NotRequired[str]
 
 
 class MicrobatchRecord(_Common):
@@ -196,7 +205,8 @@ class RecordBuilder:
              samples: float | None, flops: float | None, attrs: dict[str, Any],
              bubble: dict[str, float] | None, optimizer_seconds: float | None = None,
              scalars: dict[str, float] | None = None,
-             device_memory: dict[str, float] | None = None) -> StepRecord:
+             device_memory: dict[str, float] | None = None,
+             collective_wait: float = 0.0, collective_source: str | None = None) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         tflops = flops / compute / 1e12 if flops is not None and compute > 0 else None
@@ -232,6 +242,13 @@ class RecordBuilder:
             if memory.get("limit_bytes") and "peak_bytes" in memory:
                 memory["peak_percent"] = 100.0 * memory["peak_bytes"] / memory["limit_bytes"]
             record["device_memory"] = memory
+        if collective_source is not None:
+            # A wait longer than the compute (a collective inside a host span: idle time, not
+            # compute) is capped at the compute: the wait is part of the step's compute.
+            wait = min(max(0.0, collective_wait), compute)
+            record["collective_wait_seconds"] = wait
+            record["own_seconds"] = own_seconds(compute, wait)
+            record["collective_wait_source"] = collective_source
         return record
 
     def microbatch(self, *, step: int, index: Any, stage: Any, chunk: Any, kind: str, host_start: float,

@@ -1,0 +1,217 @@
+"""torch.distributed: each rank's time waiting in collectives, so the cross-rank view can name the
+rank that slows a synchronous job instead of the ranks that wait for it (DESIGN.md §2).
+
+A collective makes every rank's step as long as the slowest rank's: per-rank step times all look
+alike. What differs is where the time went: the slow rank arrives last and hardly waits, the others
+arrive early and wait for it. This module measures, on the training thread and never with a sync or
+a barrier, how long each step waited in collectives (``collective_wait_seconds`` in the step record;
+the rest of the compute is ``own_seconds``):
+
+* **Collectives called from Python** (``torch.distributed.all_reduce``, ``broadcast``,
+  ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``barrier``, ...; FSDP and Megatron's
+  gradient sync call these): :func:`track_collectives` wraps them. A synchronous call is timed from
+  arrival to return; with ``async_op=True`` the call returns a thin proxy of the ``Work`` whose
+  ``wait()`` is timed (the time the training thread was blocked). Source ``torch.distributed``.
+* **DDP gradient buckets** (all-reduced by DDP's C++ reducer, which no Python wrapper sees):
+  :func:`ddp_comm_hook` wraps a communication hook (the default all-reduce unless given one);
+  :func:`track_ddp` registers it on a model. The wait is from the last bucket's arrival (the rank's
+  backward is done) to that bucket's completion, which DDP waits for before ``backward()`` returns.
+  Source ``ddp_comm_hook``.
+
+Only host-synchronous backends are measured this way: on gloo (CPU tensors) a collective's call or
+``wait()`` returns when it completed, so its host time *is* the wait. On NCCL a call returns once
+the kernel is enqueued; the wait happens inside the NCCL kernel on the device, so
+:func:`track_collectives` does not install itself there (see docs/collector.md: what each framework
+can and cannot show).
+
+``steptrace`` installs :func:`track_collectives` itself at the first step when torch.distributed
+is initialised with the gloo backend; call it earlier to have it in place before. The wrappers cost
+~0.5 µs per collective on the training thread (``bench/bench_collectives.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+import steptrace
+from steptrace.adapters._hooks import Hooks
+
+__all__ = ["SOURCE_DDP", "SOURCE_TORCH", "ddp_comm_hook", "installed", "track_collectives", "track_ddp",
+           "untrack_collectives"]
+
+#: ``collective_wait_source`` of waits measured in collectives called from Python.
+SOURCE_TORCH = "torch.distributed"
+#: ``collective_wait_source`` of waits measured by the DDP communication hook.
+SOURCE_DDP = "ddp_comm_hook"
+
+#: The tensor collectives wrapped (object collectives such as ``all_gather_object`` call these, so
+#: they are measured through them; none of these calls another, so nothing is counted twice).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+               "monitored_barrier")
+#: Backends whose collectives complete on the host before the call (or ``wait()``) returns.
+HOST_SYNCHRONOUS_BACKENDS = ("gloo",)
+
+_perf = time.perf_counter
+_current_step = steptrace.current_step
+_hooks = Hooks("torch.distributed", lambda: f"torch {_torch_version()}")
+#: Sources whose waits this process measures; read by :func:`mark_runtime` at each run's first step.
+_sources: set[str] = set()
+
+
+def _torch_version() -> str:
+    module = sys.modules.get("torch")
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _add_wait(step: Any, seconds: float, source: str) -> None:
+    # Runs on the training thread (synchronous calls, Work.wait) or on the backend's thread that
+    # completes a DDP bucket while the training thread is blocked waiting for it.
+    step.collective_wait += seconds
+    if step.collective_source is None:
+        step.collective_source = source
+    elif source not in step.collective_source.split("+"):
+        step.collective_source = "+".join(sorted({*step.collective_source.split("+"), source}))
+
+
+class _TimedWork:
+    """The ``Work`` of an ``async_op=True`` collective: ``wait()`` is timed, the rest delegated."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any):
+        self._work = work
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        step = _current_step()
+        if step is None:
+            return self._work.wait(*args, **kwargs)
+        start = _perf()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            _add_wait(step, _perf() - start, SOURCE_TORCH)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+    def __repr__(self) -> str:
+        return f"<steptrace timed {self._work!r}>"
+
+
+def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        step = _current_step()
+        if step is None:
+            return original(*args, **kwargs)
+        start = _perf()
+        work = original(*args, **kwargs)
+        if work is None:  # synchronous: it returned when the collective completed
+            step.collective_wait += _perf() - start
+            if step.collective_source is None:
+                step.collective_source = SOURCE_TORCH
+            elif step.collective_source != SOURCE_TORCH:
+                _add_wait(step, 0.0, SOURCE_TORCH)
+            return None
+        return _TimedWork(work)
+
+    return collective
+
+
+def _default_backend() -> str | None:
+    import torch.distributed as dist
+
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return str(dist.get_backend())
+    except Exception:
+        return None
+
+
+def track_collectives(*, force: bool = False) -> list[str]:
+    """Time every collective called through ``torch.distributed`` (idempotent); returns the names wrapped.
+
+    Installs only when the default process group's backend is host-synchronous (gloo), unless
+    ``force``: on NCCL the host returns before the collective completes and would read 0 wait.
+    Before ``init_process_group`` nothing is known yet: pass ``force=True`` when you know the
+    backend is gloo, or let steptrace install it at the first step.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not force and _default_backend() not in HOST_SYNCHRONOUS_BACKENDS:
+        return []
+    for name in COLLECTIVES:
+        # distributed_c10d is where they live (and where object collectives look them up);
+        # torch.distributed re-exports the same functions, rebound too.
+        _hooks.patch(name, distributed_c10d, name, _timed, rebind_in=[dist], missing_ok=True)
+    names = _hooks.installed()
+    if names:
+        _sources.add(SOURCE_TORCH)
+    return names
+
+
+def untrack_collectives() -> None:
+    """Put the original ``torch.distributed`` collectives back."""
+    _hooks.uninstall()
+    _sources.discard(SOURCE_TORCH)
+
+
+def installed() -> list[str]:
+    """The collectives wrapped now."""
+    return _hooks.installed()
+
+
+def ddp_comm_hook(hook: Callable[[Any, Any], Any] | None = None) -> Callable[[Any, Any], Any]:
+    """A DDP communication hook that runs ``hook`` (default: DDP's own all-reduce) and measures the
+    step's wait for it: from the last gradient bucket's arrival to its completion.
+
+    ``model.register_comm_hook(state, steptrace.adapters.torch_distributed.ddp_comm_hook(my_hook))``;
+    with the default all-reduce, ``state`` is the process group (None for the default one).
+    """
+    if hook is None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        hook = allreduce_hook
+    inner = hook
+    _sources.add(SOURCE_DDP)
+
+    def steptrace_ddp_hook(state: Any, bucket: Any) -> Any:
+        step = _current_step()
+        if step is None or not bucket.is_last():
+            return inner(state, bucket)
+        arrival = _perf()  # the rank's backward is done: everything after this is waiting
+        future = inner(state, bucket)
+
+        def completed(fut: Any) -> Any:
+            _add_wait(step, _perf() - arrival, SOURCE_DDP)
+            return fut.value()
+
+        return future.then(completed)
+
+    steptrace_ddp_hook.__wrapped__ = inner  # type: ignore[attr-defined]
+    return steptrace_ddp_hook
+
+
+def track_ddp(model: Any, hook: Callable[[Any, Any], Any] | None = None, state: Any = None) -> Any:
+    """Register :func:`ddp_comm_hook` on a ``DistributedDataParallel`` model; returns the model.
+
+    DDP takes one communication hook per model: register yours through ``hook`` here instead.
+    """
+    model.register_comm_hook(state, ddp_comm_hook(hook))
+    return model
+
+
+def mark_runtime(runtime: Any) -> None:
+    """Called by steptrace at a run's first step: install the collective wrappers where they apply,
+    and tell the run which sources it measures (its steps then carry ``collective_wait_seconds``,
+    0 when a step had no collective)."""
+    try:
+        track_collectives()
+    except Exception:
+        pass
+    if _sources:
+        runtime.resolver.collective_source = "+".join(sorted(_sources))
