@@ -53,8 +53,9 @@ interval)`` (``steptrace._attribution.find_straggler``). In synchronous
 training every rank's compute is as long as the slowest's; only the time on
 its own tells the rank that is slow from the ranks that wait for it. What it
 cost the job (``straggler_cost_seconds``) is the median of the other ranks'
-wait less its own (the collectives' own duration, which every rank pays). A straggler is named only for complete steps: when a rank is missing, it
-may well be the slowest one, so an incomplete step names none
+wait less its own (the collectives' own duration, which every rank pays). A
+straggler is named only for complete steps: when a rank is missing, it may
+well be the slowest one, so an incomplete step names none
 (``straggler_rank: null``) and its min/median/max/skew cover the ranks that
 reported. Not thread-safe: the collector calls it under its lock.
 """

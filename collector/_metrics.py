@@ -294,8 +294,8 @@ class ClusterMetrics:
             except KeyError:
                 pass
 
-        for metric in (self.skew, self.straggler, self.straggler_cost, self.ranks_reporting, self.world_size, self.goodput,
-                       self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
+        for metric in (self.skew, self.straggler, self.straggler_cost, self.ranks_reporting, self.world_size,
+                       self.goodput, self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
                        self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)
         for stat in _STATS:

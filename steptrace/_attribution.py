@@ -341,7 +341,8 @@ class StragglerScores:
     * ``relative`` = the median rank's windowed mean / this rank's: 1 is typical, 0.5 means this rank
       needs twice the median rank's time on its own (above 1: faster than the median rank);
     * ``individual`` = this rank's best windowed mean so far / its current one: 1 is as fast as it has
-      ever been, lower is slower than its own best.
+      ever been, lower is slower than its own best (until the window fills, the means are over the
+      steps seen).
 
     O(1) per rank and step; scores are computed on demand (at scrape or report time).
     """
@@ -367,17 +368,16 @@ class StragglerScores:
                 self._sums[rank] -= window[0]
             window.append(seconds)
             self._sums[rank] += seconds
-            if len(window) == window.maxlen:
-                mean = self._sums[rank] / len(window)
-                if mean < self._best.get(rank, math.inf):
-                    self._best[rank] = mean
+            mean = self._sums[rank] / len(window)
+            if mean < self._best.get(rank, math.inf):
+                self._best[rank] = mean
 
     def means(self) -> dict[int, float]:
         """Each rank's mean time on its own over its window."""
         return {rank: max(0.0, self._sums[rank]) / len(window) for rank, window in self._windows.items() if window}
 
     def scores(self) -> dict[int, tuple[float | None, float | None]]:
-        """rank -> (relative, individual) scores; None where undefined (a zero mean, a window not yet full)."""
+        """rank -> (relative, individual) scores; None where undefined (a mean of zero)."""
         means = self.means()
         if not means:
             return {}
@@ -386,7 +386,6 @@ class StragglerScores:
         for rank, mean in means.items():
             relative = median / mean if mean > 0 else None
             best = self._best.get(rank)
-            full = len(self._windows[rank]) == self._steps
-            individual = min(1.0, best / mean) if full and best is not None and mean > 0 else None
+            individual = min(1.0, best / mean) if best is not None and mean > 0 else None
             out[rank] = (relative, individual)
         return out

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, _ranks_reporting, find_run, load_run
+from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
 from steptrace.analysis.summary import _num, _pct, percentile, summarize, summarize_cluster
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -280,6 +281,15 @@ def _cluster_panel(summary: dict):
     return Panel(grid, title="Cluster summary", title_align="left", expand=False)
 
 
+def _stragglers(run: Run) -> dict:
+    """Who slowed the run: from the collector's cluster.jsonl when there is one, else by joining the
+    rank files here (the same rule)."""
+    cluster_steps = run.cluster_steps()
+    if cluster_steps:
+        return summarize_stragglers(cluster_steps)
+    return summarize_stragglers(straggler_steps(run.records_by_rank, run.world_size))
+
+
 def render_report(
     run: Run,
     *,
@@ -325,6 +335,9 @@ def render_report(
     if cluster_steps:
         console.print(_cluster_table(cluster_steps, max_rows))
         console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
+    sentence = straggler_sentence(_stragglers(run)) if len(run.ranks) > 1 or cluster_steps else None
+    if sentence is not None:
+        console.print(f"[bold]Straggler:[/] {escape(sentence)}")
 
     dropped = {k: v for k, v in run.dropped.items() if v}
     if dropped:
@@ -385,6 +398,8 @@ def run_report(args: argparse.Namespace) -> int:
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
         }
+        stragglers = _stragglers(run)
+        payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}
         print(json.dumps(payload, indent=2))
     else:
         render_report(run, rank=rank, max_rows=args.max_rows, show_warnings=False)
