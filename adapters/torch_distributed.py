@@ -5,7 +5,8 @@ A collective makes every rank's step as long as the slowest rank's: per-rank ste
 alike. What differs is where the time went: the slow rank arrives last and hardly waits, the others
 arrive early and wait for it. This module measures, on the training thread and never with a sync or
 a barrier, how long each step waited in collectives (``collective_wait_seconds`` in the step record;
-the rest of the compute is ``own_seconds``):
+the rest of the step's interval is ``own_seconds``). A collective called between steps (a loss
+all-reduce after ``with step(n)`` closed) waits within the next step's interval and counts there.
 
 * **Collectives called from Python** (``torch.distributed.all_reduce``, ``broadcast``,
   ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``barrier``, ...; FSDP and Megatron's
@@ -59,6 +60,8 @@ _current_step = steptrace.current_step
 _hooks = Hooks("torch.distributed", lambda: f"torch {_torch_version()}")
 #: Sources whose waits this process measures; read by :func:`mark_runtime` at each run's first step.
 _sources: set[str] = set()
+#: Seconds waited in collectives while no step was open: they belong to the next step's interval.
+_pending = [0.0]
 
 
 def _torch_version() -> str:
@@ -69,6 +72,9 @@ def _torch_version() -> str:
 def _add_wait(step: Any, seconds: float, source: str) -> None:
     # Runs on the training thread (synchronous calls, Work.wait) or on the backend's thread that
     # completes a DDP bucket while the training thread is blocked waiting for it.
+    if _pending[0]:
+        seconds += _pending[0]
+        _pending[0] = 0.0
     step.collective_wait += seconds
     if step.collective_source is None:
         step.collective_source = source
@@ -85,14 +91,15 @@ class _TimedWork:
         self._work = work
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        step = _current_step()
-        if step is None:
-            return self._work.wait(*args, **kwargs)
         start = _perf()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            _add_wait(step, _perf() - start, SOURCE_TORCH)
+            step = _current_step()
+            if step is None:
+                _pending[0] += _perf() - start
+            else:
+                _add_wait(step, _perf() - start, SOURCE_TORCH)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -103,19 +110,19 @@ class _TimedWork:
 
 def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
     def collective(*args: Any, **kwargs: Any) -> Any:
-        step = _current_step()
-        if step is None:
-            return original(*args, **kwargs)
         start = _perf()
         work = original(*args, **kwargs)
-        if work is None:  # synchronous: it returned when the collective completed
-            step.collective_wait += _perf() - start
-            if step.collective_source is None:
-                step.collective_source = SOURCE_TORCH
-            elif step.collective_source != SOURCE_TORCH:
-                _add_wait(step, 0.0, SOURCE_TORCH)
-            return None
-        return _TimedWork(work)
+        if work is not None:  # async_op=True: the wait is in Work.wait()
+            return _TimedWork(work)
+        # Synchronous: it returned when the collective completed.
+        step = _current_step()
+        if step is None:
+            _pending[0] += _perf() - start
+        elif step.collective_source == SOURCE_TORCH and not _pending[0]:
+            step.collective_wait += _perf() - start  # the common case, kept short
+        else:
+            _add_wait(step, _perf() - start, SOURCE_TORCH)
+        return None
 
     return collective
 
@@ -182,7 +189,7 @@ def ddp_comm_hook(hook: Callable[[Any, Any], Any] | None = None) -> Callable[[An
     def steptrace_ddp_hook(state: Any, bucket: Any) -> Any:
         step = _current_step()
         if step is None or not bucket.is_last():
-            return inner(state, bucket)
+            return inner(state, bucket)  # a backward outside a step (an eval with grads, say): not timed
         arrival = _perf()  # the rank's backward is done: everything after this is waiting
         future = inner(state, bucket)
 
@@ -213,5 +220,6 @@ def mark_runtime(runtime: Any) -> None:
         track_collectives()
     except Exception:
         pass
+    _pending[0] = 0.0  # waits before this run's first step are not its steps'
     if _sources:
         runtime.resolver.collective_source = "+".join(sorted(_sources))

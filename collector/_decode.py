@@ -345,7 +345,7 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     # The time on its own is recomputed from compute and wait (one rule whatever the sender says).
     wait = _seconds(attrs, ATTR_COLLECTIVE_WAIT_SECONDS, required=False)
     if wait is not None:
-        wait = min(wait, compute)
+        wait = min(wait, interval)
     status = attrs.get(ATTR_STATUS, "ok")
     if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
         status = "unknown"
@@ -362,7 +362,7 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
                     end_time=end_ns / 1e9 if end_ns else None, bubble=bubble,
-                    collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(compute, wait))
+                    collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait))
 
 
 def _resource_run_id(scope_spans: Any) -> str:

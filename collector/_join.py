@@ -45,12 +45,12 @@ one step end within a step time of each other, and a resume takes longer
 than a minute; host clocks more than ``rerun_gap_s`` apart would defeat this.
 
 The straggler is the rank with the most time on its own (``own_seconds`` =
-compute minus the rank's wait in collectives, where it measures that wait;
+interval minus the rank's wait in collectives, where it measures that wait;
 its compute otherwise), the lowest such rank on a tie, and only when it stands
 out: its time on its own exceeds the median of the other ranks' by at least
 ``max(straggler_min_seconds, straggler_min_ratio × the step's median
 interval)`` (``steptrace._attribution.find_straggler``). In synchronous
-training every rank's compute is as long as the slowest's; only the time on
+training every rank's step is as long as the slowest's; only the time on
 its own tells the rank that is slow from the ranks that wait for it. What it
 cost the job (``straggler_cost_seconds``) is the median of the other ranks'
 wait less its own (the collectives' own duration, which every rank pays). A

@@ -15,7 +15,8 @@ so far (a step completed out of order does not move them back):
 * ``steptrace_cluster_goodput_ratio``: Σcompute / Σinterval over all reporting
   ranks of the last ``goodput_window_steps`` steps emitted.
 * Stragglers (complete steps): ``steptrace_cluster_step_own_seconds{stat}`` (each rank's time on
-  its own: compute minus its wait in collectives), ``steptrace_cluster_step_straggler_cost_seconds``
+  its own: interval minus its wait in collectives, compute where the wait is not measured),
+  ``steptrace_cluster_step_straggler_cost_seconds``
   (the last complete step: what its straggler cost the job, the other ranks' median wait less its
   own; 0 when no rank stood out), ``steptrace_cluster_straggler_steps_total{rank}`` and
   ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named),
@@ -101,7 +102,7 @@ class ClusterMetrics:
                                        "Complete steps in which this rank was named the straggler.",
                                        run + ("rank",))
         self.own = gauge("steptrace_cluster_step_own_seconds",
-                         "Time on its own (compute minus wait in collectives) of the last complete step: min, "
+                         "Time on its own (interval minus wait in collectives) of the last complete step: min, "
                          "median and max over ranks.", ("stat",))
         self.straggler_cost = gauge("steptrace_cluster_step_straggler_cost_seconds",
                                     "What the straggler of the last complete step cost the job: the other ranks' "

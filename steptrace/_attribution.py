@@ -259,7 +259,8 @@ class GoodputWindow:
 #
 # In synchronous training a collective makes every rank's step as long as the slowest, so per-rank
 # compute cannot name the culprit. Each rank measures the time it spent waiting in collectives
-# (arrival -> completion); the rest of its compute is its time on its own. The rank with the most
+# (arrival -> completion); the rest of its step (its interval: device compute and host work such as
+# loading data alike) is its time on its own. The rank with the most
 # time on its own is the straggler, and the other ranks' median wait is what it cost the job (less
 # the straggler's own wait: the collectives' own duration, which every rank pays).
 
@@ -273,14 +274,16 @@ STRAGGLER_MIN_SECONDS = 0.005
 STRAGGLER_MIN_RATIO = 0.20
 
 
-def own_seconds(compute_seconds: float, collective_wait_seconds: float | None) -> float:
-    """A rank's time on its own in a step: its compute minus its wait in collectives (never below 0).
+def own_seconds(interval_seconds: float, collective_wait_seconds: float | None) -> float:
+    """A rank's time on its own in a step: its interval minus its wait in collectives (never below 0).
 
-    A wait longer than the compute (a collective inside a host span, whose time is idle, not
-    compute) leaves no time on its own rather than a negative one."""
+    The interval, not the compute: a rank whose data loading (idle time, a ``data`` span) is slow
+    holds the others up as much as one whose device is, and its wait is short either way. In a
+    synchronous job the ranks' intervals are equal, so the rank with most time on its own is the one
+    that waited least."""
     if collective_wait_seconds is None:
-        return compute_seconds
-    return max(0.0, compute_seconds - collective_wait_seconds)
+        return interval_seconds
+    return max(0.0, interval_seconds - collective_wait_seconds)
 
 
 def _median(values: list[float]) -> float:

@@ -117,8 +117,8 @@ class StepRecord(_Common):
     # limit_bytes, peak_percent (peak / limit * 100).
     device_memory: NotRequired[dict[str, float]]
     # Where the run measures its wait in collectives (steptrace.adapters.torch_distributed): the
-    # seconds of compute this rank spent waiting for other ranks, the rest (compute - wait), and how
-    # the wait was measured ("torch.distributed", "ddp_comm_hook", joined by "+").
+    # seconds of the step this rank spent waiting for other ranks, the rest (interval - wait), and
+    # how the wait was measured ("torch.distributed", "ddp_comm_hook", joined by "+").
     collective_wait_seconds: NotRequired[float]
     own_seconds: NotRequired[float]
     collective_wait_source: NotRequired[str]
@@ -243,11 +243,11 @@ class RecordBuilder:
                 memory["peak_percent"] = 100.0 * memory["peak_bytes"] / memory["limit_bytes"]
             record["device_memory"] = memory
         if collective_source is not None:
-            # A wait longer than the compute (a collective inside a host span: idle time, not
-            # compute) is capped at the compute: the wait is part of the step's compute.
-            wait = min(max(0.0, collective_wait), compute)
+            # The wait happened within the step's interval (during its compute, or in a host span
+            # or between steps: idle time); it cannot be longer.
+            wait = min(max(0.0, collective_wait), interval)
             record["collective_wait_seconds"] = wait
-            record["own_seconds"] = own_seconds(compute, wait)
+            record["own_seconds"] = own_seconds(interval, wait)
             record["collective_wait_source"] = collective_source
         return record
 

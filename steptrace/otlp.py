@@ -297,8 +297,8 @@ class _Metrics:
         meter.create_observable_counter(
             "steptrace.step.idle", unit="s", description="Device idle time by the host span that caused it",
             callbacks=[observe(lambda: [(v, {**base, "train.idle.reason": r}) for r, v in self._idle.items()])])
-        for name, description in (("collective_wait", "Compute time spent waiting for other ranks in collectives"),
-                                  ("own", "Compute time on the rank's own (compute - collective wait)")):
+        for name, description in (("collective_wait", "Step time spent waiting for other ranks in collectives"),
+                                  ("own", "Step time on the rank's own (interval - collective wait)")):
             meter.create_observable_counter(
                 f"steptrace.step.{name}", unit="s", description=description,
                 callbacks=[observe(lambda name=name: [] if name not in self._collective

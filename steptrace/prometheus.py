@@ -23,7 +23,7 @@ name                                                   type       extra labels
 ``steptrace_step_compute_seconds``                     histogram
 ``steptrace_step_idle_seconds_total``                  counter    ``reason``
 ``steptrace_step_collective_wait_seconds_total``       counter    (where the wait in collectives is measured)
-``steptrace_step_own_seconds_total``                   counter    (compute - collective wait, the same steps)
+``steptrace_step_own_seconds_total``                   counter    (interval - collective wait, the same steps)
 ``steptrace_steps_total``                              counter    ``status``
 ``steptrace_last_step``                                gauge
 ``steptrace_tokens_total``                             counter
@@ -155,9 +155,9 @@ class PrometheusSink:
         self._idle = Counter("steptrace_step_idle_seconds", "Device idle time within steps, by the host "
                              "activity that covered it (checkpoint, data, compile, eval, other, user spans).",
                              run + ("reason",), registry=reg)
-        self._collective_wait = Counter("steptrace_step_collective_wait_seconds", "Compute time spent waiting "
+        self._collective_wait = Counter("steptrace_step_collective_wait_seconds", "Step time spent waiting "
                                         "for other ranks in collectives (steps that measure it).", run, registry=reg)
-        self._own = Counter("steptrace_step_own_seconds", "Compute time on this rank's own: compute minus the "
+        self._own = Counter("steptrace_step_own_seconds", "Step time on this rank's own: interval minus the "
                             "wait in collectives (steps that measure it).", run, registry=reg)
         self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
                               run + ("status",), registry=reg)

@@ -66,7 +66,7 @@ def test_ties_go_to_the_lowest_rank_and_one_rank_is_never_a_straggler():
     assert find_straggler({0: (0.5, 0.0)}, 0.5) is None
 
 
-def test_own_seconds_is_compute_minus_wait_and_never_negative():
+def test_own_seconds_is_the_step_less_its_wait_and_never_negative():
     assert own_seconds(0.05, 0.02) == pytest.approx(0.03)
     assert own_seconds(0.05, None) == 0.05
     assert own_seconds(0.05, 0.09) == 0.0
@@ -107,13 +107,13 @@ def test_step_record_carries_wait_own_and_source_only_where_the_wait_is_measured
     assert "collective_wait_seconds" not in plain and "own_seconds" not in plain
     record = _step(builder, collective_wait=0.02, collective_source="ddp_comm_hook")
     assert record["collective_wait_seconds"] == pytest.approx(0.02)
-    assert record["own_seconds"] == pytest.approx(0.03)
+    assert record["own_seconds"] == pytest.approx(0.06 - 0.02)  # the interval less the wait
     assert record["collective_wait_source"] == "ddp_comm_hook"
     # Measured but no collective in this step: 0, not absent.
     assert _step(builder, collective_source="torch.distributed")["collective_wait_seconds"] == 0.0
-    # A wait longer than the compute (a collective inside a host span) is capped at it.
+    # A wait longer than the step's interval cannot be: capped at it.
     capped = _step(builder, collective_wait=0.2, collective_source="torch.distributed")
-    assert capped["collective_wait_seconds"] == pytest.approx(0.05) and capped["own_seconds"] == 0.0
+    assert capped["collective_wait_seconds"] == pytest.approx(0.06) and capped["own_seconds"] == 0.0
 
 
 def test_a_step_handle_waits_reach_the_record_through_the_resolver():
@@ -127,7 +127,7 @@ def test_a_step_handle_waits_reach_the_record_through_the_resolver():
     first, second = sink.steps()
     assert "collective_wait_seconds" not in first
     assert second["collective_wait_source"] == "torch.distributed"
-    assert second["own_seconds"] == pytest.approx(second["compute_seconds"])
+    assert second["own_seconds"] == pytest.approx(second["interval_seconds"])
 
 
 # -- the report -----------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def _rank_records(steps: int, slow_rank: int | None, delay: float = 0.03) -> dic
             records.setdefault(rank, []).append({
                 "type": "step", "run_id": "r", "rank": rank, "world_size": 4, "step": n, "status": "ok",
                 "compute_seconds": compute, "interval_seconds": compute + 0.001,
-                "collective_wait_seconds": wait, "own_seconds": compute - wait,
+                "collective_wait_seconds": wait, "own_seconds": compute + 0.001 - wait,
                 "collective_wait_source": "ddp_comm_hook"})
     return records
 
@@ -198,13 +198,14 @@ def test_collector_joins_own_time_names_the_straggler_and_its_cost():
         spans.append(step_span(step=7, rank=rank, compute=0.066, interval=0.067, world_size=4,
                                **{"train.collective_wait_seconds": wait, "train.own_seconds": 0.066 - wait}))
     extracted = extract_steps(request(*spans))
-    assert [s.own_seconds for s in extracted.steps] == pytest.approx([0.032, 0.032, 0.062, 0.032])
+    # The interval (67 ms) less the wait.
+    assert [s.own_seconds for s in extracted.steps] == pytest.approx([0.033, 0.033, 0.063, 0.033])
     (record,) = joiner.add(extracted.steps).records
     assert record["straggler_rank"] == 2
     assert record["straggler_cost_seconds"] == pytest.approx(0.030)
     assert record["skew_seconds"] == 0.0  # what the old rule saw: nothing
     assert record["rank_collective_wait_seconds"]["2"] == pytest.approx(0.004)
-    assert record["own_max_seconds"] == pytest.approx(0.062)
+    assert record["own_max_seconds"] == pytest.approx(0.063)
     assert record["straggler_threshold_seconds"] == pytest.approx(0.2 * 0.067)
 
     # Equal compute and no measured waits: no rank stands out.
@@ -219,9 +220,9 @@ def test_a_sender_cannot_claim_more_wait_than_compute():
     from collector_helpers import request, step_span
     from steptrace.collector._decode import extract_steps
 
-    (span,) = extract_steps(request(step_span(compute=0.05, **{"train.collective_wait_seconds": 9.0,
-                                                               "train.own_seconds": 7.0}))).steps
-    assert span.collective_wait_seconds == 0.05 and span.own_seconds == 0.0
+    (span,) = extract_steps(request(step_span(compute=0.05, interval=0.2, **{"train.collective_wait_seconds": 9.0,
+                                                                             "train.own_seconds": 7.0}))).steps
+    assert span.collective_wait_seconds == 0.2 and span.own_seconds == 0.0
 
 
 def test_cluster_metrics_publish_cost_own_time_and_scores():
@@ -237,7 +238,7 @@ def test_cluster_metrics_publish_cost_own_time_and_scores():
     for step in range(3):
         spans = [StepSpan(run_id="r", step=step, rank=rank, world_size=3, trace_id="", compute_seconds=0.066,
                           interval_seconds=0.067, collective_wait_seconds=wait,
-                          own_seconds=own_seconds(0.066, wait))
+                          own_seconds=own_seconds(0.067, wait))
                  for rank, wait in ((0, 0.034), (1, 0.035), (2, 0.004))]
         metrics.publish([cluster_record("r", step, "", 3, spans, reason="all_ranks", first_seen_time=0.0,
                                         joined_time=0.0, join_seconds=0.0)])
@@ -247,9 +248,9 @@ def test_cluster_metrics_publish_cost_own_time_and_scores():
     assert value(text, "steptrace_cluster_step_straggler_cost_seconds", **run) == pytest.approx(0.0305)
     assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="2", **run) == pytest.approx(3 * 0.0305)
     assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="0", **run) == 0
-    assert value(text, "steptrace_cluster_step_own_seconds", stat="max", **run) == pytest.approx(0.062)
+    assert value(text, "steptrace_cluster_step_own_seconds", stat="max", **run) == pytest.approx(0.063)
     assert value(text, "steptrace_cluster_straggler_score", rank="2", kind="relative", **run) == \
-        pytest.approx(0.032 / 0.062)  # the median rank (of 0.032, 0.031, 0.062) over rank 2
+        pytest.approx(0.033 / 0.063)  # the median rank (of 0.033, 0.032, 0.063) over rank 2
     assert value(text, "steptrace_cluster_straggler_score", rank="0", kind="individual", **run) == pytest.approx(1.0)
     # A later step where no rank stands out: the gauge says so (-1) and the cost is 0.
     quiet = [StepSpan(run_id="r", step=3, rank=rank, world_size=3, trace_id="", compute_seconds=0.066,

@@ -357,7 +357,7 @@ def cluster() -> dash_b.Dashboard:
                "arrived in time (below the world size: ranks missing or late).",
                latest("steptrace_cluster_ranks_reporting", marker=JOINED), w=4, decimals=0),
         single("Straggler rank", "The rank that slowed the latest complete step: the most time on its own "
-               "(compute minus its wait in collectives), standing out from the others; -1 when no rank did.",
+               "(its step less its wait in collectives), standing out from the others; -1 when no rank did.",
                latest("steptrace_cluster_straggler_rank"), w=4, decimals=0),
         single("Cross-rank skew", "Max - min compute over ranks in the latest complete step.",
                latest("steptrace_cluster_step_skew_seconds"), unit="s", w=4),
@@ -419,8 +419,9 @@ def cluster() -> dash_b.Dashboard:
     d = d.with_row(dash_b.Row("Who slowed the job"))
     d = d.with_panel(series(
         "Time on its own across ranks (min, median, max)",
-        "Per complete step, each rank's compute minus its wait in collectives: in synchronous "
-        "training every rank's compute is as long as the slowest's, this is not. The max rank is "
+        "Per complete step, each rank's interval minus its wait in collectives (its compute where "
+        "the wait is not measured): in synchronous training every rank's step is as long as the "
+        "slowest's, this is not. The max rank is "
         "the straggler when it stands out (collector --straggler-min-seconds / -ratio).",
         [(latest("steptrace_cluster_step_own_seconds", "stat"), "{{stat}}")], w=8))
     d = d.with_panel(series(

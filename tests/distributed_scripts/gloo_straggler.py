@@ -1,12 +1,14 @@
 """Four real ranks on gloo (torch.multiprocessing), DDP on a small model, steptrace on every rank.
 
     python tests/distributed_scripts/gloo_straggler.py RUN_DIR [--world-size 4] [--steps 40]
-        [--scenarios forward,backward,none] [--delay-s 0.03] [--slow-rank 2]
+        [--scenarios forward,backward,data,none] [--delay-s 0.03] [--slow-rank 2]
 
 One run per scenario (run id = the scenario's name), each rank writing its JSONL under RUN_DIR:
 
 * ``forward``: the slow rank sleeps ``--delay-s`` before its forward pass every step;
 * ``backward``: the slow rank sleeps ``--delay-s`` inside its backward pass, between two layers;
+* ``data``: the slow rank's data loading (a ``steptrace.span("data")`` inside the step: idle time,
+  not compute) takes ``--delay-s`` longer;
 * ``none``: no rank is slowed.
 
 Every rank also does ``--work-s`` of its own work per step (a sleep, so four ranks on two cores do
@@ -78,6 +80,9 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         dist.barrier()
         for n in range(args.steps):
             with steptrace.step(n):
+                with steptrace.span("data"):
+                    if slow and scenario == "data":
+                        time.sleep(args.delay_s)
                 if slow and scenario == "forward":
                     time.sleep(args.delay_s)
                 time.sleep(args.work_s)
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--scenarios", default="forward,backward,none")
+    parser.add_argument("--scenarios", default="forward,backward,data,none")
     parser.add_argument("--delay-s", type=float, default=0.03)
     parser.add_argument("--work-s", type=float, default=0.02)
     parser.add_argument("--slow-rank", type=int, default=2)
