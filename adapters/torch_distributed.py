@@ -14,10 +14,10 @@ all-reduce after ``with step(n)`` closed) waits within the next step's interval 
   arrival to return; with ``async_op=True`` the call returns a thin proxy of the ``Work`` whose
   ``wait()`` is timed (the time the training thread was blocked). Source ``torch.distributed``.
 * **DDP gradient buckets** (all-reduced by DDP's C++ reducer, which no Python wrapper sees):
-  :func:`ddp_comm_hook` wraps a communication hook (the default all-reduce unless given one);
-  :func:`track_ddp` registers it on a model. The wait is from the last bucket's arrival (the rank's
-  backward is done) to that bucket's completion, which DDP waits for before ``backward()`` returns.
-  Source ``ddp_comm_hook``.
+  :func:`track_ddp` (installed on every DDP model at its first forward) notes when the backward's
+  last gradient arrived and when the backward ended: DDP holds it until every bucket's all-reduce
+  completed. Its C++ all-reduce and any communication hook stay as they are (a Python comm hook
+  would cost ~50 µs per bucket here). Source ``ddp``.
 
 Only host-synchronous backends are measured this way: on gloo (CPU tensors) a collective's call or
 ``wait()`` returns when it completed, so its host time *is* the wait. On NCCL a call returns once
@@ -39,13 +39,12 @@ from typing import Any, Callable
 import steptrace
 from steptrace.adapters._hooks import Hooks
 
-__all__ = ["SOURCE_DDP", "SOURCE_TORCH", "ddp_comm_hook", "installed", "track_collectives", "track_ddp",
-           "untrack_collectives"]
+__all__ = ["SOURCE_DDP", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp", "untrack_collectives"]
 
 #: ``collective_wait_source`` of waits measured in collectives called from Python.
 SOURCE_TORCH = "torch.distributed"
-#: ``collective_wait_source`` of waits measured by the DDP communication hook.
-SOURCE_DDP = "ddp_comm_hook"
+#: ``collective_wait_source`` of waits measured in DDP's backward (its gradient all-reduce).
+SOURCE_DDP = "ddp"
 
 #: The tensor collectives wrapped (object collectives such as ``all_gather_object`` call these, so
 #: they are measured through them; none of these calls another, so nothing is counted twice).
@@ -155,6 +154,10 @@ def track_collectives(*, force: bool = False) -> list[str]:
         # distributed_c10d is where they live (and where object collectives look them up);
         # torch.distributed re-exports the same functions, rebound too.
         _hooks.patch(name, distributed_c10d, name, _timed, rebind_in=[dist], missing_ok=True)
+    # DDP's gradient all-reduce runs in C++, out of the wrappers' sight: its models are tracked at
+    # their first forward (track_ddp).
+    _hooks.patch("DistributedDataParallel.forward", "torch.nn.parallel.distributed",
+                 "DistributedDataParallel.forward", _ddp_forward, missing_ok=True)
     names = _hooks.installed()
     if names:
         _sources.add(SOURCE_TORCH)
@@ -172,44 +175,74 @@ def installed() -> list[str]:
     return _hooks.installed()
 
 
-def ddp_comm_hook(hook: Callable[[Any, Any], Any] | None = None) -> Callable[[Any, Any], Any]:
-    """A DDP communication hook that runs ``hook`` (default: DDP's own all-reduce) and measures the
-    step's wait for it: from the last gradient bucket's arrival to its completion.
+class _DdpBackward:
+    """The wait of DDP's gradient all-reduce in one backward pass, without replacing DDP's C++ all-reduce.
 
-    ``model.register_comm_hook(state, steptrace.adapters.torch_distributed.ddp_comm_hook(my_hook))``;
-    with the default all-reduce, ``state`` is the process group (None for the default one).
+    A hook on every parameter's gradient accumulation notes when the last one arrived (the rank's
+    backward is done; the last bucket goes out); a callback queued at the end of the backward, after
+    DDP's own (which waits for every bucket's all-reduce), notes the completion. Any communication
+    hook the model has keeps working: nothing of DDP's is replaced.
     """
-    if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        hook = allreduce_hook
-    inner = hook
-    _sources.add(SOURCE_DDP)
+    __slots__ = ("arrival", "queued")
 
-    def steptrace_ddp_hook(state: Any, bucket: Any) -> Any:
+    def __init__(self) -> None:
+        self.arrival = 0.0
+        self.queued = False
+
+    def grad_ready(self, _param: Any) -> None:
+        self.arrival = _perf()
+        if not self.queued:
+            self.queued = True
+            _queue_callback(self._requeue)
+
+    def _requeue(self) -> None:
+        # DDP queues its finalize callback when the last bucket is ready, after this one was
+        # queued at the first gradient: go to the back of the queue once, behind it.
+        _queue_callback(self._done)
+
+    def _done(self) -> None:
+        self.queued = False
         step = _current_step()
-        if step is None or not bucket.is_last():
-            return inner(state, bucket)  # a backward outside a step (an eval with grads, say): not timed
-        arrival = _perf()  # the rank's backward is done: everything after this is waiting
-        future = inner(state, bucket)
-
-        def completed(fut: Any) -> Any:
-            _add_wait(step, _perf() - arrival, SOURCE_DDP)
-            return fut.value()
-
-        return future.then(completed)
-
-    steptrace_ddp_hook.__wrapped__ = inner  # type: ignore[attr-defined]
-    return steptrace_ddp_hook
+        if step is not None:
+            _add_wait(step, max(0.0, _perf() - self.arrival), SOURCE_DDP)
 
 
-def track_ddp(model: Any, hook: Callable[[Any, Any], Any] | None = None, state: Any = None) -> Any:
-    """Register :func:`ddp_comm_hook` on a ``DistributedDataParallel`` model; returns the model.
+def _queue_callback(callback: Callable[[], None]) -> None:
+    import torch
 
-    DDP takes one communication hook per model: register yours through ``hook`` here instead.
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def track_ddp(model: Any) -> Any:
+    """Measure the wait of a ``DistributedDataParallel`` model's gradient all-reduce (idempotent);
+    returns the model. Installed by :func:`track_collectives` on every DDP model's first forward,
+    so a gloo job needs no call; call it for a model whose backward runs before the first step.
+
+    The wait is from the last gradient's arrival (the rank's backward is done) to the end of the
+    backward, which DDP holds until every bucket's all-reduce completed.
     """
-    model.register_comm_hook(state, ddp_comm_hook(hook))
+    if getattr(model, "_steptrace_ddp", None) is not None:
+        return model
+    tracker = _DdpBackward()
+    for param in model.module.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(tracker.grad_ready)
+    model._steptrace_ddp = tracker
+    _sources.add(SOURCE_DDP)
     return model
+
+
+def _ddp_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_steptrace_ddp") is None:
+            try:
+                track_ddp(self)
+            except Exception:
+                self._steptrace_ddp = False  # not trackable (no parameters, a wrapped module): leave it
+        return original(self, *args, **kwargs)
+
+    return forward
 
 
 def mark_runtime(runtime: Any) -> None:

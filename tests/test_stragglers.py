@@ -105,10 +105,10 @@ def test_step_record_carries_wait_own_and_source_only_where_the_wait_is_measured
     builder = RecordBuilder(run_id="r", rank=0, world_size=2, peak_tflops=None, unix_offset=0.0)
     plain = _step(builder)
     assert "collective_wait_seconds" not in plain and "own_seconds" not in plain
-    record = _step(builder, collective_wait=0.02, collective_source="ddp_comm_hook")
+    record = _step(builder, collective_wait=0.02, collective_source="ddp")
     assert record["collective_wait_seconds"] == pytest.approx(0.02)
     assert record["own_seconds"] == pytest.approx(0.06 - 0.02)  # the interval less the wait
-    assert record["collective_wait_source"] == "ddp_comm_hook"
+    assert record["collective_wait_source"] == "ddp"
     # Measured but no collective in this step: 0, not absent.
     assert _step(builder, collective_source="torch.distributed")["collective_wait_seconds"] == 0.0
     # A wait longer than the step's interval cannot be: capped at it.
@@ -144,7 +144,7 @@ def _rank_records(steps: int, slow_rank: int | None, delay: float = 0.03) -> dic
                 "type": "step", "run_id": "r", "rank": rank, "world_size": 4, "step": n, "status": "ok",
                 "compute_seconds": compute, "interval_seconds": compute + 0.001,
                 "collective_wait_seconds": wait, "own_seconds": compute + 0.001 - wait,
-                "collective_wait_source": "ddp_comm_hook"})
+                "collective_wait_source": "ddp"})
     return records
 
 

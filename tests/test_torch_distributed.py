@@ -127,6 +127,28 @@ def test_the_first_step_installs_the_wrappers_on_a_gloo_group(gloo_group):
     assert step["collective_wait_seconds"] > 0
 
 
+def test_ddp_models_are_tracked_at_their_first_forward_and_keep_their_comm_hook(gloo_group):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    calls = []
+
+    def users_hook(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    model.register_comm_hook(None, users_hook)
+    with capture() as sink:
+        for n in range(3):
+            with steptrace.step(n):
+                model(torch.ones(2, 4)).sum().backward()
+    assert model._steptrace_ddp.arrival > 0 and len(calls) == 3
+    steps = sink.steps()
+    assert all(s["collective_wait_source"] == "ddp" and s["collective_wait_seconds"] > 0 for s in steps), steps
+    assert model.module.weight.grad is not None
+
+
 def test_nothing_is_installed_where_the_host_does_not_see_the_wait(gloo_group, monkeypatch):
     # On NCCL a call returns once the kernel is enqueued: its host time is not the wait.
     monkeypatch.setattr(torch_distributed, "_default_backend", lambda: "nccl")
@@ -196,7 +218,7 @@ def test_every_step_says_how_its_wait_was_measured_and_own_plus_wait_is_the_inte
         assert len(steps) == STEPS
         for step in steps:
             # DDP's gradient buckets through the comm hook, the loss all-reduce through the wrapper.
-            assert step["collective_wait_source"] == "ddp_comm_hook+torch.distributed", step
+            assert step["collective_wait_source"] == "ddp+torch.distributed", step
             assert step["own_seconds"] + step["collective_wait_seconds"] == pytest.approx(step["interval_seconds"])
 
 

@@ -13,8 +13,8 @@ One run per scenario (run id = the scenario's name), each rank writing its JSONL
 
 Every rank also does ``--work-s`` of its own work per step (a sleep, so four ranks on two cores do
 not fight over them) and all-reduces its loss from Python after the backward (as training loops do
-for logging): DDP's gradient all-reduce is measured by steptrace's comm hook, the loss all-reduce
-by its torch.distributed wrapper.
+for logging): DDP's gradient all-reduce and the loss all-reduce are both measured by steptrace
+(source ``ddp+torch.distributed``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import steptrace
-    from steptrace.adapters import torch_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
@@ -70,8 +69,9 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.manual_seed(0)
         model = Model()
         # Small buckets: the gradients go out in several all-reduces, as in a real model.
+        # No steptrace call for DDP: its gradient all-reduce is tracked at the model's first forward
+        # (steptrace installs that at the first step, seeing a gloo process group).
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
-        torch_distributed.track_ddp(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         x = torch.randn(32, 64)
         steptrace.init(run_dir=args.run_dir, run_id=scenario, rank=rank, world_size=args.world_size,
