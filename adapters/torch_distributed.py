@@ -11,8 +11,8 @@ all-reduce after ``with step(n)`` closed) waits within the next step's interval 
 * **Collectives called from Python** (``torch.distributed.all_reduce``, ``broadcast``,
   ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``barrier``, ...; FSDP and Megatron's
   gradient sync call these): :func:`track_collectives` wraps them. A synchronous call is timed from
-  arrival to return; with ``async_op=True`` the call returns a thin proxy of the ``Work`` whose
-  ``wait()`` is timed (the time the training thread was blocked). Source ``torch.distributed``.
+  arrival to return; with ``async_op=True``, ``Work.wait()`` is timed (patched on the class: the
+  time the training thread was blocked). Source ``torch.distributed``.
 * **DDP gradient buckets** (all-reduced by DDP's C++ reducer, which no Python wrapper sees):
   :func:`track_ddp` (installed on every DDP model at its first forward) notes when the backward's
   last gradient arrived and when the backward ended: DDP holds it until every bucket's all-reduce
@@ -61,6 +61,8 @@ _hooks = Hooks("torch.distributed", lambda: f"torch {_torch_version()}")
 _sources: set[str] = set()
 #: Seconds waited in collectives while no step was open: they belong to the next step's interval.
 _pending = [0.0]
+#: True while a wrapped synchronous collective runs: it waits on its Work inside, timed already.
+_inside = [False]
 
 
 def _torch_version() -> str:
@@ -81,18 +83,15 @@ def _add_wait(step: Any, seconds: float, source: str) -> None:
         step.collective_source = "+".join(sorted({*step.collective_source.split("+"), source}))
 
 
-class _TimedWork:
-    """The ``Work`` of an ``async_op=True`` collective: ``wait()`` is timed, the rest delegated."""
-
-    __slots__ = ("_work",)
-
-    def __init__(self, work: Any):
-        self._work = work
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Patched on the Work class itself (no proxy object: code that checks isinstance(work, Work),
+    # as FSDP does, or hands the Work to C++, sees the real one).
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _inside[0]:
+            return original(self, *args, **kwargs)
         start = _perf()
         try:
-            return self._work.wait(*args, **kwargs)
+            return original(self, *args, **kwargs)
         finally:
             step = _current_step()
             if step is None:
@@ -100,19 +99,21 @@ class _TimedWork:
             else:
                 _add_wait(step, _perf() - start, SOURCE_TORCH)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-    def __repr__(self) -> str:
-        return f"<steptrace timed {self._work!r}>"
+    return wait
 
 
 def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
     def collective(*args: Any, **kwargs: Any) -> Any:
+        if _inside[0]:
+            return original(*args, **kwargs)
+        _inside[0] = True
         start = _perf()
-        work = original(*args, **kwargs)
-        if work is not None:  # async_op=True: the wait is in Work.wait()
-            return _TimedWork(work)
+        try:
+            work = original(*args, **kwargs)
+        finally:
+            _inside[0] = False
+        if work is not None and hasattr(work, "wait"):  # async_op=True: the wait is in Work.wait()
+            return work
         # Synchronous: it returned when the collective completed.
         step = _current_step()
         if step is None:
@@ -121,7 +122,7 @@ def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
             step.collective_wait += _perf() - start  # the common case, kept short
         else:
             _add_wait(step, _perf() - start, SOURCE_TORCH)
-        return None
+        return work
 
     return collective
 
@@ -154,6 +155,8 @@ def track_collectives(*, force: bool = False) -> list[str]:
         # distributed_c10d is where they live (and where object collectives look them up);
         # torch.distributed re-exports the same functions, rebound too.
         _hooks.patch(name, distributed_c10d, name, _timed, rebind_in=[dist], missing_ok=True)
+    # An async_op=True collective (and a p2p op) is waited for in Work.wait().
+    _hooks.patch("Work.wait", distributed_c10d, "Work.wait", _timed_wait, missing_ok=True)
     # DDP's gradient all-reduce runs in C++, out of the wrappers' sight: its models are tracked at
     # their first forward (track_ddp).
     _hooks.patch("DistributedDataParallel.forward", "torch.nn.parallel.distributed",
