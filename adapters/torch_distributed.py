@@ -217,15 +217,20 @@ def _queue_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def track_ddp(model: Any) -> Any:
+def track_ddp(model: Any, *, force: bool = False) -> Any:
     """Measure the wait of a ``DistributedDataParallel`` model's gradient all-reduce (idempotent);
     returns the model. Installed by :func:`track_collectives` on every DDP model's first forward,
     so a gloo job needs no call; call it for a model whose backward runs before the first step.
 
     The wait is from the last gradient's arrival (the rank's backward is done) to the end of the
-    backward, which DDP holds until every bucket's all-reduce completed.
+    backward, which DDP holds until every bucket's all-reduce completed. Like
+    :func:`track_collectives`, only on gloo unless ``force`` (on NCCL the backward ends before the
+    all-reduce does: the host would read no wait).
     """
     if getattr(model, "_steptrace_ddp", None) is not None:
+        return model
+    if not force and _default_backend() not in HOST_SYNCHRONOUS_BACKENDS:
+        model._steptrace_ddp = False
         return model
     tracker = _DdpBackward()
     for param in model.module.parameters():
