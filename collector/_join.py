@@ -49,7 +49,8 @@ interval minus the rank's wait in collectives, where it measures that wait;
 its compute otherwise), the lowest such rank on a tie, and only when it stands
 out: its time on its own exceeds the median of the other ranks' by at least
 ``max(straggler_min_seconds, straggler_min_ratio × the step's median
-interval)`` (``steptrace._attribution.find_straggler``). In synchronous
+interval)`` (median compute where the waits are not measured;
+``steptrace._attribution.find_straggler``). In synchronous
 training every rank's step is as long as the slowest's; only the time on
 its own tells the rank that is slow from the ranks that wait for it. What it
 cost the job (``straggler_cost_seconds``) is the median of the other ranks'
@@ -72,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from steptrace._attribution import (STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, find_straggler,
-                                     straggler_threshold)
+                                     straggler_step_seconds, straggler_threshold)
 from steptrace._ids import trace_id_hex
 from steptrace.collector._decode import StepSpan, span_fingerprint
 
@@ -393,11 +394,13 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     c_min, c_median, c_max = _stats(compute)
     i_min, i_median, i_max = _stats(interval)
     own = {s.rank: s.compute_seconds if s.own_seconds is None else s.own_seconds for s in spans}
+    measured = bool(spans) and all(s.collective_wait_seconds is not None for s in spans)
+    step_seconds = straggler_step_seconds(i_median, c_median, measured)
     o_min, o_median, o_max = _stats(list(own.values()))
     found = None
     if complete:
-        found = find_straggler({s.rank: (own[s.rank], s.collective_wait_seconds) for s in spans},
-                               i_median or 0.0, min_seconds=straggler_min_seconds, min_ratio=straggler_min_ratio)
+        found = find_straggler({s.rank: (own[s.rank], s.collective_wait_seconds) for s in spans}, step_seconds,
+                               min_seconds=straggler_min_seconds, min_ratio=straggler_min_ratio)
     by_stage: dict[str, list[float]] = {}
     for s in spans:
         for stage, ratio in s.bubble.items():
@@ -439,7 +442,7 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "straggler_cost_seconds": None if found is None else found.cost_seconds,
         "straggler_excess_seconds": None if found is None else found.excess_seconds,
         "straggler_threshold_seconds": (None if not complete else
-                                        straggler_threshold(i_median or 0.0, straggler_min_seconds,
+                                        straggler_threshold(step_seconds, straggler_min_seconds,
                                                             straggler_min_ratio)),
         "compute_sum_seconds": sum(compute),
         "interval_sum_seconds": sum(interval),

@@ -267,7 +267,8 @@ class GoodputWindow:
 #: A rank stands out when its time on its own exceeds the median of the other ranks' by at least
 #: this many seconds ...
 STRAGGLER_MIN_SECONDS = 0.005
-#: ... and by at least this fraction of the step's median interval (whichever is larger). Below a
+#: ... and by at least this fraction of the step's median length (whichever is larger): its interval
+#: where the ranks measure their wait, else its compute (what the time on its own falls back to). Below a
 #: fifth of a step, one step's excess is indistinguishable from scheduling noise (measured: 4 gloo
 #: ranks on 2 loaded cores, no rank slowed, reach 16 %); a rank that is persistently a little slower
 #: shows in the windowed scores (StragglerScores) instead.
@@ -304,28 +305,37 @@ class Straggler(NamedTuple):
     threshold_seconds: float
 
 
-def straggler_threshold(interval_median: float, min_seconds: float = STRAGGLER_MIN_SECONDS,
+def straggler_threshold(step_seconds: float, min_seconds: float = STRAGGLER_MIN_SECONDS,
                         min_ratio: float = STRAGGLER_MIN_RATIO) -> float:
-    """The excess of time on its own a rank needs to be named the straggler of a step."""
-    return max(min_seconds, min_ratio * max(0.0, interval_median))
+    """The excess of time on its own a rank needs to be named the straggler of a step whose median
+    length is ``step_seconds`` (see :func:`straggler_step_seconds`)."""
+    return max(min_seconds, min_ratio * max(0.0, step_seconds))
 
 
-def find_straggler(ranks: dict[int, tuple[float, float | None]], interval_median: float, *,
+def straggler_step_seconds(interval_median: float | None, compute_median: float | None, measured: bool) -> float:
+    """The step length the threshold is a fraction of: the median interval where every rank measured
+    its wait (time on its own is then a part of the interval), else the median compute (the time on its
+    own falls back to compute; a job idle between steps would otherwise hide a slow device)."""
+    value = interval_median if measured else compute_median
+    return value or 0.0
+
+
+def find_straggler(ranks: dict[int, tuple[float, float | None]], step_seconds: float, *,
                    min_seconds: float = STRAGGLER_MIN_SECONDS,
                    min_ratio: float = STRAGGLER_MIN_RATIO) -> Straggler | None:
     """The straggler of one step, or None when no rank stands out.
 
-    ``ranks``: rank -> (own seconds, collective wait seconds or None). The candidate is the rank with
-    the most time on its own (the lowest rank on a tie); it is named only when its excess over the
-    median of the other ranks' time on its own reaches :func:`straggler_threshold`. One rank alone
-    is never a straggler.
+    ``ranks``: rank -> (own seconds, collective wait seconds or None); ``step_seconds``: see
+    :func:`straggler_step_seconds`. The candidate is the rank with the most time on its own (the
+    lowest rank on a tie); it is named only when its excess over the median of the other ranks' time
+    on its own reaches :func:`straggler_threshold`. One rank alone is never a straggler.
     """
     if len(ranks) < 2:
         return None
     rank = max(ranks, key=lambda r: (ranks[r][0], -r))
     others = [ranks[r] for r in ranks if r != rank]
     excess = ranks[rank][0] - _median([own for own, _ in others])
-    threshold = straggler_threshold(interval_median, min_seconds, min_ratio)
+    threshold = straggler_threshold(step_seconds, min_seconds, min_ratio)
     if excess < threshold:
         return None
     waits = [wait for _, wait in others]

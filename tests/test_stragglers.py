@@ -29,7 +29,7 @@ def test_the_straggler_is_the_rank_with_most_time_on_its_own_not_the_largest_com
     # Synchronous step: every rank's compute is ~66 ms; rank 2 arrived 30 ms late and barely waited.
     ranks = {0: (0.066 - 0.035, 0.035), 1: (0.0665 - 0.036, 0.036), 2: (0.0655 - 0.004, 0.004),
              3: (0.066 - 0.034, 0.034)}
-    found = find_straggler(ranks, interval_median=0.066)
+    found = find_straggler(ranks, step_seconds=0.066)
     assert found is not None and found.rank == 2
     # Its cost: the others' median wait (35 ms) less its own wait (4 ms, what every rank pays).
     assert found.cost_seconds == pytest.approx(0.031)
@@ -40,12 +40,12 @@ def test_the_straggler_is_the_rank_with_most_time_on_its_own_not_the_largest_com
 def test_a_step_where_no_rank_stands_out_names_no_straggler():
     # 3 ms of noise on a 40 ms step: below 5 ms and below a fifth of the step.
     ranks = {0: (0.025, 0.010), 1: (0.028, 0.007), 2: (0.026, 0.009), 3: (0.025, 0.010)}
-    assert find_straggler(ranks, interval_median=0.040) is None
+    assert find_straggler(ranks, step_seconds=0.040) is None
     # The same excess on a 10 ms step is more than a fifth of it, but not 5 ms: still noise.
-    assert find_straggler(ranks, interval_median=0.010) is None
+    assert find_straggler(ranks, step_seconds=0.010) is None
     # 12 ms more than the others on a 40 ms step stands out.
     ranks[1] = (0.037, 0.0)
-    assert find_straggler(ranks, interval_median=0.040).rank == 1
+    assert find_straggler(ranks, step_seconds=0.040).rank == 1
 
 
 def test_threshold_is_the_larger_of_the_floor_and_the_share_of_the_step():
@@ -55,10 +55,22 @@ def test_threshold_is_the_larger_of_the_floor_and_the_share_of_the_step():
 
 
 def test_without_measured_waits_the_rank_with_most_compute_is_named_and_its_cost_is_unknown():
-    found = find_straggler({0: (0.1, None), 1: (0.4, None), 2: (0.1, None)}, interval_median=0.5)
+    found = find_straggler({0: (0.1, None), 1: (0.4, None), 2: (0.1, None)}, step_seconds=0.5)
     assert found is not None and found.rank == 1 and found.cost_seconds is None
     # A rank that did measure, among ones that did not: still unknown.
     assert find_straggler({0: (0.1, 0.0), 1: (0.4, 0.0), 2: (0.1, None)}, 0.5).cost_seconds is None
+
+
+def test_the_threshold_scales_with_the_interval_where_waits_are_measured_else_with_compute():
+    from steptrace._attribution import straggler_step_seconds
+
+    assert straggler_step_seconds(0.25, 0.02, measured=True) == 0.25
+    # A job idle between steps (0.25 s intervals, 20 ms of compute): a device 3x slower than the
+    # others (40 ms more) is no fifth of the interval, but it is of the compute it is compared on.
+    assert straggler_step_seconds(0.25, 0.02, measured=False) == 0.02
+    ranks = {0: (0.02, None), 1: (0.02, None), 2: (0.06, None)}
+    assert find_straggler(ranks, straggler_step_seconds(0.25, 0.02, measured=False)).rank == 2
+    assert find_straggler(ranks, 0.25) is None
 
 
 def test_ties_go_to_the_lowest_rank_and_one_rank_is_never_a_straggler():

@@ -18,7 +18,13 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Sequence
 
-from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, StragglerScores, find_straggler
+from steptrace._attribution import (
+    STRAGGLER_MIN_RATIO,
+    STRAGGLER_MIN_SECONDS,
+    StragglerScores,
+    find_straggler,
+    straggler_step_seconds,
+)
 
 __all__ = ["straggler_sentence", "straggler_steps", "summarize_stragglers"]
 
@@ -63,7 +69,10 @@ def straggler_steps(records_by_rank: dict[int, Sequence[dict]], world_size: int 
             waits[rank] = wait
             own[rank] = mine if wait is not None and mine is not None else computes[rank]  # type: ignore[assignment]
         interval_median = statistics.median(v for v in intervals if v is not None)
-        found = find_straggler({r: (own[r], waits[r]) for r in records}, interval_median,
+        compute_median = statistics.median(v for v in computes.values() if v is not None)
+        measured = all(w is not None for w in waits.values())
+        found = find_straggler({r: (own[r], waits[r]) for r in records},
+                               straggler_step_seconds(interval_median, compute_median, measured),
                                min_seconds=min_seconds, min_ratio=min_ratio)
         out.append({
             "step": step, "complete": True, "interval_median_seconds": interval_median,
