@@ -57,8 +57,6 @@ HOST_SYNCHRONOUS_BACKENDS = ("gloo",)
 _perf = time.perf_counter
 _current_step = steptrace.current_step
 _hooks = Hooks("torch.distributed", lambda: f"torch {_torch_version()}")
-#: Sources whose waits this process measures; read by :func:`mark_runtime` at each run's first step.
-_sources: set[str] = set()
 #: Seconds waited in collectives while no step was open: they belong to the next step's interval.
 _pending = [0.0]
 #: True while a wrapped synchronous collective runs: it waits on its Work inside, timed already.
@@ -161,16 +159,12 @@ def track_collectives(*, force: bool = False) -> list[str]:
     # their first forward (track_ddp).
     _hooks.patch("DistributedDataParallel.forward", "torch.nn.parallel.distributed",
                  "DistributedDataParallel.forward", _ddp_forward, missing_ok=True)
-    names = _hooks.installed()
-    if names:
-        _sources.add(SOURCE_TORCH)
-    return names
+    return _hooks.installed()
 
 
 def untrack_collectives() -> None:
     """Put the original ``torch.distributed`` collectives back."""
     _hooks.uninstall()
-    _sources.discard(SOURCE_TORCH)
 
 
 def installed() -> list[str]:
@@ -237,7 +231,6 @@ def track_ddp(model: Any, *, force: bool = False) -> Any:
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(tracker.grad_ready)
     model._steptrace_ddp = tracker
-    _sources.add(SOURCE_DDP)
     return model
 
 
@@ -262,5 +255,7 @@ def mark_runtime(runtime: Any) -> None:
     except Exception:
         pass
     _pending[0] = 0.0  # waits before this run's first step are not its steps'
-    if _sources:
-        runtime.resolver.collective_source = "+".join(sorted(_sources))
+    if _hooks.installed():
+        # Every step is measured now: one without a collective waited 0 (steps whose waits were
+        # measured say so themselves, e.g. "ddp+torch.distributed").
+        runtime.resolver.collective_source = SOURCE_TORCH
