@@ -8,12 +8,16 @@
   (``/jax/core/compile/*``) into ``compile`` host spans: compilation inside a
   step lands in that step's ``idle_breakdown["compile"]`` instead of
   inflating its compute time.
+* :class:`ProgramFlops` reads XLA's cost analysis of every program compiled inside a
+  ``flops="auto"`` step, once per compiled program, as it compiles: the step's hardware
+  FLOPs (``flops_source: "xla_cost_analysis"``).
 * :func:`step_annotator` opens ``jax.profiler.StepTraceAnnotation`` so XProf
   traces line up with steptrace's step numbers.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -22,6 +26,8 @@ _COMPILE_PREFIX = "/jax/core/compile/"
 _listener_target: Any = None  # the Runtime compile spans go to; swapped on re-init
 _listener_installed = False
 _listener_lock = threading.Lock()
+_flops_target: Any = None  # the ProgramFlops compiled programs go to; swapped on re-init
+_compile_wrapped = False
 
 
 def require_jax() -> Any:
@@ -143,3 +149,101 @@ def step_annotator() -> Any:
         return annotation
 
     return annotate
+
+
+def executable_flops(executable: Any) -> float | None:
+    """FLOPs of one execution of a compiled XLA program (``cost_analysis()["flops"]``), or None.
+
+    XLA counts what the optimized program executes on one device: a multiply-add is 2 FLOPs,
+    rematerialized work is counted again, and an SPMD program is its per-device partition."""
+    analysis = executable.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older jaxlib: one dict per program
+        analysis = analysis[0] if analysis else None
+    flops = analysis.get("flops") if isinstance(analysis, dict) else None
+    if isinstance(flops, (int, float)) and flops >= 0:
+        return float(flops)
+    return None
+
+
+def program_flops(jitted: Any, *args: Any, **kwargs: Any) -> float | None:
+    """Hardware FLOPs of one call of ``jitted`` with these arguments: ``jitted.lower(...).compile()``
+    and XLA's cost analysis. It compiles once more (call it once, before the loop): for programs
+    compiled outside any step, pass the result as the step's count yourself."""
+    return executable_flops(jitted.lower(*args, **kwargs).compile())
+
+
+def _program_name(args: tuple, kwargs: dict) -> str:
+    computation = args[1] if len(args) > 1 else kwargs.get("computation")
+    try:
+        return str(computation.operation.attributes["sym_name"]).strip('"')
+    except Exception:
+        return f"program-{id(computation)}"
+
+
+class ProgramFlops:
+    """A step's hardware FLOPs from the programs JAX compiles inside ``flops="auto"`` steps.
+
+    JAX compiles a jitted function once per input signature and then runs the cached program:
+    there is no per-call hook to count executions without costing every step. So the programs
+    compiled while an auto step is open on the training thread are taken to be what such a
+    step runs, each by name (``jit_train_step``; a recompilation for new shapes replaces it),
+    and their XLA cost-analysis FLOPs are summed. Cost analysis runs once per program, when it
+    is compiled (the compile already takes far longer). A program compiled before the first step
+    (a warm-up call) is not seen: see :func:`program_flops`.
+    """
+
+    source = "xla_cost_analysis"
+
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self.programs: dict[str, float] = {}
+        self.total: float | None = None
+        _wrap_compile(self)
+
+    def compiled(self, name: str, executable: Any) -> None:
+        rt = self._runtime
+        step = rt.current
+        if step is None or not step.auto_flops or rt.train_thread not in (None, threading.get_ident()):
+            return
+        flops = executable_flops(executable)
+        if flops is None:
+            return
+        self.programs[name] = flops
+        self.total = sum(self.programs.values())
+
+    def enter(self, step: Any) -> None:
+        return None
+
+    def exit(self, step: Any) -> float | None:
+        return self.total if self.total else None
+
+
+def _wrap_compile(target: ProgramFlops) -> None:
+    """Route every XLA compilation to ``target`` (``jax._src.compiler.compile_or_get_cached``,
+    which pjit calls by module attribute once per program it has not compiled in this process,
+    also when the persistent cache has it). Wrapped once per process; private API, so any
+    failure leaves JAX untouched and ``flops="auto"`` empty."""
+    global _flops_target, _compile_wrapped
+    with _listener_lock:
+        _flops_target = target
+        if _compile_wrapped:
+            return
+        try:
+            from jax._src import compiler
+        except Exception:
+            return
+        original = compiler.compile_or_get_cached
+
+        @functools.wraps(original)
+        def compile_or_get_cached(*args: Any, **kwargs: Any) -> Any:
+            executable = original(*args, **kwargs)
+            counter = _flops_target
+            if counter is not None:
+                try:
+                    counter.compiled(_program_name(args, kwargs), executable)
+                except Exception:
+                    pass
+            return executable
+
+        compiler.compile_or_get_cached = compile_or_get_cached
+        _compile_wrapped = True

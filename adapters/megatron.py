@@ -61,7 +61,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import sys
 import warnings
 from typing import Any, Callable
 
@@ -85,23 +84,6 @@ _EXPECTED = {
     "save_checkpoint_and_time": ("iteration",),
     "maybe_finalize_async_save": ("blocking",),
 }
-
-# bf16 dense peak TFLOP/s per device, for MFU when the configuration sets no peak_tflops.
-# Matched as substrings of torch.cuda.get_device_name(), first match wins (PCIe/NVL before SXM).
-PEAK_BF16_TFLOPS = (
-    ("GB200", 2500.0),
-    ("B200", 2250.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H100", 989.0),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("H800", 989.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("V100", 125.0),  # fp16 tensor cores (no bf16)
-)
 
 _hooks = Hooks("Megatron", lambda: _megatron_version())
 
@@ -127,14 +109,6 @@ def _megatron_version() -> str:
         pass
     version = installed_version("megatron-core")
     return f"megatron-core {version}" if version else "megatron-core (version unknown)"
-
-
-def peak_tflops_of(device_name: str) -> float | None:
-    """The bf16 dense peak of a device named like ``torch.cuda.get_device_name()``, or None."""
-    for key, peak in PEAK_BF16_TFLOPS:
-        if key in device_name:
-            return peak
-    return None
 
 
 def _arg_position(fn: Any, name: str) -> tuple[int, Any]:
@@ -170,7 +144,6 @@ class _State:
         # chunk -> ids of forward outputs not yet paired, in schedule order
         self.fifo: dict[Any, collections.deque] = {}
         self.pending_async: list[Any] = []  # checkpoint handles of async saves not finalized yet
-        self.peak: float | None | bool = False  # False: not looked up yet
 
     def reset_pairing(self) -> None:
         self.by_output.clear()
@@ -394,31 +367,6 @@ def _data_parallel_size(args: Any) -> int:
 _throughput = _Throughput(None)
 
 
-def _cuda_device_name() -> str | None:
-    """The current CUDA device's name, once Megatron has initialised CUDA (never initialising it
-    here: that would put a context on GPU 0 of every rank)."""
-    torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_initialized():
-            return torch.cuda.get_device_name(torch.cuda.current_device())
-    except Exception:
-        pass
-    return None
-
-
-def _device_peak_tflops() -> float | None:
-    """The device's bf16 dense peak when the configuration sets none; looked up once."""
-    if _state.peak is not False:
-        return _state.peak  # type: ignore[return-value]
-    config = steptrace.config()
-    peak = None
-    if config is None or config.peak_tflops is None:
-        name = _cuda_device_name()
-        peak = peak_tflops_of(name) if name else None
-    _state.peak = peak
-    return peak
-
-
 def _hook_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
     read_iteration = _arg_reader(original, "iteration") if "iteration" in (parameters(original) or ()) else None
 
@@ -437,9 +385,6 @@ def _hook_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
             # Megatron's `iteration` during train_step is the count of iterations done before it;
             # it logs "iteration N+1" and saves iter_{N+1} after it.
             attrs["megatron_iteration"] = iteration + 1
-        peak = _device_peak_tflops()
-        if peak is not None:
-            attrs["peak_tflops"] = peak
         with steptrace.step(n, tokens=tokens, flops=flops, **attrs):
             return original(*args, **kwargs)
 

@@ -120,6 +120,44 @@ def scalar_reader(value: Any) -> Any:
     return read
 
 
+class StepFlopCounter:
+    """Hardware FLOPs of a ``flops="auto"`` step from ``torch.utils.flop_counter.FlopCounterMode``.
+
+    The counter intercepts every operator in Python, so it runs over one step only: the second
+    auto step (the first runs one-time work: lazy initialisation, autotuning). Its count (the
+    operators torch has formulas for: matrix multiplies, convolutions, attention; recomputed
+    activations counted again) is every later step's. The counted step itself runs slower by
+    the counter's overhead. A count of zero (the step ran no torch operators: JAX) is no count.
+    """
+
+    source = "torch_flop_counter"
+    COUNTED_STEP = 2  # the n-th auto step is counted
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.flops: float | None = None
+        self._mode: Any = None
+
+    def enter(self, step: Any) -> None:
+        self.seen += 1
+        if self.seen != self.COUNTED_STEP:
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        mode = FlopCounterMode(display=False)
+        mode.__enter__()
+        self._mode = mode
+
+    def exit(self, step: Any) -> float | None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            total = mode.get_total_flops()
+            if total > 0:
+                self.flops = float(total)
+        return self.flops
+
+
 class _Ranges:
     """Exits what :func:`step_annotator` opened."""
 

@@ -18,13 +18,18 @@ Each step is timed twice:
   then nothing syncs and the host queues steps as fast as it can).
 * **steptrace**: ``steptrace.step`` / ``span`` / ``checkpoint`` around the same
   code; ``s.wait_for(loss)`` lets a background thread see when the device
-  actually finished the step.
+  actually finished the step. ``init(flops="auto")`` takes each step's hardware
+  FLOPs from XLA's cost analysis of the compiled ``train_step``; the analytic
+  ``6 × parameters × batch`` is passed as the model FLOPs. With
+  ``--peak-tflops`` (a CPU has no entry in steptrace's peak table) the report
+  also shows MFU and HFU with their parts.
 
 After the run it prints both side by side, explains the differences it saw,
 and prints the steptrace report of the run (``steptrace report RUN_DIR``).
 
     python examples/train_jax.py [--steps 30] [--run-dir steptrace-runs] [--run-id demo]
                                  [--checkpoint-every 10] [--run-ahead] [--plot timeline.png]
+                                 [--peak-tflops 1.0]
 """
 
 from __future__ import annotations
@@ -144,16 +149,20 @@ def clean_run_dir(path: Path) -> None:
 
 
 def train(args: argparse.Namespace) -> tuple[list[float], int, float]:
-    """Run the instrumented loop; returns (naive seconds per step, params, flops per step)."""
+    """Run the instrumented loop; returns (naive seconds per step, params, model flops per step)."""
     run_path = Path(args.run_dir) / args.run_id
-    steptrace.init(run_dir=args.run_dir, run_id=args.run_id)
+    # flops="auto": hardware FLOPs per step from the compiler (XLA cost analysis of train_step,
+    # read once as it compiles inside step 0). A CPU has no peak in steptrace's table: MFU and HFU
+    # need --peak-tflops.
+    steptrace.init(run_dir=args.run_dir, run_id=args.run_id, flops="auto", peak_tflops=args.peak_tflops)
 
     state = {"params": init_params(jax.random.PRNGKey(0)), "step": jnp.zeros((), jnp.int32)}
     state["opt_state"] = optimizer.init(state["params"])
     n_params = count_params(state["params"])
-    # FLOPs of one step, analytically: a dense layer costs 2 FLOPs (multiply + add) per weight
+    # Model FLOPs of one step, analytically: a dense layer costs 2 FLOPs (multiply + add) per weight
     # per example forward and 4 backward (gradients w.r.t. inputs and weights), so fwd+bwd is
-    # ~6 * params * batch. Biases, activations, the loss and Adam's update are ignored (<1%).
+    # ~6 * params * batch. Biases, activations, the loss and Adam's update are ignored (<1%); the
+    # compiler's count (hardware FLOPs) includes them.
     flops_per_step = 6.0 * n_params * BATCH
     tokens_per_step = BATCH  # one "token" per example for an MLP
 
@@ -192,7 +201,7 @@ def train(args: argparse.Namespace) -> tuple[list[float], int, float]:
         steptrace.shutdown()
     first = f"{losses[0]:.4f} -> " if losses else ""
     print(f"trained {args.steps} steps: {n_params:,} parameters, batch {BATCH}, "
-          f"{flops_per_step / 1e9:.2f} GFLOP/step, loss {first}{final_loss:.4f}")
+          f"{flops_per_step / 1e9:.2f} model GFLOP/step, loss {first}{final_loss:.4f}")
     return naive, n_params, flops_per_step
 
 
@@ -315,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not log the previous step's loss each step: nothing syncs, the host runs "
                              "ahead of the device as far as JAX lets it")
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="also write a per-step timeline PNG")
+    parser.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                        help="the device's peak TFLOP/s, for MFU and HFU (a CPU has no entry in steptrace's table)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be >= 1")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        parser.error("--peak-tflops must be > 0")
     if not args.run_id or "/" in args.run_id or args.run_id in (".", ".."):
         parser.error("--run-id must be a plain name")
 
@@ -334,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=max(console.width, 120))
     run = steptrace.report.load_run(run_path)
     steps = run.steps()
+    # Naive and steptrace TFLOP/s divide the same count: the compiler's where steptrace has it.
+    hardware = [r["hardware_flops"] for r in steps if r.get("hardware_flops")]
+    if hardware:
+        flops = hardware[-1]
     console.print()
     console.print(comparison_table(steps, naive, flops))
     for line in explain(run, naive, flops):

@@ -33,18 +33,24 @@ from steptrace._version import __version__ as __version__
 __all__ = [
     "Config",
     "SteptraceWarning",
+    "begin_step",
     "checkpoint",
     "config",
     "current_step",
     "enabled",
+    "end_step",
     "flush",
     "init",
     "last_step",
+    "log",
     "microbatch",
+    "restore",
     "shutdown",
     "span",
     "stats",
     "step",
+    "steps",
+    "wait_for",
 ]
 
 class _Disabled:
@@ -64,6 +70,12 @@ class _Disabled:
             self._noop()
         return NULL_STEP
 
+    def begin_step(self, n: Any, *, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
+        return self.step(n)
+
+    def end_step(self, wait_for: Any = None, error: BaseException | None = None) -> None:
+        return None
+
     def span(self, name: Any, **attrs: Any) -> Any:
         return NULL_SPAN
 
@@ -81,7 +93,7 @@ class _Disabled:
 
 
 _active: Any = _Disabled(warn_uninitialised=True)
-_HOT_CALLS = ("step", "span", "checkpoint", "microbatch")
+_HOT_CALLS = ("step", "span", "checkpoint", "microbatch", "begin_step", "end_step")
 
 
 def _install(runtime: Any) -> None:
@@ -111,7 +123,8 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     ``enabled``, ``run_dir``, ``run_id``, ``rank``, ``world_size``,
     ``local_rank``, ``backend`` (``"auto"``, ``"host"``, ``"jax"``,
     ``"torch"`` or a device object such as ``testing.SimulatedDevice``),
-    ``peak_tflops`` (for MFU), ``strict`` (misuse raises instead of warning),
+    ``peak_tflops`` (for MFU and HFU; else the table for the device kind), ``flops``
+    (``"auto"``: every step's hardware FLOPs from the compiler), ``strict`` (misuse raises instead of warning),
     ``annotate`` (profiler annotations), ``max_queue``, ``shutdown_timeout_s``,
     ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on).
     ``sinks`` adds sink objects (``export``/``force_flush``/``shutdown``).
@@ -133,10 +146,13 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
         if not config.enabled:
             _install(_Disabled(warn_uninitialised=False))
             return config
+        from steptrace._attempts import record_attempt, settle_attempt
         from steptrace._devices import Backends
 
+        config = _active_config = settle_attempt(config)
         backends = Backends(config.backend)
         built = _build_sinks(config)
+        record_attempt(config)  # only once the sinks started: a failed init leaves no trace
         from steptrace._resolver import Resolver
 
         resolver = Resolver(config, built + sinks)
@@ -145,7 +161,13 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             attach = getattr(sink, "attach_drop_counter", None)
             if callable(attach):
                 attach(resolver.dropped_snapshot)
-        _install(Runtime(config, resolver, backends))
+        runtime = Runtime(config, resolver, backends)
+        for sink in built + sinks:
+            # Exporters that say where the training thread is (a hung step) read it at scrape time.
+            attach_position = getattr(sink, "attach_position", None)
+            if callable(attach_position):
+                attach_position(runtime.position)
+        _install(runtime)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -180,16 +202,88 @@ def _build_sinks(config: Config) -> list[Any]:
     return built
 
 
-def step(n: int, *, tokens: int | float | None = None, flops: int | float | None = None,
+def step(n: int, *, tokens: int | float | None = None, flops: int | float | str | None = None,
          samples: int | float | None = None, **attrs: Any) -> Any:
     """Time training step ``n`` (a context manager). Step numbers must increase.
 
-    ``tokens``/``samples`` processed and ``flops`` executed by this rank's
-    device in the step give tokens/s (from the interval) and TFLOP/s (from
-    device compute time). Extra keyword arguments are recorded as ``attrs``.
+    ``tokens``/``samples`` processed by this rank in the step give tokens/s (from the
+    interval). ``flops``: the model FLOPs of the step on this rank's device (MFU's numerator),
+    or ``"auto"``: the hardware FLOPs the device executed, from the compiler (XLA cost analysis,
+    torch's FLOP counter; HFU's numerator); TFLOP/s is over device compute time (docs/flops.md).
+    Extra keyword arguments are recorded as ``attrs``.
     Inside the block call ``s.wait_for(outputs)`` with the step's device outputs.
     """
     return _active.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
+
+
+def begin_step(n: int, *, tokens: int | float | None = None, flops: int | float | str | None = None,
+               samples: int | float | None = None, **attrs: Any) -> Any:
+    """Open step ``n`` without re-indenting a loop: the same step as ``with steptrace.step(n)``,
+    closed by :func:`end_step`. Returns the step's handle (``.wait_for``, ``.log``). Opening a
+    step while one is open is misuse (warned and counted, or raised with ``strict``)."""
+    return _active.begin_step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
+
+
+def end_step(wait_for: Any = None, error: BaseException | None = None) -> None:
+    """Close the step :func:`begin_step` opened. ``wait_for``: the step's device outputs (a value or
+    a pytree), as ``s.wait_for``; ``error``: the exception that ended it (recorded as ``status:
+    "error"``). Without an open step it is misuse."""
+    return _active.end_step(wait_for, error)
+
+
+def steps(iterable: Iterable[Any], start: int = 0, *, data: str = "data", **step_settings: Any) -> Any:
+    """Iterate ``(n, item)`` over ``iterable``, each loop body timed as step ``n`` (from ``start``)
+    and each ``next()`` of the iterable as a ``data`` span::
+
+        for n, batch in steptrace.steps(loader, start=resume_step):
+            loss = train_step(batch)
+            steptrace.wait_for(loss)          # optional: the step's device outputs
+
+    A step ends when the loop asks for the next item (or leaves: ``break``, an exception, the
+    end of the data). ``step_settings`` (``tokens=``, ``flops=``, ...) apply to every step.
+    """
+    iterator = iter(iterable)
+    n = start
+    while True:
+        with span(data):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        handle = begin_step(n, **step_settings)
+        try:
+            yield n, item
+        except GeneratorExit:
+            # The loop was left with the step open (break, or an exception in its body).
+            if current_step() is handle:
+                end_step()
+            raise
+        if current_step() is handle:
+            end_step()
+        n += 1
+
+
+def wait_for(*values: Any) -> None:
+    """``wait_for`` on the open step (the form for :func:`begin_step` and :func:`steps` loops);
+    nothing when no step is open or steptrace is off."""
+    handle = current_step()
+    if handle is not None:
+        handle.wait_for(*values)
+
+
+def log(**scalars: Any) -> None:
+    """``log`` on the open step (see ``s.log``); nothing when no step is open or steptrace is off."""
+    handle = current_step()
+    if handle is not None:
+        handle.log(**scalars)
+
+
+def restore(step: int | None = None, **attrs: Any) -> Any:
+    """Time restoring a checkpoint (of ``step``) as a ``restore`` span: before the first step it is
+    the attempt's restore time in the job's accounting (``steptrace report``'s badput table)."""
+    if step is not None:
+        attrs["restored_step"] = step
+    return span("restore", **attrs)
 
 
 def span(name: str, **attrs: Any) -> Any:

@@ -6,28 +6,45 @@ contract unit-testable. Every rule that decides a number in a record is here.
 
 For step ``n`` (all times on one host clock, seconds)::
 
-    dispatch(n) = host_start(n), moved to the end of each host span that closes
-                  inside the step before wait_for()          (dispatch_after_span)
+    dispatch(n) = host_start(n); for a value device (JAX), which shows its work only
+                  at wait_for(), the end of each host span that closes inside the
+                  step before wait_for()                     (dispatch_after_span)
     end(n)      = the device's end (CUDA event placed on the host clock, or JAX
                   outputs seen ready), else host_end(n)      (unit_end)
     prev_end    = end(n-1); for the first step host_start(0) (previous_end)
     start(n)    = max(end(n-1), dispatch(n)), or the device's own start when a
                   start marker says when the stream reached it
+    exposed(n)  = the parts of host spans inside the step during which the device
+                  had none of the step's work left to do       (exposed_gaps)
     interval(n) = end(n) - end(n-1)
-    compute(n)  = end(n) - start(n)
-    idle(n)     = interval(n) - compute(n) = the window [end(n-1), start(n)]
+    compute(n)  = end(n) - start(n) - exposed(n)
+    idle(n)     = interval(n) - compute(n) = [end(n-1), start(n)] + exposed(n)
 
-The idle window is split by the host spans covering it (innermost wins) and
-``other`` for what no span covers (idle_segments); spans that ended before a
-step's end can never cover a later window (spans_after).
+**One rule for host spans, every backend**: a host span is idle time only for
+the part during which the device had none of the step's work left to do
+(``drained``: when the device finished everything handed to it before the span
+began). Host work while the device is busy with the step's earlier work (the
+next batch fetched right after the forward pass was dispatched) is hidden, not
+idle. A synchronous backend (PyTorch on CPU) *is* its device: it is drained the
+moment a span begins, so every span inside a step is idle and compute is the
+step's time outside its spans. On CUDA a marker recorded on the step's stream
+as the span begins is reached exactly when the device drained. A value device
+(JAX) is handed the step's work at ``wait_for``: spans before it precede the
+work (``dispatch``), spans after it are hidden behind it.
+
+The idle windows are split by the host spans covering them (innermost wins)
+and ``other`` for what no span covers (idle_segments); spans that ended before
+a step's end can never cover a later window (spans_after). Time before the
+first step is split the same way, with ``startup`` for what no span covers
+(STARTUP).
 
 Microbatches chain the same way inside their step, from the previous step's
-end, and none ends after its step does (microbatch_timings). Pipeline bubble
-per stage = 1 - sum(microbatch compute) / the stage's pipeline window
-[start(n), end of its last microbatch] (bubble_ratios); the step's time after
-its last microbatch (gradient finalization, optimizer) is optimizer_seconds.
-A checkpoint's blocking time is its host span after the saved step's end
-(blocking_seconds).
+end, and none ends after its step does (microbatch_timings). They are device
+work, never host spans. Pipeline bubble per stage = 1 - sum(microbatch
+compute) / the stage's pipeline window [start(n), end of its last microbatch]
+(bubble_ratios); the step's time after its last microbatch (gradient
+finalization, optimizer) is optimizer_seconds. A checkpoint's blocking time is
+its host span after the saved step's end (blocking_seconds).
 """
 
 from __future__ import annotations
@@ -37,6 +54,8 @@ import math
 from typing import Iterable, NamedTuple, Protocol
 
 OTHER = "other"
+#: What no span covers before the first step: process and framework start-up.
+STARTUP = "startup"
 
 
 class HostSpan(NamedTuple):
@@ -72,6 +91,7 @@ def unit_timing(
     dispatch: float,
     end: float,
     device_start: float | None = None,
+    exposed: Iterable[tuple[float, float]] = (),
 ) -> Timing:
     """Place one unit of device work (a step or a microbatch) on the timeline.
 
@@ -80,6 +100,8 @@ def unit_timing(
     the unit's start marker (a CUDA event recorded at ``dispatch``, placed on
     the host clock); when given it replaces ``dispatch``: the stream reaches
     the marker once both the host has recorded it and earlier work is done.
+    ``exposed``: disjoint windows inside the unit during which the device had
+    none of its work to do (:func:`exposed_gaps`); they are idle, not compute.
     """
     # A host-timed unit after a device-timed one could otherwise appear to end
     # before its predecessor.
@@ -87,15 +109,55 @@ def unit_timing(
     start = max(prev_end, dispatch if device_start is None else device_start)
     start = min(start, end)
     interval = end - prev_end
-    compute = end - start
+    hidden = sum(max(0.0, min(hi, end) - max(lo, start)) for lo, hi in exposed)
+    compute = max(0.0, end - start - hidden)
     return Timing(start, end, interval, compute, interval - compute)
 
 
-def dispatch_after_span(dispatch: float, waited: bool, span_end: float) -> float | None:
-    """The step's new dispatch point when a host span closes inside it at ``span_end``, or None.
+def exposed_gaps(spans: Iterable[tuple[float, float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The windows of ``[start, end]`` during which the device waited on a host span, merged.
 
-    Host spans inside a step come before its device work (DESIGN §2), so the end of the last one
-    that closed before ``wait_for`` is where the device work was handed over.
+    ``spans`` are ``(span_start, span_end, drained)``: ``drained`` is when the device had
+    finished all the work handed to it before the span began (the span's start itself for a
+    synchronous backend; the device time of a marker recorded at the span's start on CUDA;
+    infinity when the step's work was all handed over before it, as for JAX after wait_for).
+    The device is idle from ``max(span_start, drained)`` to ``span_end``: nothing new reaches
+    it while the host is inside the span. Work queued inside a span (a host-to-device copy in
+    ``data``) therefore counts as that span's time.
+    """
+    windows = []
+    for span_start, span_end, drained in spans:
+        lo = max(span_start, drained, start)
+        hi = min(span_end, end)
+        if hi > lo:
+            windows.append((lo, hi))
+    windows.sort()
+    merged: list[tuple[float, float]] = []
+    for lo, hi in windows:
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def idle_windows(prev_end: float, timing: Timing, exposed: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Every window of a unit's interval in which the device was idle: before its start, then the
+    exposed gaps inside it. Their lengths add up to ``timing.idle_seconds``."""
+    windows = [(prev_end, timing.start)] if timing.start > prev_end else []
+    windows += [(max(lo, timing.start), min(hi, timing.end)) for lo, hi in exposed
+                if min(hi, timing.end) > max(lo, timing.start)]
+    return windows
+
+
+def dispatch_after_span(dispatch: float, waited: bool, span_end: float) -> float | None:
+    """A value-device step's new dispatch point when a host span closes inside it at ``span_end``,
+    or None.
+
+    A value device (JAX) shows that it was handed the step's work only at ``wait_for``, so a span
+    that closes before it is taken to precede that work. Host and stream devices ignore this:
+    they know when the device drained (:func:`exposed_gaps`).
     """
     if not waited and span_end > dispatch:
         return span_end
@@ -130,11 +192,12 @@ def spans_after(spans: Iterable[Interval], t: float) -> list:
     return [s for s in spans if s.end > t]
 
 
-def idle_segments(window_start: float, window_end: float, spans: Iterable[Interval]) -> list[HostSpan]:
+def idle_segments(window_start: float, window_end: float, spans: Iterable[Interval],
+                  uncovered: str = OTHER) -> list[HostSpan]:
     """Split ``[window_start, window_end]`` by the spans covering it.
 
     At every instant the innermost covering span wins (the one that started
-    last; for equal starts the shorter one). Uncovered time is ``other``.
+    last; for equal starts the shorter one). Uncovered time is ``uncovered``.
     Adjacent pieces with the same name are merged. The pieces tile the window.
     """
     if window_end <= window_start:
@@ -156,11 +219,22 @@ def idle_segments(window_start: float, window_end: float, spans: Iterable[Interv
                 best is None or s.start > best.start or (s.start == best.start and s.end < best.end)
             ):
                 best = s
-        name = OTHER if best is None else best.name
+        name = uncovered if best is None else best.name
         if pieces and pieces[-1].name == name and pieces[-1].end == lo:
             pieces[-1] = HostSpan(name, pieces[-1].start, hi)
         else:
             pieces.append(HostSpan(name, lo, hi))
+    return pieces
+
+
+def window_segments(windows: Iterable[tuple[float, float]], spans: Iterable[Interval],
+                    uncovered: str = OTHER) -> list[HostSpan]:
+    """:func:`idle_segments` over several disjoint windows, in order; ``uncovered`` names the
+    time no span covers (``other`` in a step, ``startup`` before the first one)."""
+    spans = list(spans)
+    pieces: list[HostSpan] = []
+    for lo, hi in windows:
+        pieces += idle_segments(lo, hi, spans, uncovered)
     return pieces
 
 

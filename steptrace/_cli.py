@@ -1,5 +1,6 @@
 """The ``steptrace`` command: ``steptrace report RUN_DIR``, ``steptrace timeline RUN_DIR -o trace.json``,
-``steptrace compare RUN_A RUN_B``, ``steptrace collector --world-size N --run-dir DIR``."""
+``steptrace compare RUN_A RUN_B``, ``steptrace collector --world-size N --run-dir DIR``,
+``steptrace monitoring export DIR``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
                                            description=collector_cli.DESCRIPTION)
     collector_cli.add_collector_arguments(collector_parser)
     collector_parser.set_defaults(handler=collector_cli.run_collector)
+    from steptrace.collector import _monitoring as monitoring
+
+    monitoring_parser = commands.add_parser("monitoring", help="the dashboards, Prometheus rules and alerts, "
+                                                               "Alertmanager, Grafana and otelcol configs",
+                                            description=monitoring.DESCRIPTION)
+    monitoring.add_monitoring_arguments(monitoring_parser)
+    monitoring_parser.set_defaults(handler=monitoring.run_monitoring)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -37,6 +37,8 @@ ENV_LOCAL_RANK = "STEPTRACE_LOCAL_RANK"
 ENV_BACKEND = "STEPTRACE_BACKEND"
 #: Peak dense TFLOP/s of one device, for MFU.
 ENV_PEAK_TFLOPS = "STEPTRACE_PEAK_TFLOPS"
+#: ``auto``: every step's hardware FLOPs from the compiler (XLA cost analysis, torch's FLOP counter).
+ENV_FLOPS = "STEPTRACE_FLOPS"
 #: ``1`` makes misuse inside the loop raise instead of warn (for tests and CI).
 ENV_STRICT = "STEPTRACE_STRICT"
 #: ``0`` turns off profiler annotations (XProf ``StepTraceAnnotation``, torch ``record_function``).
@@ -63,6 +65,16 @@ ENV_OTLP_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
 ENV_OTLP_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_TAGS = "STEPTRACE_TAGS"
+#: ``0`` turns off the stall watch (a ``stall`` record with every thread's stack when a rank stops moving).
+ENV_STALL_WATCH = "STEPTRACE_STALL_WATCH"
+#: A step open this many times the run's median interval is a stall (default 10).
+ENV_STALL_FACTOR = "STEPTRACE_STALL_FACTOR"
+#: ... and at least this many seconds (default 60).
+ENV_STALL_MIN_S = "STEPTRACE_STALL_MIN_S"
+#: Which process start of the run this is (0 for the first); see :func:`launcher_attempt` for the fallbacks.
+ENV_ATTEMPT = "STEPTRACE_ATTEMPT"
+#: Launcher variables that count restarts, read in this order when no attempt is given.
+LAUNCHER_ATTEMPT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 #: The longest timeout or interval accepted (a day): larger ones overflow the threading primitives.
 MAX_TIMEOUT_S = 86400.0
 MAX_TAGS = 64
@@ -86,6 +98,7 @@ class Config:
     local_rank: int = 0
     backend: Any = "auto"  # a name from BACKENDS, or a backend object (e.g. testing.SimulatedDevice)
     peak_tflops: float | None = None
+    flops: str | None = None  # "auto": hardware FLOPs of every step from the compiler
     strict: bool = False
     annotate: bool = True
     max_queue: int = 65536
@@ -102,6 +115,13 @@ class Config:
     otlp_metrics_interval_s: float = 10.0
     service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
     tags: tuple[tuple[str, str], ...] = ()  # user labels for the run (metadata record, compare)
+    # Which process start of the run this is: init(attempt=...), STEPTRACE_ATTEMPT, a launcher's restart
+    # count, or (at init, with JSONL on) one more than the attempts this rank's run directory records.
+    attempt: int = 0
+    attempt_source: str = "default"
+    stall_watch: bool = True
+    stall_factor: float = 10.0
+    stall_min_s: float = 60.0  # code | env | launcher:<VAR> | run_dir | default
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -190,7 +210,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
     Raises ``ValueError`` naming the offending argument or variable.
     """
     env = dict(os.environ if environ is None else environ)
-    unknown = set(code) - {f.name for f in dataclasses.fields(Config)}
+    unknown = set(code) - {f.name for f in dataclasses.fields(Config)} | ({"attempt_source"} & set(code))
     if unknown:
         raise ValueError(f"init() got unknown argument(s): {', '.join(sorted(unknown))}")
     _warn_unknown_variables(env)
@@ -220,7 +240,10 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                 stacklevel=3,
             )
 
+    attempt, attempt_source = _attempt(code.get("attempt"), env)
     config = Config(
+        attempt=attempt,
+        attempt_source=attempt_source,
         enabled=bool(enabled),
         run_dir=str(_first(code.get("run_dir"), env.get(ENV_RUN_DIR) or None, "steptrace-runs")),
         run_id=str(run_id),
@@ -229,6 +252,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         local_rank=local_rank,
         backend=_first(code.get("backend"), env.get(ENV_BACKEND) or None, "auto"),
         peak_tflops=_first(code.get("peak_tflops"), _env_float(ENV_PEAK_TFLOPS, env)),
+        flops=_first(code.get("flops"), env.get(ENV_FLOPS, "").strip().lower() or None),
         strict=bool(_first(code.get("strict"), _env_bool(ENV_STRICT, env), False)),
         annotate=bool(_first(code.get("annotate"), _env_bool(ENV_ANNOTATE, env), True)),
         max_queue=_first(code.get("max_queue"), _env_int(ENV_MAX_QUEUE, env), 65536),
@@ -246,9 +270,26 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                                        _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
         service_name=_first(code.get("service_name"), env.get(ENV_SERVICE_NAME) or None),
         tags=_parse_tags(_first(code.get("tags"), env.get(ENV_TAGS) or None, ())),
+        stall_watch=bool(_first(code.get("stall_watch"), _env_bool(ENV_STALL_WATCH, env), True)),
+        stall_factor=_first(code.get("stall_factor"), _env_float(ENV_STALL_FACTOR, env), 10.0),
+        stall_min_s=_first(code.get("stall_min_s"), _env_float(ENV_STALL_MIN_S, env), 60.0),
     )
     _validate(config)
     return config
+
+
+def _attempt(code_value: Any, env: dict[str, str]) -> tuple[Any, str]:
+    """The attempt number and where it came from (code, STEPTRACE_ATTEMPT, a launcher's restart count)."""
+    if code_value is not None:
+        return code_value, "code"
+    value = _env_int(ENV_ATTEMPT, env)
+    if value is not None:
+        return value, "env"
+    for name in LAUNCHER_ATTEMPT_VARIABLES:
+        value = _env_int(name, env)
+        if value is not None:
+            return value, f"launcher:{name}"
+    return 0, "default"
 
 
 def _parse_tags(value: Any) -> tuple[tuple[str, str], ...]:
@@ -309,8 +350,11 @@ def _validate(config: Config) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{field} must be an integer, got {value!r}")
 
-    for field in ("rank", "world_size", "local_rank", "max_queue"):
+    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt"):
         need_int(field, getattr(config, field))
+    if config.attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "
+                         f"{'/'.join(LAUNCHER_ATTEMPT_VARIABLES)})")
     if config.world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {config.world_size}")
     if not 0 <= config.rank < config.world_size:
@@ -327,6 +371,9 @@ def _validate(config: Config) -> None:
         raise ValueError(f"run_id {problem}, got {config.run_id!r} (the collector refuses such a run)")
     if isinstance(config.backend, str) and config.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or a backend object, got {config.backend!r}")
+    if config.flops not in (None, "auto"):
+        raise ValueError(f"flops must be 'auto' or None (per-step model FLOPs go to step(n, flops=...)), "
+                         f"got {config.flops!r}")
     if config.peak_tflops is not None and not config.peak_tflops > 0:
         raise ValueError(f"peak_tflops must be > 0, got {config.peak_tflops!r}")
     for field in ("shutdown_timeout_s", "otlp_timeout_s", "otlp_metrics_interval_s", "peak_tflops"):
@@ -334,6 +381,12 @@ def _validate(config: Config) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value)):
             raise ValueError(f"{field} must be a finite number, got {value!r}")
+    for field in ("stall_factor", "stall_min_s"):
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+            raise ValueError(f"{field} must be a number in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    if config.stall_factor < 1:
+        raise ValueError(f"stall_factor must be >= 1 (a multiple of the median step), got {config.stall_factor!r}")
     if not 0 <= config.shutdown_timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"shutdown_timeout_s must be in [0, {MAX_TIMEOUT_S:g}], got {config.shutdown_timeout_s!r}")
     if config.prometheus_port is not None:

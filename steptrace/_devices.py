@@ -166,6 +166,23 @@ class Backends:
             return annotators[0]
         return _AllAnnotations(annotators) if annotators else None
 
+    def flop_counters(self, runtime: Any) -> list[Any]:
+        """What counts a flops="auto" step's hardware FLOPs, set up at the first such step: JAX's
+        compiled programs (XLA cost analysis, read as they compile), then torch's FLOP counter (over
+        one steady step). Each has ``source``, ``enter(step)`` and ``exit(step)``, which returns the
+        step's hardware FLOPs or None. Frameworks not imported are not asked."""
+        counters: list[Any] = []
+        forced = self.forced_values if self.forced_values is not None else self.forced_stream
+        if "jax" in sys.modules and (self.auto or getattr(forced, "name", None) == "jax"):
+            from steptrace.adapters import jax as jax_adapter
+
+            counters.append(jax_adapter.ProgramFlops(runtime))
+        if "torch" in sys.modules and (self.auto or getattr(forced, "name", None) in ("torch-cuda", "host")):
+            from steptrace.adapters import torch as torch_adapter
+
+            counters.append(torch_adapter.StepFlopCounter())
+        return counters
+
     # -- at step / microbatch entry ------------------------------------------------------
     def stream_for_unit(self) -> Any:
         """The stream device to record markers on for a unit starting now, or None."""

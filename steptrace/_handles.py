@@ -2,23 +2,21 @@
 
 Everything here runs on the user's training thread, so it only reads clocks,
 records device markers (through the runtime) and hands finished units to the
-resolver. Handles reach the runtime they belong to through ``rt`` (a
-:class:`steptrace._runtime.Runtime`); this module imports neither it nor the
-resolver, so the layers point down: handles → resolver → runtime → API.
-Misuse is reported through the runtime and never raises into the loop unless
-``strict`` is on.
+resolver. Handles reach the runtime they belong to through ``rt``, typed by
+:class:`HandleRuntime`: what the handles need of it, stated here, which
+:class:`steptrace._runtime.Runtime` provides. This module imports neither the
+runtime nor the resolver, not even for type hints, so the layers point down:
+handles → resolver → runtime → API. Misuse is reported through the runtime
+and never raises into the loop unless ``strict`` is on.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Callable, Literal, Protocol
 
-from steptrace._devices import HOST, scalar_reader
-
-if TYPE_CHECKING:
-    from steptrace._runtime import Runtime
+from steptrace._devices import HOST, Backends, scalar_reader
 
 _perf = time.perf_counter
 MICROBATCH_KINDS = ("forward", "backward")
@@ -27,15 +25,20 @@ MICROBATCH_KINDS = ("forward", "backward")
 class ClosedSpan:
     """A host span that has ended; the resolver charges idle time to it."""
 
-    __slots__ = ("name", "start", "end", "step", "attrs", "emit")
+    __slots__ = ("name", "start", "end", "step", "attrs", "emit", "marker")
 
-    def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True):
+    def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True,
+                 marker: Any = None):
         self.name = name
         self.start = start
         self.end = end
         self.step = step
         self.attrs = attrs
         self.emit = emit  # False when another record (a checkpoint) already describes it
+        # (device, marker, host time before recording) of a stream marker recorded on the step's
+        # stream as the span began: the device reaches it when it has drained the step's earlier
+        # work, which decides the span's idle part. The resolver places and releases it.
+        self.marker = marker
 
 
 class TimedUnit:
@@ -59,6 +62,43 @@ class TimedUnit:
     first_complete_seen = 0.0  # resolver: when it first found them complete (waiting for calibration)
 
 
+class _Submits(Protocol):
+    def submit(self, item: Any, urgent: bool = False) -> None: ...
+
+
+class HandleRuntime(Protocol):
+    """What a handle uses of the runtime it belongs to (:class:`steptrace._runtime.Runtime`)."""
+
+    current: "StepHandle | None"  # the open step; handles set it on entry and exit
+    last_step: int | None
+    last_step_end: float  # host clock when the last step was left (the rank's position on /metrics)
+    open_checkpoint: "CheckpointHandle | None"  # the save in progress, if any
+
+    @property
+    def annotate(self) -> Callable[[int], Any] | None: ...  # a framework's per-step annotation, if any
+    @property
+    def backends(self) -> Backends: ...
+    @property
+    def resolver(self) -> _Submits: ...
+    @property
+    def open_spans(self) -> "list[SpanHandle]": ...
+    @property
+    def closed_spans(self) -> list[ClosedSpan]: ...
+    @property
+    def pending_async(self) -> "set[CheckpointHandle]": ...
+
+    def misuse(self, message: str) -> None: ...
+    def start_markers(self, unit: TimedUnit, device: Any) -> None: ...
+    def end_marker(self, unit: TimedUnit) -> None: ...
+    def drop_markers(self, unit: TimedUnit) -> None: ...
+    def span_marker(self, step: "StepHandle") -> tuple[Any, Any, float] | None: ...
+    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
+                   marker: tuple[Any, Any, float] | None = None) -> None: ...
+    def take_closed_spans(self) -> list[ClosedSpan]: ...
+    def flops_enter(self, step: "StepHandle") -> None: ...  # flops="auto": its counters start
+    def flops_exit(self, step: "StepHandle") -> None: ...  # ...and give its hardware FLOPs
+
+
 class StepHandle(TimedUnit):
     """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside."""
 
@@ -69,6 +109,7 @@ class StepHandle(TimedUnit):
     microbatches: "list[MicrobatchHandle] | tuple" = ()
     submitted = False
     waited = False
+    imperative = False  # opened by begin_step(): end_step() closes it
     #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
     scalars: dict[str, Any] | None = None
     #: seconds this step waited in collectives, and how that was measured (set by an adapter,
@@ -76,8 +117,12 @@ class StepHandle(TimedUnit):
     collective_wait = 0.0
     collective_source: str | None = None
     _annotation: Any = None
+    #: flops="auto": the runtime's FLOP counters look at this step (hardware FLOPs, with their source)
+    auto_flops = False
+    hardware_flops: float | None = None
+    flops_source: str | None = None
 
-    def __init__(self, rt: "Runtime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
+    def __init__(self, rt: "HandleRuntime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
         self._rt = rt
         self.step = n
         self.tokens = tokens
@@ -95,6 +140,8 @@ class StepHandle(TimedUnit):
         rt.current = self
         if rt.annotate is not None:
             self._annotation = rt.annotate(self.step)
+        if self.auto_flops:
+            rt.flops_enter(self)
         self.host_start = self.dispatch = _perf()
         device = rt.backends.stream_for_unit()
         if device is not None:
@@ -166,6 +213,8 @@ class StepHandle(TimedUnit):
         if self.device.uses_events:
             rt.end_marker(self)
         end = _perf()
+        if self.auto_flops:
+            rt.flops_exit(self)
         if exc_type is not None:
             self.status = "error"
             self.error = f"{exc_type.__name__}: {exc}"
@@ -176,10 +225,12 @@ class StepHandle(TimedUnit):
                 pass
         rt.current = None
         rt.last_step = self.step
+        rt.last_step_end = end
         if rt.closed_spans:
             self.spans = rt.take_closed_spans()
         if rt.open_spans:
-            self.open_spans = [ClosedSpan(s.name, s.start, end, None, {}, False) for s in rt.open_spans]
+            self.open_spans = [ClosedSpan(s.name, s.start, end, self.step, {}, False, s.take_marker())
+                               for s in rt.open_spans]
         # Published last: a device step handed over at wait_for() is finalized by the
         # resolver as soon as host_end is set, so status and spans must be in place first.
         self.host_end = end
@@ -195,7 +246,7 @@ class StepHandle(TimedUnit):
 class MicrobatchHandle(TimedUnit):
     """One pipeline microbatch inside a step; device-timed like a step."""
 
-    def __init__(self, rt: "Runtime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
+    def __init__(self, rt: "HandleRuntime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
         self._rt = rt
         self._step = step
         self.index = index
@@ -241,18 +292,29 @@ class MicrobatchHandle(TimedUnit):
 class SpanHandle:
     """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name."""
 
-    __slots__ = ("_rt", "name", "attrs", "start")
+    __slots__ = ("_rt", "name", "attrs", "start", "marker")
 
-    def __init__(self, rt: "Runtime", name: str, attrs: dict):
+    def __init__(self, rt: "HandleRuntime", name: str, attrs: dict):
         self._rt = rt
         self.name = name
         self.attrs = attrs
         self.start = 0.0
+        self.marker: Any = None
 
     def __enter__(self) -> "SpanHandle":
+        rt = self._rt
         self.start = _perf()
-        self._rt.open_spans.append(self)
+        current = rt.current
+        if current is not None and current.start_event is not None:
+            # Inside an event-timed step: the device's own timeline says when it ran out of work.
+            self.marker = rt.span_marker(current)
+        rt.open_spans.append(self)
         return self
+
+    def take_marker(self) -> Any:
+        """Hand the span's marker over (once: a marker is released by whoever holds it)."""
+        marker, self.marker = self.marker, None
+        return marker
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
@@ -261,7 +323,7 @@ class SpanHandle:
             rt.open_spans.remove(self)
         except ValueError:
             pass
-        rt.close_span(self.name, self.start, end, self.attrs)
+        rt.close_span(self.name, self.start, end, self.attrs, marker=self.take_marker())
         return False
 
 
@@ -275,7 +337,7 @@ class CheckpointHandle:
 
     __slots__ = ("_rt", "step", "host_start", "host_end", "async_save", "async_end", "status", "error", "_lock")
 
-    def __init__(self, rt: "Runtime", step: int, async_save: bool):
+    def __init__(self, rt: "HandleRuntime", step: int, async_save: bool):
         self._rt = rt
         self.step = step
         self.async_save = async_save
@@ -288,11 +350,14 @@ class CheckpointHandle:
 
     def __enter__(self) -> "CheckpointHandle":
         self.host_start = _perf()
+        self._rt.open_checkpoint = self
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         self.host_end = _perf()
+        if rt.open_checkpoint is self:
+            rt.open_checkpoint = None
         if exc_type is not None:
             self.status = "error"
             self.error = f"{exc_type.__name__}: {exc}"

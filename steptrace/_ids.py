@@ -8,6 +8,10 @@ tools can compute it:
 
     trace_id = int.from_bytes(sha256(f"steptrace/{run_id}/{step}".encode()).digest()[:16], "big")
 
+for the first attempt of a run, and ``f"steptrace/{run_id}/a{attempt}/{step}"`` for a later one (a
+process restarted within the run, see ``_config``): a redone step is a unit of its own, never a
+conflicting copy of the step it redoes.
+
 Span ids hash the trace id's inputs plus the rank and the span's role within
 the step, 8 bytes. Roles used by the OTLP exporter: ``step``, ``compute``,
 ``idle/<i>`` (i-th idle segment), ``span/<k>``, ``microbatch/<k>`` and
@@ -46,21 +50,26 @@ def run_id_problem(run_id: object) -> str | None:
     return None
 
 
-def trace_id(run_id: str, step: int) -> int:
-    """The 128-bit trace id of step ``step`` of run ``run_id``, shared by all ranks."""
-    value = int.from_bytes(hashlib.sha256(f"steptrace/{run_id}/{step}".encode()).digest()[:16], "big")
+def _step_key(run_id: str, step: int, attempt: int) -> str:
+    # The first attempt keeps the original key, so its ids do not change with attempts.
+    return f"steptrace/{run_id}/{step}" if not attempt else f"steptrace/{run_id}/a{attempt}/{step}"
+
+
+def trace_id(run_id: str, step: int, attempt: int = 0) -> int:
+    """The 128-bit trace id of step ``step`` of run ``run_id`` in ``attempt``, shared by all ranks."""
+    value = int.from_bytes(hashlib.sha256(_step_key(run_id, step, attempt).encode()).digest()[:16], "big")
     return value or 1
 
 
-def span_id(run_id: str, step: int, rank: int, role: str) -> int:
+def span_id(run_id: str, step: int, rank: int, role: str, attempt: int = 0) -> int:
     """A 64-bit span id for ``role`` (``"step"``, ``"compute"``, ``"idle/0"``, ...) of one rank's step."""
-    digest = hashlib.sha256(f"steptrace/{run_id}/{step}/{rank}/{role}".encode()).digest()
+    digest = hashlib.sha256(f"{_step_key(run_id, step, attempt)}/{rank}/{role}".encode()).digest()
     return int.from_bytes(digest[:8], "big") or 1
 
 
-def trace_id_hex(run_id: str, step: int) -> str:
+def trace_id_hex(run_id: str, step: int, attempt: int = 0) -> str:
     """The trace id as the 32 lowercase hex digits OpenTelemetry and exemplars use."""
-    return f"{trace_id(run_id, step):032x}"
+    return f"{trace_id(run_id, step, attempt):032x}"
 
 
 def orphan_span_ids(run_id: str, rank: int, name: str, start_us: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
+from steptrace import _peaks
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
@@ -80,6 +81,16 @@ class RunStart:
         self.tags = tags
 
 
+class AttemptStart:
+    """Queued at init(): the resolver writes the ``attempt`` record (process start, attempt source)."""
+
+    __slots__ = ("init_time", "source")
+
+    def __init__(self, init_time: float, source: str):
+        self.init_time = init_time
+        self.source = source
+
+
 class _Tail:
     """Spans closed after the last step, handed over by flush()/shutdown()."""
 
@@ -98,15 +109,21 @@ class Resolver:
         # Records carry unix seconds; the model runs on the monotonic clock.
         self.unix_offset = time.time() - _perf()
         self.records = RecordBuilder(run_id=config.run_id, rank=config.rank, world_size=config.world_size,
-                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset)
+                                     peak_tflops=config.peak_tflops, unix_offset=self.unix_offset,
+                                     attempt=config.attempt)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
         self._queue: collections.deque[Any] = collections.deque()
+        self._emit_lock = threading.Lock()
+        #: Told each finalized step's interval (the stall watch's pace), when one runs.
+        self.on_step_interval: Any = None
         self._wake = Wakeup()
         self._sleeping = False
         self._stopping = False
         self._prev_end: float | None = None
+        #: When steptrace started (init()): time before the first step is counted from here.
+        self.started = _perf()
         self._recent: list[ClosedSpan] = []
         self._step_ends: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._wait_failures = 0
@@ -121,6 +138,11 @@ class Resolver:
         self.cpu_seconds = 0.0
         self._abandon = False
         self._busy = False
+        # This process start of the run, written first (the step records of a crashed attempt
+        # still say which attempt they belong to, and the accounting when it started).
+        self._queue.append(AttemptStart(self.started, config.attempt_source))
+        self._device_kind: str | None = None
+        self._warned_no_peak = False
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -299,11 +321,28 @@ class Resolver:
             self._emit(self._resolve_step(item))
         elif isinstance(item, CheckpointHandle):
             self._emit([self._checkpoint_record(item)])
+        elif isinstance(item, AttemptStart):
+            import os
+            import socket
+
+            from steptrace._attempts import process_start_time
+
+            started = process_start_time()
+            init_unix = item.init_time + self.unix_offset
+            self._emit([self.records.attempt_started(
+                process_start=init_unix if started is None or started > init_unix else started,
+                init_time=item.init_time, source=item.source, pid=os.getpid(), hostname=socket.gethostname())])
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 
-            self._emit([self.records.metadata(start=item.host_start, facts=_metadata.collect(item.tags))])
+            facts = _metadata.collect(item.tags)
+            self._device_kind = facts["devices"].get("kind")
+            peak = _peaks.lookup(self._device_kind)
+            self.records.set_peak(peak.tflops * 1e12 if peak is not None else None)
+            self._emit([self.records.metadata(start=item.host_start, facts=facts)])
         elif isinstance(item, _Tail):
+            for span in item.spans:
+                self._release_span_marker(span)
             self._recent.extend(item.spans)
             self._emit([self._span_record(s) for s in item.spans if s.emit])
             item.done.set()
@@ -311,9 +350,16 @@ class Resolver:
     def _emit(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not records:
             return
-        self.records_emitted += len(records)
-        for worker in self.sinks:
-            worker.offer(records)
+        with self._emit_lock:  # the stall watch emits from its own thread
+            self.records_emitted += len(records)
+            for worker in self.sinks:
+                worker.offer(records)
+
+    def emit_now(self, records: list[dict[str, Any]]) -> None:
+        """Hand records straight to the sinks from another thread (the stall watch): the resolver
+        may be the thing that is stuck, waiting on a device that never finishes."""
+        if not self._stopping:
+            self._emit(records)
 
     def _unit_end(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float | None, str]:
         """When the unit's device work started and ended: (device start or None, end or None, end_source).
@@ -412,19 +458,35 @@ class Resolver:
         self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
         mb_results += [self._unit_end(mb, seen) for mb in step.microbatches[len(waited):]]
+        # Host spans that began inside the step: idle only while the device had drained (DESIGN §2).
+        inside = [s for s in (*step.spans, *step.open_spans) if s.start >= step.host_start]
+        drained = self._span_drain_times(step, inside, seen)
         if step.device.uses_events or any(mb.device.uses_events for mb in step.microbatches):
             self._prune_clocks(step)
 
         end = attribution.unit_end(host_end, end_seen)
+        device = step.device
+        by_values = device is not HOST and not device.uses_events
+        exposed = [] if by_values else attribution.exposed_gaps(
+            [(s.start, s.end, drained.get(id(s), s.start)) for s in inside], step.host_start, end)
+        if not by_values:
+            step.dispatch = step.host_start  # the moved dispatch point is a value device's alone
         timing = attribution.unit_timing(
-            prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start)
+            prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start, exposed=exposed)
 
         self._recent.extend(step.spans)
         self._recent.extend(step.open_spans)
-        segments = attribution.idle_segments(prev_end, timing.start, self._recent)
+        before = None
+        if self._prev_end is None:
+            # Before the first step: the run's wall time too, by the spans covering it; the rest is startup.
+            before = attribution.window_segments([(self.started, step.host_start)], self._recent,
+                                                 attribution.STARTUP)
+        segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), self._recent)
         # Nothing that ended before this step's end can cover a later idle window.
         self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
+        if self.on_step_interval is not None:
+            self.on_step_interval(timing.interval_seconds)
         self._step_ends[step.step] = timing.end
         if len(self._step_ends) > _STEP_ENDS_KEPT:
             self._step_ends.popitem(last=False)
@@ -433,8 +495,53 @@ class Resolver:
         records: list[Mapping[str, Any]] = [self._span_record(s) for s in step.spans if s.emit]
         mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
         records += mb_records
-        records.append(self._step_record(step, timing, segments, mb_compute, end_source))
+        record = self._step_record(step, timing, segments, mb_compute, end_source)
+        if before is not None:
+            self.records.add_before_steps(record, before)
+        records.append(record)
         return records
+
+    @staticmethod
+    def _release_span_marker(span: "ClosedSpan") -> None:
+        if span.marker is not None:
+            device, marker, _ = span.marker
+            span.marker = None
+            try:
+                device.release(marker)
+            except Exception:
+                pass
+
+    def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"], seen: float) -> dict[int, float]:
+        """For spans inside an event-timed step, when the device reached the marker recorded as each
+        began (it had drained the step's earlier work), on the host clock. Every marker of the step
+        goes back to its pool here."""
+        drained: dict[int, float] = {}
+        for span in (*step.spans, *step.open_spans):
+            if span.marker is None:
+                continue
+            device, marker, recorded_after = span.marker
+            span.marker = None
+            try:
+                if step.device is device and span in spans:
+                    clock = self._clock(device)
+                    point = clock.device_time(marker, recorded_after, seen)
+                    if point is None:
+                        clock.calibrate()
+                        point = clock.device_time(marker, recorded_after, seen)
+                    if point is not None:
+                        drained[id(span)] = clock.host_time(point)
+            except Exception as exc:
+                self._clock_failures += 1
+                self.count_drop(DROP_DEVICE_CLOCK_ERROR)
+                if self._clock_failures == 1:
+                    log.warning("steptrace could not place a span marker on the host clock (%r); such spans "
+                                "count as idle in full", exc)
+            finally:
+                try:
+                    device.release(marker)
+                except Exception:
+                    pass
+        return drained
 
     def _prune_clocks(self, step: "StepHandle") -> None:
         # Every marker still pending was recorded after this step's end marker (the training
@@ -460,11 +567,19 @@ class Resolver:
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
                      mb_compute: list[tuple[Any, float, float]], end_source: str) -> StepRecord:
+        if self.records.peak_flops is None and not self._warned_no_peak and (
+                step.flops is not None or step.hardware_flops is not None):
+            # Never a guessed peak (another device's): no MFU, said once.
+            self._warned_no_peak = True
+            log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
+                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to the device's "
+                        "dense bf16 TFLOP/s", self._device_kind)
         return self.records.step(
             step=step.step, status=step.status, error=step.error, backend=step.device.name,
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
             dispatch=step.dispatch, timing=timing, segments=segments, breakdown=attribution.breakdown(segments),
             tokens=step.tokens, samples=step.samples, flops=step.flops, attrs=step.attrs,
+            hardware_flops=step.hardware_flops, flops_source=step.flops_source,
             bubble=attribution.bubble_ratios(timing.start, mb_compute) if mb_compute else None,
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),

@@ -42,11 +42,14 @@ class Runtime:
     def __init__(self, config: Config, resolver: Resolver, backends: Backends):
         self.config = config
         self.strict = config.strict
+        self.auto_flops = config.flops == "auto"
         self.resolver = resolver
         self.backends = backends
         self.current: StepHandle | None = None
         self.last_step: int | None = None
+        self.last_step_end = 0.0  # host clock when the last step was left (where the thread has been since)
         self.open_spans: list[SpanHandle] = []
+        self.open_checkpoint: CheckpointHandle | None = None
         self.closed_spans: list[ClosedSpan] = []
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
@@ -54,6 +57,19 @@ class Runtime:
         self._setup_done = False
         self._device_errors = 0
         self.active = True
+        #: flops="auto": what counts hardware FLOPs (set up at the first such step; see _devices)
+        self.flop_counters: list[Any] | None = None
+        self._auto_steps = 0
+        self._auto_counted = False
+        self.stall_watch: Any = None
+        if config.stall_watch:
+            from steptrace._stall import StallWatch
+
+            self.stall_watch = StallWatch(position=self.position, train_thread=lambda: self.train_thread,
+                                          emit=resolver.emit_now, build=resolver.records,
+                                          unix_offset=resolver.unix_offset, factor=config.stall_factor,
+                                          min_s=config.stall_min_s)
+            resolver.on_step_interval = self.stall_watch.step_finalized
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
@@ -109,21 +125,58 @@ class Runtime:
                     pass
         unit.start_event = unit.end_event = unit.stream = None
 
-    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True) -> None:
+    def span_marker(self, step: StepHandle) -> tuple[Any, Any, float] | None:
+        """Record a marker on ``step``'s stream as a host span begins inside it (training thread):
+        ``(device, marker, host time read before recording)``, or None."""
+        device = step.device
+        recorded_after = _perf()
+        try:
+            return device, device.record(step.stream), recorded_after
+        except Exception as exc:
+            self.device_failed(exc)
+            return None
+
+    def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
+                   marker: tuple[Any, Any, float] | None = None) -> None:
         current = self.current
-        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit))
+        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
+                                            marker))
         if current is None:
             return
+        # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
+        # before that precedes the work. Host and stream devices know when the device drained.
         moved = attribution.dispatch_after_span(current.dispatch, current.waited, end)
         if moved is not None:
-            # The step's device work starts after this span: the start marker moves there.
             current.dispatch = moved
-            if current.start_event is not None:
-                try:
-                    current.device.record(current.stream, current.start_event)
-                    current.start_recorded_after = end
-                except Exception as exc:
-                    self.device_failed(exc)
+
+    def flops_enter(self, step: StepHandle) -> None:
+        """A flops="auto" step opens: its counters start (training thread; a failure is never the loop's)."""
+        counters = self.flop_counters
+        if counters is None:
+            counters = self.flop_counters = self.backends.flop_counters(self)
+        for counter in counters:
+            try:
+                counter.enter(step)
+            except Exception:
+                pass
+
+    def flops_exit(self, step: StepHandle) -> None:
+        """A flops="auto" step closes: every counter stops; the first that knows gives the step's
+        hardware FLOPs and their source."""
+        for counter in self.flop_counters or ():
+            try:
+                flops = counter.exit(step)
+            except Exception:
+                continue
+            if flops is not None and step.hardware_flops is None:
+                step.hardware_flops, step.flops_source = flops, counter.source
+                self._auto_counted = True
+        self._auto_steps += 1
+        if self._auto_steps == 3 and not self._auto_counted:
+            misuse("flops='auto': no hardware FLOPs after 3 steps. JAX: the step's program must be compiled "
+                   "inside a step (steptrace reads XLA's cost analysis as it compiles), not in a warm-up "
+                   "call before the loop; PyTorch: its operators run inside the step. Pass "
+                   "step(n, flops=<model FLOPs>) otherwise (docs/flops.md)", strict=False, stacklevel=5)
 
     def take_closed_spans(self) -> list[ClosedSpan]:
         closed, self.closed_spans = self.closed_spans, []
@@ -153,11 +206,18 @@ class Runtime:
             tokens = self._number("tokens", tokens)
         elif tokens is not None and tokens < 0:
             tokens = self._number("tokens", tokens)
+        auto = self.auto_flops
         if flops is not None:
-            flops = self._number("flops", flops)
+            if type(flops) is str and flops == "auto":
+                auto, flops = True, None
+            else:
+                flops = self._number("flops", flops)
         if samples is not None:
             samples = self._number("samples", samples)
-        return StepHandle(self, n, tokens, flops, samples, attrs)
+        handle = StepHandle(self, n, tokens, flops, samples, attrs)
+        if auto:
+            handle.auto_flops = True
+        return handle
 
     def _number(self, field: str, value: Any) -> float | int | None:
         # Only plain numbers: float() on a device array would synchronise the device.
@@ -204,8 +264,72 @@ class Runtime:
             return NULL_MICROBATCH
         return MicrobatchHandle(self, current, index, stage, chunk, kind)
 
+    def begin_step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None,
+                   **attrs: Any) -> Any:
+        """Open step ``n`` without a ``with`` block (see :func:`steptrace.begin_step`)."""
+        if self.current is not None:
+            self.misuse(f"begin_step({n}) while step({self.current.step}) is open: call "
+                        "steptrace.end_step() first (steps cannot nest)")
+            return NULL_STEP
+        handle = self.step(n, tokens=tokens, flops=flops, samples=samples, **attrs)
+        if handle is not NULL_STEP:
+            handle.__enter__()
+            handle.imperative = True
+        return handle
+
+    def end_step(self, wait_for: Any = None, error: BaseException | None = None) -> None:
+        """Close the step :meth:`begin_step` opened (see :func:`steptrace.end_step`)."""
+        current = self.current
+        if current is None:
+            self.misuse("end_step() without an open step: call steptrace.begin_step(n) first")
+            return
+        if not current.imperative:
+            self.misuse(f"end_step() while step({current.step}) is a `with` block: it ends when the block does")
+            return
+        if wait_for is not None:
+            current.wait_for(wait_for)
+        if error is None:
+            current.__exit__(None, None, None)
+        else:
+            current.__exit__(type(error), error, error.__traceback__)
+
     def current_step(self) -> StepHandle | None:
         return self.current
+
+    def position(self) -> tuple[int, bool, float, str | None] | None:
+        """Where the training thread is now, read from another thread (a ``/metrics`` scrape).
+
+        ``(step, in_step, seconds, span)``: the step open now (``in_step``) or, between steps,
+        the last one entered; the seconds since that step was entered, or since it was left;
+        the innermost host span or checkpoint opened since then and open now (None when none
+        is). None before the
+        first step: start-up and compilation are not a stall. Only reads attributes the
+        training thread sets, so it neither locks nor slows that thread; a value read while
+        the thread moves on describes a moment ago, never a torn step.
+        """
+        now = _perf()
+        current = self.current
+        if current is not None:
+            step, in_step = current.step, True
+            # host_start is set just after `current` (0.0 in between): that step opened just now.
+            since = current.host_start or now
+        elif self.last_step is not None:
+            step, in_step, since = self.last_step, False, self.last_step_end
+        else:
+            return None
+        # The innermost span or checkpoint opened since that boundary: one opened before it
+        # (a span around the whole loop) encloses the step and says nothing about where it is.
+        span, opened = None, since
+        try:
+            innermost = self.open_spans[-1] if self.open_spans else None
+        except IndexError:  # closed between the test and the read
+            innermost = None
+        if innermost is not None and innermost.start >= opened:
+            span, opened = innermost.name, innermost.start
+        checkpoint = self.open_checkpoint
+        if checkpoint is not None and checkpoint.host_start >= opened:
+            span = "checkpoint"
+        return step, in_step, max(0.0, now - since), span
 
     def _first_step_setup(self) -> None:
         """Decide, once, what depends on frameworks the user imported after init()."""
@@ -221,6 +345,8 @@ class Runtime:
 
     def shutdown(self, timeout_s: float) -> bool:
         self.active = False
+        if self.stall_watch is not None:
+            self.stall_watch.close()
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
             step = self.current

@@ -15,15 +15,13 @@ places them in records. A leaf module: it imports nothing from steptrace but ``_
 
 from __future__ import annotations
 
-import math
-
 from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 
 from steptrace._attribution import own_seconds
 from steptrace._ids import trace_id_hex
 
 
-RECORD_TYPES = ("metadata", "step", "microbatch", "checkpoint", "span", "run")
+RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "stall", "stall_end", "run")
 
 # -- drop reasons: records that never reached a sink, counted (stats()["dropped"], the run
 # record, steptrace_dropped_records_total, steptrace.dropped_records) ------------------------
@@ -63,6 +61,7 @@ ATTR_RUN_ID = "train.run_id"
 ATTR_RANK = "train.rank"
 ATTR_STEP = "train.step"
 ATTR_WORLD_SIZE = "train.world_size"
+ATTR_ATTEMPT = "train.attempt"
 ATTR_STATUS = "train.status"
 ATTR_INTERVAL_SECONDS = "train.interval_seconds"
 ATTR_COMPUTE_SECONDS = "train.compute_seconds"
@@ -82,6 +81,7 @@ class _Common(TypedDict):
     type: str
     run_id: str
     rank: int
+    attempt: int  # which process start of the run wrote it (see _config: attempt)
 
 
 class StepRecord(_Common):
@@ -104,11 +104,16 @@ class StepRecord(_Common):
     idle_segments: list[list[Any]]  # [reason, start_time, end_time]
     tokens: float | None
     samples: float | None
-    flops: float | None
+    flops: float | None  # the count tflops_per_second is of: hardware_flops where measured, else model_flops
+    model_flops: float | None  # step(n, flops=<number>): what the model needs (MFU's numerator)
+    hardware_flops: float | None  # flops="auto": what the device executed, from the compiler (HFU's)
+    flops_source: str | None  # where hardware_flops come from: "xla_cost_analysis" | "torch_flop_counter"
+    peak_flops: float | None  # the device's dense bf16 peak, FLOP/s (config peak_tflops, else the table)
     tokens_per_second: float | None
     samples_per_second: float | None
     tflops_per_second: float | None
-    mfu: float | None
+    mfu: float | None  # model_flops / compute_seconds / peak_flops
+    hfu: float | None  # hardware_flops / compute_seconds / peak_flops
     attrs: dict[str, Any]
     pipeline_bubble_ratio: NotRequired[dict[str, float]]  # stage -> ratio, steps with microbatches
     optimizer_seconds: NotRequired[float]  # device time after the last microbatch, steps with microbatches
@@ -116,9 +121,14 @@ class StepRecord(_Common):
     # Device memory after the step, where the backend reports it: in_use_bytes, peak_bytes,
     # limit_bytes, peak_percent (peak / limit * 100).
     device_memory: NotRequired[dict[str, float]]
+    # On the first step of a run only: the time from init() to this step's host start, by the
+    # spans covering it ("eval", "data", ...), "startup" for what no span covers. It is wall time
+    # of the run outside every step's interval.
+    before_step_seconds: NotRequired[float]
+    before_step_breakdown: NotRequired[dict[str, float]]
     # Where the run measures its wait in collectives (steptrace.adapters.torch_distributed): the
     # seconds of the step this rank spent waiting for other ranks, the rest (interval - wait), and
-    # how the wait was measured ("torch.distributed", "ddp_comm_hook", joined by "+").
+    # how the wait was measured ("torch.distributed", "ddp", joined by "+").
     collective_wait_seconds: NotRequired[float]
     own_seconds: NotRequired[float]
     collective_wait_source: NotRequired[str]
@@ -170,6 +180,41 @@ class MetadataRecord(_Common):
     tags: dict[str, str]  # init(tags=...) / STEPTRACE_TAGS
 
 
+class AttemptRecord(_Common):
+    """Written at init(): this process start of the run. How it ended is read from what follows
+    (a ``run`` record: a clean shutdown; none and a later attempt: it crashed)."""
+
+    world_size: int
+    start_time: float  # the process start (Linux /proc), else init()
+    init_time: float
+    attempt_source: str  # where the attempt number came from: code, env, launcher, run_dir, default
+    pid: int
+    hostname: str
+
+
+class StallRecord(_Common):
+    """The rank stopped moving for longer than its threshold: where every thread's Python was."""
+
+    step: int  # the open step, or (between steps) the last one entered
+    in_step: bool
+    span: str | None  # the innermost span or checkpoint open since the step boundary
+    start_time: float  # when the step was entered (in_step) or the last one left
+    open_seconds: float  # how long it had been open when the watch noticed
+    threshold_seconds: float
+    threads: list[dict[str, Any]]  # name, training, frames [[file, line, function], ...], frames_left_out
+    collectives: list[dict[str, Any]] | None  # NCCL flight recorder entries, where available
+
+
+class StallEndRecord(_Common):
+    """The stalled rank moved again."""
+
+    step: int
+    in_step: bool
+    span: str | None
+    start_time: float
+    lasted_seconds: float
+
+
 class RunRecord(_Common):
     world_size: int
     steps: int
@@ -182,22 +227,32 @@ def _per_second(amount: float | None, seconds: float) -> float | None:
     return amount / seconds if amount is not None and seconds > 0 else None
 
 
-def _positive(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    return None
+def _utilization(flops: float | None, compute_seconds: float, per: float | None) -> float | None:
+    """FLOPs per second of compute, divided by ``per`` (1e12 for TFLOP/s, the peak for MFU/HFU)."""
+    if flops is None or not per or compute_seconds <= 0:
+        return None
+    return flops / compute_seconds / per
 
 
 class RecordBuilder:
     """Builds the records of one rank's run. Times given are ``perf_counter`` seconds; records
     carry unix seconds (``+ unix_offset``)."""
 
-    def __init__(self, *, run_id: str, rank: int, world_size: int, peak_tflops: float | None, unix_offset: float):
+    def __init__(self, *, run_id: str, rank: int, world_size: int, peak_tflops: float | None, unix_offset: float,
+                 attempt: int = 0):
         self.run_id = run_id
         self.rank = rank
+        self.attempt = attempt
         self.world_size = world_size
-        self.peak_tflops = peak_tflops
+        #: The device's peak FLOP/s for MFU and HFU: the configured one, else the table's for the
+        #: device kind (set_peak, once the resolver knows the device), else None (no MFU).
+        self.peak_flops = peak_tflops * 1e12 if peak_tflops else None
         self.unix_offset = unix_offset
+
+    def set_peak(self, peak_flops: float | None) -> None:
+        """The device's peak from the table, unless one is configured."""
+        if self.peak_flops is None:
+            self.peak_flops = peak_flops
 
     def step(self, *, step: int, status: str, error: str | None, backend: str, end_source: str,
              host_start: float, host_end: float, dispatch: float, timing: Any,
@@ -205,28 +260,34 @@ class RecordBuilder:
              samples: float | None, flops: float | None, attrs: dict[str, Any],
              bubble: dict[str, float] | None, optimizer_seconds: float | None = None,
              scalars: dict[str, float] | None = None,
-             device_memory: dict[str, float] | None = None,
+             device_memory: dict[str, float] | None = None, hardware_flops: float | None = None,
+             flops_source: str | None = None,
              collective_wait: float = 0.0, collective_source: str | None = None) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
-        tflops = flops / compute / 1e12 if flops is not None and compute > 0 else None
-        # MFU's peak: the configured one, else one the step was given (a framework hook that
-        # knows the device, e.g. the Megatron hooks' table of bf16 dense peaks).
-        peak = self.peak_tflops or _positive(attrs.get("peak_tflops"))
+        model_flops = flops
+        if hardware_flops is None:
+            flops_source = None
+        counted = hardware_flops if hardware_flops is not None else model_flops
+        peak = self.peak_flops
         record: StepRecord = {
-            "type": "step", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
-            "step": step, "trace_id": trace_id_hex(self.run_id, step), "status": status,
+            "type": "step", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+            "world_size": self.world_size,
+            "step": step, "trace_id": trace_id_hex(self.run_id, step, self.attempt), "status": status,
             "backend": backend, "end_source": end_source,
             "host_start_time": host_start + off, "host_end_time": host_end + off, "dispatch_time": dispatch + off,
             "start_time": timing.start + off, "end_time": timing.end + off,
             "interval_seconds": interval, "compute_seconds": compute, "idle_seconds": timing.idle_seconds,
             "idle_breakdown": breakdown,
             "idle_segments": [[s.name, s.start + off, s.end + off] for s in segments],
-            "tokens": tokens, "samples": samples, "flops": flops,
+            "tokens": tokens, "samples": samples, "flops": counted,
+            "model_flops": model_flops, "hardware_flops": hardware_flops, "flops_source": flops_source,
+            "peak_flops": peak,
             "tokens_per_second": _per_second(tokens, interval),
             "samples_per_second": _per_second(samples, interval),
-            "tflops_per_second": tflops,
-            "mfu": tflops / peak if tflops is not None and peak else None,
+            "tflops_per_second": _utilization(counted, compute, 1e12),
+            "mfu": _utilization(model_flops, compute, peak),
+            "hfu": _utilization(hardware_flops, compute, peak),
             "attrs": attrs,
         }
         if error is not None:
@@ -251,11 +312,20 @@ class RecordBuilder:
             record["collective_wait_source"] = collective_source
         return record
 
+    @staticmethod
+    def add_before_steps(record: StepRecord, segments: Sequence[Any]) -> None:
+        """Put the time before the run's first step (``segments`` tiling it) on that step's record."""
+        breakdown: dict[str, float] = {}
+        for segment in segments:
+            breakdown[segment.name] = breakdown.get(segment.name, 0.0) + (segment.end - segment.start)
+        record["before_step_seconds"] = sum(breakdown.values())
+        record["before_step_breakdown"] = breakdown
+
     def microbatch(self, *, step: int, index: Any, stage: Any, chunk: Any, kind: str, host_start: float,
                    host_end: float, timing: Any, end_source: str) -> MicrobatchRecord:
         off = self.unix_offset
         return {
-            "type": "microbatch", "run_id": self.run_id, "rank": self.rank, "step": step,
+            "type": "microbatch", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
             "microbatch": index, "stage": stage, "chunk": chunk, "kind": kind,
             "host_start_time": host_start + off, "host_end_time": host_end + off,
             "start_time": timing.start + off, "end_time": timing.end + off,
@@ -265,7 +335,8 @@ class RecordBuilder:
     def checkpoint(self, *, step: int, status: str, error: str | None, host_start: float, host_end: float,
                    blocking_seconds: float, async_end: float | None) -> CheckpointRecord:
         record: CheckpointRecord = {
-            "type": "checkpoint", "run_id": self.run_id, "rank": self.rank, "step": step, "status": status,
+            "type": "checkpoint", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+            "status": status,
             "start_time": host_start + self.unix_offset, "end_time": host_end + self.unix_offset,
             "host_seconds": host_end - host_start, "blocking_seconds": blocking_seconds,
             "async_seconds": None if async_end is None else max(0.0, async_end - host_end),
@@ -276,20 +347,42 @@ class RecordBuilder:
 
     def span(self, *, name: str, step: int | None, start: float, end: float, attrs: dict[str, Any]) -> SpanRecord:
         return {
-            "type": "span", "run_id": self.run_id, "rank": self.rank, "name": name, "step": step,
+            "type": "span", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "name": name,
+            "step": step,
             "start_time": start + self.unix_offset, "end_time": end + self.unix_offset,
             "seconds": end - start, "attrs": attrs,
         }
 
     def metadata(self, *, start: float, facts: dict[str, Any]) -> MetadataRecord:
-        return {"type": "metadata", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+        return {"type": "metadata", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+                "world_size": self.world_size,
                 "start_time": start + self.unix_offset, "hostname": facts["hostname"], "versions": facts["versions"],
                 "devices": facts["devices"], "git_commit": facts["git_commit"], "tags": facts["tags"]}
+
+    def attempt_started(self, *, process_start: float, init_time: float, source: str, pid: int,
+                        hostname: str) -> AttemptRecord:
+        """``process_start`` is unix seconds already; ``init_time`` a ``perf_counter`` time."""
+        return {"type": "attempt", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+                "world_size": self.world_size, "start_time": process_start, "init_time": init_time + self.unix_offset,
+                "attempt_source": source, "pid": pid, "hostname": hostname}
+
+    def stall(self, *, step: int, in_step: bool, span: str | None, open_seconds: float, threshold_seconds: float,
+              start: float, threads: list[dict[str, Any]], collectives: list[dict[str, Any]] | None) -> StallRecord:
+        """``start`` is unix seconds already (the watch converts)."""
+        return {"type": "stall", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+                "in_step": in_step, "span": span, "start_time": start, "open_seconds": open_seconds,
+                "threshold_seconds": threshold_seconds, "threads": threads, "collectives": collectives}
+
+    def stall_end(self, *, step: int, in_step: bool, span: str | None, start: float,
+                  lasted_seconds: float) -> StallEndRecord:
+        return {"type": "stall_end", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
+                "in_step": in_step, "span": span, "start_time": start, "lasted_seconds": lasted_seconds}
 
     def run(self, *, steps: int, dropped: dict[str, int], background_cpu_seconds: dict[str, float],
             device_clock: dict[str, Any] | None) -> RunRecord:
         record: RunRecord = {
-            "type": "run", "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+            "type": "run", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
+            "world_size": self.world_size,
             "steps": steps, "dropped": dropped, "background_cpu_seconds": background_cpu_seconds,
         }
         if device_clock:
@@ -299,7 +392,8 @@ class RecordBuilder:
 
 def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
-    cls = {"metadata": MetadataRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
+    cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "stall": StallRecord,
+           "stall_end": StallEndRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
            "checkpoint": CheckpointRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

@@ -50,8 +50,9 @@ a bounded queue). Per rank and step ``n``::
   ``train.rank``, ``train.step``. ``train.step`` adds ``train.world_size``,
   ``train.status``, ``train.error``, ``train.backend``, ``train.interval_seconds``,
   ``train.compute_seconds``, ``train.idle_seconds``, ``train.idle.<reason>_seconds``,
-  ``train.tokens``, ``train.samples``, ``train.flops``, ``train.tokens_per_second``,
-  ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``,
+  ``train.tokens``, ``train.samples``, ``train.flops``, ``train.model_flops``,
+  ``train.hardware_flops``, ``train.flops_source``, ``train.peak_flops``, ``train.tokens_per_second``,
+  ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``, ``train.hfu``,
   ``train.collective_wait_seconds``, ``train.own_seconds``, ``train.collective_wait_source``
   (where the run measures its wait in collectives; the collector names the straggler from them),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
@@ -84,7 +85,8 @@ Every point carries ``train.run_id`` and ``train.rank``. Histograms with explici
 where the wait in collectives is measured), ``steptrace.dropped_records`` (``train.drop.reason``,
 observed from the run's drop counters). Gauges (last step):
 ``steptrace.tokens_per_second``, ``steptrace.tflops_per_second``,
-``steptrace.mfu``, ``steptrace.goodput_ratio`` (Σcompute / Σinterval over the
+``steptrace.mfu`` and ``steptrace.hfu`` with their parts (``steptrace.model_flops``,
+``steptrace.hardware_flops``, ``steptrace.peak_flops``), ``steptrace.goodput_ratio`` (Σcompute / Σinterval over the
 last ``goodput_window_steps`` steps), ``steptrace.pipeline.bubble_ratio``
 (``train.stage``).
 
@@ -147,6 +149,7 @@ from steptrace._ratelimit import limit_otel_exporter_logs
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
 from steptrace._schema import (
+    ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
     ATTR_RANK,
@@ -309,7 +312,11 @@ class _Metrics:
         for name, unit, description in (
                 ("tokens_per_second", "{token}/s", "Tokens per second of interval, last step"),
                 ("tflops_per_second", "TFLOP/s", "TFLOP/s per device over compute time, last step"),
-                ("mfu", "1", "Model FLOPs utilisation, last step"),
+                ("model_flops", "{FLOP}", "Model FLOPs per device, last step"),
+                ("hardware_flops", "{FLOP}", "Hardware FLOPs per device (from the compiler), last step"),
+                ("peak_flops", "{FLOP}/s", "The device's dense bf16 peak MFU and HFU divide by"),
+                ("mfu", "1", "Model FLOPs utilisation, last step: model FLOPs / compute / peak"),
+                ("hfu", "1", "Hardware FLOPs utilisation, last step: hardware FLOPs / compute / peak"),
                 ("goodput_ratio", "1", "Σcompute / Σinterval over the last goodput_window_steps steps")):
             meter.create_observable_gauge(
                 f"steptrace.{name}", unit=unit, description=description,
@@ -351,7 +358,8 @@ class _Metrics:
                     seconds = r.get(field)
                     if isinstance(seconds, (int, float)) and math.isfinite(seconds):
                         self._collective[key] = self._collective.get(key, 0.0) + seconds
-                for field in ("tokens_per_second", "tflops_per_second", "mfu"):
+                for field in ("tokens_per_second", "tflops_per_second", "model_flops", "hardware_flops",
+                              "peak_flops", "mfu", "hfu"):
                     if r.get(field) is not None:
                         self._last[field] = r[field]
                 if interval is not None and compute is not None:
@@ -388,7 +396,7 @@ class OtlpSink:
     def __init__(self, endpoint: str, *, run_id: str, rank: int = 0, world_size: int = 1,
                  protocol: str = "http/protobuf", headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
                  compression: str = "none", timeout_s: float = 10.0, metrics_interval_s: float = 10.0,
-                 service_name: str | None = None, goodput_window_steps: int = 100):
+                 service_name: str | None = None, goodput_window_steps: int = 100, attempt: int = 0):
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"otlp_endpoint must start with http:// or https://, got {endpoint!r}")
         if protocol not in OTLP_PROTOCOLS:
@@ -406,6 +414,7 @@ class OtlpSink:
         self.run_id = str(run_id)
         self.rank = int(rank)
         self.world_size = int(world_size)
+        self.attempt = int(attempt)
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
         traces_url, metrics_url = signal_endpoints(endpoint, protocol)
@@ -414,11 +423,14 @@ class OtlpSink:
         #: Where metrics go.
         self.metrics_endpoint = metrics_url
 
-        self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}")
+        self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}").merge(
+            Resource({ATTR_ATTEMPT: self.attempt}))
         self._scope = InstrumentationScope("steptrace", __version__)
         self._span_exporter, self._metric_exporter = _exporters(
             protocol, traces_url, metrics_url, header_pairs, compression, self.timeout_s)
 
+        # No attempt label on metrics: a restarted rank's counters restart, which Prometheus's
+        # reset handling expects; the attempt is on the resource and on every span.
         base = {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank}
         self._base = base
         views = [
@@ -470,6 +482,7 @@ class OtlpSink:
             metrics_interval_s=config.otlp_metrics_interval_s,
             service_name=config.service_name,
             goodput_window_steps=config.goodput_window_steps,
+            attempt=config.attempt,
         )
 
     def attach_drop_counter(self, read: Callable[[], Mapping[str, int]]) -> None:
@@ -510,6 +523,8 @@ class OtlpSink:
             spans = [self._microbatch_span(record)]
         elif kind == "checkpoint":
             spans = [self._checkpoint_span(record)]
+        elif kind in ("stall", "stall_end"):
+            spans = [self._stall_span(record)]
         else:
             spans = []
         # Metrics after the spans: a record that fails above leaves no half-recorded metrics.
@@ -605,13 +620,13 @@ class OtlpSink:
         )
 
     def _attrs(self, step: int) -> dict[str, Any]:
-        return {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank, ATTR_STEP: step}
+        return {ATTR_RUN_ID: self.run_id, ATTR_RANK: self.rank, ATTR_ATTEMPT: self.attempt, ATTR_STEP: step}
 
     def _step_spans(self, r: dict[str, Any]) -> list[ReadableSpan]:
         n = r["step"]
         run, rank = self.run_id, self.rank
-        trace = trace_id(run, n)
-        step_span = span_id(run, n, rank, "step")
+        trace = trace_id(run, n, self.attempt)
+        step_span = span_id(run, n, rank, "step", self.attempt)
         end_ns = _ns(r["end_time"])
         interval = r.get("interval_seconds") or 0.0
         error = r.get("error") if r.get("status") == "error" else None
@@ -621,7 +636,8 @@ class OtlpSink:
         attrs = self._attrs(n)
         _put(attrs, ATTR_WORLD_SIZE, r.get("world_size", self.world_size))
         for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
-                    "samples", "flops", "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu",
+                    "samples", "flops", "model_flops", "hardware_flops", "flops_source", "peak_flops",
+                    "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu",
                     "collective_wait_seconds", "own_seconds", "collective_wait_source"):
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
@@ -639,14 +655,14 @@ class OtlpSink:
 
         compute_attrs = self._attrs(n)
         _put(compute_attrs, ATTR_COMPUTE_SECONDS, r.get("compute_seconds"))
-        spans.append(self._span("train.compute", trace, span_id(run, n, rank, "compute"), step_span,
+        spans.append(self._span("train.compute", trace, span_id(run, n, rank, "compute", self.attempt), step_span,
                                 _ns(r["start_time"]), end_ns, compute_attrs))
         for i, segment in enumerate(r.get("idle_segments") or ()):
             reason, start, end = segment
             idle_attrs = self._attrs(n)
             idle_attrs["train.idle.reason"] = str(reason)
             idle_attrs["train.idle_seconds"] = end - start
-            spans.append(self._span("train.idle", trace, span_id(run, n, rank, f"idle/{i}"), step_span,
+            spans.append(self._span("train.idle", trace, span_id(run, n, rank, f"idle/{i}", self.attempt), step_span,
                                     _ns(start), _ns(end), idle_attrs))
         # Spans closed before this step entered: the idle time they cover is this step's.
         pending, self._pending = self._pending, []
@@ -664,8 +680,9 @@ class OtlpSink:
         _put(attrs, "train.span_seconds", r.get("seconds"))
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
-        return self._span(str(r.get("name")), trace_id(self.run_id, n), span_id(self.run_id, n, self.rank, f"span/{k}"),
-                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span(str(r.get("name")), trace_id(run, n, attempt), span_id(run, n, rank, f"span/{k}", attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
 
     def _own_trace_span(self, r: dict[str, Any]) -> ReadableSpan:
         trace, span = _own_trace_ids(self.run_id, self.rank, str(r.get("name")), r["start_time"])
@@ -682,9 +699,10 @@ class OtlpSink:
         attrs = self._attrs(n)
         for key in ("microbatch", "stage", "chunk", "kind", "compute_seconds"):
             _put(attrs, f"train.{key}", r.get(key))
-        return self._span("train.microbatch", trace_id(self.run_id, n),
-                          span_id(self.run_id, n, self.rank, f"microbatch/{k}"),
-                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span("train.microbatch", trace_id(run, n, attempt),
+                          span_id(run, n, rank, f"microbatch/{k}", attempt), span_id(run, n, rank, "step", attempt),
+                          _ns(r["start_time"]), _ns(r["end_time"]), attrs)
 
     def _checkpoint_span(self, r: dict[str, Any]) -> ReadableSpan:
         n = r["step"]
@@ -697,9 +715,40 @@ class OtlpSink:
         # Keyed by the save's start (not an ordinal): a replayed record keeps its id, and a
         # second save of the same step gets its own.
         role = f"checkpoint/{round(r['start_time'] * 1e6)}"
-        return self._span("train.checkpoint", trace_id(self.run_id, n), span_id(self.run_id, n, self.rank, role),
-                          span_id(self.run_id, n, self.rank, "step"), _ns(r["start_time"]), _ns(r["end_time"]),
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span("train.checkpoint", trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]),
                           attrs, error)
+
+
+    def _stall_span(self, r: dict[str, Any]) -> ReadableSpan:
+        """A stall (or its end) on the stalled step's trace: where the training thread was, as text."""
+        n = r["step"]
+        attrs = self._attrs(n)
+        _put(attrs, "train.stall.in_step", r.get("in_step"))
+        _put(attrs, "train.stall.span", r.get("span"))
+        start = r["start_time"]
+        if r["type"] == "stall":
+            seconds = r.get("open_seconds") or 0.0
+            _put(attrs, "train.stall.open_seconds", seconds)
+            _put(attrs, "train.stall.threshold_seconds", r.get("threshold_seconds"))
+            train = next((t for t in r.get("threads") or () if t.get("training")), None)
+            if train is not None:
+                lines = [f"{path}:{line} in {function}" for path, line, function in train.get("frames", [])[-24:]]
+                _put(attrs, "train.stall.stack", "\n".join(lines)[-_STACK_ATTR_CHARS:])
+            name, role = "train.stall", f"stall/{round(start * 1e6)}"
+        else:
+            seconds = r.get("lasted_seconds") or 0.0
+            _put(attrs, "train.stall.lasted_seconds", seconds)
+            name, role = "train.stall_end", f"stall_end/{round(start * 1e6)}"
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span(name, trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(start), _ns(start + seconds), attrs,
+                          "stalled" if name == "train.stall" else None)
+
+
+#: The stalled training thread's innermost frames, as one attribute of at most this many characters.
+_STACK_ATTR_CHARS = 4096
 
 
 def _resource(service_name: str | None, instance_id: str) -> Resource:

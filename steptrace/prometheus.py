@@ -29,7 +29,10 @@ name                                                   type       extra labels
 ``steptrace_tokens_total``                             counter
 ``steptrace_tokens_per_second``                        gauge
 ``steptrace_tflops_per_second``                        gauge      (per device)
-``steptrace_mfu``                                      gauge      (only with ``peak_tflops``)
+``steptrace_step_flops``                               gauge      ``kind`` (model, hardware; per device)
+``steptrace_peak_flops``                               gauge      (FLOP/s per device, with a known peak)
+``steptrace_mfu``                                      gauge      (with a peak: configured or the table's)
+``steptrace_hfu``                                      gauge      (with a peak and hardware FLOPs)
 ``steptrace_goodput_ratio``                            gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
@@ -40,7 +43,24 @@ name                                                   type       extra labels
 ``steptrace_checkpoints_total``                        counter    ``status``
 ``steptrace_dropped_records_total``                    counter    ``sink, reason``
 ``steptrace_info``                                     gauge (1)  ``version, backend``
+``steptrace_step_interval_median_seconds``             gauge      (last ``goodput_window_steps`` steps)
+``steptrace_current_step``                             gauge      (read at scrape time)
+``steptrace_attempt``                                  gauge      (which process start of the run)
+``steptrace_stall_seconds``                            gauge      ``span`` (0 unless a stall is open)
+``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
 =====================================================  =========  ======================
+
+``steptrace_current_step`` and ``steptrace_open_seconds`` say where the training
+thread is at the moment of the scrape (:meth:`PrometheusSink.attach_position`):
+the step open now (between steps, the last one entered), how long since that
+step was entered (between steps, since it was left), and ``span``, the innermost
+host span or checkpoint opened since then and open now: ``data``, ``checkpoint``, a span of yours, or
+``step`` inside a step outside any span (the step's own work: dispatch, device
+work, collectives) and ``between_steps`` outside both. A rank hung inside a step
+is a growing ``steptrace_open_seconds`` naming where it hangs; the "job stalled"
+alert (docs/alerts.md) reads it. One series at a time; span names past the first
+32 of a run read ``other``, so a run cannot grow the series without bound. Both
+are absent before the first step (start-up and compilation are not a stall).
 
 ``steptrace_dropped_records_total`` is read at scrape time from the run's drop
 counters (:meth:`PrometheusSink.attach_drop_counter`): records a sink's queue
@@ -56,14 +76,16 @@ reason="<reason>"}``.
 from __future__ import annotations
 
 import logging
+import collections
 import math
 import socket
+import statistics
 import threading
 from typing import Any, Callable, Iterable
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "steptrace's Prometheus exporter needs prometheus_client: pip install 'steptrace[prometheus]'"
@@ -82,6 +104,7 @@ log = logging.getLogger("steptrace")
 
 _RUN_LABELS = ("run_id", "rank")
 _MAX_SCALAR_NAMES = 64
+_MAX_SPAN_NAMES = 32
 # Drop reasons exported at 0 from the start (see _dropped_family).
 _KNOWN_DROP_REASONS = {reason: 0 for reason in KNOWN_DROP_REASONS}
 
@@ -97,7 +120,8 @@ class PrometheusSink:
     name = "prometheus"
 
     def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
-                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None):
+                 rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None,
+                 attempt: int = 0):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
         if peak_tflops is not None and not peak_tflops > 0:
@@ -107,6 +131,13 @@ class PrometheusSink:
         self._labels = (self._run_id, self._rank)
         self._window = GoodputWindow(goodput_window_steps)  # raises ValueError for a bad size
         self._drop_counter: Callable[[], dict[str, int]] | None = None
+        self._position: Callable[[], tuple[int, bool, float, str | None] | None] | None = None
+        self._position_failed = False
+        self._stalled: tuple[int, bool] | None = None  # the stall the watch reported, until its end
+        self._span_names: set[str] = set()
+        self._span_lock = threading.Lock()
+        # The recent intervals the median gauge reads (the goodput window's length).
+        self._intervals: collections.deque[float] = collections.deque(maxlen=goodput_window_steps)
         #: Records skipped as malformed (each dropped alone; the SinkWorker counts ``invalid:prometheus``).
         self.invalid_records = 0
         self._drop_counter_failed = False
@@ -116,6 +147,8 @@ class PrometheusSink:
 
         self._metrics = CollectorRegistry()
         self._define_metrics(peak_tflops)
+        # Counters restart with each attempt (a new process); Prometheus's reset handling expects that.
+        self._attempt.labels(*self._labels).set(attempt)
         # The served registry wraps ours: it drops `_created` series (which would double the series
         # count of every counter; the switch in prometheus_client is process-global and would change
         # the user's own metrics) and adds the drop counters, read at scrape time.
@@ -139,7 +172,7 @@ class PrometheusSink:
         """The sink ``steptrace.init`` builds when ``prometheus_port`` is set."""
         return cls(config.prometheus_port, addr=config.prometheus_addr, local_rank=config.local_rank,
                    run_id=config.run_id, rank=config.rank, goodput_window_steps=config.goodput_window_steps,
-                   peak_tflops=config.peak_tflops)
+                   peak_tflops=config.peak_tflops, attempt=config.attempt)
 
     def _define_metrics(self, peak_tflops: float | None) -> None:
         reg = self._metrics
@@ -162,6 +195,8 @@ class PrometheusSink:
         self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
                               run + ("status",), registry=reg)
         self._last_step = Gauge("steptrace_last_step", "Number of the last finalized step.", run, registry=reg)
+        self._attempt = Gauge("steptrace_attempt", "Which process start of the run this rank is (0 for the first; "
+                              "see docs/goodput.md).", run, registry=reg)
         self._tokens = Counter("steptrace_tokens", "Tokens processed by this rank.", run, registry=reg)
         self._tokens_per_second = Gauge("steptrace_tokens_per_second",
                                         "Tokens per second of wall time (interval) in the last step.",
@@ -169,10 +204,18 @@ class PrometheusSink:
         self._tflops = Gauge("steptrace_tflops_per_second",
                              "TFLOP/s per device over device compute time in the last step.", run, registry=reg)
         self._peak_tflops = peak_tflops
-        self._mfu = None
-        if peak_tflops is not None:
-            self._mfu = Gauge("steptrace_mfu", f"Model FLOPs utilization in the last step (TFLOP/s per device "
-                              f"/ peak {peak_tflops:g}).", run, registry=reg)
+        # The parts travel with the ratios: MFU = model FLOPs / compute / peak, HFU the same of
+        # hardware FLOPs, each part a series of its own.
+        self._step_flops = Gauge("steptrace_step_flops", "FLOPs per device in the last step: model (what the "
+                                 "model needs) and hardware (what the device executed, from the compiler).",
+                                 run + ("kind",), registry=reg)
+        self._peak = Gauge("steptrace_peak_flops", "The device's dense bf16 peak FLOP/s MFU and HFU divide by "
+                           "(configured peak_tflops, else steptrace's table for the device kind).", run,
+                           registry=reg)
+        self._mfu = Gauge("steptrace_mfu", "Model FLOPs utilization in the last step: model FLOPs / compute "
+                          "seconds / peak FLOP/s.", run, registry=reg)
+        self._hfu = Gauge("steptrace_hfu", "Hardware FLOPs utilization in the last step: hardware FLOPs / "
+                          "compute seconds / peak FLOP/s.", run, registry=reg)
         self._goodput = Gauge("steptrace_goodput_ratio", "Sum of compute over sum of interval in the last "
                               f"{self._window.steps} steps.", run, registry=reg)
         self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / pipeline window per "
@@ -195,6 +238,9 @@ class PrometheusSink:
                              "peak, and the device's limit.", run + ("kind",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
+        self._interval_median = Gauge("steptrace_step_interval_median_seconds", "Median interval of the last "
+                                      f"{self._window.steps} steps: the run's pace, which the stall alert "
+                                      "scales.", run, registry=reg)
 
         # Series that exist from the start read as 0 instead of missing, so rate() and sum() work
         # before the first step (and a run with no errors still has an error series).
@@ -217,6 +263,15 @@ class PrometheusSink:
         ``steptrace.init`` attaches the run's counters; ``fn`` is called at scrape time.
         """
         self._drop_counter = fn
+
+    def attach_position(self, fn: Callable[[], tuple[int, bool, float, str | None] | None]) -> None:
+        """Publish where the training thread is (``steptrace_current_step``, ``steptrace_open_seconds``).
+
+        ``fn()`` returns ``(step, in_step, seconds, span)`` or None (see
+        :meth:`steptrace._runtime.Runtime.position`); ``steptrace.init`` attaches the run's
+        runtime; ``fn`` is called at scrape time.
+        """
+        self._position = fn
 
     # -- export (the sink's own thread) ------------------------------------------------------------
 
@@ -242,6 +297,8 @@ class PrometheusSink:
         if goodput is not None:
             # Once per batch, not per step: only the value at scrape time matters.
             self._goodput.labels(*self._labels).set(goodput)
+        if steps and self._intervals:
+            self._interval_median.labels(*self._labels).set(statistics.median(self._intervals))
 
     def _step(self, r: dict[str, Any]) -> None:
         # Read and check everything first, so a bad field skips the record without half-applying it.
@@ -256,6 +313,17 @@ class PrometheusSink:
         tokens_per_second = _optional(r.get("tokens_per_second"))
         tflops = _optional(r.get("tflops_per_second"))
         mfu = _optional(r.get("mfu"))
+        hfu = _optional(r.get("hfu"))
+        # Records written before model_flops existed carry their model FLOPs as `flops`.
+        model_flops = _optional(r.get("model_flops") if "model_flops" in r else r.get("flops"), nonnegative=True)
+        hardware_flops = _optional(r.get("hardware_flops"), nonnegative=True)
+        peak = _optional(r.get("peak_flops"))
+        if peak is None and self._peak_tflops is not None:
+            peak = self._peak_tflops * 1e12
+            if mfu is None and model_flops is not None and compute > 0:
+                mfu = model_flops / compute / peak
+            if hfu is None and hardware_flops is not None and compute > 0:
+                hfu = hardware_flops / compute / peak
         bubble = {str(k): float(v) for k, v in (r.get("pipeline_bubble_ratio") or {}).items()}
         scalars = {str(k): float(v) for k, v in (r.get("scalars") or {}).items()}
         memory = {str(k).removesuffix("_bytes"): float(v) for k, v in (r.get("device_memory") or {}).items()
@@ -283,8 +351,16 @@ class PrometheusSink:
             self._tokens_per_second.labels(*labels).set(tokens_per_second)
         if tflops is not None:
             self._tflops.labels(*labels).set(tflops)
-            if self._mfu is not None:
-                self._mfu.labels(*labels).set(mfu if mfu is not None else tflops / self._peak_tflops)
+        if model_flops is not None:
+            self._step_flops.labels(*labels, "model").set(model_flops)
+        if hardware_flops is not None:
+            self._step_flops.labels(*labels, "hardware").set(hardware_flops)
+        if peak is not None:
+            self._peak.labels(*labels).set(peak)
+        if mfu is not None:
+            self._mfu.labels(*labels).set(mfu)
+        if hfu is not None:
+            self._hfu.labels(*labels).set(hfu)
         for stage, ratio in bubble.items():
             self._bubble.labels(*labels, stage).set(ratio)
         for name, value in scalars.items():
@@ -297,6 +373,7 @@ class PrometheusSink:
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
         self._window.add(compute, interval)
+        self._intervals.append(interval)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])
@@ -320,8 +397,16 @@ class PrometheusSink:
         exemplar = {"trace_id": trace_id_hex(self._run_id, step)}
         self._microbatch.labels(*self._labels, kind, stage, chunk).observe(compute, exemplar)
 
+    def _stall(self, record: dict[str, Any]) -> None:
+        self._stalled = (record["step"], bool(record["in_step"]))
+
+    def _stall_end(self, record: dict[str, Any]) -> None:
+        if self._stalled == (record["step"], bool(record["in_step"])):
+            self._stalled = None
+
     _HANDLERS: dict[Any, Callable[["PrometheusSink", dict[str, Any]], None]] = {
-        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch,
+        "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch, "stall": _stall,
+        "stall_end": _stall_end,
     }
 
     # -- scrape (the HTTP server's threads) --------------------------------------------------------
@@ -350,6 +435,43 @@ class PrometheusSink:
                 family.add_metric([*self._labels, "resolver", reason], count)
         return family
 
+    def _position_families(self) -> list[GaugeMetricFamily]:
+        position = None
+        if self._position is not None:
+            try:
+                position = self._position()
+            except Exception:
+                if not self._position_failed:
+                    self._position_failed = True
+                    log.exception("steptrace prometheus: reading the training thread's position failed")
+        if position is None:
+            return []
+        step, in_step, seconds, span = position
+        if span is None:
+            span = "step" if in_step else "between_steps"
+        else:
+            with self._span_lock:
+                # Span names are the user's: cap the label values a run can create.
+                if span not in self._span_names:
+                    if len(self._span_names) < _MAX_SPAN_NAMES:
+                        self._span_names.add(span)
+                    else:
+                        span = "other"
+        current = GaugeMetricFamily("steptrace_current_step", "The step open on the training thread now; "
+                                    "between steps, the last one entered.", labels=_RUN_LABELS)
+        current.add_metric(list(self._labels), step)
+        opened = GaugeMetricFamily("steptrace_open_seconds", "Seconds since the open step was entered (between "
+                                   "steps: since the last one was left); span: where the training thread is now "
+                                   "(the innermost open span, 'step' for the step's own work, "
+                                   "'between_steps').", labels=_RUN_LABELS + ("span",))
+        opened.add_metric([*self._labels, span], seconds)
+        stall = GaugeMetricFamily("steptrace_stall_seconds", "Seconds the rank has been stuck where the stall watch "
+                                  "found it (a stall record with every thread's stack is in the run file); 0 unless "
+                                  "a stall is open. span as for steptrace_open_seconds.",
+                                  labels=_RUN_LABELS + ("span",))
+        stall.add_metric([*self._labels, span], seconds if self._stalled == (step, in_step) else 0.0)
+        return [current, opened, stall]
+
     # -- protocol ----------------------------------------------------------------------------------
 
     def force_flush(self, timeout_s: float) -> bool:
@@ -369,7 +491,8 @@ class PrometheusSink:
 
 
 class _Exposition:
-    """What ``/metrics`` serves: the sink's metrics without ``_created`` samples, plus the drop counters."""
+    """What ``/metrics`` serves: the sink's metrics without ``_created`` samples, the drop counters and
+    the training thread's position."""
 
     def __init__(self, sink: PrometheusSink):
         self._sink = sink
@@ -380,6 +503,7 @@ class _Exposition:
             family.samples = [s for s in family.samples if s.name != created]
             yield family
         yield self._sink._dropped_family()
+        yield from self._sink._position_families()
 
 
 def _bind_error(exc: OSError, addr: str, port: int, local_rank: int) -> ValueError:

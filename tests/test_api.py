@@ -273,7 +273,7 @@ def test_a_failing_sink_is_counted_and_does_not_stop_other_sinks():
     dropped = steptrace.stats()["dropped"]
     steptrace.shutdown()
     assert len(good.steps()) == 5
-    assert dropped["sink:failing"] == 6  # 5 steps and the metadata record
+    assert dropped["sink:failing"] == 7  # 5 steps, the attempt and the metadata record
 
 
 def test_a_slow_sink_drops_and_counts_instead_of_blocking_the_loop():

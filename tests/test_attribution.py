@@ -138,3 +138,27 @@ def test_goodput_window_is_the_one_formula_every_exporter_uses():
     assert window.ratio() == pytest.approx(1.0 / 3.0, rel=1e-12)
     with pytest.raises(ValueError, match="goodput_window_steps"):
         GoodputWindow(0)
+
+
+def test_a_span_is_idle_only_after_the_device_drained_and_nested_spans_count_once():
+    from steptrace._attribution import exposed_gaps, idle_windows
+
+    # Step device window [0, 10]. Span A [2, 5] began while the device still had work until 3;
+    # span B [6, 8] on a drained device (synchronous: drained at its start); C [6.5, 7] inside B;
+    # D [8.5, 9.5] after everything was handed over (drained = inf: hidden).
+    gaps = exposed_gaps([(2.0, 5.0, 3.0), (6.0, 8.0, 6.0), (6.5, 7.0, 6.5), (8.5, 9.5, float("inf"))], 0.0, 10.0)
+    assert gaps == [(3.0, 5.0), (6.0, 8.0)]
+    t = unit_timing(prev_end=-1.0, dispatch=0.0, end=10.0, exposed=gaps)
+    assert (t.start, t.compute_seconds, t.idle_seconds) == (0.0, 6.0, 5.0)
+    assert idle_windows(-1.0, t, gaps) == [(-1.0, 0.0), (3.0, 5.0), (6.0, 8.0)]
+    # A span reaching past the step's end is clipped to it; one entirely before its start is not idle twice.
+    assert exposed_gaps([(9.0, 12.0, 9.0), (-3.0, -2.0, -3.0)], 0.0, 10.0) == [(9.0, 10.0)]
+
+
+def test_window_segments_name_the_time_before_the_first_step_startup():
+    from steptrace._attribution import STARTUP, window_segments
+
+    segs = window_segments([(0.0, 4.0)], [HostSpan("eval", 1.0, 3.0)], STARTUP)
+    assert breakdown(segs) == {"startup": 2.0, "eval": 2.0}
+    segs = window_segments([(0.0, 1.0), (2.0, 3.0)], [HostSpan("data", 2.0, 2.5)])
+    assert breakdown(segs) == {"other": 1.5, "data": 0.5}

@@ -208,3 +208,27 @@ def test_real_runs_a_slower_branch_is_a_regression_and_the_same_code_is_noise(tm
     # The same code: within the machine's noise.
     assert same["interval_median"].verdict == "noise", same["interval_median"]
     assert "loss_final" in slow
+
+
+def test_mfu_and_hfu_come_with_their_parts_and_a_changed_flops_source_is_named(tmp_path):
+    """A run whose hardware FLOPs per step grew (more rematerialization) shows it as a part, with no
+    verdict, next to HFU; runs counted by different counters say so among the metadata rows."""
+    def add_flops(path, hardware, source):
+        lines = [json.loads(line) for line in (path / "rank-0.jsonl").read_text().splitlines()]
+        for r in lines:
+            if r["type"] == "step":
+                r.update(model_flops=1e12, hardware_flops=hardware, flops_source=source, peak_flops=1e15,
+                         mfu=1e12 / r["compute_seconds"] / 1e15, hfu=hardware / r["compute_seconds"] / 1e15)
+        (path / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return path
+
+    rng = random.Random(3)
+    a = add_flops(_write_run(tmp_path / "a", [2.0] + _jitter(rng, 0.1, 30)), 1.2e12, "xla_cost_analysis")
+    b = add_flops(_write_run(tmp_path / "b", [2.0] + _jitter(rng, 0.1, 30)), 1.5e12, "torch_flop_counter")
+    result = compare_runs(load_run(a), load_run(b))
+    rows = {r.metric: r for r in result["rows"]}
+    assert {"mfu", "hfu", "model_flops", "hardware_flops", "peak_flops"} <= set(rows)
+    assert (rows["hardware_flops"].a, rows["hardware_flops"].b) == (1.2e12, 1.5e12)
+    assert rows["hardware_flops"].verdict == "—" and rows["model_flops"].a == rows["model_flops"].b
+    assert rows["hfu"].b > rows["hfu"].a
+    assert ("flops_source", "xla_cost_analysis", "torch_flop_counter") in result["metadata"]

@@ -18,6 +18,7 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_jax.py"
 STEPS = 12
 CHECKPOINT_EVERY = 5
+PEAK_TFLOPS = 1.0  # a CPU has no entry in steptrace's peak table
 
 
 def _missing(*modules: str) -> list[str]:
@@ -61,7 +62,7 @@ def demo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("steptrace-runs")
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY),
-         "--run-dir", str(run_dir)],
+         "--run-dir", str(run_dir), "--peak-tflops", str(PEAK_TFLOPS)],
         capture_output=True, text=True, timeout=300, cwd=EXAMPLE.parent.parent,
     )
     return run_dir, proc
@@ -121,3 +122,23 @@ def test_demo_prints_comparison_and_report(demo_run):
     # ...and then the steptrace report, once.
     assert out.count("steptrace run demo") == 1
     assert "Summary (rank 0)" in out
+
+
+def test_demo_reads_hardware_flops_from_the_compiler_and_shows_mfu_and_hfu_with_their_parts(demo_run):
+    """flops="auto": every step's hardware FLOPs from XLA's cost analysis of the compiled train_step
+    (compiled in step 0); the analytic 6·params·batch is the model FLOPs. The report shows both,
+    TFLOP/s, and MFU and HFU with the formula line of each."""
+    run_dir, proc = demo_run
+    assert proc.returncode == 0, proc.stderr
+    steps = [r for r in _records(run_dir) if r.get("type") == "step"]
+    hardware = {r["hardware_flops"] for r in steps}
+    assert len(hardware) == 1 and next(iter(hardware)) > 0
+    for r in steps:
+        assert r["flops_source"] == "xla_cost_analysis" and r["model_flops"] > 0
+        assert r["peak_flops"] == PEAK_TFLOPS * 1e12
+        assert r["tflops_per_second"] == pytest.approx(r["hardware_flops"] / r["compute_seconds"] / 1e12)
+        assert r["hfu"] == pytest.approx(r["hardware_flops"] / r["compute_seconds"] / r["peak_flops"])
+        assert r["mfu"] == pytest.approx(r["model_flops"] / r["compute_seconds"] / r["peak_flops"])
+    out = proc.stdout
+    assert "hardware FLOPs" in out and "xla_cost_analysis" in out and "TFLOP/s" in out
+    assert "= model FLOPs / compute s / peak" in out and "= hardware FLOPs / compute s / peak" in out

@@ -63,8 +63,8 @@ def run_promtool(promtool, *args, cwd=None):
 def test_promtool_accepts_the_prometheus_config_and_its_rule_file(promtool):
     result = run_promtool(promtool, "check", "config", str(PROMETHEUS_YML))
     assert result.returncode == 0, result.stdout + result.stderr
-    # check config also loads every rule_files entry: rules.yml must be found next to it.
-    assert "SUCCESS: 1 rule files found" in result.stdout, result.stdout
+    # check config also loads every rule_files entry: rules.yml and alerts.yml must be found next to it.
+    assert "SUCCESS: 2 rule files found" in result.stdout, result.stdout
 
 
 def test_promtool_accepts_the_recording_rules(promtool):
@@ -77,6 +77,7 @@ def test_the_documented_file_sd_format_is_accepted(promtool, tmp_path):
     """prometheus.yml's comment shows a targets/ranks-<job>.json: promtool validates such a file."""
     shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
     shutil.copy(RULES_YML, tmp_path / "rules.yml")
+    shutil.copy(COLLECTOR / "alerts.yml", tmp_path / "alerts.yml")
     (tmp_path / "targets").mkdir()
     (tmp_path / "targets" / "ranks-llama.json").write_text(
         json.dumps([{"targets": ["node0:9464", "node0:9465"], "labels": {"cluster": "a"}}]))
@@ -97,7 +98,7 @@ def scrape_jobs() -> dict[str, dict]:
 
 def test_prometheus_config_scrapes_ranks_collectors_and_otelcol_and_loads_the_rules():
     config = load_yaml(PROMETHEUS_YML)
-    assert config["rule_files"] == ["rules.yml"]
+    assert config["rule_files"] == ["rules.yml", "alerts.yml"]
     jobs = scrape_jobs()
     assert set(jobs) == {"steptrace", "steptrace-collector", "otelcol"}
     # One target per rank port (prometheus_port + local_rank): the README's example layout.
@@ -441,6 +442,7 @@ def live_config(run: SyntheticRun, rules_path: Path) -> dict:
     config = load_yaml(PROMETHEUS_YML)
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     config["rule_files"] = [str(rules_path)]
+    config.pop("alerting", None)  # no Alertmanager here (tests/test_alerts_e2e.py has one)
     targets = {
         "steptrace": run.rank_targets(),
         "steptrace-collector": run.collector_targets(),

@@ -31,7 +31,7 @@ def test_every_record_field_is_documented(record_type):
     text = _text("records.md")
     row = [line for line in text.splitlines() if line.startswith(f"| `{record_type}` |")]
     assert row, f"docs/records.md has no row for {record_type} records"
-    common = {"type", "run_id", "rank"}  # said once, above the table
+    common = {"type", "run_id", "rank", "attempt"}  # said once, above the table
     missing = [f for f in _schema.fields_of(record_type) if f not in common and f not in row[0]]
     assert not missing, f"docs/records.md's {record_type} row lacks {missing}"
 

@@ -25,8 +25,8 @@ def test_records_land_in_run_dir_run_id_rank_file(tmp_path):
         pass
     steptrace.shutdown()
     records = read_lines(tmp_path / "r1" / "rank-1.jsonl")
-    assert [r["type"] for r in records] == ["metadata"] + ["span", "step"] * 3 + ["checkpoint", "run"]
-    step = records[2]
+    assert [r["type"] for r in records] == ["attempt", "metadata"] + ["span", "step"] * 3 + ["checkpoint", "run"]
+    step = records[3]
     assert (step["run_id"], step["rank"], step["world_size"], step["step"]) == ("r1", 1, 2, 0)
     for key in ("start_time", "end_time", "interval_seconds", "compute_seconds", "idle_seconds",
                 "idle_breakdown", "tokens", "flops", "tokens_per_second", "tflops_per_second", "status"):
@@ -44,8 +44,8 @@ def test_resumed_run_appends_after_a_torn_line(tmp_path):
     steptrace.shutdown()
     lines = path.read_text().splitlines()
     assert lines[1] == '{"type":"st'
-    assert json.loads(lines[2])["type"] == "metadata"
-    assert json.loads(lines[3])["step"] == 1
+    assert [json.loads(line)["type"] for line in lines[2:4]] == ["attempt", "metadata"]
+    assert json.loads(lines[4])["step"] == 1
 
 
 CRASHING_TRAINER = textwrap.dedent("""
@@ -86,5 +86,5 @@ def test_completed_steps_survive_a_killed_training_process(tmp_path):
     steps = [r["step"] for r in complete if r["type"] == "step"]
     assert len(steps) >= 10
     assert steps == list(range(len(steps)))  # in order, none missing
-    assert complete[0]["type"] == "metadata"
-    assert all(r["status"] == "ok" and r["compute_seconds"] > 0 for r in complete[1:])
+    assert [r["type"] for r in complete[:2]] == ["attempt", "metadata"]
+    assert all(r["status"] == "ok" and r["compute_seconds"] > 0 for r in complete[2:])

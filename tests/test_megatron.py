@@ -487,6 +487,7 @@ def test_train_step_is_the_step_numbered_by_megatrons_iteration_with_tokens_and_
         assert s["tokens"] == tokens and s["flops"] == pytest.approx(flops)
         assert s["tokens_per_second"] == pytest.approx(tokens / s["interval_seconds"])
         assert s["tflops_per_second"] == pytest.approx(flops / s["compute_seconds"] / 1e12)
+        assert s["model_flops"] == pytest.approx(flops) and s["hardware_flops"] is None
         assert "peak_tflops" not in s["attrs"] and s["mfu"] is None  # CPU: no device peak, none configured
     (ckpt,) = sink.checkpoints()
     assert ckpt["step"] == 10  # iter_0000011 holds the state after step 10
@@ -512,29 +513,25 @@ def test_the_optimizer_after_the_schedule_is_its_own_part_of_the_step_not_bubble
         assert step["pipeline_bubble_ratio"]["0"] < 1 - busy / step["compute_seconds"]  # the old rule
 
 
-@pytest.mark.parametrize("device_name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
-                                               ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H200", 989.0),
-                                               ("NVIDIA GeForce RTX 3090", None)])
-def test_device_peak_table(device_name, peak):
-    assert megatron_hooks.peak_tflops_of(device_name) == peak
-
-
-def test_mfu_uses_the_devices_bf16_peak_only_when_no_peak_is_configured(hooks, megatron_lm, monkeypatch):
+def test_mfu_uses_the_core_peak_table_for_the_device_unless_a_peak_is_configured(hooks, megatron_lm, monkeypatch):
+    """The hook has no peak table of its own: the core's (steptrace.flops.PEAKS) by the device kind
+    the run reports, and a configured peak_tflops wins."""
+    from steptrace import _metadata
     from steptrace.testing import capture
 
-    monkeypatch.setattr(megatron_hooks, "_cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(_metadata, "devices", lambda: {"platform": "gpu", "kind": "NVIDIA H100 80GB HBM3", "count": 1})
     with capture() as sink:
         hooks.install()
         _train(megatron_lm, [0])
     (step,) = sink.steps()
-    assert step["attrs"]["peak_tflops"] == 989.0
-    assert step["mfu"] == pytest.approx(step["tflops_per_second"] / 989.0)
+    assert step["peak_flops"] == 989.0e12 and "peak_tflops" not in step["attrs"]
+    assert step["mfu"] == pytest.approx(step["model_flops"] / step["compute_seconds"] / 989.0e12)
     hooks.uninstall()
     with capture(peak_tflops=500.0) as sink:
         hooks.install()
         _train(megatron_lm, [0])
     (step,) = sink.steps()
-    assert "peak_tflops" not in step["attrs"]
+    assert step["peak_flops"] == 500.0e12
     assert step["mfu"] == pytest.approx(step["tflops_per_second"] / 500.0)
 
 

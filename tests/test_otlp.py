@@ -184,6 +184,9 @@ def test_step_span_attributes_and_error_status(receiver, device):
         assert a[f"train.{field}"] == pytest.approx(ok[field], rel=1e-12), field
     assert a["train.tokens"] == 4096 and a["train.flops"] == pytest.approx(3e19)
     assert a["train.mfu"] == pytest.approx(ok["tflops_per_second"] / 500.0)
+    # the parts travel with the ratio
+    assert a["train.model_flops"] == pytest.approx(3e19) and a["train.peak_flops"] == 500e12
+    assert "train.hardware_flops" not in a and "train.flops_source" not in a and "train.hfu" not in a
     assert a["train.attrs.lr"] == 0.5 and a["train.attrs.tag"] == "warmup"
     assert a["train.scalar.loss"] == 2.5
     for reason, seconds in ok["idle_breakdown"].items():
@@ -410,6 +413,7 @@ def test_metrics_values_and_second_buckets(receiver, device):
     assert gauge("steptrace.tokens_per_second") == pytest.approx(last["tokens_per_second"])
     assert gauge("steptrace.tflops_per_second") == pytest.approx(last["tflops_per_second"])
     assert gauge("steptrace.mfu") == pytest.approx(last["mfu"])
+    assert gauge("steptrace.peak_flops") == pytest.approx(last["peak_flops"])
     window = steps[-2:]  # goodput_window_steps=2
     assert gauge("steptrace.goodput_ratio") == pytest.approx(
         sum(r["compute_seconds"] for r in window) / sum(r["interval_seconds"] for r in window))
@@ -487,7 +491,7 @@ def test_flush_keeps_its_timeout_while_the_endpoint_hangs(device):
 
 def test_endpoint_down_counts_drops_and_raises_nothing(device):
     """Nothing listens: every record sent to OTLP is counted under sink:otlp; training is unaffected.
-    (The metadata record is not sent over OTLP: its facts are the resource's.)"""
+    (The metadata and attempt records are not sent over OTLP: their facts are the resource's.)"""
     memory = MemorySink()
     steptrace.init(sinks=[memory], otlp_endpoint=f"http://127.0.0.1:{free_port()}", otlp_timeout_s=1,
                    jsonl=False, run_id=RUN, otlp_metrics_interval_s=0.2)
@@ -497,7 +501,8 @@ def test_endpoint_down_counts_drops_and_raises_nothing(device):
         with steptrace.step(n) as s:
             s.wait_for(device.run(0.002))
     steptrace.flush(timeout_s=10)
-    exported = len([r for r in memory.records if r["type"] != "metadata"])
+    # The attempt record is not sent either: its attempt number is on the resource.
+    exported = len([r for r in memory.records if r["type"] not in ("metadata", "attempt")])
     assert steptrace.stats()["dropped"] == {"sink:otlp": exported}
     start = time.monotonic()
     steptrace.shutdown(timeout_s=5)

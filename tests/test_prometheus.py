@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -169,17 +170,31 @@ def test_goodput_is_compute_over_interval_in_the_last_window_steps(sink):
     assert expected != pytest.approx(sum(computes) / sum(intervals))  # the window matters
 
 
-def test_mfu_is_exported_only_with_peak_tflops(sink):
+def test_mfu_and_hfu_are_exported_with_their_parts(sink):
+    """MFU and HFU come with the FLOPs and the peak they divide; without a peak there is no ratio."""
     sink.export([step_record(0, 0.5, 0.4, flops=4e12)])
     text = scrape(sink.endpoint)
-    assert "steptrace_mfu" not in text
+    assert value(text, "steptrace_step_flops", kind="model") == 4e12
+    assert not [line for line in text.splitlines() if line.startswith(("steptrace_mfu{", "steptrace_hfu{",
+                                                                       "steptrace_peak_flops{"))]
+    record = step_record(1, 0.5, 0.4, flops=4e12, mfu=0.2)
+    record.update(hardware_flops=6e12, flops_source="xla_cost_analysis", peak_flops=50e12, hfu=0.3)
+    sink.export([record])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_step_flops", kind="hardware") == 6e12
+    assert value(text, "steptrace_peak_flops") == 50e12
+    assert value(text, "steptrace_mfu") == pytest.approx(0.2)
+    assert value(text, "steptrace_hfu") == pytest.approx(0.3)
+
+
+def test_a_sinks_own_peak_gives_mfu_to_records_without_one():
     with_peak = PrometheusSink(0, run_id="r", rank=0, peak_tflops=50.0)
     try:
-        with_peak.export([step_record(0, 0.5, 0.4, flops=4e12, mfu=0.2)])
-        assert value(scrape(with_peak.endpoint), "steptrace_mfu") == pytest.approx(0.2)
-        # A record without mfu (its run had no peak) still gets one from this sink's peak.
+        # A record without mfu (its run had no peak) gets one from this sink's peak.
         with_peak.export([step_record(1, 0.5, 0.4, flops=4e12)])
-        assert value(scrape(with_peak.endpoint), "steptrace_mfu") == pytest.approx(10.0 / 50.0)
+        text = scrape(with_peak.endpoint)
+        assert value(text, "steptrace_mfu") == pytest.approx(10.0 / 50.0)
+        assert value(text, "steptrace_peak_flops") == 50e12
     finally:
         with_peak.shutdown(1)
 
@@ -348,6 +363,56 @@ def test_bad_arguments_fail_at_construction():
         PrometheusSink(0, run_id="r", peak_tflops=0)
 
 
+def test_interval_median_gauge_is_the_median_of_the_last_window_steps(sink):
+    """The run's pace, which the stall alert scales: the window is goodput_window_steps (4 here)."""
+    sink.export([step_record(n, interval, 0.1) for n, interval in enumerate([1.0, 2.0, 3.0, 10.0])])
+    assert value(scrape(sink.endpoint), "steptrace_step_interval_median_seconds") == 2.5
+    sink.export([step_record(4, 100.0, 0.1)])  # 1.0 leaves the window: [2, 3, 10, 100]
+    assert value(scrape(sink.endpoint), "steptrace_step_interval_median_seconds") == 6.5
+
+
+def test_position_is_read_at_scrape_time_with_the_open_span(sink):
+    position = [(7, True, 12.5, None)]
+    sink.attach_position(lambda: position[0])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_current_step") == 7
+    assert value(text, "steptrace_open_seconds", span="step") == 12.5
+    position[0] = (7, True, 30.0, "data")
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_open_seconds", span="data") == 30.0
+    assert [s.labels["span"] for s in samples(text) if s.name == "steptrace_open_seconds"] == ["data"]
+    position[0] = (7, False, 2.0, None)
+    assert value(scrape(sink.endpoint), "steptrace_open_seconds", span="between_steps") == 2.0
+    position[0] = None  # before the first step: nothing to say
+    text = scrape(sink.endpoint)
+    assert not [s for s in samples(text) if s.name in ("steptrace_open_seconds", "steptrace_current_step")]
+
+
+def test_position_span_names_past_the_first_32_read_other(sink):
+    position = [None]
+    sink.attach_position(lambda: position[0])
+    for i in range(32):
+        position[0] = (1, True, 1.0, f"mine{i}")
+        assert value(scrape(sink.endpoint), "steptrace_open_seconds", span=f"mine{i}") == 1.0
+    position[0] = (1, True, 1.0, "one_too_many")
+    assert value(scrape(sink.endpoint), "steptrace_open_seconds", span="other") == 1.0
+    position[0] = (1, True, 1.0, "mine0")  # a name already seen keeps its own value
+    assert value(scrape(sink.endpoint), "steptrace_open_seconds", span="mine0") == 1.0
+
+
+def test_a_failing_position_does_not_break_the_scrape(sink, caplog):
+    def broken():
+        raise RuntimeError("boom")
+
+    sink.attach_position(broken)
+    sink.export([step_record(0, 0.5, 0.25)])
+    for _ in range(2):
+        text = scrape(sink.endpoint)
+        assert value(text, "steptrace_steps_total", status="ok") == 1
+        assert "steptrace_open_seconds" not in text
+    assert sum("position failed" in r.getMessage() for r in caplog.records) == 1
+
+
 # -- through the public API ------------------------------------------------------------------------
 
 def test_init_serves_the_run_on_the_endpoint_in_stats(device):
@@ -373,6 +438,54 @@ def test_init_serves_the_run_on_the_endpoint_in_stats(device):
     assert value(text, "steptrace_info", backend="simulated", version=steptrace.__version__) == 1
     steptrace.shutdown()
     assert connect_refused(endpoint)
+
+
+def test_init_serves_where_the_training_thread_is_and_for_how_long(device):
+    """A hung rank is visible on its own /metrics: the step it is in, the span, and the seconds."""
+    steptrace.init(prometheus_port=0, jsonl=False, run_id="r")
+    endpoint = steptrace.stats()["endpoints"]["prometheus"]
+
+    def where():
+        text = scrape(endpoint)
+        opened = [s for s in samples(text) if s.name == "steptrace_open_seconds"]
+        current = [s.value for s in samples(text) if s.name == "steptrace_current_step"]
+        assert len(opened) <= 1 and len(current) == len(opened)
+        return (current[0], opened[0].labels["span"], opened[0].value) if opened else None
+
+    assert where() is None  # before the first step: start-up is not a stall
+    with steptrace.step(0) as s:
+        s.wait_for(device.run(0.001))
+    with steptrace.step(1):
+        time.sleep(0.05)
+        step, span, seconds = where()
+        assert (step, span) == (1, "step") and seconds >= 0.05
+        with steptrace.span("data"):
+            assert where()[:2] == (1, "data")
+            with steptrace.span("my_span"):
+                assert where()[:2] == (1, "my_span")
+            assert where()[:2] == (1, "data")
+        assert where()[:2] == (1, "step")
+    time.sleep(0.05)
+    step, span, seconds = where()
+    assert (step, span) == (1, "between_steps") and seconds >= 0.05
+    with steptrace.checkpoint(1):
+        assert where()[:2] == (1, "checkpoint")
+    with steptrace.span("data"):
+        assert where()[:2] == (1, "data")
+    before_step_2 = time.perf_counter()
+    with steptrace.step(2):
+        step, span, seconds = where()
+        # Counted from step 2's entry, not from step 1's exit.
+        assert (step, span) == (2, "step") and seconds <= time.perf_counter() - before_step_2
+    # A span around the loop encloses the steps: inside one, the thread is in the step.
+    with steptrace.span("train"):
+        assert where()[:2] == (2, "train")  # opened after step 2 ended: where the thread is
+        with steptrace.step(3):
+            assert where()[:2] == (3, "step")
+            with steptrace.span("data"):
+                assert where()[:2] == (3, "data")
+        assert where()[:2] == (3, "between_steps")
+    steptrace.shutdown()
 
 
 def test_port_in_use_is_a_value_error_from_init_that_leaves_nothing_behind(tmp_path):

@@ -396,11 +396,11 @@ def test_cli_plot_writes_png(small_run, tmp_path, capsys):
 def test_reason_colours_are_stable():
     # Built-in reasons have fixed colours; user reasons hash (crc32, not the
     # per-process salted hash()) into a palette distinct from the fixed ones.
-    assert palette._reason_colour("checkpoint") == "#d62728"
-    user = palette._reason_colour("my_span")
+    assert palette.reason_colour("checkpoint") == "#d62728"
+    user = palette.reason_colour("my_span")
     assert user in palette._USER_PALETTE
-    assert user not in palette._REASON_COLOURS.values()
-    assert palette._reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
+    assert user not in palette.REASON_COLOURS.values()
+    assert palette.reason_order(["other", "zeta", "data", "alpha", "checkpoint"]) == [
         "checkpoint", "data", "alpha", "zeta", "other"]
 
 
@@ -453,3 +453,26 @@ def test_report_shows_logged_scalars_and_peak_memory(tmp_path):
     text = console.file.getvalue()
     assert "loss" in text and "3.00 GiB" in text and "30.0% of the device's limit" in text
     assert summarize(steps[:0])["memory_peak_bytes"] is None
+
+
+def test_mfu_and_hfu_are_sums_over_compute_with_their_formula_line(tmp_path):
+    """MFU = Σ model FLOPs / Σ compute / peak (like TFLOP/s, not a mean of ratios); the report shows
+    each part and the division; without a peak it says why there is no ratio."""
+    run_dir = tmp_path / "steptrace-runs" / "f"
+    steps = [step_record(1, 1.0, 1.0, {}), step_record(2, 3.0, 3.0, {})]
+    for s in steps:
+        s.update(model_flops=2e12, hardware_flops=3e12, flops_source="xla_cost_analysis", peak_flops=1e13,
+                 flops=3e12)
+    write_rank(run_dir, 0, steps)
+    summary = summarize(load_run(run_dir).steps())
+    assert summary["mfu"] == pytest.approx(4e12 / 4.0 / 1e13)
+    assert summary["hfu"] == pytest.approx(6e12 / 4.0 / 1e13)
+    assert summary["model_flops_per_step"] == 2e12 and summary["hardware_flops_per_step"] == 3e12
+    text = capture(load_run(run_dir))
+    assert "= model FLOPs / compute s / peak = 1.000 / 10.0 TFLOP/s" in text
+    assert "= hardware FLOPs / compute s / peak = 1.500 / 10.0 TFLOP/s" in text
+    assert "from xla_cost_analysis" in text
+    for s in steps:
+        s.update(peak_flops=None, mfu=None, hfu=None)
+    write_rank(run_dir, 0, steps)
+    assert "no peak for this device" in capture(load_run(run_dir))

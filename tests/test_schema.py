@@ -1,5 +1,6 @@
 """Every record written matches the schema module, and the docs name every drop reason."""
 
+import time
 import typing
 from pathlib import Path
 
@@ -12,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _check(record):
     cls = {"metadata": _schema.MetadataRecord, "step": _schema.StepRecord, "microbatch": _schema.MicrobatchRecord,
-           "checkpoint": _schema.CheckpointRecord, "span": _schema.SpanRecord, "run": _schema.RunRecord}[record["type"]]
+           "checkpoint": _schema.CheckpointRecord, "span": _schema.SpanRecord, "run": _schema.RunRecord,
+           "attempt": _schema.AttemptRecord, "stall": _schema.StallRecord,
+           "stall_end": _schema.StallEndRecord}[record["type"]]
     hints = typing.get_type_hints(cls, include_extras=True)
     optional = {k for k, v in hints.items() if typing.get_origin(v) is typing.NotRequired}
     assert set(record) <= set(hints), set(record) - set(hints)
@@ -21,11 +24,11 @@ def _check(record):
 
 def test_every_record_type_matches_its_typed_definition():
     device = SimulatedDevice()
-    with capture(backend=device) as sink:
-        for n in range(3):
+    with capture(backend=device, stall_min_s=0.2, stall_factor=2.0) as sink:
+        for n in range(4):
             with steptrace.step(n, tokens=100, flops=1e9) as s:
                 with steptrace.span("data"):
-                    pass
+                    time.sleep(0.6 if n == 3 else 0.0)  # a stall (and its end) in the last step
                 with steptrace.microbatch(0, stage=0):
                     device.run(0.001)
                 s.wait_for(device.run(0.002))

@@ -158,7 +158,7 @@ def test_the_run_starts_with_a_metadata_record(device, tmp_path, monkeypatch):
         for n in range(2):
             with steptrace.step(n):
                 device.run(0.001)
-    assert sink.records[0]["type"] == "metadata"
+    assert [r["type"] for r in sink.records[:2]] == ["attempt", "metadata"]
     (meta,) = sink.of_type("metadata")
     assert meta["git_commit"] == "0123456789abcdef0123456789abcdef01234567"
     assert meta["tags"] == {"branch": "exp-1", "lr": "0.0003"}

@@ -190,12 +190,11 @@ def test_microbatches_are_device_timed_and_give_a_bubble_ratio(device):
 
 def test_the_optimizer_after_the_last_microbatch_is_reported_apart_from_the_bubble():
     """Back-to-back microbatches then 2U of optimizer on the device: the bubble is measured over the
-    pipeline window and stays ~0; the optimizer is `optimizer_seconds`. MFU takes a step's own
-    `peak_tflops` when the configuration has none (what framework hooks that know the device pass)."""
+    pipeline window and stays ~0; the optimizer is `optimizer_seconds`."""
     device = SimulatedDevice(uses_events=True)
     try:
-        with capture(backend=device) as sink:
-            with steptrace.step(0, flops=1e12, peak_tflops=50.0):
+        with capture(backend=device, peak_tflops=50.0) as sink:
+            with steptrace.step(0, flops=1e12):
                 for i in range(4):
                     with steptrace.microbatch(i, stage=0, kind="forward"):
                         device.run(U / 2)

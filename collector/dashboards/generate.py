@@ -192,7 +192,8 @@ def training() -> dash_b.Dashboard:
                "device (over compute time).", f"avg(steptrace_tflops_per_second{{{RANKS}}})",
                unit="none", decimals=1),
         single("MFU, mean", "Mean over the selected ranks of the last step's model FLOPs utilization "
-               "(needs peak_tflops).", f"avg(steptrace_mfu{{{RANKS}}})", unit="percentunit"),
+               "(needs a peak: peak_tflops or steptrace's table for the device kind).",
+               f"avg(steptrace_mfu{{{RANKS}}})", unit="percentunit"),
         single("Ranks reporting", "Ranks whose /metrics Prometheus has (a dead rank's series go "
                "stale after 5 minutes).", f"count(steptrace_last_step{{{RUN}}})", decimals=0),
         single("Stalled ranks", "Ranks whose last step has not changed in 5 minutes.",
@@ -269,7 +270,7 @@ def training() -> dash_b.Dashboard:
         [(f"steptrace_tflops_per_second{{{RANKS}}}", "rank {{rank}}")], unit="none", w=6,
         axis_label="TFLOP/s"))
     d = d.with_panel(series(
-        "MFU", "Last step's TFLOP/s per device over peak_tflops, per rank.",
+        "MFU", "Last step's model FLOPs / compute / the device's peak (peak_tflops or steptrace's table), per rank.",
         [(f"steptrace_mfu{{{RANKS}}}", "rank {{rank}}")], unit="percentunit", w=6))
 
     d = d.with_row(dash_b.Row("Checkpoints"))

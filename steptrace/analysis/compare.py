@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
-from steptrace.analysis.summary import _num, _present, percentile
+from steptrace.analysis.summary import as_number, present_values, percentile
 
 __all__ = ["Row", "compare_runs", "mann_whitney_p", "steady_steps", "add_compare_arguments", "run_compare", "main"]
 
@@ -80,13 +80,13 @@ def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float | None:
 # -- what is compared --------------------------------------------------------------------------
 def steady_steps(steps: Sequence[dict]) -> list[dict]:
     """The steady-state steps (see the module docstring)."""
-    ordered = sorted(steps, key=lambda s: _num(s.get("step")) or 0)
+    ordered = sorted(steps, key=lambda s: as_number(s.get("step")) or 0)
     steady = []
     for index, step in enumerate(ordered):
         if index == 0 or step.get("status") != "ok":
             continue
         breakdown = step.get("idle_breakdown") or {}
-        if any((_num(breakdown.get(reason)) or 0.0) > 0 for reason in UNSTEADY_REASONS):
+        if any((as_number(breakdown.get(reason)) or 0.0) > 0 for reason in UNSTEADY_REASONS):
             continue
         steady.append(step)
     return steady
@@ -131,26 +131,40 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def _loss(step: dict) -> float | None:
     scalars = step.get("scalars")
-    return _num(scalars.get("loss")) if isinstance(scalars, dict) else None
+    return as_number(scalars.get("loss")) if isinstance(scalars, dict) else None
 
 
 def _bubble(step: dict) -> float | None:
     ratios = step.get("pipeline_bubble_ratio")
     if not isinstance(ratios, dict) or not ratios:
         return None
-    values = [v for v in (_num(x) for x in ratios.values()) if v is not None]
+    values = [v for v in (as_number(x) for x in ratios.values()) if v is not None]
     return sum(values) / len(values) if values else None
 
 
 def _peak_memory(steps: Sequence[dict], key: str) -> float | None:
-    values = [_num((s.get("device_memory") or {}).get(key)) for s in steps]
+    values = [as_number((s.get("device_memory") or {}).get(key)) for s in steps]
     present = [v for v in values if v is not None]
     return max(present) if present else None
 
 
+def _model_flops(step: dict) -> float | None:
+    # Records written before model_flops existed carry the user's (model) count as `flops`.
+    return as_number(step.get("model_flops") if "model_flops" in step else step.get("flops"))
+
+
+def _last(steps: Sequence[dict], key: str) -> float | None:
+    values = present_values(steps, key)
+    return values[-1] if values else None
+
+
+def _last_text(steps: Sequence[dict], key: str) -> str | None:
+    return next((str(s[key]) for s in reversed(steps) if s.get(key)), None)
+
+
 def _compile_seconds(run: Run, rank: int, steps: Sequence[dict]) -> float:
-    spans = sum(_num(s.get("seconds")) or 0.0 for s in run.records("span", rank) if s.get("name") == "compile")
-    idle = sum(_num((s.get("idle_breakdown") or {}).get("compile")) or 0.0 for s in steps)
+    spans = sum(as_number(s.get("seconds")) or 0.0 for s in run.records("span", rank) if s.get("name") == "compile")
+    idle = sum(as_number((s.get("idle_breakdown") or {}).get("compile")) or 0.0 for s in steps)
     return max(spans, idle)
 
 
@@ -203,20 +217,29 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
     final_b = next((v for v in map(_loss, reversed(B.steps)) if v is not None), None)
     single("loss_final", "final loss", final_a, final_b)
     tested("loss_mean", "mean loss", _loss, _mean, "", True, steps="steps")
-    interval = lambda s: _num(s.get("interval_seconds"))  # noqa: E731
-    compute = lambda s: _num(s.get("compute_seconds"))  # noqa: E731
+    interval = lambda s: as_number(s.get("interval_seconds"))  # noqa: E731
+    compute = lambda s: as_number(s.get("compute_seconds"))  # noqa: E731
     tested("interval_median", "step interval, median", interval, _median, "s", True)
     tested("interval_mean", "step interval, mean", interval, _mean, "s", True)
     tested("compute_median", "compute, median", compute, _median, "s", True)
     tested("compute_mean", "compute, mean", compute, _mean, "s", True)
-    tested("tokens_per_second", "tokens/s", lambda s: _num(s.get("tokens_per_second")), _median, "", False)
-    tested("tflops_per_second", "TFLOP/s (compute time)", lambda s: _num(s.get("tflops_per_second")), _median,
+    tested("tokens_per_second", "tokens/s", lambda s: as_number(s.get("tokens_per_second")), _median, "", False)
+    tested("tflops_per_second", "TFLOP/s (compute time)", lambda s: as_number(s.get("tflops_per_second")), _median,
            "", False)
-    tested("mfu", "MFU", lambda s: _num(s.get("mfu")), _median, "", False)
+    tested("mfu", "MFU", lambda s: as_number(s.get("mfu")), _median, "", False)
+    tested("hfu", "HFU", lambda s: as_number(s.get("hfu")), _median, "", False)
+    # The parts of MFU and HFU: a ratio that moved because the FLOPs per step or the peak changed
+    # is not a speed change (neither better nor worse).
+    for kind in ("model", "hardware"):
+        read = _model_flops if kind == "model" else (lambda s: as_number(s.get("hardware_flops")))
+        single(f"{kind}_flops", f"{kind} FLOPs per step, median", _median(_per_step(A.steady, read)),
+               _median(_per_step(B.steady, read)), lower=None)
+    single("peak_flops", "peak FLOP/s (MFU's divisor)", _last(A.steps, "peak_flops"), _last(B.steps, "peak_flops"),
+           lower=None)
 
     def goodput(side: _Side) -> float | None:
-        wall = sum(_present(side.steps, "interval_seconds"))
-        return sum(_present(side.steps, "compute_seconds")) / wall if wall > 0 else None
+        wall = sum(present_values(side.steps, "interval_seconds"))
+        return sum(present_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
 
     single("goodput", "goodput (all steps)", goodput(A), goodput(B), lower=False)
     reasons: set[str] = set()
@@ -225,9 +248,10 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
             reasons.update((step.get("idle_breakdown") or {}).keys())
     for reason in sorted(reasons):
         def idle_total(side: _Side, reason: str = reason) -> float:
-            return sum(_num((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
+            return sum(as_number((s.get("idle_breakdown") or {}).get(reason)) or 0.0 for s in side.steps)
         single(f"idle_{reason}", f"idle: {reason} (total)", idle_total(A), idle_total(B), "s")
-    blocking_a, blocking_b = _present(A.checkpoints, "blocking_seconds"), _present(B.checkpoints, "blocking_seconds")
+    blocking_a = present_values(A.checkpoints, "blocking_seconds")
+    blocking_b = present_values(B.checkpoints, "blocking_seconds")
     if blocking_a or blocking_b:
         rows.append(_tested("checkpoint_blocking", "checkpoint blocking, mean", blocking_a, blocking_b, _mean,
                             "s", True, alpha, min_effect))
@@ -240,7 +264,7 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
            _peak_memory(B.steps, "peak_percent"), "%")
     tested("bubble", "pipeline bubble", _bubble, _mean, "", True)
     if A.cluster and B.cluster:
-        skew = lambda s: _num(s.get("skew_seconds"))  # noqa: E731
+        skew = lambda s: as_number(s.get("skew_seconds"))  # noqa: E731
         a_skew, b_skew = _per_step(A.cluster, skew), _per_step(B.cluster, skew)
         rows.append(_tested("skew", "cross-rank skew, median", a_skew, b_skew, _median, "s", True, alpha,
                             min_effect))
@@ -255,6 +279,9 @@ def compare_runs(run_a: Run, run_b: Run, *, alpha: float = DEFAULT_ALPHA,
     for key in ("git_commit", "hostname"):
         if meta_a.get(key) != meta_b.get(key):
             metadata.append((key, meta_a.get(key), meta_b.get(key)))
+    source_a, source_b = _last_text(A.steps, "flops_source"), _last_text(B.steps, "flops_source")
+    if source_a != source_b:
+        metadata.append(("flops_source", source_a, source_b))
     return {"a": {"path": str(run_a.path), "run_id": run_a.run_id}, "b": {"path": str(run_b.path),
             "run_id": run_b.run_id}, "rows": rows, "metadata": metadata, "alpha": alpha, "min_effect": min_effect}
 
@@ -340,7 +367,7 @@ def plot_intervals(run_a: Run, run_b: Run, path: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run, name in ((run_a, "A"), (run_b, "B")):
-        values = sorted(_present(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
+        values = sorted(present_values(steady_steps(run.steps(run.default_rank)), "interval_seconds"))
         if values:
             ax.step([v * 1e3 for v in values], [(i + 1) / len(values) for i in range(len(values))],
                     where="post", label=f"{name}: {run.run_id}")

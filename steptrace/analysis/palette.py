@@ -8,14 +8,16 @@ from typing import Iterable
 
 # Fixed colours for the idle reasons the SDK emits itself, so the same reason
 # looks the same across runs and plots.  User span names get a colour derived
-# from a stable hash of the name (see _reason_colour).
-_REASON_COLOURS = {
+# from a stable hash of the name (see reason_colour).
+REASON_COLOURS = {
     "compute": "#2ca02c",
     "checkpoint": "#d62728",
     "data": "#1f77b4",
     "compile": "#9467bd",
     "eval": "#ff7f0e",
     "other": "#7f7f7f",
+    "startup": "#c7c7c7",  # before the first step: what no span covers
+    "restore": "#8c564b",
 }
 _KNOWN_REASON_ORDER = ["checkpoint", "data", "compile", "eval"]
 _USER_PALETTE = [
@@ -24,15 +26,15 @@ _USER_PALETTE = [
 ]
 
 
-def _reason_colour(reason: str) -> str:
+def reason_colour(reason: str) -> str:
     """A colour that depends only on the reason name (stable across runs)."""
-    if reason in _REASON_COLOURS:
-        return _REASON_COLOURS[reason]
+    if reason in REASON_COLOURS:
+        return REASON_COLOURS[reason]
     # crc32 rather than hash(): str hashes are salted per process.
     return _USER_PALETTE[zlib.crc32(reason.encode("utf-8")) % len(_USER_PALETTE)]
 
 
-def _reason_order(reasons: Iterable[str]) -> list[str]:
+def reason_order(reasons: Iterable[str]) -> list[str]:
     """Known reasons first in a fixed order, user reasons sorted, 'other' on top."""
     reasons = set(reasons)
     ordered = [r for r in _KNOWN_REASON_ORDER if r in reasons]
@@ -43,11 +45,11 @@ def _reason_order(reasons: Iterable[str]) -> list[str]:
 
 
 # Timeline colours not covered by the reason colours.
-_STEP_COLOUR = "#d5dbe3"
-_STEP_EDGE = "#7d8796"
-_ERROR_COLOUR = "#f4a3a3"
-_ERROR_EDGE = "#b00000"
-_BLOCKING_COLOUR = "#7a0d0d"
-_FORWARD_COLOUR = "#9ecae1"
-_BACKWARD_COLOUR = "#08519c"
-_SEPARATE = {"edgecolor": "white", "linewidth": 0.6}
+STEP_COLOUR = "#d5dbe3"
+STEP_EDGE = "#7d8796"
+ERROR_COLOUR = "#f4a3a3"
+ERROR_EDGE = "#b00000"
+BLOCKING_COLOUR = "#7a0d0d"
+FORWARD_COLOUR = "#9ecae1"
+BACKWARD_COLOUR = "#08519c"
+SEPARATE = {"edgecolor": "white", "linewidth": 0.6}

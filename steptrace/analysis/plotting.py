@@ -1,41 +1,65 @@
 """The PNG pictures: the report's per-step stacked bars (:func:`plot_timeline`) and the timeline's
-per-rank host/device lanes (:func:`render_png`). One module, one palette (``palette``); matplotlib is
-imported inside the functions, so importing this module stays cheap."""
+per-rank host/device lanes (:func:`render_png`, drawn from :mod:`steptrace.analysis.lanes` like the
+Perfetto trace). One module, one palette (``palette``); matplotlib is imported inside the functions,
+so importing this module stays cheap."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterable
 
+from steptrace.analysis.lanes import (
+    Bar,
+    StepWindow,
+    as_window,
+    host_lanes,
+    microbatch_tracks,
+    rank_view,
+    select_ranks,
+    time_origin,
+    track_name,
+    window_text,
+)
 from steptrace.analysis.palette import (
-    _BACKWARD_COLOUR,
-    _BLOCKING_COLOUR,
-    _ERROR_COLOUR,
-    _ERROR_EDGE,
-    _FORWARD_COLOUR,
-    _REASON_COLOURS,
-    _SEPARATE,
-    _STEP_COLOUR,
-    _STEP_EDGE,
-    _reason_colour,
-    _reason_order,
+    BACKWARD_COLOUR,
+    BLOCKING_COLOUR,
+    ERROR_COLOUR,
+    ERROR_EDGE,
+    FORWARD_COLOUR,
+    REASON_COLOURS,
+    SEPARATE,
+    STEP_COLOUR,
+    STEP_EDGE,
+    reason_colour,
+    reason_order,
 )
 from steptrace.analysis.runs import Run
-from steptrace.analysis.summary import _num, _pct, summarize
-from steptrace.analysis.timeline import (
-    StepWindow,
-    _Bar,
-    _host_lanes,
-    _mb_track_name,
-    _mb_tracks,
-    _origin,
-    _rank_view,
-    _select_ranks,
-    _window,
-    _window_text,
-)
+from steptrace.analysis.summary import as_number, percent_text, summarize
 
 _MAX_BARS = 500
+
+
+def _before_first_step_bar(ax, first: dict, x: float, width: float, labelled: set[str], span: float) -> None:
+    """The time before the first step (start-up, an eval before step 0, ...) as a hatched bar left
+    of it, stacked by reason: wall time of the run that no step's interval holds."""
+    before = first.get("before_step_breakdown")
+    if not isinstance(before, dict) or not before:
+        return
+    bottom = 0.0
+    for reason in reason_order(before):
+        height = as_number(before.get(reason)) or 0.0
+        ax.bar([x], [height], width=width, bottom=[bottom], color=reason_colour(reason), hatch="//",
+               edgecolor="white", linewidth=0, label=None if reason in labelled else reason)
+        bottom += height
+    label = f"before\nfirst step\n{bottom:.2f} s"
+    if bottom > 3 * span:
+        # A long start-up would flatten every step: clip the axis and say the bar's height in words.
+        ax.set_ylim(0, 1.3 * span)
+        ax.annotate(label + " (clipped)", (x, 1.3 * span), xytext=(0, -4), textcoords="offset points",
+                    ha="center", va="top", fontsize="x-small")
+    else:
+        ax.annotate(label, (x, bottom), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
+                    fontsize="x-small")
 
 
 def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> Path:
@@ -45,11 +69,11 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
     from matplotlib.figure import Figure
 
     rank = run.resolve_rank(rank)
-    steps = [s for s in run.steps(rank) if _num(s.get("step")) is not None]
+    steps = [s for s in run.steps(rank) if as_number(s.get("step")) is not None]
     checkpoints = run.checkpoints(rank)
     summary = summarize(steps, checkpoints)
 
-    xs = [_num(s["step"]) for s in steps]
+    xs = [as_number(s["step"]) for s in steps]
     # Steps may be logged sparsely (every N); size bars to the smallest gap.
     gaps = [b - a for a, b in zip(xs, xs[1:]) if b > a]
     width = 0.8 * (min(gaps) if gaps else 1.0)
@@ -64,7 +88,7 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
 
     def stack(label: str, heights: list[float]) -> None:
         tops = [b + h for b, h in zip(bottoms, heights)]
-        colour = _reason_colour(label)
+        colour = reason_colour(label)
         if as_bars:
             ax.bar(xs, heights, width=width, bottom=bottoms, label=label,
                    color=colour, linewidth=0)
@@ -74,27 +98,28 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
         bottoms[:] = tops
 
     if steps:
-        stack("compute", [_num(s.get("compute_seconds")) or 0.0 for s in steps])
+        stack("compute", [as_number(s.get("compute_seconds")) or 0.0 for s in steps])
         reasons = {
             reason
             for s in steps
             if isinstance(s.get("idle_breakdown"), dict)
             for reason in s["idle_breakdown"]
         }
-        for reason in _reason_order(reasons):
+        for reason in reason_order(reasons):
             stack(reason, [
-                (_num(s["idle_breakdown"].get(reason)) or 0.0)
+                (as_number(s["idle_breakdown"].get(reason)) or 0.0)
                 if isinstance(s.get("idle_breakdown"), dict) else 0.0
                 for s in steps
             ])
 
         top = {x: b for x, b in zip(xs, bottoms)}
         span = max(bottoms) if bottoms else 1.0
-        ckpt_steps = [_num(c.get("step")) for c in checkpoints]
+        _before_first_step_bar(ax, steps[0], xs[0] - (min(gaps) if gaps else 1.0), width, reasons, span)
+        ckpt_steps = [as_number(c.get("step")) for c in checkpoints]
         ckpt_xs = [x for x in ckpt_steps if x in top]
         if ckpt_xs:
             ax.scatter(ckpt_xs, [top[x] + 0.03 * span for x in ckpt_xs], marker="v",
-                       color=_REASON_COLOURS["checkpoint"], zorder=3,
+                       color=REASON_COLOURS["checkpoint"], zorder=3,
                        label="checkpoint saved")
         err_xs = [x for x, s in zip(xs, steps) if s.get("status") == "error"]
         if err_xs:
@@ -113,7 +138,7 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
 
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
-    ax.set_title(f"{run.run_id} (rank {rank}): goodput {_pct(summary['goodput'])}")
+    ax.set_title(f"{run.run_id} (rank {rank}): goodput {percent_text(summary['goodput'])}")
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, format="png", dpi=100)
@@ -146,17 +171,17 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("steptrace timeline --png needs matplotlib: pip install 'steptrace[report]'") from exc
 
-    selected = _select_ranks(run, ranks)
-    window = _window(steps)
-    origin = _origin(run)
-    views = [_rank_view(run, rank, window) for rank in selected]
+    selected = select_ranks(run, ranks)
+    window = as_window(steps)
+    origin = time_origin(run)
+    views = [rank_view(run, rank, window) for rank in selected]
 
     # Rows top to bottom: (label, draw list of (bar, depth)).
-    rows: list[tuple[str, list[tuple[_Bar, int]]]] = []
+    rows: list[tuple[str, list[tuple[Bar, int]]]] = []
     rank_first_row: list[int] = []
     for view in views:
         rank_first_row.append(len(rows))
-        lanes = _host_lanes(view.host)
+        lanes = host_lanes(view.host)
         n_lanes = max([lane for _, lane, _ in lanes], default=0) + 1
         for lane in range(n_lanes):
             drawn = [(bar, depth) for bar, bar_lane, depth in lanes if bar_lane == lane]
@@ -165,8 +190,8 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
                 drawn += [(bar, 0) for bar in view.commit]
             rows.append((f"rank {view.rank}  host" + ("" if lane == 0 else f" ({lane + 1})"), drawn))
         rows.append((f"rank {view.rank}  device", [(bar, 0) for bar in view.device]))
-        for track in _mb_tracks(view):
-            rows.append((f"rank {view.rank}  {_mb_track_name(track)}",
+        for track in microbatch_tracks(view):
+            rows.append((f"rank {view.rank}  {track_name(track)}",
                          [(bar, 0) for bar in view.microbatch[track]]))
 
     row_in = 0.4 if len(rows) <= 60 else max(0.12, 20.0 / len(rows))
@@ -190,33 +215,33 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
 
     legend: dict[str, Patch] = {}
 
-    def style(bar: _Bar) -> tuple[str, dict, str]:
+    def style(bar: Bar) -> tuple[str, dict, str]:
         """(facecolour, extra broken_barh kwargs, legend label) for a bar."""
         if bar.kind == "step":
             if bar.error:
-                return _ERROR_COLOUR, {"edgecolor": _ERROR_EDGE, "linewidth": 0.8}, "error step"
-            return _STEP_COLOUR, {"edgecolor": _STEP_EDGE, "linewidth": 0.6}, "host step"
+                return ERROR_COLOUR, {"edgecolor": ERROR_EDGE, "linewidth": 0.8}, "error step"
+            return STEP_COLOUR, {"edgecolor": STEP_EDGE, "linewidth": 0.6}, "host step"
         if bar.kind == "compute":
             if bar.error:
-                return _REASON_COLOURS["compute"], {"edgecolor": _ERROR_EDGE, "hatch": "xx",
+                return REASON_COLOURS["compute"], {"edgecolor": ERROR_EDGE, "hatch": "xx",
                                                      "linewidth": 0.8}, "error step"
             # White edges keep back-to-back steps (and microbatches) apart.
-            return _REASON_COLOURS["compute"], _SEPARATE, "compute"
+            return REASON_COLOURS["compute"], SEPARATE, "compute"
         if bar.kind == "idle":
             # A reason has one colour: its host span and the device idle it caused.
-            return _reason_colour(bar.reason), {}, bar.reason
+            return reason_colour(bar.reason), {}, bar.reason
         if bar.kind == "checkpoint":
-            return _reason_colour("checkpoint"), {}, "checkpoint"
+            return reason_colour("checkpoint"), {}, "checkpoint"
         if bar.kind == "blocking":
-            return _BLOCKING_COLOUR, {}, "checkpoint blocking"
+            return BLOCKING_COLOUR, {}, "checkpoint blocking"
         if bar.kind == "commit":
-            return "white", {"edgecolor": _reason_colour("checkpoint"), "hatch": "////",
+            return "white", {"edgecolor": reason_colour("checkpoint"), "hatch": "////",
                              "linewidth": 0.5}, "checkpoint async commit"
         if bar.kind == "span":
-            return _reason_colour(bar.reason), {}, bar.reason
+            return reason_colour(bar.reason), {}, bar.reason
         if bar.kind == "backward":
-            return _BACKWARD_COLOUR, _SEPARATE, "backward microbatch"
-        return _FORWARD_COLOUR, _SEPARATE, "forward microbatch"
+            return BACKWARD_COLOUR, SEPARATE, "backward microbatch"
+        return FORWARD_COLOUR, SEPARATE, "forward microbatch"
 
     labels_left = _MAX_LABELS
     for index, (_, drawn) in enumerate(rows):
@@ -280,7 +305,7 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
     if window == (None, None):
         step_text = "all steps"
     else:
-        step_text = f"step{'' if window[0] == window[1] else 's'} {_window_text(window)}"
+        step_text = f"step{'' if window[0] == window[1] else 's'} {window_text(window)}"
     title = f"{run.run_id}: {rank_text}, {step_text} ({n_steps} step{'' if n_steps == 1 else 's'})"
     if n_steps and (x_hi - x_lo) * px_per_second / n_steps < 3:
         title += " - steps are narrower than a few pixels: zoom in with --steps A:B"
@@ -292,7 +317,7 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
         fixed_head = ["host step", "error step", "compute"]
         fixed_tail = ["checkpoint blocking", "checkpoint async commit", "forward microbatch",
                       "backward microbatch"]
-        reasons = _reason_order(k for k in legend if k not in fixed_head and k not in fixed_tail)
+        reasons = reason_order(k for k in legend if k not in fixed_head and k not in fixed_tail)
         handles = [legend[k] for k in fixed_head + reasons + fixed_tail if k in legend]
         fig.legend(handles=handles, loc="lower left", ncol=min(6, len(handles)), fontsize=8,
                    frameon=False, bbox_to_anchor=(_LEFT_IN / _FIG_WIDTH_IN - 0.01, 0.05 / height))

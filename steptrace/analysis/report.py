@@ -18,10 +18,12 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
+from steptrace.analysis.goodput import BUCKETS, job_accounting
+from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
-from steptrace.analysis.runs import Run, RunDirError, _ranks_reporting, find_run, load_run
+from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
-from steptrace.analysis.summary import _num, _pct, percentile, summarize, summarize_cluster
+from steptrace.analysis.summary import as_number, percent_text, percentile, summarize, summarize_cluster
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -71,7 +73,7 @@ def _add_rows(table, items: list[dict], max_rows: int, add, columns: int, elided
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
     """Format a number, or an em dash for missing values."""
-    number = _num(value)
+    number = as_number(value)
     return "—" if number is None else format(number, spec)
 
 
@@ -85,7 +87,7 @@ def _top_reasons(breakdown: Any, limit: int = 3) -> str:
     """
     if not isinstance(breakdown, dict):
         return ""
-    items = [(k, _num(v)) for k, v in breakdown.items()]
+    items = [(k, as_number(v)) for k, v in breakdown.items()]
     items = sorted(((k, v) for k, v in items if v and v >= 0.005), key=lambda kv: -kv[1])
     return ", ".join(f"{k} {v:.2f}" for k, v in items[:limit])
 
@@ -166,14 +168,17 @@ def _summary_panel(summary: dict, title: str):
     errors = summary["error_steps"]
     error_text = f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else ""
     grid.add_row("steps", str(summary["steps"]), error_text)
-    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "sum of step intervals")
+    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "step intervals + time before the first step")
     grid.add_row("compute", f"{summary['compute_seconds']:.3f} s", "")
-    grid.add_row("goodput", _pct(summary["goodput"]), "compute / wall")
+    grid.add_row("goodput", percent_text(summary["goodput"]), "compute / wall")
     grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
     grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
-    grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"), "per second of compute")
-    grid.add_row("MFU", _pct(summary["mfu"]), "mean over steps")
+    grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
+                 "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
+                 else "per second of compute")
+    for row in _flops_rows(summary):
+        grid.add_row(*row)
     for name, value in summary.get("scalars", {}).items():
         grid.add_row(name, _fmt(value["last"], ".4g"), f"last; mean {value['mean']:.4g} (s.log)")
     if summary.get("memory_peak_bytes") is not None:
@@ -192,6 +197,94 @@ def _summary_panel(summary: dict, title: str):
     return Panel(grid, title=title, title_align="left", expand=False)
 
 
+def _attempts_table(job: dict, rank: int):
+    from rich.table import Table
+
+    table = Table(title=f"Attempts (rank {rank}): each process start of the run", title_justify="left")
+    for name in ("attempt", "steps", "first", "last", "wasted steps", "seconds", "productive s", "startup s",
+                 "ended"):
+        table.add_column(name, justify="left" if name == "ended" else "right")
+    for attempt in job["attempts"]:
+        ended = attempt["status"]
+        table.add_row(str(attempt["attempt"]), str(attempt["steps"]), str(attempt["first_step"]),
+                      str(attempt["last_step"]), str(attempt["wasted_steps"]), f"{attempt['seconds']:.3f}",
+                      f"{attempt['productive_seconds']:.3f}", f"{attempt['badput']['startup']:.3f}",
+                      ended if ended == "clean" else f"[yellow]{ended}[/]")
+    return table
+
+
+def _job_panel(job: dict, rank: int):
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(justify="right")
+    grid.add_column()
+    total = job["total_seconds"]
+
+    def share(seconds: float) -> str:
+        return f"{seconds / total * 100:.1f}% of the job" if total > 0 else ""
+
+    grid.add_row("job wall", f"{total:.3f} s", "first process start → last record, every attempt")
+    grid.add_row("productive", f"{job['productive_seconds']:.3f} s", f"goodput {percent_text(job['goodput'])}")
+    for bucket in BUCKETS:
+        seconds = job["badput"][bucket]
+        if seconds > 0:
+            detail = share(seconds)
+            if bucket == "custom" and job["custom"]:
+                detail += " (" + ", ".join(f"{escape(k)} {v:.2f}" for k, v in job["custom"].items()) + ")"
+            grid.add_row(f"badput: {bucket}", f"{seconds:.3f} s", detail)
+    return Panel(grid, title=f"Job goodput across attempts (rank {rank}; docs/goodput.md)", title_align="left",
+                 expand=False)
+
+
+def _stall_panel(view: dict):
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    cause = view["cause_ranks"]
+    grid.add_row("cause", escape(view["summary"]) if cause else f"[yellow]no single rank: {escape(view['reason'])}[/]")
+    if cause:
+        grid.add_row("why", escape(view["reason"]))
+    for rank in view["ranks"]:
+        ended = view["ended_after"][rank]
+        state = "still stalled" if ended is None else f"moved on after {ended:.1f} s"
+        span = view["span"][rank]
+        grid.add_row(f"rank {rank}", escape(f"step {view['step'][rank]}{f', span {span}' if span else ''}: "
+                                            f"{view['where'][rank]} ({state})"))
+    return Panel(grid, title="Stall: where each rank was when it stopped moving (docs/hangs.md)",
+                 title_align="left", expand=False)
+
+
+def _flops_rows(summary: dict) -> list[tuple[str, str, str]]:
+    """FLOPs per step, the peak, and MFU / HFU each with its formula line: the parts travel with
+    the ratio, so a reader can redo the division."""
+    rows = []
+    peak = summary.get("peak_flops")
+    for kind, ratio, what in (("model", "mfu", "MFU"), ("hardware", "hfu", "HFU")):
+        per_step = summary.get(f"{kind}_flops_per_step")
+        if per_step is None:
+            continue
+        source = summary.get("flops_source") if kind == "hardware" else "step(flops=...)"
+        rows.append((f"{kind} FLOPs", f"{per_step / 1e9:,.3f} GFLOP", f"per step and device, from {source}"))
+        tflops = summary.get(f"{kind}_tflops_per_second")
+        if summary.get(ratio) is not None:
+            rows.append((what, percent_text(summary[ratio]),
+                         f"= {kind} FLOPs / compute s / peak = {_fmt(tflops, '.3f')} / {peak / 1e12:,.1f} TFLOP/s"
+                         if peak else "mean of the steps' own (their records name no peak)"))
+    if peak is None and rows and summary.get("mfu") is None and summary.get("hfu") is None:
+        rows.append(("MFU / HFU", "-", "no peak for this device: set peak_tflops (docs/flops.md)"))
+    elif peak is not None and not rows:
+        rows.append(("MFU", "-", f"no FLOPs per step (peak {peak / 1e12:,.1f} TFLOP/s): pass flops"))
+    return rows
+
+
 def _rank_table(run: Run):
     from rich.markup import escape
     from rich.table import Table
@@ -208,7 +301,7 @@ def _rank_table(run: Run):
             str(rank),
             str(s["steps"]),
             f"{s['wall_seconds']:.3f}",
-            _pct(s["goodput"]),
+            percent_text(s["goodput"]),
             _fmt(s["compute_p50"]),
             _fmt(s["tokens_per_second"], ",.0f"),
             _fmt(s["tflops_per_second"], ".2f"),
@@ -228,7 +321,7 @@ def _cluster_table(steps: list[dict], max_rows: int):
     table.add_column("missing ranks")
 
     def add(step: dict) -> None:
-        reporting = _ranks_reporting(step)
+        reporting = ranks_reporting(step)
         world = step.get("world_size")
         ranks = f"{reporting}/{world}" if isinstance(world, int) else str(reporting)
         missing = step.get("missing_ranks") if isinstance(step.get("missing_ranks"), list) else []
@@ -271,7 +364,7 @@ def _cluster_panel(summary: dict):
     grid.add_row("skew p50 / p90", f"{_fmt(summary['skew_p50'])} / {_fmt(summary['skew_p90'])} s",
                  "max − min compute over ranks, complete steps")
     grid.add_row("skew max", f"{_fmt(summary['skew_max'])} s", "")
-    grid.add_row("goodput", _pct(summary["goodput"]), "all ranks: Σcompute / Σinterval")
+    grid.add_row("goodput", percent_text(summary["goodput"]), "all ranks: Σcompute / Σinterval")
     for rank, count in list(summary["straggler_steps"].items())[:8]:
         share = f"{count / complete * 100:.0f}% of complete steps" if complete else ""
         grid.add_row(f"straggler: rank {rank}", f"{count} step{'' if count == 1 else 's'}", share)
@@ -327,8 +420,15 @@ def render_report(
         if checkpoints:
             console.print(_checkpoint_table(checkpoints, rank))
         console.print(_summary_panel(summary, f"Summary (rank {rank})"))
+        job = job_accounting(run.records_by_rank.get(rank, []))
+        if len(job["attempts"]) > 1:
+            console.print(_attempts_table(job, rank))
+            console.print(_job_panel(job, rank))
         if len(run.ranks) > 1:
             console.print(_rank_table(run))
+        stalls = job_view(run)
+        if stalls is not None:
+            console.print(_stall_panel(stalls))
     elif rank is not None:
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
@@ -397,6 +497,10 @@ def run_report(args: argparse.Namespace) -> int:
             "warnings": run.warnings,
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
+            # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
+            "stalls": job_view(run) if run.ranks else None,
+            # every second of the job across attempts (docs/goodput.md); null without rank files
+            "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
         }
         stragglers = _stragglers(run)
         payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from steptrace.analysis.summary import _num
+from steptrace.analysis.summary import as_number
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 #: Written by the steptrace collector (steptrace.collector): the cross-rank join.
@@ -122,7 +122,7 @@ def _read_rank_file(file: Path, warnings: list[str], skipped: dict[str, int] | N
 
 def _step_key(record: dict) -> tuple[int, float]:
     """Sort key by step number; records without a numeric step go last."""
-    step = _num(record.get("step"))
+    step = as_number(record.get("step"))
     return (0, step) if step is not None else (1, 0.0)
 
 
@@ -180,7 +180,7 @@ class Run:
             dropped = record.get("dropped")
             if isinstance(dropped, dict):
                 for reason, count in dropped.items():
-                    if _num(count) is not None:
+                    if as_number(count) is not None:
                         totals[reason] = totals.get(reason, 0) + int(count)
         return totals
 
@@ -206,9 +206,17 @@ class Run:
         ]
 
     def steps(self, rank: int | None = None) -> list[dict]:
-        """Step records of *rank* (default: rank 0), sorted by step number."""
+        """The kept step records of *rank* (default: rank 0), sorted by step number: a step that a
+        later attempt redid counts once, as the later attempt ran it (see :func:`split_attempts`)."""
         rank = self.resolve_rank(rank)
-        return sorted(self.records("step", rank), key=_step_key)
+        kept, _ = kept_and_wasted(self.records_by_rank[rank])
+        return sorted(kept, key=_step_key)
+
+    def wasted_steps(self, rank: int | None = None) -> list[dict]:
+        """Step records of *rank* whose progress a later attempt threw away (it resumed from an
+        earlier step): wasted progress in the job's accounting."""
+        _, wasted = kept_and_wasted(self.records_by_rank[self.resolve_rank(rank)])
+        return wasted
 
     def checkpoints(self, rank: int | None = None) -> list[dict]:
         """Checkpoint records of *rank* (default: rank 0), sorted by step."""
@@ -227,7 +235,7 @@ class Run:
             if record.get("type") != "cluster_step" or isinstance(step, bool) or not isinstance(step, int):
                 continue
             have = best.get(step)
-            if have is None or _ranks_reporting(record) >= _ranks_reporting(have):
+            if have is None or ranks_reporting(record) >= ranks_reporting(have):
                 best[step] = record
         return [best[k] for k in sorted(best)]
 
@@ -236,8 +244,45 @@ class Run:
         return [r for r in self.cluster_records if r.get("type") == "late"]
 
 
-def _ranks_reporting(record: dict) -> int:
-    value = _num(record.get("ranks_reporting"))
+def attempt_of(record: dict) -> int:
+    """The attempt a record belongs to (0 for records written before attempts were recorded)."""
+    attempt = record.get("attempt")
+    return attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 0 else 0
+
+
+def split_attempts(records: list[dict]) -> list[tuple[int, list[dict]]]:
+    """One rank's records grouped by attempt, in the order the attempts appear in its file."""
+    groups: dict[int, list[dict]] = {}
+    for record in records:
+        groups.setdefault(attempt_of(record), []).append(record)
+    return list(groups.items())
+
+
+def kept_and_wasted(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """One rank's step records split into those kept and those whose progress was thrown away.
+
+    A step of attempt *k* is wasted when a later attempt's first step is at or before it: the
+    later attempt resumed from a checkpoint older than that step, so everything from there on was
+    lost, whether the later attempt got to redo it or not. A clean save-exit-resume (the next
+    attempt starts after the last step) wastes nothing. Independent of step numbers repeating.
+    """
+    attempts = [[r for r in group if r.get("type") == "step"] for _, group in split_attempts(records)]
+    kept: list[dict] = []
+    wasted: list[dict] = []
+    for i, steps in enumerate(attempts):
+        resumed_at = min((as_number(s.get("step")) for later in attempts[i + 1:] for s in later[:1]
+                          if as_number(s.get("step")) is not None), default=None)
+        for step in steps:
+            number = as_number(step.get("step"))
+            if resumed_at is not None and number is not None and number >= resumed_at:
+                wasted.append(step)
+            else:
+                kept.append(step)
+    return kept, wasted
+
+
+def ranks_reporting(record: dict) -> int:
+    value = as_number(record.get("ranks_reporting"))
     return int(value) if value is not None else 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-def _num(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """Return *value* as a float if it is a real number (bools excluded), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -26,38 +26,43 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 
 def _sum_field(records: Iterable[dict], key: str) -> float:
-    return sum(_num(r.get(key)) or 0.0 for r in records)
+    return sum(as_number(r.get(key)) or 0.0 for r in records)
 
 
-def _present(records: Iterable[dict], key: str) -> list[float]:
-    return [v for v in (_num(r.get(key)) for r in records) if v is not None]
+def present_values(records: Iterable[dict], key: str) -> list[float]:
+    """The numeric values of *key* in *records*, skipping records where it is missing or not a number."""
+    return [v for v in (as_number(r.get(key)) for r in records) if v is not None]
 
 
 def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
     """Aggregate step and checkpoint records of one rank into a summary dict.
 
     Rates that need optional fields (tokens, flops, mfu) are None when no step
-    carries them; they are computed only over the steps that do.
+    carries them; they are computed only over the steps that do. The wall time is the step
+    intervals plus the time before the first step (``before_step_seconds``: an eval before
+    step 0, start-up), so nothing the host spent is dropped from the account.
     """
-    wall = _sum_field(steps, "interval_seconds")
+    before = _sum_field(steps, "before_step_seconds")
+    wall = _sum_field(steps, "interval_seconds") + before
     compute = _sum_field(steps, "compute_seconds")
 
     idle_totals: dict[str, float] = {}
     for step in steps:
-        breakdown = step.get("idle_breakdown")
-        if isinstance(breakdown, dict):
-            for reason, seconds in breakdown.items():
-                value = _num(seconds)
-                if value is not None:
-                    idle_totals[reason] = idle_totals.get(reason, 0.0) + value
+        for field in ("idle_breakdown", "before_step_breakdown"):
+            breakdown = step.get(field)
+            if isinstance(breakdown, dict):
+                for reason, seconds in breakdown.items():
+                    value = as_number(seconds)
+                    if value is not None:
+                        idle_totals[reason] = idle_totals.get(reason, 0.0) + value
     # Largest first: that is the order people read them in.
     idle_totals = dict(sorted(idle_totals.items(), key=lambda kv: -kv[1]))
 
-    with_tokens = [s for s in steps if _num(s.get("tokens")) is not None]
+    with_tokens = [s for s in steps if as_number(s.get("tokens")) is not None]
     token_time = _sum_field(with_tokens, "interval_seconds")
-    with_flops = [s for s in steps if _num(s.get("flops")) is not None]
+    with_flops = [s for s in steps if as_number(s.get("flops")) is not None]
     flop_time = _sum_field(with_flops, "compute_seconds")
-    mfus = _present(steps, "mfu")
+    flops = _flops_parts(steps)
 
     return {
         "steps": len(steps),
@@ -65,11 +70,12 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
         "wall_seconds": wall,
         "compute_seconds": compute,
         "idle_seconds": _sum_field(steps, "idle_seconds"),
+        "before_steps_seconds": before,
         "goodput": compute / wall if wall > 0 else None,
         "idle_breakdown_totals": idle_totals,
-        "compute_p50": percentile(_present(steps, "compute_seconds"), 50),
-        "compute_p90": percentile(_present(steps, "compute_seconds"), 90),
-        "interval_p50": percentile(_present(steps, "interval_seconds"), 50),
+        "compute_p50": percentile(present_values(steps, "compute_seconds"), 50),
+        "compute_p90": percentile(present_values(steps, "compute_seconds"), 90),
+        "interval_p50": percentile(present_values(steps, "interval_seconds"), 50),
         "tokens_per_second": (
             _sum_field(with_tokens, "tokens") / token_time
             if with_tokens and token_time > 0
@@ -80,17 +86,46 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
             if with_flops and flop_time > 0
             else None
         ),
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        **flops,
         "checkpoints": len(checkpoints),
         "checkpoint_blocking_seconds": _sum_field(checkpoints, "blocking_seconds"),
         # s.log(...) scalars: the last value and the mean of each name
         "scalars": _scalar_summary(steps),
         # device memory, where the backend reported it: the largest peak and its share of the limit
-        "memory_peak_bytes": max(_present([s.get("device_memory") or {} for s in steps], "peak_bytes"),
+        "memory_peak_bytes": max(present_values([s.get("device_memory") or {} for s in steps], "peak_bytes"),
                                  default=None),
-        "memory_peak_percent": max(_present([s.get("device_memory") or {} for s in steps], "peak_percent"),
+        "memory_peak_percent": max(present_values([s.get("device_memory") or {} for s in steps], "peak_percent"),
                                    default=None),
     }
+
+
+def _model_flops(step: dict) -> float | None:
+    # Records written before model_flops existed carry the user's (model) count as `flops`.
+    return as_number(step.get("model_flops") if "model_flops" in step else step.get("flops"))
+
+
+def _flops_parts(steps: Sequence[dict]) -> dict:
+    """MFU and HFU over the run with their parts: Σ FLOPs / Σ compute seconds / peak, each over the
+    steps that carry that count (a weighted mean, like TFLOP/s), and the parts themselves."""
+    peaks = present_values(steps, "peak_flops")
+    peak = peaks[-1] if peaks else None
+    parts: dict = {"peak_flops": peak}
+    for kind, read in (("model", _model_flops), ("hardware", lambda s: as_number(s.get("hardware_flops")))):
+        counted = [(read(s), as_number(s.get("compute_seconds"))) for s in steps]
+        counted = [(f, c) for f, c in counted if f is not None and c is not None]
+        total = sum(f for f, _ in counted)
+        seconds = sum(c for _, c in counted)
+        parts[f"{kind}_flops_per_step"] = total / len(counted) if counted else None
+        parts[f"{kind}_tflops_per_second"] = total / seconds / 1e12 if counted and seconds > 0 else None
+        ratio = "mfu" if kind == "model" else "hfu"
+        if peak:
+            parts[ratio] = total / seconds / peak if counted and seconds > 0 else None
+        else:  # records without their peak (written before peak_flops existed): the steps' own ratios
+            ratios = present_values(steps, ratio)
+            parts[ratio] = sum(ratios) / len(ratios) if ratios else None
+    sources = [s.get("flops_source") for s in steps if s.get("flops_source")]
+    parts["flops_source"] = sources[-1] if sources else None
+    return parts
 
 
 def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
@@ -113,10 +148,10 @@ def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
             for rank in ranks:
                 if isinstance(rank, int) and not isinstance(rank, bool):
                     missing[rank] = missing.get(rank, 0) + 1
-    skews = _present(complete, "skew_seconds")
+    skews = present_values(complete, "skew_seconds")
     compute = _sum_field(steps, "compute_sum_seconds")
     interval = _sum_field(steps, "interval_sum_seconds")
-    world_sizes = [int(w) for w in _present(steps, "world_size")]
+    world_sizes = [int(w) for w in present_values(steps, "world_size")]
     return {
         "steps": len(steps),
         "complete_steps": len(complete),
@@ -129,12 +164,13 @@ def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
         "skew_p50": percentile(skews, 50),
         "skew_p90": percentile(skews, 90),
         "skew_max": max(skews) if skews else None,
-        "compute_median_p50": percentile(_present(complete, "compute_median_seconds"), 50),
+        "compute_median_p50": percentile(present_values(complete, "compute_median_seconds"), 50),
         "goodput": compute / interval if interval > 0 else None,
     }
 
 
-def _pct(value: float | None) -> str:
+def percent_text(value: float | None) -> str:
+    """A ratio as ``12.3%`` for tables and titles (``—`` when unknown)."""
     return "—" if value is None else f"{value * 100:.1f}%"
 
 
@@ -144,7 +180,7 @@ def _scalar_summary(steps: Sequence[dict]) -> dict[str, dict[str, float]]:
         scalars = step.get("scalars")
         if isinstance(scalars, dict):
             for name, value in scalars.items():
-                number = _num(value)
+                number = as_number(value)
                 if number is not None:
                     values.setdefault(str(name), []).append(number)
     return {name: {"last": v[-1], "mean": sum(v) / len(v)} for name, v in values.items()}
