@@ -33,12 +33,10 @@ is initialised with the gloo backend; call it earlier to have it in place before
 
 from __future__ import annotations
 
-import sys
+import functools
+import inspect
 import time
 from typing import Any, Callable
-
-import steptrace
-from steptrace.adapters._hooks import Hooks
 
 __all__ = ["SOURCE_DDP", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp", "untrack_collectives"]
 
@@ -57,17 +55,37 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 HOST_SYNCHRONOUS_BACKENDS = ("gloo",)
 
 _perf = time.perf_counter
-_current_step = steptrace.current_step
-_hooks = Hooks("torch.distributed", lambda: f"torch {_torch_version()}")
+#: The run whose steps the waits go to (set at each run's first step by :func:`mark_runtime`). A leaf
+#: module like the other device backends: it imports no steptrace module, the runtime comes to it.
+_runtime: list[Any] = [None]
+#: (owner, attribute, original) of every function replaced, in the order replaced.
+_patched: list[tuple[Any, str, Any]] = []
 #: Seconds waited in collectives while no step was open: they belong to the next step's interval.
 _pending = [0.0]
 #: True while a wrapped synchronous collective runs: it waits on its Work inside, timed already.
 _inside = [False]
 
 
-def _torch_version() -> str:
-    module = sys.modules.get("torch")
-    return str(getattr(module, "__version__", "unknown"))
+def _current_step() -> Any:
+    runtime = _runtime[0]
+    return None if runtime is None else runtime.current
+
+
+def _patch(owner: Any, attribute: str, make: Callable[[Any], Any], rebind_in: tuple[Any, ...] = ()) -> None:
+    """Replace ``owner.attribute`` by ``make(original)`` (and in ``rebind_in`` where those modules hold
+    the same original); once: a second call finds the marked wrapper and leaves it."""
+    original = inspect.getattr_static(owner, attribute, None)
+    if original is None or getattr(original, "__steptrace_hook__", False):
+        return
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    wrapper.__steptrace_hook__ = True
+    setattr(owner, attribute, wrapper)
+    _patched.append((owner, attribute, original))
+    for module in rebind_in:
+        if getattr(module, attribute, None) is original:
+            setattr(module, attribute, wrapper)
+            _patched.append((module, attribute, original))
 
 
 def _add_wait(step: Any, seconds: float, source: str) -> None:
@@ -148,30 +166,37 @@ def track_collectives(*, force: bool = False) -> list[str]:
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
+    from torch.nn.parallel import distributed as ddp_module
 
     if not force and _default_backend() not in HOST_SYNCHRONOUS_BACKENDS:
         return []
     for name in COLLECTIVES:
         # distributed_c10d is where they live (and where object collectives look them up);
         # torch.distributed re-exports the same functions, rebound too.
-        _hooks.patch(name, distributed_c10d, name, _timed, rebind_in=[dist], missing_ok=True)
+        _patch(distributed_c10d, name, _timed, rebind_in=(dist,))
     # An async_op=True collective (and a p2p op) is waited for in Work.wait().
-    _hooks.patch("Work.wait", distributed_c10d, "Work.wait", _timed_wait, missing_ok=True)
+    _patch(distributed_c10d.Work, "wait", _timed_wait)
     # DDP's gradient all-reduce runs in C++, out of the wrappers' sight: its models are tracked at
     # their first forward (track_ddp).
-    _hooks.patch("DistributedDataParallel.forward", "torch.nn.parallel.distributed",
-                 "DistributedDataParallel.forward", _ddp_forward, missing_ok=True)
-    return _hooks.installed()
+    _patch(ddp_module.DistributedDataParallel, "forward", _ddp_forward)
+    return installed()
 
 
 def untrack_collectives() -> None:
-    """Put the original ``torch.distributed`` collectives back."""
-    _hooks.uninstall()
+    """Put the original ``torch.distributed`` functions back, newest first."""
+    while _patched:
+        owner, attribute, original = _patched.pop()
+        setattr(owner, attribute, original)
 
 
 def installed() -> list[str]:
-    """The collectives wrapped now."""
-    return _hooks.installed()
+    """What is wrapped now (``all_reduce``, ..., ``Work.wait``, ``DistributedDataParallel.forward``)."""
+    names = []
+    for owner, attribute, _ in _patched:
+        name = attribute if inspect.ismodule(owner) else f"{owner.__name__}.{attribute}"
+        if name not in names:
+            names.append(name)
+    return names
 
 
 class _DdpBackward:
@@ -256,8 +281,9 @@ def mark_runtime(runtime: Any) -> None:
         track_collectives()
     except Exception:
         pass
+    _runtime[0] = runtime
     _pending[0] = 0.0  # waits before this run's first step are not its steps'
-    if _hooks.installed():
+    if _patched:
         # Every step is measured now: one without a collective waited 0 (steps whose waits were
         # measured say so themselves, e.g. "ddp+torch.distributed").
         runtime.resolver.collective_source = SOURCE_TORCH
