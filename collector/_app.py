@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client.exposition import MetricsHandler
 
+from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
 from steptrace.collector._auth import ANY_RUN, Grant, Tokens, read_token_file
 from steptrace.collector._decode import (
     DEFAULT_MAX_STEP,
@@ -75,6 +76,9 @@ class CollectorConfig:
     window_s: float = 10.0
     max_open_steps: int = 4096
     goodput_window_steps: int = 100
+    straggler_min_seconds: float = STRAGGLER_MIN_SECONDS
+    straggler_min_ratio: float = STRAGGLER_MIN_RATIO
+    straggler_window_steps: int = 100
     max_runs: int = 64
     max_runs_per_token: int | None = None  # default: max_runs // 4, for each --token-file line
     read_timeout_s: float = 10.0
@@ -114,6 +118,11 @@ class CollectorConfig:
         integer("max_world_size", 1, MAX_RANK)
         integer("world_size", 1, self.max_world_size, optional=True)
         integer("max_step", 0, (1 << 63) - 1)
+        for name in ("straggler_min_seconds", "straggler_min_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        integer("straggler_window_steps", 1)
         for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
                      "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps",
                      "max_journal_bytes_per_run", "max_journal_bytes", "max_inflight_body_bytes"):
@@ -186,9 +195,12 @@ class Collector:
         self.joiner = Joiner(world_size=config.world_size, window_s=config.window_s,
                              max_open_steps=config.max_open_steps, max_emitted=config.max_emitted_steps,
                              max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history,
+                             straggler_min_seconds=config.straggler_min_seconds,
+                             straggler_min_ratio=config.straggler_min_ratio,
                              max_runs_per_owner=config.max_runs_per_token if config.max_runs_per_token is not None
                              else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
+                                      straggler_window_steps=config.straggler_window_steps,
                                       open_steps=lambda: self.joiner.open_steps)
         self.limits = descriptor_limits(config)
         self.budget = ByteBudget(config.max_inflight_body_bytes,

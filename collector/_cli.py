@@ -15,6 +15,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
+
 __all__ = ["add_collector_arguments", "main", "run_collector"]
 
 ENV_TOKEN = "STEPTRACE_COLLECTOR_TOKEN"  # the same constant as steptrace.collector._app.ENV_TOKEN
@@ -80,6 +82,13 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="steps waiting for ranks at once; beyond, the oldest is emitted early (default: 4096)")
     parser.add_argument("--goodput-window-steps", type=_positive_int, default=100,
                         help="steps in steptrace_cluster_goodput_ratio's sliding window (default: 100)")
+    parser.add_argument("--straggler-min-seconds", type=_non_negative_seconds, default=STRAGGLER_MIN_SECONDS,
+                        help="a rank is named the straggler of a step when its time on its own exceeds the other "
+                             "ranks' median by at least this much (default: %(default)s) ...")
+    parser.add_argument("--straggler-min-ratio", type=_non_negative_seconds, default=STRAGGLER_MIN_RATIO,
+                        help="... and by at least this fraction of the step's median interval (default: %(default)s)")
+    parser.add_argument("--straggler-window-steps", type=_positive_int, default=100,
+                        help="steps in the per-rank straggler scores' window (default: 100)")
     parser.add_argument("--max-runs", type=_positive_int, default=64,
                         help="runs kept in /metrics at once; the least recently active is dropped (default: 64)")
     parser.add_argument("--max-runs-per-token", type=_positive_int, default=None,
@@ -167,6 +176,8 @@ def run_collector(args: argparse.Namespace) -> int:
             token_file=args.token_file, metrics_token_file=args.metrics_token_file, tls_cert=args.tls_cert,
             tls_key=args.tls_key, max_body_bytes=args.max_body_bytes, window_s=args.window_s,
             max_open_steps=args.max_open_steps, goodput_window_steps=args.goodput_window_steps,
+            straggler_min_seconds=args.straggler_min_seconds, straggler_min_ratio=args.straggler_min_ratio,
+            straggler_window_steps=args.straggler_window_steps,
             max_runs=args.max_runs, max_runs_per_token=args.max_runs_per_token, run_idle_s=args.run_idle_s,
             max_connections=args.max_connections,
             max_connections_per_peer=args.max_connections_per_peer, request_timeout_s=args.request_timeout_s,

@@ -41,10 +41,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from steptrace._attribution import own_seconds as _own_seconds
 from steptrace._ids import run_id_problem
 from steptrace._schema import (
     ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
+    ATTR_COLLECTIVE_WAIT_SECONDS,
     ATTR_COMPUTE_SECONDS,
     ATTR_IDLE_SECONDS,
     ATTR_INTERVAL_SECONDS,
@@ -256,7 +258,11 @@ class StepSpan:
     status: str = "ok"
     end_time: float | None = None
     bubble: dict[str, float] = field(default_factory=dict)
-    attempt: int = 0  # train.attempt: the run's process start that sent it (last: old journals lack it)
+    attempt: int = 0  # train.attempt: the run's process start that sent it (old journals lack it)
+    #: where the rank measures its wait in collectives (steptrace.adapters.torch_distributed); last:
+    #: journals written before they existed lack them
+    collective_wait_seconds: float | None = None
+    own_seconds: float | None = None
 
 
 @dataclass
@@ -345,6 +351,10 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     compute = _seconds(attrs, ATTR_COMPUTE_SECONDS)
     interval = _seconds(attrs, ATTR_INTERVAL_SECONDS)
     idle = _seconds(attrs, ATTR_IDLE_SECONDS, required=False)
+    # The time on its own is recomputed from compute and wait (one rule whatever the sender says).
+    wait = _seconds(attrs, ATTR_COLLECTIVE_WAIT_SECONDS, required=False)
+    if wait is not None:
+        wait = min(wait, interval)
     status = attrs.get(ATTR_STATUS, "ok")
     if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
         status = "unknown"
@@ -362,7 +372,8 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     return StepSpan(run_id=run_id, step=step, rank=rank, world_size=span_world,
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
-                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt)
+                    end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt,
+                    collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait))
 
 
 def _resource_run_id(scope_spans: Any) -> str:

@@ -51,9 +51,19 @@ with ends an hour on then wrote a second record that stood.)
 Without ``--world-size`` a run's world size is the one its first accepted
 span carried; a span claiming another is refused (``world_size_mismatch``).
 
-The straggler is the rank with the largest ``compute_seconds`` (the lowest
-such rank on a tie), named only for complete steps: when a rank is missing,
-it may well be the slowest one, so an incomplete step names none
+The straggler is the rank with the most time on its own (``own_seconds`` =
+interval minus the rank's wait in collectives, where it measures that wait;
+its compute otherwise), the lowest such rank on a tie, and only when it stands
+out: its time on its own exceeds the median of the other ranks' by at least
+``max(straggler_min_seconds, straggler_min_ratio × the step's median
+interval)`` (median compute where the waits are not measured;
+``steptrace._attribution.find_straggler``). In synchronous
+training every rank's step is as long as the slowest's; only the time on
+its own tells the rank that is slow from the ranks that wait for it. What it
+cost the job (``straggler_cost_seconds``) is the median of the other ranks'
+wait less its own (the collectives' own duration, which every rank pays). A
+straggler is named only for complete steps: when a rank is missing, it may
+well be the slowest one, so an incomplete step names none
 (``straggler_rank: null``) and its min/median/max/skew cover the ranks that
 reported. Not thread-safe: the collector calls it under its lock.
 """
@@ -69,6 +79,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from steptrace._attribution import (STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, find_straggler,
+                                     straggler_step_seconds, straggler_threshold)
 from steptrace._ids import trace_id_hex
 from steptrace.collector._decode import StepSpan, span_fingerprint
 
@@ -168,8 +180,12 @@ class Joiner:
                  max_emitted: int = 8192, max_runs: int = 64, run_idle_s: float = 300.0,
                  max_runs_per_owner: int | None = None,
                  history: Callable[[str], Iterable[HistoryEntry]] | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
+                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO):
         self.world_size = world_size
+        self.straggler_min_seconds = straggler_min_seconds
+        self.straggler_min_ratio = straggler_min_ratio
         self.window_s = window_s
         self.max_open_steps = max_open_steps
         self.max_emitted = max_emitted
@@ -375,7 +391,9 @@ class Joiner:
                               trusted, reason=reason, attempt=open_step.attempt,
                               first_seen_time=open_step.first_seen_time,
                               joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
-                              conflicting_ranks=sorted(open_step.conflicted))
+                              conflicting_ranks=sorted(open_step.conflicted),
+                              straggler_min_seconds=self.straggler_min_seconds,
+                              straggler_min_ratio=self.straggler_min_ratio)
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
@@ -384,6 +402,7 @@ class Joiner:
             "received_time": self._wall(), "compute_seconds": span.compute_seconds,
             "interval_seconds": span.interval_seconds, "idle_seconds": span.idle_seconds, "status": span.status,
             "end_time": span.end_time, "pipeline_bubble_ratio": dict(span.bubble),
+            "collective_wait_seconds": span.collective_wait_seconds, "own_seconds": span.own_seconds,
         }
 
     def _conflict(self, span: StepSpan, when: str) -> dict[str, Any]:
@@ -401,8 +420,10 @@ def _stats(values: list[float]) -> tuple[float | None, float | None, float | Non
 
 def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None, spans: list[StepSpan], *,
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
-                   conflicting_ranks: list[int] | None = None, attempt: int = 0) -> dict[str, Any]:
-    """The ``cluster_step`` record of one step from its ranks' spans (the schema is in the README).
+                   conflicting_ranks: list[int] | None = None, attempt: int = 0,
+                   straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
+                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO) -> dict[str, Any]:
+    """The ``cluster_step`` record of one step from its ranks' spans (the schema is in docs/collector.md).
 
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
     """
@@ -431,9 +452,14 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     interval = [s.interval_seconds for s in spans]
     c_min, c_median, c_max = _stats(compute)
     i_min, i_median, i_max = _stats(interval)
-    straggler = None
+    own = {s.rank: s.compute_seconds if s.own_seconds is None else s.own_seconds for s in spans}
+    measured = bool(spans) and all(s.collective_wait_seconds is not None for s in spans)
+    step_seconds = straggler_step_seconds(i_median, c_median, measured)
+    o_min, o_median, o_max = _stats(list(own.values()))
+    found = None
     if complete:
-        straggler = max(spans, key=lambda s: (s.compute_seconds, -s.rank)).rank
+        found = find_straggler({s.rank: (own[s.rank], s.collective_wait_seconds) for s in spans}, step_seconds,
+                               min_seconds=straggler_min_seconds, min_ratio=straggler_min_ratio)
     by_stage: dict[str, list[float]] = {}
     for s in spans:
         for stage, ratio in s.bubble.items():
@@ -469,7 +495,18 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "interval_median_seconds": i_median,
         "interval_max_seconds": i_max,
         "skew_seconds": c_max - c_min if c_max is not None and c_min is not None else None,
-        "straggler_rank": straggler,
+        "rank_collective_wait_seconds": {str(s.rank): s.collective_wait_seconds for s in spans
+                                         if s.collective_wait_seconds is not None},
+        "rank_own_seconds": {str(rank): seconds for rank, seconds in own.items()},
+        "own_min_seconds": o_min,
+        "own_median_seconds": o_median,
+        "own_max_seconds": o_max,
+        "straggler_rank": None if found is None else found.rank,
+        "straggler_cost_seconds": None if found is None else found.cost_seconds,
+        "straggler_excess_seconds": None if found is None else found.excess_seconds,
+        "straggler_threshold_seconds": (None if not complete else
+                                        straggler_threshold(step_seconds, straggler_min_seconds,
+                                                            straggler_min_ratio)),
         "compute_sum_seconds": sum(compute),
         "interval_sum_seconds": sum(interval),
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},

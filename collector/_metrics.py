@@ -16,6 +16,15 @@ so far (a step completed out of order does not move them back):
   ``steptrace_cluster_last_step``: the last step emitted, complete or not.
 * ``steptrace_cluster_goodput_ratio``: Σcompute / Σinterval over all reporting
   ranks of the last ``goodput_window_steps`` steps emitted.
+* Stragglers (complete steps): ``steptrace_cluster_step_own_seconds{stat}`` (each rank's time on
+  its own: interval minus its wait in collectives, compute where the wait is not measured),
+  ``steptrace_cluster_step_straggler_cost_seconds``
+  (the last complete step: what its straggler cost the job, the other ranks' median wait less its
+  own; 0 when no rank stood out), ``steptrace_cluster_straggler_steps_total{rank}`` and
+  ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named),
+  and ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
+  complete steps (``relative``: median rank's mean time on its own / this rank's; ``individual``:
+  this rank's best windowed mean / its current one; 1 is typical, lower is slower).
 
 A run's series are removed when more than ``max_runs`` runs have been seen
 since (least recently active first), so a stream of run ids cannot grow the
@@ -35,7 +44,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
-from steptrace._attribution import GoodputWindow
+from steptrace._attribution import GoodputWindow, StragglerScores
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
@@ -51,22 +60,25 @@ MAX_STAGES_PER_RUN = 64
 
 
 class _RunState:
-    __slots__ = ("last_complete", "last_step", "stages", "straggler_ranks", "window")
+    __slots__ = ("last_complete", "last_step", "scored_ranks", "scores", "stages", "straggler_ranks", "window")
 
-    def __init__(self, window_steps: int):
+    def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = GoodputWindow(window_steps)
+        self.scores = StragglerScores(straggler_window_steps)
         self.last_step = -1
         self.last_complete = -1
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
+        self.scored_ranks: set[str] = set()
 
 
 class ClusterMetrics:
     """Metric families and the per-run state behind them; thread-safe."""
 
     def __init__(self, *, goodput_window_steps: int = 100, max_runs: int = 64,
-                 open_steps: Callable[[], int] | None = None):
+                 open_steps: Callable[[], int] | None = None, straggler_window_steps: int = 100):
         self._window_steps = goodput_window_steps
+        self._straggler_window_steps = straggler_window_steps
         self._max_runs = max_runs
         self._lock = threading.Lock()
         self._runs: collections.OrderedDict[str, _RunState] = collections.OrderedDict()
@@ -88,10 +100,26 @@ class ClusterMetrics:
         self.skew = gauge("steptrace_cluster_step_skew_seconds",
                           "Max minus min compute time over ranks in the last complete step.")
         self.straggler = gauge("steptrace_cluster_straggler_rank",
-                               "The rank with the largest compute time in the last complete step.")
+                               "The rank that slowed the last complete step: the most time on its own (compute "
+                               "minus wait in collectives), standing out from the others; -1 when none did.")
         self.straggler_steps = counter("steptrace_cluster_straggler_steps",
-                                       "Complete steps in which this rank had the largest compute time.",
+                                       "Complete steps in which this rank was named the straggler.",
                                        run + ("rank",))
+        self.own = gauge("steptrace_cluster_step_own_seconds",
+                         "Time on its own (interval minus wait in collectives) of the last complete step: min, "
+                         "median and max over ranks.", ("stat",))
+        self.straggler_cost = gauge("steptrace_cluster_step_straggler_cost_seconds",
+                                    "What the straggler of the last complete step cost the job: the other ranks' "
+                                    "median wait in collectives less its own (0 when no rank stood out).")
+        self.straggler_cost_total = counter("steptrace_cluster_straggler_cost_seconds",
+                                            "Seconds this rank cost the job as the straggler (the other ranks' "
+                                            "median wait less its own), summed over the steps it was named.",
+                                            run + ("rank",))
+        self.straggler_score = gauge("steptrace_cluster_straggler_score",
+                                     "Per-rank straggler score over the last straggler_window_steps complete "
+                                     "steps: relative (median rank's mean time on its own / this rank's) and "
+                                     "individual (this rank's best windowed mean / its current one); lower is "
+                                     "slower.", ("rank", "kind"))
         self.ranks_reporting = gauge("steptrace_cluster_ranks_reporting",
                                      "Ranks whose span of the last joined step arrived before it was emitted.")
         self.world_size = gauge("steptrace_cluster_world_size", "Ranks expected per step.")
@@ -220,9 +248,22 @@ class ClusterMetrics:
             for rank in range(int(r["world_size"])):
                 state.straggler_ranks.add(str(rank))
                 self.straggler_steps.labels(run_id, str(rank))
-        straggler = str(r["straggler_rank"])
-        state.straggler_ranks.add(straggler)
-        self.straggler_steps.labels(run_id, straggler).inc()
+                self.straggler_cost_total.labels(run_id, str(rank))
+        named = r.get("straggler_rank")
+        cost = r.get("straggler_cost_seconds")
+        if named is not None:
+            straggler = str(named)
+            state.straggler_ranks.add(straggler)
+            self.straggler_steps.labels(run_id, straggler).inc()
+            if cost is not None:
+                self.straggler_cost_total.labels(run_id, straggler).inc(cost)
+        own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
+        state.scores.add(own)
+        for rank, (relative, individual) in state.scores.scores().items():
+            for kind, score in (("relative", relative), ("individual", individual)):
+                if score is not None:
+                    state.scored_ranks.add(str(rank))
+                    self.straggler_score.labels(run_id, str(rank), kind).set(score)
         if step < state.last_complete:
             return
         state.last_complete = step
@@ -230,8 +271,11 @@ class ClusterMetrics:
         for stat in _STATS:
             self.compute.labels(run_id, stat).set(r[f"compute_{stat}_seconds"])
             self.interval.labels(run_id, stat).set(r[f"interval_{stat}_seconds"])
+            if r.get(f"own_{stat}_seconds") is not None:
+                self.own.labels(run_id, stat).set(r[f"own_{stat}_seconds"])
         self.skew.labels(run_id).set(r["skew_seconds"])
-        self.straggler.labels(run_id).set(r["straggler_rank"])
+        self.straggler.labels(run_id).set(-1 if named is None else named)
+        self.straggler_cost.labels(run_id).set(cost or 0.0)
         # The last complete step's stages only, and at most MAX_STAGES_PER_RUN: a stage the
         # run no longer reports leaves the exposition (stage names once piled up without end).
         stages = dict(list(r["pipeline_bubble_ratio"].items())[:MAX_STAGES_PER_RUN])
@@ -251,7 +295,7 @@ class ClusterMetrics:
     def _touch(self, run_id: str) -> _RunState:
         state = self._runs.get(run_id)
         if state is None:
-            state = self._runs[run_id] = _RunState(self._window_steps)
+            state = self._runs[run_id] = _RunState(self._window_steps, self._straggler_window_steps)
             # A run's counters exist from its first span, so rate() and increase() see them start at 0.
             for metric in (self.joined, self.incomplete, self.late, self.duplicates, self.evicted, self.received,
                            self.conflicts):
@@ -270,17 +314,22 @@ class ClusterMetrics:
             except KeyError:
                 pass
 
-        for metric in (self.skew, self.straggler, self.ranks_reporting, self.world_size, self.goodput,
-                       self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
+        for metric in (self.skew, self.straggler, self.straggler_cost, self.ranks_reporting, self.world_size,
+                       self.goodput, self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
                        self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)
         for stat in _STATS:
             remove(self.compute, stat)
             remove(self.interval, stat)
+            remove(self.own, stat)
         for stage in state.stages:
             remove(self.bubble, stage)
         for rank in state.straggler_ranks:
             remove(self.straggler_steps, rank)
+            remove(self.straggler_cost_total, rank)
+        for rank in state.scored_ranks:
+            for kind in ("relative", "individual"):
+                remove(self.straggler_score, rank, kind)
 
 
 class Exposition:

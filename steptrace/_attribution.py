@@ -327,3 +327,152 @@ class GoodputWindow:
         if self._interval <= 0:
             return None
         return min(1.0, max(0.0, self._compute / self._interval))
+
+
+# -- across ranks: who waited for whom (DESIGN.md §2) ------------------------------------------
+#
+# In synchronous training a collective makes every rank's step as long as the slowest, so per-rank
+# compute cannot name the culprit. Each rank measures the time it spent waiting in collectives
+# (arrival -> completion); the rest of its step (its interval: device compute and host work such as
+# loading data alike) is its time on its own. The rank with the most
+# time on its own is the straggler, and the other ranks' median wait is what it cost the job (less
+# the straggler's own wait: the collectives' own duration, which every rank pays).
+
+#: A rank stands out when its time on its own exceeds the median of the other ranks' by at least
+#: this many seconds ...
+STRAGGLER_MIN_SECONDS = 0.005
+#: ... and by at least this fraction of the step's median length (whichever is larger): its interval
+#: where the ranks measure their wait, else its compute (what the time on its own falls back to). Below a
+#: fifth of a step, one step's excess is indistinguishable from scheduling noise (measured: 4 gloo
+#: ranks on 2 loaded cores, no rank slowed, reach 16 %); a rank that is persistently a little slower
+#: shows in the windowed scores (StragglerScores) instead.
+STRAGGLER_MIN_RATIO = 0.20
+
+
+def own_seconds(interval_seconds: float, collective_wait_seconds: float | None) -> float:
+    """A rank's time on its own in a step: its interval minus its wait in collectives (never below 0).
+
+    The interval, not the compute: a rank whose data loading (idle time, a ``data`` span) is slow
+    holds the others up as much as one whose device is, and its wait is short either way. In a
+    synchronous job the ranks' intervals are equal, so the rank with most time on its own is the one
+    that waited least."""
+    if collective_wait_seconds is None:
+        return interval_seconds
+    return max(0.0, interval_seconds - collective_wait_seconds)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+class Straggler(NamedTuple):
+    """The rank that slowed a step: ``rank``; ``excess_seconds``: its time on its own minus the
+    median of the other ranks'; ``cost_seconds``: what it cost the job, the other ranks' median wait
+    in collectives minus its own wait (the collectives' own duration, which every rank pays; None
+    when a rank did not measure its wait); ``threshold_seconds``: the excess it had to reach."""
+
+    rank: int
+    excess_seconds: float
+    cost_seconds: float | None
+    threshold_seconds: float
+
+
+def straggler_threshold(step_seconds: float, min_seconds: float = STRAGGLER_MIN_SECONDS,
+                        min_ratio: float = STRAGGLER_MIN_RATIO) -> float:
+    """The excess of time on its own a rank needs to be named the straggler of a step whose median
+    length is ``step_seconds`` (see :func:`straggler_step_seconds`)."""
+    return max(min_seconds, min_ratio * max(0.0, step_seconds))
+
+
+def straggler_step_seconds(interval_median: float | None, compute_median: float | None, measured: bool) -> float:
+    """The step length the threshold is a fraction of: the median interval where every rank measured
+    its wait (time on its own is then a part of the interval), else the median compute (the time on its
+    own falls back to compute; a job idle between steps would otherwise hide a slow device)."""
+    value = interval_median if measured else compute_median
+    return value or 0.0
+
+
+def find_straggler(ranks: dict[int, tuple[float, float | None]], step_seconds: float, *,
+                   min_seconds: float = STRAGGLER_MIN_SECONDS,
+                   min_ratio: float = STRAGGLER_MIN_RATIO) -> Straggler | None:
+    """The straggler of one step, or None when no rank stands out.
+
+    ``ranks``: rank -> (own seconds, collective wait seconds or None); ``step_seconds``: see
+    :func:`straggler_step_seconds`. The candidate is the rank with the most time on its own (the
+    lowest rank on a tie); it is named only when its excess over the median of the other ranks' time
+    on its own reaches :func:`straggler_threshold`. One rank alone is never a straggler.
+    """
+    if len(ranks) < 2:
+        return None
+    rank = max(ranks, key=lambda r: (ranks[r][0], -r))
+    others = [ranks[r] for r in ranks if r != rank]
+    excess = ranks[rank][0] - _median([own for own, _ in others])
+    threshold = straggler_threshold(step_seconds, min_seconds, min_ratio)
+    if excess < threshold:
+        return None
+    waits = [wait for _, wait in others]
+    own_wait = ranks[rank][1]
+    cost = None
+    if own_wait is not None and all(w is not None for w in waits):
+        cost = max(0.0, _median([w for w in waits if w is not None]) - own_wait)
+    return Straggler(rank, excess, cost, threshold)
+
+
+class StragglerScores:
+    """Per-rank straggler scores over the last ``steps`` joined steps (as NVIDIA resiliency-ext does).
+
+    Each rank's time on its own is averaged over the window; then, per rank,
+
+    * ``relative`` = the median rank's windowed mean / this rank's: 1 is typical, 0.5 means this rank
+      needs twice the median rank's time on its own (above 1: faster than the median rank);
+    * ``individual`` = this rank's best windowed mean so far / its current one: 1 is as fast as it has
+      ever been, lower is slower than its own best (until the window fills, the means are over the
+      steps seen).
+
+    O(1) per rank and step; scores are computed on demand (at scrape or report time).
+    """
+
+    __slots__ = ("_steps", "_windows", "_sums", "_best")
+
+    def __init__(self, steps: int):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"straggler score window must be an integer >= 1, got {steps!r}")
+        self._steps = steps
+        self._windows: dict[int, collections.deque[float]] = {}
+        self._sums: dict[int, float] = {}
+        self._best: dict[int, float] = {}
+
+    def add(self, own: dict[int, float]) -> None:
+        """One step's time on its own, rank -> seconds."""
+        for rank, seconds in own.items():
+            window = self._windows.get(rank)
+            if window is None:
+                window = self._windows[rank] = collections.deque(maxlen=self._steps)
+                self._sums[rank] = 0.0
+            if len(window) == window.maxlen:
+                self._sums[rank] -= window[0]
+            window.append(seconds)
+            self._sums[rank] += seconds
+            mean = self._sums[rank] / len(window)
+            if mean < self._best.get(rank, math.inf):
+                self._best[rank] = mean
+
+    def means(self) -> dict[int, float]:
+        """Each rank's mean time on its own over its window."""
+        return {rank: max(0.0, self._sums[rank]) / len(window) for rank, window in self._windows.items() if window}
+
+    def scores(self) -> dict[int, tuple[float | None, float | None]]:
+        """rank -> (relative, individual) scores; None where undefined (a mean of zero)."""
+        means = self.means()
+        if not means:
+            return {}
+        median = _median(list(means.values()))
+        out: dict[int, tuple[float | None, float | None]] = {}
+        for rank, mean in means.items():
+            relative = median / mean if mean > 0 else None
+            best = self._best.get(rank)
+            individual = min(1.0, best / mean) if best is not None and mean > 0 else None
+            out[rank] = (relative, individual)
+        return out

@@ -144,7 +144,8 @@ class Backends:
     # -- at the first step --------------------------------------------------------------
     def framework_hooks(self, runtime: Any, backend: Any, annotate: bool) -> Callable[[int], Any] | None:
         """Set up, once at the first step, what depends on the frameworks the program imported: JAX's
-        compile listener, and the per-step profiler annotation (JAX, torch, or both). Returns the
+        compile listener, the per-step profiler annotation (JAX, torch, or both), and the timing of
+        torch.distributed collectives (each rank's wait in them). Returns the
         annotator (``annotate(n)`` → an open range with ``__exit__``) or None.
 
         With ``_devices`` choosing backends, this is the only place the core imports an adapter.
@@ -160,6 +161,12 @@ class Backends:
             from steptrace.adapters import torch as torch_adapter
 
             annotators.append(torch_adapter.step_annotator())
+        if "torch.distributed" in sys.modules and backend in ("auto", "torch", "host"):
+            # Each rank's wait in collectives (gloo; DDP through its comm hook), so the cross-rank
+            # view can tell the rank that is slow from the ranks that wait for it.
+            from steptrace.adapters import torch_distributed
+
+            torch_distributed.mark_runtime(runtime)
         if len(annotators) == 1:
             return annotators[0]
         return _AllAnnotations(annotators) if annotators else None

@@ -114,6 +114,10 @@ class StepHandle(TimedUnit):
     imperative = False  # opened by begin_step(): end_step() closes it
     #: name -> a float, or a callable the resolver calls after the step ended (see s.log)
     scalars: dict[str, Any] | None = None
+    #: seconds this step waited in collectives, and how that was measured (set by an adapter,
+    #: e.g. steptrace.adapters.torch_distributed; None: not measured in this step)
+    collective_wait = 0.0
+    collective_source: str | None = None
     _annotation: Any = None
     #: flops="auto": the runtime's FLOP counters look at this step (hardware FLOPs, with their source)
     auto_flops = False

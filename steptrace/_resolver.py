@@ -130,6 +130,9 @@ class Resolver:
         self._prev_end_g: tuple[DeviceClock, float, int] | None = None
         self.records_emitted = 0
         self.steps_resolved = 0
+        #: How this run measures each step's wait in collectives (set by an adapter at the first
+        #: step, e.g. "torch.distributed"); None: not measured, the step records leave it out.
+        self.collective_source: str | None = None
         #: CPU seconds this thread has used (it holds the GIL for nearly all of them).
         self.cpu_seconds = 0.0
         self._abandon = False
@@ -608,7 +611,8 @@ class Resolver:
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),
             scalars=self._read_scalars(step), device_memory=self._memory(step.device),
-            placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None)
+            placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,
+            collective_wait=step.collective_wait, collective_source=step.collective_source or self.collective_source)
 
     def _read_scalars(self, step: "StepHandle") -> dict[str, float] | None:
         # The step has ended on the device, so device scalars' copies (queued before its end) are done.

@@ -10,13 +10,14 @@ One place for the contract between the resolver that builds records and everythi
   and the collector reads.
 
 The timing numbers themselves come from the timing model (``_attribution``); this module only
-places them in records. A leaf module: it imports nothing from steptrace but ``_ids``.
+places them in records. A leaf module: it imports nothing from steptrace but ``_ids`` and ``_attribution``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 
+from steptrace._attribution import own_seconds
 from steptrace._ids import trace_id_hex
 
 
@@ -78,6 +79,8 @@ ATTR_STATUS = "train.status"
 ATTR_INTERVAL_SECONDS = "train.interval_seconds"
 ATTR_COMPUTE_SECONDS = "train.compute_seconds"
 ATTR_IDLE_SECONDS = "train.idle_seconds"
+ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
+ATTR_OWN_SECONDS = "train.own_seconds"
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 
 
@@ -139,6 +142,12 @@ class StepRecord(_Common):
     # of the run outside every step's interval.
     before_step_seconds: NotRequired[float]
     before_step_breakdown: NotRequired[dict[str, float]]
+    # Where the run measures its wait in collectives (steptrace.adapters.torch_distributed): the
+    # seconds of the step this rank spent waiting for other ranks, the rest (interval - wait), and
+    # how the wait was measured ("torch.distributed", "ddp", joined by "+").
+    collective_wait_seconds: NotRequired[float]
+    own_seconds: NotRequired[float]
+    collective_wait_source: NotRequired[str]
 
 
 class MicrobatchRecord(_Common):
@@ -269,7 +278,8 @@ class RecordBuilder:
              bubble: dict[str, float] | None, optimizer_seconds: float | None = None,
              scalars: dict[str, float] | None = None,
              device_memory: dict[str, float] | None = None, hardware_flops: float | None = None,
-             flops_source: str | None = None, placement_uncertainty: float | None = None) -> StepRecord:
+             flops_source: str | None = None, placement_uncertainty: float | None = None,
+             collective_wait: float = 0.0, collective_source: str | None = None) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         model_flops = flops
@@ -312,6 +322,13 @@ class RecordBuilder:
             record["device_memory"] = memory
         if placement_uncertainty is not None:
             record["placement_uncertainty_seconds"] = placement_uncertainty
+        if collective_source is not None:
+            # The wait happened within the step's interval (during its compute, or in a host span
+            # or between steps: idle time); it cannot be longer.
+            wait = min(max(0.0, collective_wait), interval)
+            record["collective_wait_seconds"] = wait
+            record["own_seconds"] = own_seconds(interval, wait)
+            record["collective_wait_source"] = collective_source
         return record
 
     @staticmethod

@@ -53,6 +53,8 @@ a bounded queue). Per rank and step ``n``::
   ``train.tokens``, ``train.samples``, ``train.flops``, ``train.model_flops``,
   ``train.hardware_flops``, ``train.flops_source``, ``train.peak_flops``, ``train.tokens_per_second``,
   ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``, ``train.hfu``,
+  ``train.collective_wait_seconds``, ``train.own_seconds``, ``train.collective_wait_source``
+  (where the run measures its wait in collectives; the collector names the straggler from them),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
   attributes). ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
@@ -79,7 +81,8 @@ Every point carries ``train.run_id`` and ``train.rank``. Histograms with explici
 ``steptrace.checkpoint.blocking``, ``steptrace.microbatch.compute``
 (``train.stage``, ``train.kind``). Counters: ``steptrace.steps``
 (``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
-``steptrace.tokens``, ``steptrace.dropped_records`` (``train.drop.reason``,
+``steptrace.tokens``, ``steptrace.step.collective_wait`` and ``steptrace.step.own`` (seconds,
+where the wait in collectives is measured), ``steptrace.dropped_records`` (``train.drop.reason``,
 observed from the run's drop counters). Gauges (last step):
 ``steptrace.tokens_per_second``, ``steptrace.tflops_per_second``,
 ``steptrace.mfu`` and ``steptrace.hfu`` with their parts (``steptrace.model_flops``,
@@ -286,6 +289,7 @@ class _Metrics:
                                                  description="Device time of one pipeline microbatch")
         self._steps: dict[str, int] = {}
         self._idle: dict[str, float] = {}
+        self._collective: dict[str, float] = {}  # "collective_wait" / "own" -> seconds
         self._tokens: int | float | None = None
         self._last: dict[str, float] = {}
         self._bubble: dict[str, float] = {}
@@ -303,6 +307,12 @@ class _Metrics:
         meter.create_observable_counter(
             "steptrace.step.idle", unit="s", description="Device idle time by the host span that caused it",
             callbacks=[observe(lambda: [(v, {**base, "train.idle.reason": r}) for r, v in self._idle.items()])])
+        for name, description in (("collective_wait", "Step time spent waiting for other ranks in collectives"),
+                                  ("own", "Step time on the rank's own (interval - collective wait)")):
+            meter.create_observable_counter(
+                f"steptrace.step.{name}", unit="s", description=description,
+                callbacks=[observe(lambda name=name: [] if name not in self._collective
+                                   else [(self._collective[name], base)])])
         meter.create_observable_counter(
             "steptrace.tokens", unit="{token}", description="Tokens processed",
             callbacks=[observe(lambda: [] if self._tokens is None else [(self._tokens, base)])])
@@ -351,6 +361,10 @@ class _Metrics:
                 tokens = r.get("tokens")
                 if tokens is not None:
                     self._tokens = tokens if self._tokens is None else self._tokens + tokens
+                for field, key in (("collective_wait_seconds", "collective_wait"), ("own_seconds", "own")):
+                    seconds = r.get(field)
+                    if isinstance(seconds, (int, float)) and math.isfinite(seconds):
+                        self._collective[key] = self._collective.get(key, 0.0) + seconds
                 for field in ("tokens_per_second", "tflops_per_second", "model_flops", "hardware_flops",
                               "peak_flops", "mfu", "hfu"):
                     if r.get(field) is not None:
@@ -671,7 +685,8 @@ class OtlpSink:
         _put(attrs, ATTR_WORLD_SIZE, r.get("world_size", self.world_size))
         for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
                     "samples", "flops", "model_flops", "hardware_flops", "flops_source", "peak_flops",
-                    "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu"):
+                    "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu",
+                    "collective_wait_seconds", "own_seconds", "collective_wait_source"):
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
             _put(attrs, f"train.idle.{reason}_seconds", seconds)

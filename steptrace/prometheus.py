@@ -22,6 +22,8 @@ name                                                   type       extra labels
 ``steptrace_step_interval_seconds``                    histogram
 ``steptrace_step_compute_seconds``                     histogram
 ``steptrace_step_idle_seconds_total``                  counter    ``reason``
+``steptrace_step_collective_wait_seconds_total``       counter    (where the wait in collectives is measured)
+``steptrace_step_own_seconds_total``                   counter    (interval - collective wait, the same steps)
 ``steptrace_steps_total``                              counter    ``status``
 ``steptrace_last_step``                                gauge
 ``steptrace_tokens_total``                             counter
@@ -200,6 +202,10 @@ class PrometheusSink:
         self._idle = Counter("steptrace_step_idle_seconds", "Device idle time within steps, by the host "
                              "activity that covered it (checkpoint, data, compile, eval, other, user spans).",
                              run + ("reason",), registry=reg)
+        self._collective_wait = Counter("steptrace_step_collective_wait_seconds", "Step time spent waiting "
+                                        "for other ranks in collectives (steps that measure it).", run, registry=reg)
+        self._own = Counter("steptrace_step_own_seconds", "Step time on this rank's own: interval minus the "
+                            "wait in collectives (steps that measure it).", run, registry=reg)
         self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
                               run + ("status",), registry=reg)
         self._last_step = Gauge("steptrace_last_step", "Number of the last finalized step.", run, registry=reg)
@@ -320,6 +326,8 @@ class PrometheusSink:
         interval = _seconds(r["interval_seconds"])
         compute = _seconds(r["compute_seconds"])
         idle = {str(k): _seconds(v) for k, v in (r.get("idle_breakdown") or {}).items()}
+        wait = _optional(r.get("collective_wait_seconds"), nonnegative=True)
+        own = _optional(r.get("own_seconds"), nonnegative=True)
         tokens = _optional(r.get("tokens"), nonnegative=True)
         tokens_per_second = _optional(r.get("tokens_per_second"))
         tflops = _optional(r.get("tflops_per_second"))
@@ -351,6 +359,9 @@ class PrometheusSink:
         self._compute.labels(*labels).observe(compute, exemplar)
         for reason, seconds in idle.items():
             self._idle.labels(*labels, reason).inc(seconds)
+        if wait is not None and own is not None:
+            self._collective_wait.labels(*labels).inc(wait)
+            self._own.labels(*labels).inc(own)
         self._steps.labels(*labels, status).inc()
         self._last_step.labels(*labels).set(step)
         if tokens is not None:

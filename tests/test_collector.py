@@ -576,7 +576,9 @@ def test_steptrace_exporter_over_http_gzip_and_grpc(make_collector, tmp_path):
             steptrace.init(run_id="own", rank=rank, world_size=2, jsonl=False, run_dir=str(tmp_path), **settings)
             for n in range(3):
                 with steptrace.step(n) as s:
-                    s.wait_for(device.run(0.005 * (rank + 1)))
+                    # Rank 1 stands out: 25 ms more than rank 0, clear of the 5 ms threshold (5 ms more
+                    # would sit on it).
+                    s.wait_for(device.run(0.005 if rank == 0 else 0.03))
             steptrace.shutdown()
             dropped.append(steptrace.stats().get("dropped"))
     finally:

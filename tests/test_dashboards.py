@@ -47,7 +47,9 @@ COLLECTOR_METRICS = {
     "steptrace_cluster_straggler_steps_total", "steptrace_cluster_ranks_reporting",
     "steptrace_cluster_pipeline_bubble_ratio", "steptrace_cluster_goodput_ratio", "steptrace_cluster_last_step",
     "steptrace_collector_received_spans_total", "steptrace_collector_rejected_requests_total",
-    "steptrace_collector_late_spans_total",
+    "steptrace_collector_late_spans_total", "steptrace_cluster_step_own_seconds",
+    "steptrace_cluster_step_straggler_cost_seconds", "steptrace_cluster_straggler_cost_seconds_total",
+    "steptrace_cluster_straggler_score",
 }
 PROMETHEUS_BUILTIN = {"up"}
 
@@ -165,6 +167,8 @@ EXPECTED_PANELS = {
         "Step compute across ranks (min, median, max)", "Step interval across ranks (min, median, max)",
         "Cross-rank skew (max - min compute)", "Compute relative to the median rank (5m)",
         "Straggler rank over time", "Steps each rank was the straggler", "Top stragglers, time range",
+        "Time on its own across ranks (min, median, max)", "What the straggler cost the job per step",
+        "Cost to the job by rank", "Straggler score per rank, relative", "Straggler score per rank, individual",
         "Pipeline bubble per stage (joined steps)", "Goodput: collectors vs ranks",
         "Spans received per second, by collector", "Join lag (p50, p90)",
         "Incomplete steps and late spans per second", "Rejected requests by reason", "Scrape targets down",

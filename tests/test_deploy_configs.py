@@ -314,6 +314,10 @@ class StandInCollector:
         self.spans = Counter("steptrace_collector_received_spans", "", run, registry=reg)
         self.rejected = Counter("steptrace_collector_rejected_requests", "", ("reason",), registry=reg)
         self.late = Counter("steptrace_collector_late_spans", "", run, registry=reg)
+        self.own = Gauge("steptrace_cluster_step_own_seconds", "", run + ("stat",), registry=reg)
+        self.cost = Gauge("steptrace_cluster_step_straggler_cost_seconds", "", run, registry=reg)
+        self.cost_total = Counter("steptrace_cluster_straggler_cost_seconds", "", run + ("rank",), registry=reg)
+        self.score = Gauge("steptrace_cluster_straggler_score", "", run + ("rank", "kind"), registry=reg)
         self._server, self._thread = start_http_server(0, "127.0.0.1", registry=reg)
         self.target = f"127.0.0.1:{self._server.server_port}"
 
@@ -336,6 +340,13 @@ class StandInCollector:
         self.skew.labels(r).set(values[2] - values[0])
         self.straggler.labels(r).set(int(straggler))
         self.straggler_steps.labels(r, straggler).inc()
+        for stat, value in zip(("min", "median", "max"), values):
+            self.own.labels(r, stat).set(value * 0.5)
+        self.cost.labels(r).set(values[2] - values[1])
+        self.cost_total.labels(r, straggler).inc(values[2] - values[1])
+        for rank in ("0", "1"):
+            self.score.labels(r, rank, "relative").set(1.0 if rank == "0" else 0.5)
+            self.score.labels(r, rank, "individual").set(1.0)
         for stage, ratio in enumerate(bubble):
             self.bubble.labels(r, str(stage)).set(ratio)
         self.goodput.labels(r).set(0.8 if self.ahead else 0.5)

@@ -1,9 +1,9 @@
 """The house plan (README "Layout"): steptrace's modules import only downward, so there is no import
 circle and each layer can be read without the ones above it.
 
-    leaf modules (with the device backends adapters.jax and adapters.torch, which import no
-    steptrace module) → handles → sinks (_sinks and the exporters the API plugs in: prometheus,
-    otlp) → resolver → runtime → public API (steptrace/__init__)
+    leaf modules (with the device backends adapters.jax and adapters.torch, and the collective
+    timing adapters.torch_distributed, which import no steptrace module) → handles → sinks (_sinks
+    and the exporters the API plugs in: prometheus, otlp) → resolver → runtime → public API (steptrace/__init__)
     analysis, testing and the CLI sit beside the API: they import leaf modules, the public API and
     each other, never the runtime's layers
 
@@ -28,7 +28,7 @@ LAYER = {
     **{f"steptrace.{leaf}": 0 for leaf in (
         "_version", "_errors", "_ids", "_buckets", "_wakeup", "_config", "_attribution", "_clock",
         "_devices", "_schema", "_metadata", "_ratelimit", "_attempts", "_stall", "_peaks", "adapters.jax",
-        "adapters.torch")},
+        "adapters.torch", "adapters.torch_distributed")},
     "steptrace._handles": 1,
     "steptrace._sinks": 2, "steptrace.prometheus": 2, "steptrace.otlp": 2,
     "steptrace._resolver": 3,
@@ -37,7 +37,8 @@ LAYER = {
 }
 BESIDE_THE_API = 6  # analysis, testing, CLI: anything not listed above
 ADAPTERS = Path(importlib.util.find_spec("steptrace.adapters").submodule_search_locations[0])
-DEVICE_BACKENDS = [ADAPTERS / "jax.py", ADAPTERS / "torch.py"]  # _devices loads them lazily
+# _devices loads them lazily
+DEVICE_BACKENDS = [ADAPTERS / "jax.py", ADAPTERS / "torch.py", ADAPTERS / "torch_distributed.py"]
 
 
 def _core_modules() -> list[Path]:

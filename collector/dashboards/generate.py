@@ -357,7 +357,8 @@ def cluster() -> dash_b.Dashboard:
         single("Ranks in the last joined step", "Ranks whose span of the latest joined step "
                "arrived in time (below the world size: ranks missing or late).",
                latest("steptrace_cluster_ranks_reporting", marker=JOINED), w=4, decimals=0),
-        single("Straggler rank", "The rank with the longest compute in the latest complete step.",
+        single("Straggler rank", "The rank that slowed the latest complete step: the most time on its own "
+               "(its step less its wait in collectives), standing out from the others; -1 when no rank did.",
                latest("steptrace_cluster_straggler_rank"), w=4, decimals=0),
         single("Cross-rank skew", "Max - min compute over ranks in the latest complete step.",
                latest("steptrace_cluster_step_skew_seconds"), unit="s", w=4),
@@ -397,24 +398,55 @@ def cluster() -> dash_b.Dashboard:
     d = d.with_row(dash_b.Row("Stragglers"))
     d = d.with_panel(series(
         "Straggler rank over time",
-        "The slowest rank of the latest complete step. A rank that keeps coming back is a "
-        "straggler; one that moves around is noise.",
+        "The rank that slowed the latest complete step (-1: none stood out). A rank that keeps "
+        "coming back is a straggler; one that moves around is noise.",
         [(latest("steptrace_cluster_straggler_rank"), "straggler rank")],
         unit="none", decimals=0, points=True, w=12))
     d = d.with_panel(series(
         "Steps each rank was the straggler",
-        "Complete steps in which each rank was the slowest (summed over collectors).",
+        "Complete steps in which each rank was named the straggler (summed over collectors).",
         [(f"sum by (rank) (increase(steptrace_cluster_straggler_steps_total{{{RANKS}}}"
           f"[$__rate_interval]))", "rank {{rank}}")],
         unit="short", bars=True, stacked=True, decimals=0, w=8))
     d = d.with_panel(
         bargauge.Panel().title("Top stragglers, time range")
-        .description("Ranks that were slowest most often over the whole time range.")
+        .description("Ranks named the straggler most often over the whole time range.")
         .datasource(DATASOURCE).span(4).height(8).unit("short").decimals(0)
         .orientation(common.VizOrientation.HORIZONTAL)
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
         .with_target(query(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_steps_total"
                            f"{{{RUN}}}[$__range])))", "rank {{rank}}", instant=True)))
+
+    d = d.with_row(dash_b.Row("Who slowed the job"))
+    d = d.with_panel(series(
+        "Time on its own across ranks (min, median, max)",
+        "Per complete step, each rank's interval minus its wait in collectives (its compute where "
+        "the wait is not measured): in synchronous training every rank's step is as long as the "
+        "slowest's, this is not. The max rank is "
+        "the straggler when it stands out (collector --straggler-min-seconds / -ratio).",
+        [(latest("steptrace_cluster_step_own_seconds", "stat"), "{{stat}}")], w=8))
+    d = d.with_panel(series(
+        "What the straggler cost the job per step",
+        "The other ranks' median wait in collectives less the straggler's own wait, in the latest "
+        "complete step (0 when no rank stood out or the ranks do not measure their wait).",
+        [(latest("steptrace_cluster_step_straggler_cost_seconds"), "cost per step")], w=8))
+    d = d.with_panel(series(
+        "Cost to the job by rank",
+        "Seconds each rank cost the job as the straggler (the others' wait for it), per interval, "
+        "summed over collectors.",
+        [(f"sum by (rank) (increase(steptrace_cluster_straggler_cost_seconds_total{{{RANKS}}}"
+          f"[$__rate_interval]))", "rank {{rank}}")],
+        bars=True, stacked=True, w=8))
+    for kind, what in (("relative", "the median rank's mean time on its own over this rank's: 1 is "
+                                    "typical, 0.5 needs twice the median rank's time"),
+                       ("individual", "this rank's best windowed mean time on its own over its current "
+                                      "one: 1 is as fast as it has been, lower is slower than its best")):
+        d = d.with_panel(series(
+            f"Straggler score per rank, {kind}",
+            f"Over each collector's last --straggler-window-steps complete steps: {what} (NVIDIA "
+            "resiliency-ext's scores; mean over collectors).",
+            [(f"avg by (rank) (steptrace_cluster_straggler_score{{{RANKS}, kind=\"{kind}\"}})",
+              "rank {{rank}}")], unit="none", min_val=None, decimals=2, table_legend=True))
 
     d = d.with_row(dash_b.Row("Pipeline and goodput"))
     d = d.with_panel(series(

@@ -24,6 +24,7 @@ from steptrace.analysis.goodput import BUCKETS, job_accounting
 from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
+from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
 from steptrace.analysis.summary import as_number, percent_text, percentile, summarize, summarize_cluster
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -446,6 +447,15 @@ def _print_table(console: Console, table: Any) -> None:
         console.print(note)
 
 
+def _stragglers(run: Run) -> dict:
+    """Who slowed the run: from the collector's cluster.jsonl when there is one, else by joining the
+    rank files here (the same rule)."""
+    cluster_steps = run.cluster_steps()
+    if cluster_steps:
+        return summarize_stragglers(cluster_steps)
+    return summarize_stragglers(straggler_steps(run.records_by_rank, run.world_size))
+
+
 def render_report(
     run: Run,
     *,
@@ -498,6 +508,9 @@ def render_report(
     if cluster_steps:
         _print_table(console, _cluster_table(cluster_steps, max_rows))
         console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
+    sentence = straggler_sentence(_stragglers(run)) if len(run.ranks) > 1 or cluster_steps else None
+    if sentence is not None:
+        console.print(f"[bold]Straggler:[/] {escape(sentence)}")
 
     dropped = {k: v for k, v in run.dropped.items() if v}
     if dropped:
@@ -583,6 +596,8 @@ def run_report(args: argparse.Namespace) -> int:
             # every second of the job across attempts (docs/goodput.md); null without rank files
             "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
         }
+        stragglers = _stragglers(run)
+        payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}
         print(json.dumps(payload, indent=2))
     else:
         from rich.console import Console

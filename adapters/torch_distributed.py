@@ -1,0 +1,289 @@
+"""torch.distributed: each rank's time waiting in collectives, so the cross-rank view can name the
+rank that slows a synchronous job instead of the ranks that wait for it (DESIGN.md §2).
+
+A collective makes every rank's step as long as the slowest rank's: per-rank step times all look
+alike. What differs is where the time went: the slow rank arrives last and hardly waits, the others
+arrive early and wait for it. This module measures, on the training thread and never with a sync or
+a barrier, how long each step waited in collectives (``collective_wait_seconds`` in the step record;
+the rest of the step's interval is ``own_seconds``). A collective called between steps (a loss
+all-reduce after ``with step(n)`` closed) waits within the next step's interval and counts there.
+
+* **Collectives called from Python** (``torch.distributed.all_reduce``, ``broadcast``,
+  ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``barrier``, ...; FSDP and Megatron's
+  gradient sync call these): :func:`track_collectives` wraps them. A synchronous call is timed from
+  arrival to return; with ``async_op=True``, ``Work.wait()`` is timed (patched on the class: the
+  time the training thread was blocked). Source ``torch.distributed``.
+* **DDP gradient buckets** (all-reduced by DDP's C++ reducer, which no Python wrapper sees):
+  :func:`track_ddp` (installed on every DDP model at its first forward) notes when the backward's
+  last gradient arrived and when the backward ended: DDP holds it until every bucket's all-reduce
+  completed. Its C++ all-reduce and any communication hook stay as they are (a Python comm hook
+  would cost ~50 µs per bucket here). Source ``ddp``.
+
+Only host-synchronous backends are measured this way: on gloo (CPU tensors) a collective's call or
+``wait()`` returns when it completed, so its host time *is* the wait. On NCCL a call returns once
+the kernel is enqueued; the wait happens inside the NCCL kernel on the device, so
+:func:`track_collectives` does not install itself there (see docs/collector.md: what each framework
+can and cannot show).
+
+``steptrace`` installs :func:`track_collectives` itself at the first step when torch.distributed
+is initialised with the gloo backend; call it earlier to have it in place before. The wrappers cost
+0.3-0.6 µs per collective on the training thread, DDP tracking ~1 µs per parameter per backward
+(``bench/bench_collectives.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from typing import Any, Callable
+
+__all__ = ["SOURCE_DDP", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp", "untrack_collectives"]
+
+#: ``collective_wait_source`` of waits measured in collectives called from Python.
+SOURCE_TORCH = "torch.distributed"
+#: ``collective_wait_source`` of waits measured in DDP's backward (its gradient all-reduce).
+SOURCE_DDP = "ddp"
+
+#: The tensor collectives wrapped (object collectives such as ``all_gather_object`` call these, so
+#: they are measured through them). A collective that runs inside another wrapped one, or the Work
+#: a synchronous one waits on inside, is not timed again (``_inside``).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+               "monitored_barrier")
+#: Backends whose collectives complete on the host before the call (or ``wait()``) returns.
+HOST_SYNCHRONOUS_BACKENDS = ("gloo",)
+
+_perf = time.perf_counter
+#: The run whose steps the waits go to (set at each run's first step by :func:`mark_runtime`). A leaf
+#: module like the other device backends: it imports no steptrace module, the runtime comes to it.
+_runtime: list[Any] = [None]
+#: (owner, attribute, original) of every function replaced, in the order replaced.
+_patched: list[tuple[Any, str, Any]] = []
+#: Seconds waited in collectives while no step was open: they belong to the next step's interval.
+_pending = [0.0]
+#: True while a wrapped synchronous collective runs: it waits on its Work inside, timed already.
+_inside = [False]
+
+
+def _current_step() -> Any:
+    runtime = _runtime[0]
+    return None if runtime is None else runtime.current
+
+
+def _patch(owner: Any, attribute: str, make: Callable[[Any], Any], rebind_in: tuple[Any, ...] = ()) -> None:
+    """Replace ``owner.attribute`` by ``make(original)`` (and in ``rebind_in`` where those modules hold
+    the same original); once: a second call finds the marked wrapper and leaves it."""
+    original = inspect.getattr_static(owner, attribute, None)
+    if original is None or getattr(original, "__steptrace_hook__", False):
+        return
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    wrapper.__steptrace_hook__ = True
+    setattr(owner, attribute, wrapper)
+    _patched.append((owner, attribute, original))
+    for module in rebind_in:
+        if getattr(module, attribute, None) is original:
+            setattr(module, attribute, wrapper)
+            _patched.append((module, attribute, original))
+
+
+def _add_wait(step: Any, seconds: float, source: str) -> None:
+    # Runs on the thread that waited: the training thread (synchronous calls, Work.wait), or the
+    # autograd engine's at the end of a DDP backward (the calling thread, for CPU tensors).
+    if _pending[0]:
+        seconds += _pending[0]
+        _pending[0] = 0.0
+    step.collective_wait += seconds
+    if step.collective_source is None:
+        step.collective_source = source
+    elif source not in step.collective_source.split("+"):
+        step.collective_source = "+".join(sorted({*step.collective_source.split("+"), source}))
+
+
+def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Patched on the Work class itself (no proxy object: code that checks isinstance(work, Work),
+    # as FSDP does, or hands the Work to C++, sees the real one).
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _inside[0]:
+            return original(self, *args, **kwargs)
+        start = _perf()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            step = _current_step()
+            if step is None:
+                _pending[0] += _perf() - start
+            else:
+                _add_wait(step, _perf() - start, SOURCE_TORCH)
+
+    return wait
+
+
+def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if _inside[0]:
+            return original(*args, **kwargs)
+        _inside[0] = True
+        start = _perf()
+        try:
+            work = original(*args, **kwargs)
+        finally:
+            _inside[0] = False
+        if work is not None and hasattr(work, "wait"):  # async_op=True: the wait is in Work.wait()
+            return work
+        # Synchronous: it returned when the collective completed.
+        step = _current_step()
+        if step is None:
+            _pending[0] += _perf() - start
+        elif step.collective_source == SOURCE_TORCH and not _pending[0]:
+            step.collective_wait += _perf() - start  # the common case, kept short
+        else:
+            _add_wait(step, _perf() - start, SOURCE_TORCH)
+        return work
+
+    return collective
+
+
+def _default_backend() -> str | None:
+    import torch.distributed as dist
+
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return str(dist.get_backend())
+    except Exception:
+        return None
+
+
+def track_collectives(*, force: bool = False) -> list[str]:
+    """Time every collective called through ``torch.distributed`` (idempotent); returns the names wrapped.
+
+    Installs only when the default process group's backend is host-synchronous (gloo), unless
+    ``force``: on NCCL the host returns before the collective completes and would read 0 wait.
+    Before ``init_process_group`` nothing is known yet: pass ``force=True`` when you know the
+    backend is gloo, or let steptrace install it at the first step.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.nn.parallel import distributed as ddp_module
+
+    if not force and _default_backend() not in HOST_SYNCHRONOUS_BACKENDS:
+        return []
+    for name in COLLECTIVES:
+        # distributed_c10d is where they live (and where object collectives look them up);
+        # torch.distributed re-exports the same functions, rebound too.
+        _patch(distributed_c10d, name, _timed, rebind_in=(dist,))
+    # An async_op=True collective (and a p2p op) is waited for in Work.wait().
+    _patch(distributed_c10d.Work, "wait", _timed_wait)
+    # DDP's gradient all-reduce runs in C++, out of the wrappers' sight: its models are tracked at
+    # their first forward (track_ddp).
+    _patch(ddp_module.DistributedDataParallel, "forward", _ddp_forward)
+    return installed()
+
+
+def untrack_collectives() -> None:
+    """Put the original ``torch.distributed`` functions back, newest first."""
+    while _patched:
+        owner, attribute, original = _patched.pop()
+        setattr(owner, attribute, original)
+
+
+def installed() -> list[str]:
+    """What is wrapped now (``all_reduce``, ..., ``Work.wait``, ``DistributedDataParallel.forward``)."""
+    names = []
+    for owner, attribute, _ in _patched:
+        name = attribute if inspect.ismodule(owner) else f"{owner.__name__}.{attribute}"
+        if name not in names:
+            names.append(name)
+    return names
+
+
+class _DdpBackward:
+    """The wait of DDP's gradient all-reduce in one backward pass, without replacing DDP's C++ all-reduce.
+
+    A hook on every parameter's gradient accumulation notes when the last one arrived (the rank's
+    backward is done; the last bucket goes out); a callback queued at the end of the backward, after
+    DDP's own (which waits for every bucket's all-reduce), notes the completion. Any communication
+    hook the model has keeps working: nothing of DDP's is replaced.
+    """
+
+    __slots__ = ("arrival", "queued")
+
+    def __init__(self) -> None:
+        self.arrival = 0.0
+        self.queued = False
+
+    def grad_ready(self, _param: Any) -> None:
+        self.arrival = _perf()
+        if not self.queued:
+            self.queued = True
+            _queue_callback(self._requeue)
+
+    def _requeue(self) -> None:
+        # DDP queues its finalize callback when the last bucket is ready, after this one was
+        # queued at the first gradient: go to the back of the queue once, behind it.
+        _queue_callback(self._done)
+
+    def _done(self) -> None:
+        self.queued = False
+        step = _current_step()
+        if step is not None:
+            _add_wait(step, max(0.0, _perf() - self.arrival), SOURCE_DDP)
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def track_ddp(model: Any, *, force: bool = False) -> Any:
+    """Measure the wait of a ``DistributedDataParallel`` model's gradient all-reduce (idempotent);
+    returns the model. Installed by :func:`track_collectives` on every DDP model's first forward,
+    so a gloo job needs no call; call it for a model whose backward runs before the first step.
+
+    The wait is from the last gradient's arrival (the rank's backward is done) to the end of the
+    backward, which DDP holds until every bucket's all-reduce completed. Like
+    :func:`track_collectives`, only on gloo unless ``force`` (on NCCL the backward ends before the
+    all-reduce does: the host would read no wait).
+    """
+    if getattr(model, "_steptrace_ddp", None) is not None:
+        return model
+    if not force and _default_backend() not in HOST_SYNCHRONOUS_BACKENDS:
+        model._steptrace_ddp = False
+        return model
+    tracker = _DdpBackward()
+    for param in model.module.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(tracker.grad_ready)
+    model._steptrace_ddp = tracker
+    return model
+
+
+def _ddp_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_steptrace_ddp") is None:
+            try:
+                track_ddp(self)
+            except Exception:
+                self._steptrace_ddp = False  # not trackable (no parameters, a wrapped module): leave it
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def mark_runtime(runtime: Any) -> None:
+    """Called by steptrace at a run's first step: install the collective wrappers where they apply,
+    and tell the run which sources it measures (its steps then carry ``collective_wait_seconds``,
+    0 when a step had no collective)."""
+    try:
+        track_collectives()
+    except Exception:
+        pass
+    _runtime[0] = runtime
+    _pending[0] = 0.0  # waits before this run's first step are not its steps'
+    if _patched:
+        # Every step is measured now: one without a collective waited 0 (steps whose waits were
+        # measured say so themselves, e.g. "ddp+torch.distributed").
+        runtime.resolver.collective_source = SOURCE_TORCH
