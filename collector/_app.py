@@ -39,6 +39,7 @@ from steptrace.collector._decode import (
 from steptrace.collector._join import Joiner, JoinResult
 from steptrace.collector._http import ByteBudget
 from steptrace.collector._metrics import ClusterMetrics, served_registry
+from steptrace.collector._stalls import StallBoard
 from steptrace.collector._runlog import ClusterLog, JournalError
 
 __all__ = ["ENV_TOKEN", "Collector", "CollectorConfig"]
@@ -211,6 +212,8 @@ class Collector:
                               max_conflicts=config.max_conflicts_per_run, journal=config.journal,
                               max_journal_bytes_per_run=config.max_journal_bytes_per_run,
                               max_journal_bytes=config.max_journal_bytes, open_spans=self.joiner.open_spans)
+        #: The ranks' stalls, per run: which rank is the cause of a hang (cluster_stall records).
+        self.stalls = StallBoard(max_runs=config.max_runs)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self._metrics_server: Any = None
@@ -355,6 +358,10 @@ class Collector:
                 raise Rejected(403, "forbidden", f"this token may not write run(s) {', '.join(denied[:5])[:300]}")
         self.metrics.request(signal, transport)
         refused = mismatched = 0
+        if extracted.stalls:
+            with self._lock:
+                # Only runs the joiner took (a run it refused cannot fill the board either).
+                self.stalls.add([s for s in extracted.stalls if self.joiner.known(s["run_id"])])
         steps = extracted.steps
         for start in range(0, len(steps), _CHUNK):
             chunk = steps[start:start + _CHUNK]
@@ -408,7 +415,12 @@ class Collector:
                 result = self.joiner.expire(max_steps=_CHUNK)
                 self._publish(result)
             if len(result.records) < _CHUNK:
-                return
+                break
+        with self._lock:
+            stalls = self.stalls.due()
+            if stalls:
+                # Advice, not acknowledged data: written once, never journaled or retried.
+                self.log.write_advice(stalls)
 
     def _publish(self, result: JoinResult) -> None:
         # Journal entries go only once their records are written (a failed write keeps them, and

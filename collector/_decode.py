@@ -275,6 +275,8 @@ class Extracted:
     invalid: dict[str, int] = field(default_factory=dict)
     #: run_id → spans received ("" when the sending resource's spans carry none)
     spans_by_run: dict[str, int] = field(default_factory=dict)
+    #: the ranks' ``train.stall`` / ``train.stall_end`` spans (:func:`_stall_span`); bad ones are dropped
+    stalls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def invalid_total(self) -> int:
@@ -376,6 +378,41 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait))
 
 
+_STALL_SPANS = ("train.stall", "train.stall_end")
+#: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).
+_MAX_STACK_CHARS = 8192
+_MAX_STACK_FRAMES = 64
+
+
+def _stall_span(span: Any, rank_limit: int, max_step: int) -> dict[str, Any] | None:
+    """A rank's stall (or its end) from its OTLP span, as the stall record's fields the job's view
+    reads; None when its run, rank or step is unusable (a stall is advice: it is dropped, not counted)."""
+    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith(ATTR_PREFIX)}
+    try:
+        run_id = attrs.get(ATTR_RUN_ID)
+        if not safe_run_id(run_id):
+            return None
+        step = _int(attrs, ATTR_STEP, minimum=0)
+        rank = _int(attrs, ATTR_RANK, minimum=0)
+    except _Invalid:
+        return None
+    if step > max_step or rank >= rank_limit:
+        return None
+    text = attrs.get("train.stall.stack")
+    frames = []
+    for line in (text[-_MAX_STACK_CHARS:] if isinstance(text, str) else "").splitlines()[-_MAX_STACK_FRAMES:]:
+        where, _, function = line.rpartition(" in ")
+        path, _, lineno = where.rpartition(":")
+        frames.append([path, int(lineno) if lineno.isdigit() else 0, function])
+    span_name = attrs.get("train.stall.span")
+    return {"type": "stall" if span.name == "train.stall" else "stall_end", "run_id": run_id, "rank": rank,
+            "attempt": _int(attrs, ATTR_ATTEMPT, minimum=0, required=False) or 0, "step": step,
+            "in_step": attrs.get("train.stall.in_step") is True,
+            "span": span_name if isinstance(span_name, str) else None,
+            "open_seconds": _seconds(attrs, "train.stall.open_seconds", required=False),
+            "threads": [{"name": "training", "training": True, "frames": frames}]}
+
+
 def _resource_run_id(scope_spans: Any) -> str:
     """The run of a resource's spans: its first span's ``train.run_id`` (all of a rank's spans share it)."""
     for scope in scope_spans:
@@ -409,6 +446,11 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 count += 1
+                if span.name in _STALL_SPANS:
+                    stall = _stall_span(span, world_size if world_size is not None else max_world_size, max_step)
+                    if stall is not None:
+                        out.stalls.append(stall)
+                    continue
                 if span.name != _STEP_SPAN:
                     continue
                 try:

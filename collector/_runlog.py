@@ -143,6 +143,11 @@ class ClusterLog:
                 del by_run[run_id]
         self._append(CONFLICTS_FILE, by_run)
 
+    def write_advice(self, records: Iterable[dict[str, Any]]) -> None:
+        """Append records that acknowledge nothing (``cluster_stall``) to their runs' ``cluster.jsonl``:
+        no journal marker, no retry (a failed write is counted; the next change writes a fresh one)."""
+        self._append(CLUSTER_FILE, _by_run(records))
+
     def mark(self, run_id: str, units: Iterable[tuple[int, int]]) -> None:
         """Say in the journal that the spans so far of ``units`` ((attempt, step)) are dealt with."""
         self._mark(run_id, set(units))

@@ -112,6 +112,23 @@ def test_bad_stall_settings_fail_at_init():
             steptrace.init(jsonl=False, **bad)
 
 
+def _collector(run_dir: Path):
+    """A steptrace collector for 4 ranks (None without the OTLP exporter or prometheus_client)."""
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_collector_e2e
+
+    world, test_collector_e2e.WORLD = test_collector_e2e.WORLD, 4
+    try:
+        return test_collector_e2e.CollectorProcess(run_dir, window_s=3.0)
+    finally:
+        test_collector_e2e.WORLD = world
+
+
 def _kill_job(proc: subprocess.Popen, script: str) -> None:
     """SIGKILL torchrun and its workers (which torchrun may start in sessions of their own)."""
     try:
@@ -148,6 +165,9 @@ def test_four_gloo_ranks_one_stuck_in_its_data_fetch_is_named_with_its_frame(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPTRACE_", "OTEL_"))}
     env.update(STEPTRACE_STALL_MIN_S="1", STEPTRACE_STALL_FACTOR="5", OMP_NUM_THREADS="1", STALL_STEP="20")
     run_dir = tmp_path / "runs"
+    collector = _collector(run_dir)  # the cluster's view too, where the OTLP exporter is installed
+    if collector is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{collector.port}"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
                              "127.0.0.1", "--master-port", str(_free_port()), str(script), str(run_dir)],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "torchrun.log", "w"), env=env,
@@ -173,8 +193,23 @@ def test_four_gloo_ranks_one_stuck_in_its_data_fetch_is_named_with_its_frame(tmp
                 pytest.fail(f"the job ended: {(tmp_path / 'torchrun.log').read_text()[-3000:]}")
             time.sleep(0.1)
         assert stalled_ranks() == 4
+        if collector is not None:
+            # The collector's cluster record says the same (written at most every 2 s per run).
+            cluster = run_dir / "hang" / "cluster.jsonl"
+
+            def cluster_stall() -> dict | None:
+                found = [r for r in records(cluster) if r.get("type") == "cluster_stall" and len(r["ranks"]) == 4]
+                return found[-1] if found else None
+
+            while time.monotonic() < deadline and cluster_stall() is None:
+                time.sleep(0.2)
+            record = cluster_stall()
+            assert record is not None and record["cause_ranks"] == [2], record
+            assert "get_batch" in record["where"]["2"] and record["summary"].startswith("rank 2: ddp_stall.py:")
     finally:
         _kill_job(proc, str(script))
+        if collector is not None:
+            collector.stop()
     run = load_run(run_dir / "hang")
     stalls = {r: [x for x in run.records_by_rank[r] if x.get("type") == "stall"] for r in range(4)}
     assert all(len(v) == 1 for v in stalls.values()), stalls
@@ -249,3 +284,30 @@ def test_a_stall_reaches_metrics_and_otlp_spans(monkeypatch):
     assert "slow_io" in stall.attributes["train.stall.stack"] and stall.attributes["train.stall.span"] == "fetch"
     (end,) = [s for s in spans if s.name == "train.stall_end"]
     assert end.attributes["train.stall.lasted_seconds"] == pytest.approx(1.2, abs=0.3)
+
+
+def test_the_collectors_stall_board_is_bounded_and_writes_at_most_one_record_per_interval():
+    from steptrace.collector._stalls import StallBoard
+
+    now = [0.0]
+    board = StallBoard(max_runs=2, interval_s=2.0, clock=lambda: now[0], wall_clock=lambda: 1000.0 + now[0])
+
+    def stall(run, rank, where, kind="stall", step=7):
+        return {"type": kind, "run_id": run, "rank": rank, "attempt": 0, "step": step, "in_step": True,
+                "span": None, "open_seconds": 9.0,
+                "threads": [{"training": True, "frames": [[f"/x/{where}.py", 3, where]]}]}
+
+    board.add([stall("a", 0, "torch/distributed/c10d"), stall("a", 1, "get_batch")])
+    (first,) = board.due()
+    assert first["type"] == "cluster_stall" and first["ranks"] == [0, 1] and first["cause_ranks"] == [1]
+    board.add([stall("a", 2, "torch/distributed/c10d")])
+    assert board.due() == []  # changed, but within the interval
+    now[0] = 2.5
+    (second,) = board.due()
+    assert second["ranks"] == [0, 1, 2] and second["cause_ranks"] == [1]
+    board.add([stall("a", 1, "", kind="stall_end")])
+    now[0] = 5.0
+    (third,) = board.due()
+    assert third["ended_after"]["1"] == 9.0 and third["ended_after"]["0"] is None
+    board.add([stall("b", 0, "x"), stall("c", 0, "x")])  # a third run: the least recent ("a") is forgotten
+    assert sorted(board._runs) == ["b", "c"]

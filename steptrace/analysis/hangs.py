@@ -91,8 +91,12 @@ def latest_stalls(run: Run) -> dict[int, dict]:
 def job_view(run: Run) -> dict[str, Any] | None:
     """Who is the cause of the hang and who waits, from every rank's newest stall; None without stalls."""
     stalls = latest_stalls(run)
-    if not stalls:
-        return None
+    return view_of(stalls) if stalls else None
+
+
+def view_of(stalls: dict[int, dict]) -> dict[str, Any]:
+    """The job's view of rank → stall record (``step, in_step, span, open_seconds, threads``, and
+    ``ended_after`` when it ended): also what the collector writes from the ranks' stall spans."""
     ranks = sorted(stalls)
 
     def position(rank: int) -> tuple[int, int]:
