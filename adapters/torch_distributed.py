@@ -273,6 +273,15 @@ def _ddp_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def release_runtime(runtime: Any) -> None:
+    """Called by steptrace when a run shuts down: the wrappers it installed go (a later run installs
+    them again at its first step if the process group is still there), so nothing of steptrace's
+    stays on ``torch.distributed`` after ``shutdown()``."""
+    if _runtime[0] is runtime:
+        _runtime[0] = None
+        untrack_collectives()
+
+
 def mark_runtime(runtime: Any) -> None:
     """Called by steptrace at a run's first step: install the collective wrappers where they apply,
     and tell the run which sources it measures (its steps then carry ``collective_wait_seconds``,
@@ -283,7 +292,8 @@ def mark_runtime(runtime: Any) -> None:
         pass
     _runtime[0] = runtime
     _pending[0] = 0.0  # waits before this run's first step are not its steps'
-    if _patched:
+    if _patched and _default_backend() in HOST_SYNCHRONOUS_BACKENDS:
         # Every step is measured now: one without a collective waited 0 (steps whose waits were
-        # measured say so themselves, e.g. "ddp+torch.distributed").
+        # measured say so themselves, e.g. "ddp+torch.distributed"). Wrappers left installed by an
+        # earlier run whose process group is gone measure nothing: such a run claims no wait.
         runtime.resolver.collective_source = SOURCE_TORCH

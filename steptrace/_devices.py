@@ -171,6 +171,15 @@ class Backends:
             return annotators[0]
         return _AllAnnotations(annotators) if annotators else None
 
+    def framework_teardown(self, runtime: Any) -> None:
+        """Undo, at shutdown, what :meth:`framework_hooks` installed for ``runtime`` (the collective wrappers)."""
+        module = sys.modules.get("steptrace.adapters.torch_distributed")
+        if module is not None:
+            try:
+                module.release_runtime(runtime)
+            except Exception:
+                pass
+
     def flop_counters(self, runtime: Any) -> list[Any]:
         """What counts a flops="auto" step's hardware FLOPs, set up at the first such step: JAX's
         compiled programs (XLA cost analysis, read as they compile), then torch's FLOP counter (over

@@ -349,6 +349,7 @@ class Runtime:
         self.active = False
         if self.stall_watch is not None:
             self.stall_watch.close()
+        self.backends.framework_teardown(self)
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
             step = self.current
