@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import os
-import statistics
 import sys
 import threading
 import time
@@ -70,7 +69,7 @@ class StallWatch:
         """Seconds a step (or the time between steps) may stay open before it is a stall."""
         if len(self._intervals) < MIN_STEPS_FOR_MEDIAN:
             return self.factor * self.min_s
-        return max(self.min_s, self.factor * statistics.median(self._intervals))
+        return max(self.min_s, self.factor * _median(self._intervals))
 
     def open_stall(self) -> tuple[str | None, bool] | None:
         """(open span, in_step) of the stall in progress, or None (what ``/metrics`` reads)."""
@@ -122,6 +121,14 @@ class StallWatch:
                 self.check()
         except Exception:
             pass
+
+
+def _median(values: Any) -> float:
+    # Not statistics.median: importing statistics (decimal, fractions, random) at init costs
+    # milliseconds and a burst of allocations that the training thread then pays for in GC passes.
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def thread_stacks(train_thread: int | None) -> list[dict[str, Any]]:

@@ -22,20 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class PrometheusProcess:
-    """Starts ``binary`` with ``config_text`` as prometheus.yml and exemplar storage on."""
+class ServerProcess:
+    """A Prometheus-family server (Prometheus, Alertmanager) on a free loopback port: started with
+    its log in ``tmp_path``, ready once ``/-/ready`` answers, stopped without leaving it behind."""
 
-    def __init__(self, binary: str, config_text: str, tmp_path: Path):
-        self.port = free_port()
+    def __init__(self, argv: list[str], tmp_path: Path, name: str, port: int):
+        self.port = port
         self.base = f"http://127.0.0.1:{self.port}"
-        path = tmp_path / "prometheus.yml"
-        path.write_text(config_text)
-        self.log_path = tmp_path / "prometheus.log"
+        self.log_path = tmp_path / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd=tmp_path)
 
     def wait_ready(self, timeout_s: float = 20.0) -> bool:
         """True once /-/ready answers; False if the server exits or takes too long."""
@@ -56,6 +53,27 @@ class PrometheusProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-3000:]
 
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+class PrometheusProcess(ServerProcess):
+    """Starts ``binary`` with ``config_text`` as prometheus.yml and exemplar storage on."""
+
+    def __init__(self, binary: str, config_text: str, tmp_path: Path):
+        port = free_port()
+        path = tmp_path / "prometheus.yml"
+        path.write_text(config_text)
+        super().__init__([binary, f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                          f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"],
+                         tmp_path, "prometheus", port)
+
     def api(self, path: str, params: dict | None = None, post: bool = False) -> dict:
         """The JSON body of an API call; error answers (400, 422) are returned, not raised."""
         data = urllib.parse.urlencode(params or {})
@@ -70,11 +88,3 @@ class PrometheusProcess:
         except urllib.error.HTTPError as exc:
             return json.loads(exc.read().decode())
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()

@@ -22,13 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from prometheus_server import PrometheusProcess, free_port
+from prometheus_server import PrometheusProcess, ServerProcess, free_port
 
 yaml = pytest.importorskip("yaml", reason="reading the rules needs PyYAML (installed with steptrace[test])")
 pytest.importorskip("prometheus_client", reason="the ranks' exporter needs `pip install 'steptrace[prometheus]'`")
@@ -111,7 +110,7 @@ def shortened_rule_files(tmp_path: Path) -> list[str]:
     return paths
 
 
-class Alertmanager:
+class Alertmanager(ServerProcess):
     def __init__(self, binary: str, webhook_url: str, tmp_path: Path):
         config = yaml.safe_load((COLLECTOR / "alertmanager.yml").read_text())
         config["route"].update(group_wait="1s", group_interval="1s", repeat_interval="1h")
@@ -119,39 +118,10 @@ class Alertmanager:
         receiver["webhook_configs"][0]["url"] = webhook_url
         path = tmp_path / "alertmanager.yml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / "alertmanager.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={path}", f"--storage.path={tmp_path / 'am-data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
-
-    def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                with urllib.request.urlopen(self.base + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.1)
-        return False
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
+        port = free_port()
+        super().__init__([binary, f"--config.file={path}", f"--storage.path={tmp_path / 'am-data'}",
+                          f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                         tmp_path, "alertmanager", port)
 
 
 def start_ranks(procs: list[subprocess.Popen], deadline: float) -> dict[str, str]:

@@ -307,7 +307,9 @@ def test_hold_gil_stops_every_other_thread_while_the_device_keeps_running(device
 
     thread = threading.Thread(target=count)
     thread.start()
-    time.sleep(0.01)
+    deadline = time.perf_counter() + 5
+    while len(progress) < 3 and time.perf_counter() < deadline:  # the counter runs before the hold
+        time.sleep(0.001)
     work = device.run(0.02)
     before = time.perf_counter()
     hold_gil(0.06)
