@@ -7,9 +7,13 @@ behind a live one. Every series is labelled ``run_id`` and ``rank`` and never
 with the step number (one series per step would grow without bound).
 
 :class:`PrometheusSink` runs behind its own :class:`~steptrace._sinks.SinkWorker`,
-so ``export`` (one histogram observation per step record, not an average)
+so ``export`` (one observation per step record, not an average)
 happens off the training thread, and a scrape reads what is already
-aggregated. Histogram observations carry the step's trace id as an
+aggregated. Durations are summaries without quantiles (``_sum``, ``_count``)
+by default: ``rank`` is on every series, and ~20 buckets per rank and label
+set is what grows a big job's Prometheus (docs/prometheus.md, "A series budget
+per rank"). With ``histograms=True`` (``prometheus_histograms``) they are
+bucketed histograms whose observations carry the step's trace id as an
 OpenMetrics exemplar, which links a slow bucket in Grafana to the step's
 distributed trace (exemplars only appear in the OpenMetrics exposition,
 ``Accept: application/openmetrics-text``).
@@ -19,8 +23,8 @@ Metrics (all with ``run_id`` and ``rank``):
 =====================================================  =========  ======================
 name                                                   type       extra labels
 =====================================================  =========  ======================
-``steptrace_step_interval_seconds``                    histogram
-``steptrace_step_compute_seconds``                     histogram
+``steptrace_step_interval_seconds``                    summary
+``steptrace_step_compute_seconds``                     summary
 ``steptrace_step_idle_seconds_total``                  counter    ``reason``
 ``steptrace_step_collective_wait_seconds_total``       counter    (where the wait in collectives is measured)
 ``steptrace_step_own_seconds_total``                   counter    (interval - collective wait, the same steps)
@@ -37,9 +41,9 @@ name                                                   type       extra labels
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
 ``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
-``steptrace_microbatch_seconds``                       histogram  ``kind, stage, chunk``
-``steptrace_checkpoint_blocking_seconds``              histogram
-``steptrace_checkpoint_async_seconds``                 histogram
+``steptrace_microbatch_seconds``                       summary    ``kind, stage, chunk``
+``steptrace_checkpoint_blocking_seconds``              summary
+``steptrace_checkpoint_async_seconds``                 summary
 ``steptrace_checkpoints_total``                        counter    ``status``
 ``steptrace_dropped_records_total``                    counter    ``sink, reason``
 ``steptrace_info``                                     gauge (1)  ``version, backend``
