@@ -78,8 +78,8 @@ Through the OpenTelemetry metrics SDK: a ``MeterProvider`` of this sink's own
 they would export frozen copies of the parent's metrics under its identity).
 Every point carries ``train.run_id`` and ``train.rank``. Histograms with explicit bucket boundaries in seconds:
 ``steptrace.step.interval``, ``steptrace.step.compute``,
-``steptrace.checkpoint.blocking``, ``steptrace.microbatch.compute``
-(``train.stage``, ``train.kind``). Counters: ``steptrace.steps``
+``steptrace.checkpoint.blocking``. Counters: ``steptrace.microbatch.compute`` (seconds) and
+``steptrace.microbatches`` (``train.stage``, ``train.kind``), ``steptrace.steps``
 (``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
 ``steptrace.tokens``, ``steptrace.step.collective_wait`` and ``steptrace.step.own`` (seconds,
 where the wait in collectives is measured), ``steptrace.dropped_records`` (``train.drop.reason``,
@@ -147,7 +147,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 from steptrace._version import __version__
 from steptrace._attribution import GoodputWindow
 from steptrace._ratelimit import limit_otel_exporter_logs
-from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
+from steptrace._buckets import CHECKPOINT_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS, microbatch_span_every
 from steptrace._schema import (
     ATTR_ATTEMPT,
@@ -285,8 +285,9 @@ class _Metrics:
                                               description="Device time busy with the step")
         self.blocking = meter.create_histogram("steptrace.checkpoint.blocking", unit="s",
                                                description="Checkpoint host time after the saved step ended")
-        self.mb_compute = meter.create_histogram("steptrace.microbatch.compute", unit="s",
-                                                 description="Device time of one pipeline microbatch")
+        # Microbatches as a sum and a count per (stage, kind), read at collection: a histogram
+        # point per microbatch cost the export thread ~10 us each (256 per pipeline step).
+        self._mb: dict[tuple[str | None, str], list[float]] = {}  # (stage, kind) -> [count, Σcompute]
         self._steps: dict[str, int] = {}
         self._idle: dict[str, float] = {}
         self._collective: dict[str, float] = {}  # "collective_wait" / "own" -> seconds
@@ -328,6 +329,16 @@ class _Metrics:
             meter.create_observable_gauge(
                 f"steptrace.{name}", unit=unit, description=description,
                 callbacks=[observe(lambda name=name: [] if name not in self._last else [(self._last[name], base)])])
+        def microbatches(field: int) -> list[tuple[float, dict[str, Any]]]:
+            return [(v[field], {**base, "train.kind": kind, **({} if stage is None else {"train.stage": stage})})
+                    for (stage, kind), v in self._mb.items()]
+
+        meter.create_observable_counter(
+            "steptrace.microbatch.compute", unit="s", description="Device time of pipeline microbatches",
+            callbacks=[observe(lambda: microbatches(1))])
+        meter.create_observable_counter(
+            "steptrace.microbatches", unit="{microbatch}", description="Pipeline microbatches finalized",
+            callbacks=[observe(lambda: [(int(n), attrs) for n, attrs in microbatches(0)])])
         meter.create_observable_gauge(
             "steptrace.pipeline.bubble_ratio", unit="1",
             description="1 - Σ microbatch compute / pipeline window, per stage, last step",
@@ -377,11 +388,16 @@ class _Metrics:
             if r.get("blocking_seconds") is not None:
                 self.blocking.record(r["blocking_seconds"], base)
         elif kind == "microbatch":
-            if r.get("compute_seconds") is not None:
-                attrs = {**base, "train.kind": str(r.get("kind"))}
-                if r.get("stage") is not None:
-                    attrs["train.stage"] = str(r["stage"])
-                self.mb_compute.record(r["compute_seconds"], attrs)
+            compute = r.get("compute_seconds")
+            if isinstance(compute, (int, float)) and math.isfinite(compute):
+                key = (None if r.get("stage") is None else str(r["stage"]), str(r.get("kind")))
+                with self._lock:
+                    entry = self._mb.get(key)
+                    if entry is None:
+                        self._mb[key] = [1, float(compute)]
+                    else:
+                        entry[0] += 1
+                        entry[1] += compute
 
     def _goodput(self, compute: float, interval: float) -> None:
         self._window.add(compute, interval)
@@ -448,7 +464,6 @@ class OtlpSink:
             View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
             for name, bounds in (("steptrace.step.interval", STEP_BUCKETS_S),
                                  ("steptrace.step.compute", STEP_BUCKETS_S),
-                                 ("steptrace.microbatch.compute", MICROBATCH_BUCKETS_S),
                                  ("steptrace.checkpoint.blocking", CHECKPOINT_BUCKETS_S))
         ]
         # The reader never starts a thread of its own (infinite interval): its thread would be

@@ -6,6 +6,7 @@ Everything runs through the public API against in-test OTLP receivers
 """
 
 import bisect
+import math
 import subprocess
 import sys
 import time
@@ -472,9 +473,17 @@ def test_metrics_values_and_second_buckets(receiver, device):
     (blocking,) = histogram("steptrace.checkpoint.blocking")
     assert list(blocking.explicit_bounds) == list(CHECKPOINT_BUCKETS_S)
     assert blocking.count == 1 and blocking.sum == pytest.approx(memory.checkpoints()[0]["blocking_seconds"])
-    mb_points = histogram("steptrace.microbatch.compute")
-    assert sum(p.count for p in mb_points) == 8
-    assert {point_attrs(p)["train.kind"] for p in mb_points} == {"forward", "backward"}
+    # Microbatches: a sum and a count per (stage, kind), not a histogram point per microbatch.
+    mb_sum = {point_attrs(p)["train.kind"]: p.as_double
+              for p in receiver.last_metric("steptrace.microbatch.compute").sum.data_points}
+    mb_count = {point_attrs(p)["train.kind"]: p.as_int
+                for p in receiver.last_metric("steptrace.microbatches").sum.data_points}
+    assert mb_count == {"forward": 4, "backward": 4}
+    for kind in ("forward", "backward"):
+        assert mb_sum[kind] == pytest.approx(
+            math.fsum(m["compute_seconds"] for m in memory.microbatches() if m["kind"] == kind), rel=1e-9)
+    assert {point_attrs(p)["train.stage"] for p in receiver.last_metric("steptrace.microbatches").sum.data_points} \
+        == {"0"}
 
     (steps_point,) = receiver.last_metric("steptrace.steps").sum.data_points
     assert steps_point.as_int == 4 and point_attrs(steps_point)["train.status"] == "ok"
