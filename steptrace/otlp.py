@@ -772,6 +772,10 @@ class OtlpSink:
         key = (_summary_key(r.get("stage")), _summary_key(r.get("chunk")), _summary_key(r.get("kind")))
         per_step = self._mb_summary.setdefault(n, {})
         entry = per_step.get(key)
+        if entry is None and len(per_step) >= MAX_MICROBATCH_SUMMARY_KEYS:
+            # Stages, chunks and kinds are the user's: a step's span gets a bounded number of attributes.
+            key = (_OTHER, _OTHER, _OTHER)
+            entry = per_step.get(key)
         if entry is None:
             per_step[key] = [1, compute, compute, compute, start, end]
         else:
@@ -856,6 +860,9 @@ class OtlpSink:
 
 #: Step-span attributes that summarise the step's microbatches (see :meth:`OtlpSink._put_microbatch_summary`).
 MICROBATCH_SUMMARY_PREFIX = "train.microbatch_summary."
+#: Distinct (stage, chunk, kind) summarised per step; later ones are summed under ``other.other.other``.
+MAX_MICROBATCH_SUMMARY_KEYS = 32
+_OTHER = "other"
 
 
 def _summary_key(value: Any) -> str:

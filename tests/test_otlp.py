@@ -149,6 +149,21 @@ def test_microbatch_spans_are_opt_in_and_sampled_every_n_steps(receiver, device)
     assert sorted({s.attributes["train.step"] for s in sent}) == [0, 2] and len(sent) == 24
 
 
+def test_microbatch_summary_keys_per_step_are_bounded(receiver, device):
+    """40 distinct chunks in one step: 32 summarised by name, the other 8 summed under other.other.other."""
+    steptrace.init(jsonl=False, run_id=RUN, otlp_endpoint=receiver.url)
+    with steptrace.step(0) as s:
+        for chunk in range(40):
+            with steptrace.microbatch(0, stage=0, chunk=chunk) as mb:
+                mb.wait_for(device.run(0.0005))
+        s.wait_for(device.run(0.001))
+    assert steptrace.shutdown(timeout_s=10)
+    (step,) = by_name(receiver.spans(), "train.step")
+    summary = summary_of(step)
+    assert len(summary) == 33 and summary[("other", "other", "other")]["count"] == 8
+    assert sum(v["count"] for v in summary.values()) == 40
+
+
 @pytest.mark.parametrize("value", ["some", "every:0", "every:x", "every:"])
 def test_bad_microbatch_spans_setting_fails_at_init(value, monkeypatch):
     with pytest.raises(ValueError, match="otlp_microbatch_spans"):
