@@ -79,6 +79,11 @@ ENV_STALL_MIN_S = "STEPTRACE_STALL_MIN_S"
 ENV_ATTEMPT = "STEPTRACE_ATTEMPT"
 #: Launcher variables that count restarts, read in this order when no attempt is given.
 LAUNCHER_ATTEMPT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+#: Full ``train.microbatch`` spans over OTLP: ``none`` (default: a per-step summary on ``train.step``),
+#: ``all``, or ``every:N`` (steps whose number is a multiple of N).
+ENV_OTLP_MICROBATCH_SPANS = "STEPTRACE_OTLP_MICROBATCH_SPANS"
+#: ``1`` serves bucketed per-rank histograms on ``/metrics`` (default: ``_sum``/``_count`` only).
+ENV_PROMETHEUS_HISTOGRAMS = "STEPTRACE_PROMETHEUS_HISTOGRAMS"
 #: The longest timeout or interval accepted (a day): larger ones overflow the threading primitives.
 MAX_TIMEOUT_S = 86400.0
 MAX_TAGS = 64
@@ -112,10 +117,12 @@ class Config:
     prometheus_port: int | None = None  # None: no /metrics server
     prometheus_addr: str = "127.0.0.1"
     goodput_window_steps: int = 100
+    prometheus_histograms: bool = False  # True: bucketed per-rank histograms on /metrics
     otlp_endpoint: str | None = None  # None: no OTLP export
     otlp_protocol: str = "http/protobuf"
     otlp_headers: tuple[tuple[str, str], ...] = ()
-    otlp_compression: str = "none"
+    otlp_compression: str = "gzip"
+    otlp_microbatch_spans: str = "none"  # "all", "none" or "every:N": full train.microbatch spans
     otlp_timeout_s: float = 10.0
     otlp_metrics_interval_s: float = 10.0
     service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
@@ -268,10 +275,14 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         prometheus_port=_first(code.get("prometheus_port"), _env_int(ENV_PROMETHEUS_PORT, env)),
         prometheus_addr=str(_first(code.get("prometheus_addr"), env.get(ENV_PROMETHEUS_ADDR) or None, "127.0.0.1")),
         goodput_window_steps=_first(code.get("goodput_window_steps"), _env_int(ENV_GOODPUT_WINDOW_STEPS, env), 100),
+        prometheus_histograms=bool(_first(code.get("prometheus_histograms"),
+                                          _env_bool(ENV_PROMETHEUS_HISTOGRAMS, env), False)),
         otlp_endpoint=_first(code.get("otlp_endpoint"), env.get(ENV_OTLP_ENDPOINT) or None),
         otlp_protocol=str(_first(code.get("otlp_protocol"), env.get(ENV_OTLP_PROTOCOL) or None, "http/protobuf")),
         otlp_headers=_parse_headers(_first(code.get("otlp_headers"), env.get(ENV_OTLP_HEADERS) or None, ())),
-        otlp_compression=str(_first(code.get("otlp_compression"), env.get(ENV_OTLP_COMPRESSION) or None, "none")),
+        otlp_compression=str(_first(code.get("otlp_compression"), env.get(ENV_OTLP_COMPRESSION) or None, "gzip")),
+        otlp_microbatch_spans=str(_first(code.get("otlp_microbatch_spans"),
+                                         env.get(ENV_OTLP_MICROBATCH_SPANS) or None, "none")).strip().lower(),
         otlp_timeout_s=_first(code.get("otlp_timeout_s"), _env_float(ENV_OTLP_TIMEOUT_S, env), 10.0),
         otlp_metrics_interval_s=_first(code.get("otlp_metrics_interval_s"),
                                        _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
@@ -418,9 +429,30 @@ def _validate(config: Config) -> None:
     if config.otlp_compression not in OTLP_COMPRESSIONS:
         raise ValueError(f"otlp_compression must be one of {', '.join(OTLP_COMPRESSIONS)}, got "
                          f"{config.otlp_compression!r} (set by init(otlp_compression=...) or {ENV_OTLP_COMPRESSION})")
+    try:
+        microbatch_span_every(config.otlp_microbatch_spans)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (set by init(otlp_microbatch_spans=...) or {ENV_OTLP_MICROBATCH_SPANS})") from None
     for field in ("otlp_timeout_s", "otlp_metrics_interval_s"):
         if not 0 < getattr(config, field) <= MAX_TIMEOUT_S:
             raise ValueError(f"{field} must be in (0, {MAX_TIMEOUT_S:g}], got {getattr(config, field)!r}")
+
+
+def microbatch_span_every(value: str) -> int:
+    """``otlp_microbatch_spans`` as a step period: ``none`` 0, ``all`` 1, ``every:N`` N."""
+    text = str(value).strip().lower()
+    if text == "none":
+        return 0
+    if text == "all":
+        return 1
+    if text.startswith("every:"):
+        try:
+            every = int(text[len("every:"):])
+        except ValueError:
+            every = 0
+        if every >= 1:
+            return every
+    raise ValueError(f"otlp_microbatch_spans must be 'all', 'none' or 'every:N' with N >= 1, got {value!r}")
 
 
 def _endpoint_problem(endpoint: Any) -> str | None:

@@ -78,8 +78,8 @@ Through the OpenTelemetry metrics SDK: a ``MeterProvider`` of this sink's own
 they would export frozen copies of the parent's metrics under its identity).
 Every point carries ``train.run_id`` and ``train.rank``. Histograms with explicit bucket boundaries in seconds:
 ``steptrace.step.interval``, ``steptrace.step.compute``,
-``steptrace.checkpoint.blocking``, ``steptrace.microbatch.compute``
-(``train.stage``, ``train.kind``). Counters: ``steptrace.steps``
+``steptrace.checkpoint.blocking``. Counters: ``steptrace.microbatch.compute`` (seconds) and
+``steptrace.microbatches`` (``train.stage``, ``train.kind``), ``steptrace.steps``
 (``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
 ``steptrace.tokens``, ``steptrace.step.collective_wait`` and ``steptrace.step.own`` (seconds,
 where the wait in collectives is measured), ``steptrace.dropped_records`` (``train.drop.reason``,
@@ -147,8 +147,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 from steptrace._version import __version__
 from steptrace._attribution import GoodputWindow
 from steptrace._ratelimit import limit_otel_exporter_logs
-from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
-from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS
+from steptrace._buckets import CHECKPOINT_BUCKETS_S, STEP_BUCKETS_S
+from steptrace._config import OTLP_COMPRESSIONS, OTLP_PROTOCOLS, microbatch_span_every
 from steptrace._schema import (
     ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
@@ -285,8 +285,9 @@ class _Metrics:
                                               description="Device time busy with the step")
         self.blocking = meter.create_histogram("steptrace.checkpoint.blocking", unit="s",
                                                description="Checkpoint host time after the saved step ended")
-        self.mb_compute = meter.create_histogram("steptrace.microbatch.compute", unit="s",
-                                                 description="Device time of one pipeline microbatch")
+        # Microbatches as a sum and a count per (stage, kind), read at collection: a histogram
+        # point per microbatch cost the export thread ~10 us each (256 per pipeline step).
+        self._mb: dict[tuple[str | None, str], list[float]] = {}  # (stage, kind) -> [count, Σcompute]
         self._steps: dict[str, int] = {}
         self._idle: dict[str, float] = {}
         self._collective: dict[str, float] = {}  # "collective_wait" / "own" -> seconds
@@ -328,6 +329,16 @@ class _Metrics:
             meter.create_observable_gauge(
                 f"steptrace.{name}", unit=unit, description=description,
                 callbacks=[observe(lambda name=name: [] if name not in self._last else [(self._last[name], base)])])
+        def microbatches(field: int) -> list[tuple[float, dict[str, Any]]]:
+            return [(v[field], {**base, "train.kind": kind, **({} if stage is None else {"train.stage": stage})})
+                    for (stage, kind), v in self._mb.items()]
+
+        meter.create_observable_counter(
+            "steptrace.microbatch.compute", unit="s", description="Device time of pipeline microbatches",
+            callbacks=[observe(lambda: microbatches(1))])
+        meter.create_observable_counter(
+            "steptrace.microbatches", unit="{microbatch}", description="Pipeline microbatches finalized",
+            callbacks=[observe(lambda: [(int(n), attrs) for n, attrs in microbatches(0)])])
         meter.create_observable_gauge(
             "steptrace.pipeline.bubble_ratio", unit="1",
             description="1 - Σ microbatch compute / pipeline window, per stage, last step",
@@ -377,11 +388,16 @@ class _Metrics:
             if r.get("blocking_seconds") is not None:
                 self.blocking.record(r["blocking_seconds"], base)
         elif kind == "microbatch":
-            if r.get("compute_seconds") is not None:
-                attrs = {**base, "train.kind": str(r.get("kind"))}
-                if r.get("stage") is not None:
-                    attrs["train.stage"] = str(r["stage"])
-                self.mb_compute.record(r["compute_seconds"], attrs)
+            compute = r.get("compute_seconds")
+            if isinstance(compute, (int, float)) and math.isfinite(compute):
+                key = (None if r.get("stage") is None else str(r["stage"]), str(r.get("kind")))
+                with self._lock:
+                    entry = self._mb.get(key)
+                    if entry is None:
+                        self._mb[key] = [1, float(compute)]
+                    else:
+                        entry[0] += 1
+                        entry[1] += compute
 
     def _goodput(self, compute: float, interval: float) -> None:
         self._window.add(compute, interval)
@@ -402,8 +418,9 @@ class OtlpSink:
 
     def __init__(self, endpoint: str, *, run_id: str, rank: int = 0, world_size: int = 1,
                  protocol: str = "http/protobuf", headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
-                 compression: str = "none", timeout_s: float = 10.0, metrics_interval_s: float = 10.0,
-                 service_name: str | None = None, goodput_window_steps: int = 100, attempt: int = 0):
+                 compression: str = "gzip", timeout_s: float = 10.0, metrics_interval_s: float = 10.0,
+                 service_name: str | None = None, goodput_window_steps: int = 100, attempt: int = 0,
+                 microbatch_spans: str = "none"):
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"otlp_endpoint must start with http:// or https://, got {endpoint!r}")
         if protocol not in OTLP_PROTOCOLS:
@@ -415,6 +432,8 @@ class OtlpSink:
                 raise ValueError(f"{field} must be > 0, got {value!r}")
         if not run_id:
             raise ValueError("run_id must be a non-empty string")
+        #: Every how many steps full ``train.microbatch`` spans go out (0: never; 1: every step).
+        self.microbatch_span_every = microbatch_span_every(microbatch_spans)
         GoodputWindow(goodput_window_steps)  # a bad size fails here, before any export thread starts
         header_pairs = tuple((str(k), str(v)) for k, v in (headers.items() if isinstance(headers, Mapping)
                                                            else headers))
@@ -445,7 +464,6 @@ class OtlpSink:
             View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
             for name, bounds in (("steptrace.step.interval", STEP_BUCKETS_S),
                                  ("steptrace.step.compute", STEP_BUCKETS_S),
-                                 ("steptrace.microbatch.compute", MICROBATCH_BUCKETS_S),
                                  ("steptrace.checkpoint.blocking", CHECKPOINT_BUCKETS_S))
         ]
         # The reader never starts a thread of its own (infinite interval): its thread would be
@@ -466,6 +484,8 @@ class OtlpSink:
         self._pending: list[dict[str, Any]] = []  # spans closed between steps, waiting for the next step
         self._span_ordinals: dict[int, int] = {}
         self._mb_ordinals: dict[int, int] = {}
+        # step -> (stage, chunk, kind) -> [count, Σcompute, min, max, first start, last end]
+        self._mb_summary: dict[int, dict[tuple[str, str, str], list[float]]] = {}
         self._closed = False
         #: Records that could not be turned into spans (each dropped alone, ``invalid:otlp``).
         self.invalid_records = 0
@@ -494,6 +514,7 @@ class OtlpSink:
             service_name=config.service_name,
             goodput_window_steps=config.goodput_window_steps,
             attempt=config.attempt,
+            microbatch_spans=config.otlp_microbatch_spans,
         )
 
     def attach_drop_counter(self, read: Callable[[], Mapping[str, int]]) -> None:
@@ -531,7 +552,9 @@ class OtlpSink:
         elif kind == "span":
             spans = [] if record.get("step") is None else [self._user_span(record, record["step"])]
         elif kind == "microbatch":
-            spans = [self._microbatch_span(record)]
+            self._summarize_microbatch(record)
+            every = self.microbatch_span_every
+            spans = [self._microbatch_span(record)] if every and record["step"] % every == 0 else []
         elif kind == "checkpoint":
             spans = [self._checkpoint_span(record)]
         elif kind in ("stall", "stall_end"):
@@ -698,6 +721,7 @@ class OtlpSink:
             _put(attrs, f"train.device_memory.{key}", value)
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
+        self._put_microbatch_summary(attrs, n)
         spans = [self._span(SPAN_STEP, trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
                             error)]
 
@@ -739,6 +763,45 @@ class OtlpSink:
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
         return self._span(str(r.get("name")), trace, span, None, _ns(r["start_time"]), _ns(r["end_time"]), attrs)
+
+    def _summarize_microbatch(self, r: dict[str, Any]) -> None:
+        # Validate before touching the summary: a malformed record costs itself alone (invalid:otlp).
+        n, start, end = int(r["step"]), float(r["start_time"]), float(r["end_time"])
+        compute = r.get("compute_seconds")
+        compute = float(compute) if isinstance(compute, (int, float)) and math.isfinite(compute) else 0.0
+        key = (_summary_key(r.get("stage")), _summary_key(r.get("chunk")), _summary_key(r.get("kind")))
+        per_step = self._mb_summary.setdefault(n, {})
+        entry = per_step.get(key)
+        if entry is None and len(per_step) >= MAX_MICROBATCH_SUMMARY_KEYS:
+            # Stages, chunks and kinds are the user's: a step's span gets a bounded number of attributes.
+            key = (_OTHER, _OTHER, _OTHER)
+            entry = per_step.get(key)
+        if entry is None:
+            per_step[key] = [1, compute, compute, compute, start, end]
+        else:
+            entry[0] += 1
+            entry[1] += compute
+            entry[2] = min(entry[2], compute)
+            entry[3] = max(entry[3], compute)
+            entry[4] = min(entry[4], start)
+            entry[5] = max(entry[5], end)
+
+    def _put_microbatch_summary(self, attrs: dict[str, Any], n: int) -> None:
+        """Step ``n``'s microbatches as ``train.microbatch_summary.<stage>.<chunk>.<kind>.<field>``."""
+        summary = self._mb_summary.pop(n, None)
+        # Microbatches of a step whose record never came (or came first) are not kept forever.
+        for stale in [s for s in self._mb_summary if s < n]:
+            del self._mb_summary[stale]
+        if not summary:
+            return
+        for (stage, chunk, kind), (count, total, low, high, first, last) in summary.items():
+            prefix = f"{MICROBATCH_SUMMARY_PREFIX}{stage}.{chunk}.{kind}."
+            attrs[prefix + "count"] = int(count)
+            attrs[prefix + "compute_seconds_sum"] = total
+            attrs[prefix + "compute_seconds_min"] = low
+            attrs[prefix + "compute_seconds_max"] = high
+            attrs[prefix + "first_start_time"] = first
+            attrs[prefix + "last_end_time"] = last
 
     def _microbatch_span(self, r: dict[str, Any]) -> ReadableSpan:
         n = r["step"]
@@ -793,6 +856,20 @@ class OtlpSink:
         return self._span(name, trace_id(run, n, attempt), span_id(run, n, rank, role, attempt),
                           span_id(run, n, rank, "step", attempt), _ns(start), _ns(start + seconds), attrs,
                           "stalled" if name == "train.stall" else None)
+
+
+#: Step-span attributes that summarise the step's microbatches (see :meth:`OtlpSink._put_microbatch_summary`).
+MICROBATCH_SUMMARY_PREFIX = "train.microbatch_summary."
+#: Distinct (stage, chunk, kind) summarised per step; later ones are summed under ``other.other.other``.
+MAX_MICROBATCH_SUMMARY_KEYS = 32
+_OTHER = "other"
+
+
+def _summary_key(value: Any) -> str:
+    """A stage, chunk or kind as one dot-free attribute-name segment (``_`` when unset)."""
+    if value is None:
+        return "_"
+    return str(value).replace(".", "_")[:64] or "_"
 
 
 #: The stalled training thread's innermost frames, as one attribute of at most this many characters.

@@ -7,9 +7,13 @@ behind a live one. Every series is labelled ``run_id`` and ``rank`` and never
 with the step number (one series per step would grow without bound).
 
 :class:`PrometheusSink` runs behind its own :class:`~steptrace._sinks.SinkWorker`,
-so ``export`` (one histogram observation per step record, not an average)
+so ``export`` (one observation per step record, not an average)
 happens off the training thread, and a scrape reads what is already
-aggregated. Histogram observations carry the step's trace id as an
+aggregated. Durations are summaries without quantiles (``_sum``, ``_count``)
+by default: ``rank`` is on every series, and ~20 buckets per rank and label
+set is what grows a big job's Prometheus (docs/prometheus.md, "A series budget
+per rank"). With ``histograms=True`` (``prometheus_histograms``) they are
+bucketed histograms whose observations carry the step's trace id as an
 OpenMetrics exemplar, which links a slow bucket in Grafana to the step's
 distributed trace (exemplars only appear in the OpenMetrics exposition,
 ``Accept: application/openmetrics-text``).
@@ -19,8 +23,8 @@ Metrics (all with ``run_id`` and ``rank``):
 =====================================================  =========  ======================
 name                                                   type       extra labels
 =====================================================  =========  ======================
-``steptrace_step_interval_seconds``                    histogram
-``steptrace_step_compute_seconds``                     histogram
+``steptrace_step_interval_seconds``                    summary
+``steptrace_step_compute_seconds``                     summary
 ``steptrace_step_idle_seconds_total``                  counter    ``reason``
 ``steptrace_step_collective_wait_seconds_total``       counter    (where the wait in collectives is measured)
 ``steptrace_step_own_seconds_total``                   counter    (interval - collective wait, the same steps)
@@ -37,9 +41,9 @@ name                                                   type       extra labels
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
 ``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
-``steptrace_microbatch_seconds``                       histogram  ``kind, stage, chunk``
-``steptrace_checkpoint_blocking_seconds``              histogram
-``steptrace_checkpoint_async_seconds``                 histogram
+``steptrace_microbatch_seconds``                       summary    ``kind, stage, chunk``
+``steptrace_checkpoint_blocking_seconds``              summary
+``steptrace_checkpoint_async_seconds``                 summary
 ``steptrace_checkpoints_total``                        counter    ``status``
 ``steptrace_dropped_records_total``                    counter    ``sink, reason``
 ``steptrace_info``                                     gauge (1)  ``version, backend``
@@ -85,7 +89,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 try:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.exposition import choose_encoder
 except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
@@ -107,6 +111,14 @@ log = logging.getLogger("steptrace")
 _RUN_LABELS = ("run_id", "rank")
 _MAX_SCALAR_NAMES = 64
 _MAX_SPAN_NAMES = 32
+
+
+def _observe(metric: Any, value: float, exemplar: dict[str, str]) -> None:
+    """One observation; a Histogram keeps the step's trace id as its bucket's exemplar (a Summary has none)."""
+    if isinstance(metric, Histogram):
+        metric.observe(value, exemplar)
+    else:
+        metric.observe(value)
 
 
 def _drop_labels(reason: str) -> tuple[str, str]:
@@ -133,11 +145,13 @@ class PrometheusSink:
 
     def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
                  rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None,
-                 attempt: int = 0):
+                 attempt: int = 0, histograms: bool = False):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {peak_tflops!r}")
+        #: Bucketed per-rank histograms (``prometheus_histograms``); else ``_sum``/``_count`` only.
+        self.histograms = bool(histograms)
         self._run_id = str(run_id)
         self._rank = str(rank)
         self._labels = (self._run_id, self._rank)
@@ -186,15 +200,21 @@ class PrometheusSink:
         """The sink ``steptrace.init`` builds when ``prometheus_port`` is set."""
         return cls(config.prometheus_port, addr=config.prometheus_addr, local_rank=config.local_rank,
                    run_id=config.run_id, rank=config.rank, goodput_window_steps=config.goodput_window_steps,
-                   peak_tflops=config.peak_tflops, attempt=config.attempt)
+                   peak_tflops=config.peak_tflops, attempt=config.attempt,
+                   histograms=config.prometheus_histograms)
 
     def _define_metrics(self, peak_tflops: float | None) -> None:
         reg = self._metrics
         run = _RUN_LABELS
 
         def histogram(name: str, doc: str, extra: tuple[str, ...] = (),
-                      buckets: tuple[float, ...] = STEP_BUCKETS_S) -> Histogram:
-            return Histogram(name, doc, run + extra, registry=reg, buckets=buckets)
+                      buckets: tuple[float, ...] = STEP_BUCKETS_S) -> Histogram | Summary:
+            # ~20 buckets per rank and label set is what grows a big job's Prometheus (ranks x
+            # buckets series); by default a rank serves _sum and _count only (a Summary without
+            # quantiles) and the distribution across ranks is taken where all ranks are seen.
+            if self.histograms:
+                return Histogram(name, doc, run + extra, registry=reg, buckets=buckets)
+            return Summary(name, doc, run + extra, registry=reg)
 
         self._interval = histogram("steptrace_step_interval_seconds",
                                    "Wall time per step: device end of the previous step to device end of this one.")
@@ -355,8 +375,8 @@ class PrometheusSink:
         backend = r.get("backend")
 
         labels = self._labels
-        self._interval.labels(*labels).observe(interval, exemplar)
-        self._compute.labels(*labels).observe(compute, exemplar)
+        _observe(self._interval.labels(*labels), interval, exemplar)
+        _observe(self._compute.labels(*labels), compute, exemplar)
         for reason, seconds in idle.items():
             self._idle.labels(*labels, reason).inc(seconds)
         if wait is not None and own is not None:
@@ -403,9 +423,9 @@ class PrometheusSink:
 
         labels = self._labels
         self._checkpoints.labels(*labels, status).inc()
-        self._ckpt_blocking.labels(*labels).observe(blocking, exemplar)
+        _observe(self._ckpt_blocking.labels(*labels), blocking, exemplar)
         if async_seconds is not None:
-            self._ckpt_async.labels(*labels).observe(async_seconds, exemplar)
+            _observe(self._ckpt_async.labels(*labels), async_seconds, exemplar)
 
     def _microbatch(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])
@@ -414,7 +434,7 @@ class PrometheusSink:
         stage = "" if r.get("stage") is None else str(r["stage"])
         chunk = "" if r.get("chunk") is None else str(r["chunk"])
         exemplar = {"trace_id": trace_id_hex(self._run_id, step)}
-        self._microbatch.labels(*self._labels, kind, stage, chunk).observe(compute, exemplar)
+        _observe(self._microbatch.labels(*self._labels, kind, stage, chunk), compute, exemplar)
 
     def _stall(self, record: dict[str, Any]) -> None:
         self._stalled = (record["step"], bool(record["in_step"]))

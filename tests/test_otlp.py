@@ -6,6 +6,7 @@ Everything runs through the public API against in-test OTLP receivers
 """
 
 import bisect
+import math
 import subprocess
 import sys
 import time
@@ -81,6 +82,97 @@ def by_name(spans, name, rank=None):
 
 
 # -- traces ----------------------------------------------------------------------------------
+SUMMARY = "train.microbatch_summary."
+
+
+def pipeline(device, *, steps=3, **settings):
+    """Steps of 3 microbatches x 2 chunks x forward/backward on stage 1, through the public API."""
+    memory = MemorySink()
+    steptrace.init(sinks=[memory], jsonl=False, run_id=RUN, **settings)
+    for n in range(steps):
+        with steptrace.step(n) as s:
+            for kind in ("forward", "backward"):
+                for chunk in (0, 1):
+                    for i in range(3):
+                        with steptrace.microbatch(i, stage=1, chunk=chunk, kind=kind) as mb:
+                            mb.wait_for(device.run(0.001 * (i + 1)))
+            s.wait_for(device.run(0.002))
+    assert steptrace.shutdown(timeout_s=10)
+    return memory
+
+
+def summary_of(step_span):
+    """{(stage, chunk, kind): {field: value}} from a train.step span's summary attributes."""
+    out = {}
+    for key, value in step_span.attributes.items():
+        if key.startswith(SUMMARY):
+            stage, chunk, kind, field = key[len(SUMMARY):].split(".")
+            out.setdefault((stage, chunk, kind), {})[field] = value
+    return out
+
+
+def test_microbatch_summary_equals_the_spans_it_replaces(receiver, device):
+    """Per (stage, chunk, kind): count, Σ/min/max compute, first start, last end of the step's microbatch spans."""
+    memory = pipeline(device, otlp_endpoint=receiver.url, otlp_microbatch_spans="all")
+    spans = receiver.spans()
+    assert len(by_name(spans, "train.microbatch")) == len(memory.microbatches()) == 3 * 12
+    for n in range(3):
+        (step,) = [s for s in by_name(spans, "train.step") if s.attributes["train.step"] == n]
+        expected = {}
+        for mb in by_name(spans, "train.microbatch"):
+            if mb.attributes["train.step"] != n:
+                continue
+            a = mb.attributes
+            expected.setdefault((str(a["train.stage"]), str(a["train.chunk"]), a["train.kind"]), []).append(mb)
+        summary = summary_of(step)
+        assert set(summary) == set(expected) == {("1", str(c), k) for c in (0, 1) for k in ("forward", "backward")}
+        for key, group in expected.items():
+            computes = [m.attributes["train.compute_seconds"] for m in group]
+            got = summary[key]
+            assert got["count"] == len(group) == 3
+            assert got["compute_seconds_sum"] == pytest.approx(sum(computes), rel=1e-12)
+            assert got["compute_seconds_min"] == min(computes) and got["compute_seconds_max"] == max(computes)
+            assert ns(got["first_start_time"]) == min(m.start_ns for m in group)
+            assert ns(got["last_end_time"]) == max(m.end_ns for m in group)
+
+
+def test_microbatch_spans_are_opt_in_and_sampled_every_n_steps(receiver, device):
+    """Default: no train.microbatch span, the summary only; every:2 sends spans of steps 0 and 2."""
+    pipeline(device, otlp_endpoint=receiver.url)
+    spans = receiver.spans()
+    assert by_name(spans, "train.microbatch") == []
+    steps = by_name(spans, "train.step")
+    assert len(steps) == 3 and all(sum(v["count"] for v in summary_of(s).values()) == 12 for s in steps)
+    receiver.requests.clear()
+    pipeline(device, otlp_endpoint=receiver.url, otlp_microbatch_spans="every:2")
+    sent = by_name(receiver.spans(), "train.microbatch")
+    assert sorted({s.attributes["train.step"] for s in sent}) == [0, 2] and len(sent) == 24
+
+
+def test_microbatch_summary_keys_per_step_are_bounded(receiver, device):
+    """40 distinct chunks in one step: 32 summarised by name, the other 8 summed under other.other.other."""
+    steptrace.init(jsonl=False, run_id=RUN, otlp_endpoint=receiver.url)
+    with steptrace.step(0) as s:
+        for chunk in range(40):
+            with steptrace.microbatch(0, stage=0, chunk=chunk) as mb:
+                mb.wait_for(device.run(0.0005))
+        s.wait_for(device.run(0.001))
+    assert steptrace.shutdown(timeout_s=10)
+    (step,) = by_name(receiver.spans(), "train.step")
+    summary = summary_of(step)
+    assert len(summary) == 33 and summary[("other", "other", "other")]["count"] == 8
+    assert sum(v["count"] for v in summary.values()) == 40
+
+
+@pytest.mark.parametrize("value", ["some", "every:0", "every:x", "every:"])
+def test_bad_microbatch_spans_setting_fails_at_init(value, monkeypatch):
+    with pytest.raises(ValueError, match="otlp_microbatch_spans"):
+        steptrace.init(jsonl=False, run_id=RUN, otlp_microbatch_spans=value)
+    monkeypatch.setenv("STEPTRACE_OTLP_MICROBATCH_SPANS", value)
+    with pytest.raises(ValueError, match="STEPTRACE_OTLP_MICROBATCH_SPANS"):
+        steptrace.init(jsonl=False, run_id=RUN)
+
+
 def test_ranks_share_the_step_trace_id_and_have_distinct_span_ids(receiver, device):
     """Two ranks of one run: trace id = _ids.trace_id(run_id, step) on both, span ids differ."""
     records = {rank: train(device, otlp_endpoint=receiver.url, rank=rank, world_size=2) for rank in (0, 1)}
@@ -102,7 +194,7 @@ def test_ranks_share_the_step_trace_id_and_have_distinct_span_ids(receiver, devi
 
 def test_span_tree_parentage_and_record_times(receiver, device):
     """Step span covers [end - interval, end]; compute/idle/microbatch/checkpoint/user spans are its children."""
-    memory = train(device, otlp_endpoint=receiver.url, rank=0)
+    memory = train(device, otlp_endpoint=receiver.url, rank=0, otlp_microbatch_spans="all")
     spans = receiver.spans()
     step_records = memory.steps()
     assert len(by_name(spans, "train.step")) == 3
@@ -279,7 +371,7 @@ def test_headers_and_gzip_compression_arrive(receiver, device):
     assert by_name(receiver.spans(), "train.step")[0].trace_id == _ids.trace_id(RUN, 0)
 
 
-def test_headers_from_the_environment_and_no_compression_by_default(receiver, device, monkeypatch):
+def test_headers_from_the_environment_and_gzip_by_default(receiver, device, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-team=env%20team")
     steptrace.init(otlp_endpoint=receiver.url, jsonl=False, run_id=RUN)
     with steptrace.step(0) as s:
@@ -287,6 +379,16 @@ def test_headers_from_the_environment_and_no_compression_by_default(receiver, de
     steptrace.shutdown(timeout_s=10)
     (request,) = receiver.of("/v1/traces")
     assert request.headers["x-team"] == "env team"
+    assert request.headers["content-encoding"] == "gzip" and request.body[:2] == b"\x1f\x8b"
+
+
+def test_compression_none_sends_plain_protobuf(receiver, device, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "none")
+    steptrace.init(otlp_endpoint=receiver.url, jsonl=False, run_id=RUN)
+    with steptrace.step(0) as s:
+        s.wait_for(device.run(0.001))
+    steptrace.shutdown(timeout_s=10)
+    (request,) = receiver.of("/v1/traces")
     assert "content-encoding" not in request.headers and request.body[:2] != b"\x1f\x8b"
 
 
@@ -386,9 +488,17 @@ def test_metrics_values_and_second_buckets(receiver, device):
     (blocking,) = histogram("steptrace.checkpoint.blocking")
     assert list(blocking.explicit_bounds) == list(CHECKPOINT_BUCKETS_S)
     assert blocking.count == 1 and blocking.sum == pytest.approx(memory.checkpoints()[0]["blocking_seconds"])
-    mb_points = histogram("steptrace.microbatch.compute")
-    assert sum(p.count for p in mb_points) == 8
-    assert {point_attrs(p)["train.kind"] for p in mb_points} == {"forward", "backward"}
+    # Microbatches: a sum and a count per (stage, kind), not a histogram point per microbatch.
+    mb_sum = {point_attrs(p)["train.kind"]: p.as_double
+              for p in receiver.last_metric("steptrace.microbatch.compute").sum.data_points}
+    mb_count = {point_attrs(p)["train.kind"]: p.as_int
+                for p in receiver.last_metric("steptrace.microbatches").sum.data_points}
+    assert mb_count == {"forward": 4, "backward": 4}
+    for kind in ("forward", "backward"):
+        assert mb_sum[kind] == pytest.approx(
+            math.fsum(m["compute_seconds"] for m in memory.microbatches() if m["kind"] == kind), rel=1e-9)
+    assert {point_attrs(p)["train.stage"] for p in receiver.last_metric("steptrace.microbatches").sum.data_points} \
+        == {"0"}
 
     (steps_point,) = receiver.last_metric("steptrace.steps").sum.data_points
     assert steps_point.as_int == 4 and point_attrs(steps_point)["train.status"] == "ok"

@@ -94,6 +94,14 @@ def sink():
     s.shutdown(1)
 
 
+@pytest.fixture
+def hist_sink():
+    """A sink with bucketed per-rank histograms (prometheus_histograms=True)."""
+    s = PrometheusSink(0, run_id="r", rank=0, goodput_window_steps=4, histograms=True)
+    yield s
+    s.shutdown(1)
+
+
 def connect_refused(endpoint):
     host_port = endpoint.split("//")[1].split("/")[0]
     host, port = host_port.rsplit(":", 1)
@@ -106,7 +114,8 @@ def connect_refused(endpoint):
 
 # -- what one scrape reports -----------------------------------------------------------------------
 
-def test_step_histograms_hold_one_observation_per_step_record(sink):
+def test_step_histograms_hold_one_observation_per_step_record(hist_sink):
+    sink = hist_sink
     intervals = [0.004, 0.015, 0.015, 0.3, 7.0]
     computes = [0.003, 0.012, 0.011, 0.25, 0.5]
     sink.export([step_record(n, i, c) for n, (i, c) in enumerate(zip(intervals, computes))])
@@ -224,7 +233,9 @@ def test_step_scalars_and_device_memory_are_gauges_of_the_last_step(sink):
     assert value(text, "steptrace_device_memory_bytes", kind="limit") == 100
 
 
-def test_microbatch_histogram_is_labelled_by_kind_stage_and_chunk(sink):
+@pytest.mark.parametrize("histograms", [True, False], ids=["histograms", "sum_count"])
+def test_microbatch_histogram_is_labelled_by_kind_stage_and_chunk(histograms):
+    sink = PrometheusSink(0, run_id="r", rank=0, histograms=histograms)
     sink.export([
         microbatch_record(0, 0, 0.01),
         microbatch_record(0, 1, 0.03),
@@ -235,7 +246,11 @@ def test_microbatch_histogram_is_labelled_by_kind_stage_and_chunk(sink):
     assert value(text, name + "_count", kind="forward", stage="", chunk="") == 2
     assert value(text, name + "_sum", kind="forward", stage="", chunk="") == pytest.approx(0.04)
     assert value(text, name + "_count", kind="backward", stage=1, chunk=0) == 1
-    assert bucket(text, name, "0.02", kind="backward", stage=1, chunk=0) == 1
+    sink.shutdown(1)
+    if histograms:
+        assert bucket(text, name, "0.02", kind="backward", stage=1, chunk=0) == 1
+    else:
+        assert "_bucket" not in text and "# TYPE steptrace_microbatch_seconds summary" in text
 
 
 def test_checkpoint_histograms_and_counts(sink):
@@ -319,7 +334,8 @@ def test_a_drop_of_an_unlisted_sink_still_shows_with_its_count(sink):
     assert ("mine", "invalid_record") not in series and not any(s == "otlp" for s, _ in series)
 
 
-def test_histogram_exemplars_carry_the_step_trace_id_in_openmetrics_only(sink):
+def test_histogram_exemplars_carry_the_step_trace_id_in_openmetrics_only(hist_sink):
+    sink = hist_sink
     # Different buckets, so each keeps its own (latest) exemplar.
     no_trace_id = step_record(2, 3.0, 3.0)
     no_trace_id["trace_id"] = "x" * 200  # unusable: the exemplar falls back to the id derived from (run_id, step)
@@ -661,3 +677,56 @@ def test_idle_connections_to_the_ranks_metrics_keep_its_threads_bounded_500_made
         for sock in idle:
             sock.close()
         sink.shutdown(5)
+
+
+# -- the series budget per rank (issue 28: 16k ranks) ------------------------------------------------
+
+def rank_series(device, *, pipeline, **settings):
+    """Series one rank serves on a real /metrics after a realistic run: tokens, FLOPs with a peak (MFU),
+    a data span, an async checkpoint; with ``pipeline``, 32 microbatches x 4 chunks x forward/backward
+    on its stage per step."""
+    steptrace.init(prometheus_port=0, jsonl=False, run_id="r", peak_tflops=100.0, **settings)
+    endpoint = steptrace.stats()["endpoints"]["prometheus"]
+    for n in range(3):
+        with steptrace.span("data"):
+            time.sleep(0.001)
+        with steptrace.step(n, tokens=1000, flops=1e12) as s:
+            if pipeline:
+                for kind in ("forward", "backward"):
+                    for chunk in range(4):
+                        for i in range(32):
+                            with steptrace.microbatch(i, stage=1, chunk=chunk, kind=kind) as mb:
+                                mb.wait_for(device.run(0.0001))
+            s.wait_for(device.run(0.002))
+        if n == 1:
+            with steptrace.checkpoint(n, async_save=True) as ckpt:
+                time.sleep(0.001)
+            ckpt.async_done()
+    assert steptrace.flush(10)
+    text = scrape(endpoint)
+    steptrace.shutdown()
+    return samples(text)
+
+
+@pytest.mark.parametrize("pipeline, budget", [(False, 40), (True, 60)], ids=["plain", "pipeline"])
+def test_a_rank_serves_at_most_its_series_budget_by_default(device, pipeline, budget):
+    """<= 40 series on a plain rank, <= 60 on a pipeline rank: _sum/_count instead of ~20 buckets each."""
+    series = rank_series(device, pipeline=pipeline)
+    assert not [s for s in series if s.name.endswith("_bucket")]
+    names = {s.name for s in series}
+    assert {"steptrace_step_interval_seconds_sum", "steptrace_step_interval_seconds_count",
+            "steptrace_step_compute_seconds_count", "steptrace_checkpoint_blocking_seconds_count"} <= names
+    if pipeline:
+        mb = [s for s in series if s.name == "steptrace_microbatch_seconds_count"]
+        assert len(mb) == 8 and sum(s.value for s in mb) == 3 * 256
+    assert len(series) <= budget, f"{len(series)} series: {sorted(names)}"
+
+
+def test_prometheus_histograms_brings_the_buckets_back(device, monkeypatch):
+    monkeypatch.setenv("STEPTRACE_PROMETHEUS_HISTOGRAMS", "1")
+    series = rank_series(device, pipeline=True)
+    buckets = {s.name for s in series if s.name.endswith("_bucket")}
+    assert buckets == {"steptrace_step_interval_seconds_bucket", "steptrace_step_compute_seconds_bucket",
+                       "steptrace_microbatch_seconds_bucket", "steptrace_checkpoint_blocking_seconds_bucket",
+                       "steptrace_checkpoint_async_seconds_bucket"}
+    assert len(series) > 200  # what a pipeline rank cost before the budget

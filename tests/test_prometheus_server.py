@@ -90,7 +90,8 @@ def bucket_index(seconds):
 
 
 def test_a_real_prometheus_scrapes_a_jax_run(prometheus_binary, tmp_path):
-    steptrace.init(prometheus_port=0, run_dir=str(tmp_path / "runs"), run_id=RUN_ID)
+    # prometheus_histograms: this test reads the buckets and their exemplars (off by default).
+    steptrace.init(prometheus_port=0, run_dir=str(tmp_path / "runs"), run_id=RUN_ID, prometheus_histograms=True)
     endpoint = steptrace.stats()["endpoints"]["prometheus"]
     target = endpoint.split("//")[1].split("/")[0]
     server = PrometheusServer(prometheus_binary, target, tmp_path)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from grafana_foundation_sdk.builders import bargauge, common as common_b, dashboard as dash_b, heatmap
+    from grafana_foundation_sdk.builders import bargauge, common as common_b, dashboard as dash_b
     from grafana_foundation_sdk.builders import prometheus as prom_b, stat, timeseries
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models import common, dashboard as dash_m, prometheus as prom_m
@@ -208,25 +208,22 @@ def training() -> dash_b.Dashboard:
     d = d.with_row(dash_b.Row("Step time"))
     d = d.with_panel(series(
         "Step compute vs interval, all ranks (p50, p90)",
-        "Percentiles over every rank's steps in the last 5 minutes (recording rules; interpolated "
-        "inside ~2x buckets). The gap between interval and compute is idle device time.",
+        "Median and 90th percentile across ranks of each rank's mean step in the last 5 minutes "
+        "(recording rules over _sum/_count). The gap between interval and compute is idle device time.",
         [(f"run_id:steptrace_step_compute_seconds:p50_rate5m{{{RUN}}}", "compute p50"),
          (f"run_id:steptrace_step_compute_seconds:p90_rate5m{{{RUN}}}", "compute p90"),
          (f"run_id:steptrace_step_interval_seconds:p50_rate5m{{{RUN}}}", "interval p50"),
          (f"run_id:steptrace_step_interval_seconds:p90_rate5m{{{RUN}}}", "interval p90")],
         dashed="/p90$/"))
-    d = d.with_panel(
-        heatmap.Panel().title("Step interval distribution, selected ranks")
-        .description("Steps per interval bucket. Exemplars carry each step's trace id: with "
-                     "Prometheus's exemplar storage on, click one to open the step's trace. Reads "
-                     "the raw buckets (exemplars live there), so select fewer ranks on big runs.")
-        .datasource(DATASOURCE).span(12).height(8).calculate(False)
-        .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.LE))
-        .y_axis(heatmap.YAxisConfig().unit("s"))
-        .exemplars_color("orange")
-        .with_target(query(f"sum by (le) (increase(steptrace_step_interval_seconds_bucket{{{RANKS}}}"
-                           f"[$__rate_interval]))", "{{le}}", fmt=prom_m.PromQueryFormat.HEATMAP,
-                           exemplar=True)))
+    d = d.with_panel(series(
+        "Step interval, slowest and fastest ranks (5m)",
+        "Mean interval per step of the 5 slowest and the 5 fastest selected ranks (exact: sum / count). "
+        "Ranks serve no buckets by default (a big job's Prometheus would hold ranks x buckets series); "
+        "with prometheus_histograms=True, steptrace_step_interval_seconds_bucket has them, with each "
+        "step's trace id as exemplar.",
+        [(f"topk(5, run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}})", "slow: rank {{rank}}"),
+         (f"bottomk(5, run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}})",
+          "fast: rank {{rank}}")], dashed="/^fast/"))
     d = d.with_panel(series(
         "Mean compute per step, per rank (5m)",
         "Exact mean (sum / count) of each rank's compute time. A rank above the rest is slow "
@@ -313,7 +310,7 @@ def training() -> dash_b.Dashboard:
           "{{kind}} stage {{stage}} chunk {{chunk}}")], w=8, dashed="/^backward/"))
     d = d.with_panel(series(
         "Microbatch compute by stage and chunk, p90 (5m)",
-        "90th percentile of device time per microbatch, all ranks (histogram interpolation).",
+        "90th percentile across ranks of each rank's mean device time per microbatch (5m).",
         [(f"run_id_kind_stage_chunk:steptrace_microbatch_seconds:p90_rate5m{{{RUN}}}",
           "{{kind}} stage {{stage}} chunk {{chunk}}")], w=8, dashed="/^backward/"))
 
