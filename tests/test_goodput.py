@@ -67,10 +67,13 @@ else:
 '''
 
 
-def _attempt(tmp_path: Path, run_dir: Path, last_step: int, kill: bool) -> tuple[float, list[dict]]:
+def _attempt(tmp_path: Path, run_dir: Path, last_step: int, kill: bool,
+             otlp: str | None = None) -> tuple[float, list[dict]]:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPTRACE_", "OTEL_", "TORCHELASTIC", "SLURM"))}
+    if otlp is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
     launched = time.time()
     procs = [subprocess.Popen([sys.executable, str(script), str(run_dir), str(rank), str(last_step),
                                "kill" if kill else "exit", str(STARTUP_S), str(RESTORE_S), str(STEP_S)],
@@ -84,6 +87,23 @@ def _attempt(tmp_path: Path, run_dir: Path, last_step: int, kill: bool) -> tuple
     return launched, marks
 
 
+def _collector(run_dir: Path):
+    """A steptrace collector for the 2 ranks (None without the OTLP exporter or prometheus_client)."""
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_collector_e2e
+
+    world, test_collector_e2e.WORLD = test_collector_e2e.WORLD, 2
+    try:
+        return test_collector_e2e.CollectorProcess(run_dir, window_s=3.0)
+    finally:
+        test_collector_e2e.WORLD = world
+
+
 def _assert_adds_up(job: dict) -> None:
     assert job["productive_seconds"] + sum(job["badput"].values()) == pytest.approx(job["total_seconds"], abs=1e-6)
     assert set(job["badput"]) == set(BUCKETS)
@@ -95,9 +115,26 @@ def _close(measured: float, truth: float) -> bool:
 
 def test_a_job_killed_after_a_checkpoint_and_resumed_is_accounted_by_attempt(tmp_path):
     run_dir = tmp_path / "runs"
-    launched_1, marks_1 = _attempt(tmp_path, run_dir, last_step=12, kill=True)
-    time.sleep(DOWNTIME_S)
-    launched_2, marks_2 = _attempt(tmp_path, run_dir, last_step=19, kill=False)
+    collector = _collector(run_dir)
+    otlp = None if collector is None else f"http://127.0.0.1:{collector.port}"
+    try:
+        launched_1, marks_1 = _attempt(tmp_path, run_dir, last_step=12, kill=True, otlp=otlp)
+        time.sleep(DOWNTIME_S)
+        launched_2, marks_2 = _attempt(tmp_path, run_dir, last_step=19, kill=False, otlp=otlp)
+        if collector is not None:
+            # The collector joins both attempts' steps, the redone 9-12 included, with no conflict.
+            from collector_helpers import read_records, wait_for
+
+            def joined() -> set:
+                return {(r["attempt"], r["step"]) for r in read_records(run_dir / "job" / "cluster.jsonl")
+                        if r.get("type") == "cluster_step" and r.get("complete")}
+
+            expected = {(0, n) for n in range(13)} | {(1, n) for n in range(9, 20)}
+            assert wait_for(lambda: joined() >= expected, 20), expected - joined()
+            assert not (run_dir / "job" / "conflicts.jsonl").exists()
+    finally:
+        if collector is not None:
+            assert collector.stop() == 0
     run = load_run(run_dir / "job")
     assert run.ranks == [0, 1]
     for rank in (0, 1):
@@ -123,8 +160,10 @@ def test_a_job_killed_after_a_checkpoint_and_resumed_is_accounted_by_attempt(tmp
         assert _close(second["badput"]["startup"], m2["first_entry"] - launched_2 - RESTORE_S), second
         assert _close(second["badput"]["restore"], RESTORE_S)
         assert first["badput"]["restore"] == 0.0
-        # Downtime: the crash -> the relaunch's process start.
-        assert _close(job["badput"]["downtime"], launched_2 - m1["kill"])
+        # Downtime: the crashed attempt's last record (step 12's end) -> the relaunch's process start;
+        # its flush and the kill fall in between.
+        assert _close(job["badput"]["downtime"], launched_2 - m1["12"][1])
+        assert job["badput"]["downtime"] >= launched_2 - m1["kill"]
         # Wasted progress: the steps after the checkpoint at step 8 that the crash threw away.
         assert _close(job["badput"]["wasted"], m1["12"][1] - m1["9"][0])
         assert job["wasted_steps"] == 4 and job["kept_steps"] == 20

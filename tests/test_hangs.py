@@ -311,3 +311,18 @@ def test_the_collectors_stall_board_is_bounded_and_writes_at_most_one_record_per
     assert third["ended_after"]["1"] == 9.0 and third["ended_after"]["0"] is None
     board.add([stall("b", 0, "x"), stall("c", 0, "x")])  # a third run: the least recent ("a") is forgotten
     assert sorted(board._runs) == ["b", "c"]
+
+
+def test_the_flight_recorders_sequence_numbers_name_the_rank_that_never_joined():
+    """NCCL returns at once, so every rank's Python looks different and none is "in a collective": the
+    flight recorder's last collective per rank says which one never joined (#6 vs #5)."""
+    from steptrace.analysis.hangs import view_of
+
+    def stall(where, seqs):
+        return {"step": 5, "in_step": True, "span": None, "open_seconds": 9.0,
+                "threads": [{"training": True, "frames": [[f"/job/{where}.py", 1, where]]}],
+                "collectives": [{"collective_seq_id": s, "profiling_name": "nccl:all_reduce"} for s in seqs]}
+
+    view = view_of({0: stall("loss_read", [4, 5, 6]), 1: stall("get_batch", [3, 4, 5]),
+                    2: stall("optimizer", [4, 5, 6])})  # every rank somewhere else: only the numbers tell
+    assert view["cause_ranks"] == [1] and "#5, the others #6" in view["reason"]

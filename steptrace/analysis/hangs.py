@@ -66,6 +66,16 @@ def in_collective(record: dict) -> bool:
                if isinstance(frame, list) and frame)
 
 
+def last_collective(record: dict) -> int | None:
+    """The highest collective sequence number the rank's NCCL flight recorder holds, or None."""
+    entries = record.get("collectives")
+    if not isinstance(entries, list):
+        return None
+    numbers = [e.get("collective_seq_id") for e in entries if isinstance(e, dict)]
+    numbers = [n for n in numbers if isinstance(n, int) and not isinstance(n, bool)]
+    return max(numbers) if numbers else None
+
+
 def where(frame: list | None) -> str:
     if not frame:
         return "unknown"
@@ -108,8 +118,14 @@ def view_of(stalls: dict[int, dict]) -> dict[str, Any]:
     behind = [r for r in ranks if position(r) == lowest]
     cause: list[int] = []
     reason = ""
+    sequence = {r: last_collective(stalls[r]) for r in ranks}
+    known = [seq for seq in sequence.values() if seq is not None]
     if len(behind) < len(ranks):
         cause, reason = behind, "behind the others (an earlier step, or not yet in it)"
+    elif len(known) == len(ranks) and min(known) < max(known):
+        # The NCCL flight recorder says which collective each rank reached: the ones behind never joined.
+        cause = [r for r in ranks if sequence[r] == min(known)]
+        reason = f"behind in collectives (last collective #{min(known)}, the others #{max(known)})"
     else:
         by_place: dict[str, list[int]] = {}
         for rank in ranks:
