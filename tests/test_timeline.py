@@ -544,7 +544,8 @@ def test_png_is_written(pipeline_run, tmp_path):
     assert small.read_bytes().startswith(PNG_SIGNATURE)
 
 
-def test_png_of_a_long_run_renders_quickly(tmp_path):
+def test_png_of_a_long_run_renders_at_a_bounded_size(tmp_path):
+    """3,000 steps draw as bands in a figure of bounded size (how fast is bench material, not a test)."""
     records = []
     t = T0
     for n in range(3000):
@@ -554,10 +555,11 @@ def test_png_of_a_long_run_renders_quickly(tmp_path):
                         "idle_seconds": 0.002, "idle_segments": [["data", t, t + 0.002]]})
         t += 0.1
     write_rank(tmp_path / "long", 0, records)
-    start = time.perf_counter()
     out = render_png(load_run(tmp_path / "long"), tmp_path / "long.png")
-    assert time.perf_counter() - start < 30
-    assert out.read_bytes().startswith(PNG_SIGNATURE)
+    data = out.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert 0 < width <= 4000 and 0 < height <= 4000, (width, height)
 
 
 def test_cli_writes_trace_and_png(pipeline_dir, tmp_path, capsys):
