@@ -223,14 +223,17 @@ def _gloo_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-def _run_worker(tmp: Path, *, pp: int, vp: int | None, microbatches: int, forward_s: float, hooks: bool) -> Path:
+def _run_worker(tmp: Path, *, pp: int, vp: int | None, microbatches: int, forward_s: float, hooks: bool,
+                steps: int = 2, slow: tuple[int, float] | None = None) -> Path:
     out = tmp / ("hooks" if hooks else "plain")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           str(WORKER), "--pp", str(pp), "--microbatches", str(microbatches), "--steps", "2",
+           str(WORKER), "--pp", str(pp), "--microbatches", str(microbatches), "--steps", str(steps),
            "--forward-s", str(forward_s), "--hooks", "1" if hooks else "0",
            "--run-dir", str(tmp / "runs"), "--run-id", "megatron", "--out", str(out)]
     if vp:
         cmd += ["--vp", str(vp)]
+    if slow is not None:
+        cmd += ["--slow-rank", str(slow[0]), "--slow-s", str(slow[1])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("STEPTRACE_DISABLED", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -601,3 +604,41 @@ def test_hooks_match_megatron_lm_source():
         pytest.skip(result["skip"])
     assert proc.returncode == 0 and "failed" not in result, result
     assert len(result["hooked"]) == 6
+
+
+def test_the_stage_that_slows_megatrons_real_pipeline_is_named_with_its_cost(tmp_path):
+    """Megatron-core's real 1F1B schedule on 4 gloo processes (pp=4), stage 2's forward 30 ms slower per
+    microbatch: the other stages wait for it in their p2p receives (Work.wait, measured), so stage 2
+    has the most time on its own and is named the straggler of the steady steps (issue 20)."""
+    if not _gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    from steptrace.analysis.runs import load_run
+    from steptrace.analysis.stragglers import straggler_steps, summarize_stragglers
+
+    _run_worker(tmp_path, pp=NPROC, vp=None, microbatches=4, forward_s=0.01, hooks=True, steps=8, slow=(2, 0.03))
+    run = load_run(tmp_path / "runs" / "megatron")
+    assert run.ranks == list(range(NPROC))
+    for rank in run.ranks:
+        steps = run.steps(rank)
+        assert [s["step"] for s in steps] == list(range(8))
+        assert all(s.get("collective_wait_source") for s in steps), steps[0]
+    joined = [s for s in straggler_steps(run.records_by_rank, NPROC) if s["step"] >= 1]  # steady: not step 0
+    named = [s["straggler_rank"] for s in joined]
+    assert named.count(2) >= 0.95 * len(joined), named
+    summary = summarize_stragglers(joined)
+    assert summary["top"] == "2" and summary["ranks"]["2"]["cost_median_seconds"] > 0.03, summary
+
+
+def test_an_even_megatron_pipeline_names_no_stage(tmp_path):
+    """The same schedule with no stage slowed: the pipeline's fill and drain make the stages wait
+    differently, but no stage has time on its own above the others' by the threshold."""
+    if not _gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    from steptrace.analysis.runs import load_run
+    from steptrace.analysis.stragglers import straggler_steps
+
+    _run_worker(tmp_path, pp=NPROC, vp=None, microbatches=4, forward_s=0.01, hooks=True, steps=8)
+    joined = [s for s in straggler_steps(load_run(tmp_path / "runs" / "megatron").records_by_rank, NPROC)
+              if s["step"] >= 1]
+    named = [s["straggler_rank"] for s in joined if s["straggler_rank"] is not None]
+    assert len(joined) == 7 and len(named) <= 0.05 * len(joined), named

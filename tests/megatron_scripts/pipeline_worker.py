@@ -38,6 +38,8 @@ p.add_argument("--microbatches", type=int, required=True)
 p.add_argument("--steps", type=int, default=2)
 p.add_argument("--forward-s", type=float, default=0.02)
 p.add_argument("--hooks", type=int, default=1)
+p.add_argument("--slow-rank", type=int, default=None, help="this rank's forward takes --slow-s longer")
+p.add_argument("--slow-s", type=float, default=0.0)
 p.add_argument("--run-dir", required=True)
 p.add_argument("--run-id", required=True)
 p.add_argument("--out", required=True)
@@ -98,7 +100,7 @@ class Chunk(torch.nn.Module):
     def forward(self, x):
         if not self.first:
             x = self.input_tensor
-        time.sleep(FORWARD_S)
+        time.sleep(FORWARD_S + (args.slow_s if rank == args.slow_rank else 0.0))
         return _SlowBackward.apply(torch.tanh(self.linear(x)))
 
 
