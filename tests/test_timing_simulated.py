@@ -314,6 +314,10 @@ def test_hold_gil_stops_every_other_thread_while_the_device_keeps_running(device
     before = time.perf_counter()
     hold_gil(0.06)
     after = time.perf_counter()
+    # Let the counter read the clock once after the hold (else stop may be seen first: no gap to see).
+    deadline = time.perf_counter() + 5
+    while progress[-1] < after and time.perf_counter() < deadline:
+        time.sleep(0.001)
     stop.set()
     thread.join()
     assert after - before >= 0.06
