@@ -521,21 +521,18 @@ class Resolver:
 
     def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"], seen: float) -> dict[int, float]:
         """For spans inside an event-timed step, when the device reached the marker recorded as each
-        began (it had drained the step's earlier work), on the host clock. Every marker of the step
-        goes back to its pool here."""
+        began (it had drained the step's earlier work), on the host clock: the same map as the step's
+        own markers (located first, so the device's base exists). Every marker of the step goes back
+        to its pool here."""
         drained: dict[int, float] = {}
         for span in (*step.spans, *step.open_spans):
             if span.marker is None:
                 continue
             device, marker, recorded_after = span.marker
-            span.marker = None
             try:
                 if step.device is device and span in spans:
                     clock = self._clock(device)
                     point = clock.device_time(marker, recorded_after, seen)
-                    if point is None:
-                        clock.calibrate()
-                        point = clock.device_time(marker, recorded_after, seen)
                     if point is not None:
                         drained[id(span)] = clock.host_time(point)
             except Exception as exc:
@@ -545,10 +542,7 @@ class Resolver:
                     log.warning("steptrace could not place a span marker on the host clock (%r); such spans "
                                 "count as idle in full", exc)
             finally:
-                try:
-                    device.release(marker)
-                except Exception:
-                    pass
+                self._release_span_marker(span)
         return drained
 
     def _prune_clocks(self, step: "StepHandle") -> None:
