@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http",
 pytest.importorskip("prometheus_client", reason="the collector needs prometheus_client")
 
 from collector_helpers import read_records, scrape, value, wait_for  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -62,37 +62,6 @@ steptrace.shutdown(timeout_s=5)
 device.close()
 print(json.dumps({"rank": rank, "steps": n, "dropped": steptrace.stats().get("dropped", {})}))
 '''
-
-
-class CollectorProcess:
-    """``python -m steptrace.collector`` with ports read from its start line."""
-
-    def __init__(self, run_dir: Path, port: int = 0, window_s: float = 5.0):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steptrace.collector", "--port", str(port), "--metrics-port", "0",
-             "--world-size", str(WORLD), "--run-dir", str(run_dir), "--window-s", str(window_s)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.line = self.proc.stdout.readline()
-        match = re.search(r"otlp_http=127\.0\.0\.1:(\d+) .*metrics=127\.0\.0\.1:(\d+)", self.line)
-        if match is None:
-            self.proc.kill()
-            raise AssertionError(f"no start line: {self.line!r} {self.proc.stderr.read()}")
-        self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            try:
-                return self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # never leave a collector behind a failed test
-                self.proc.wait(5)
-                raise
-        finally:
-            self.proc.stdout.close()
-            self.proc.stderr.close()
 
 
 def start_ranks(tmp_path: Path, endpoint: str, run_dir: Path, max_steps: int) -> list[subprocess.Popen]:
@@ -138,7 +107,7 @@ def cluster_steps(run_dir: Path) -> list[dict]:
 
 def test_ranks_through_steptrace_exporter_are_joined_and_the_slow_rank_is_the_straggler(tmp_path):
     run_dir = tmp_path / "runs"
-    collector = CollectorProcess(run_dir)
+    collector = CollectorProcess(run_dir, WORLD)
     try:
         steps = 20
         ranks = start_ranks(tmp_path, f"http://127.0.0.1:{collector.port}", run_dir, steps)
@@ -192,7 +161,7 @@ def test_ranks_through_steptrace_exporter_are_joined_and_the_slow_rank_is_the_st
 
 def test_collector_killed_and_restarted_mid_run(tmp_path):
     run_dir = tmp_path / "runs"
-    first = CollectorProcess(run_dir)
+    first = CollectorProcess(run_dir, WORLD)
     port = first.port
     ranks = start_ranks(tmp_path, f"http://127.0.0.1:{port}", run_dir, 100_000)
     second = None
@@ -211,7 +180,7 @@ def test_collector_killed_and_restarted_mid_run(tmp_path):
         deadline = time.monotonic() + 10
         while True:  # the port can take a moment to be free again
             try:
-                second = CollectorProcess(run_dir, port=port)
+                second = CollectorProcess(run_dir, WORLD, port=port)
                 break
             except AssertionError:
                 if time.monotonic() > deadline:

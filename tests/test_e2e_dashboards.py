@@ -51,7 +51,7 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http",
                     reason="the ranks export with opentelemetry-exporter-otlp (pip install 'steptrace[otlp]')")
 
 from collector_helpers import PROTOBUF, post, read_records  # noqa: E402
-from test_collector_e2e import CollectorProcess  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
 from test_dashboards import FILES, all_queries, load, substitute  # noqa: E402
 from test_deploy_configs import RULES_YML, PrometheusServer, live_config, load_yaml  # noqa: E402
 
@@ -379,7 +379,7 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
     collector = ranks = server = None
     passed = False
     try:
-        collector = CollectorProcess(run_dir, window_s=10.0)
+        collector = CollectorProcess(run_dir, WORLD, window_s=10.0)
         ranks = Ranks(tmp_path, f"http://127.0.0.1:{collector.port}", run_dir)
         rank_targets = ranks.endpoints()
         # What live_config reads from a run: the scrape targets of the ranks and of the collectors.

@@ -84,16 +84,10 @@ def test_the_torch_example_under_torchrun_gives_per_rank_and_cross_rank_views(tm
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the ranks export to a collector over OTLP")
     pytest.importorskip("prometheus_client", reason="the collector needs prometheus_client")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_collector_e2e import CollectorProcess
-
-    import test_collector_e2e
+    from collector_process import CollectorProcess
 
     run_dir = tmp_path / "runs"
-    test_collector_e2e.WORLD = 2  # the collector expects two ranks
-    try:
-        collector = CollectorProcess(run_dir, window_s=3.0)
-    finally:
-        test_collector_e2e.WORLD = 3
+    collector = CollectorProcess(run_dir, 2, window_s=3.0)
     try:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_free_port()), str(EXAMPLE), *ARGS, "--run-dir", str(run_dir), "--run-id", "ddp",

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from collector_process import collector_if_installed
 
 import steptrace
 from steptrace._stall import MAX_FRAMES, StallWatch
@@ -112,23 +113,6 @@ def test_bad_stall_settings_fail_at_init():
             steptrace.init(jsonl=False, **bad)
 
 
-def _collector(run_dir: Path):
-    """A steptrace collector for 4 ranks (None without the OTLP exporter or prometheus_client)."""
-    try:
-        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        return None
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import test_collector_e2e
-
-    world, test_collector_e2e.WORLD = test_collector_e2e.WORLD, 4
-    try:
-        return test_collector_e2e.CollectorProcess(run_dir, window_s=3.0)
-    finally:
-        test_collector_e2e.WORLD = world
-
-
 def _kill_job(proc: subprocess.Popen, script: str) -> None:
     """SIGKILL torchrun and its workers (which torchrun may start in sessions of their own)."""
     try:
@@ -165,7 +149,7 @@ def test_four_gloo_ranks_one_stuck_in_its_data_fetch_is_named_with_its_frame(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPTRACE_", "OTEL_"))}
     env.update(STEPTRACE_STALL_MIN_S="1", STEPTRACE_STALL_FACTOR="5", OMP_NUM_THREADS="1", STALL_STEP="20")
     run_dir = tmp_path / "runs"
-    collector = _collector(run_dir)  # the cluster's view too, where the OTLP exporter is installed
+    collector = collector_if_installed(run_dir, 4)  # the cluster's view too, where the OTLP exporter is installed
     if collector is not None:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{collector.port}"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
