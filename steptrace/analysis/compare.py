@@ -541,9 +541,11 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
         return sum(present_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
 
     single("goodput", "goodput (all steps and the time before them)", goodput, lower=False)
-    single("before_steps", "time before the first step",
-           lambda side: sum(present_values(side.steps, "before_step_seconds"))
-           if present_values(side.steps, "before_step_seconds") else None, "s")
+    def before_steps(side: _Side) -> float | None:
+        seconds = present_values(side.steps, "before_step_seconds")
+        return sum(seconds) if seconds else None
+
+    single("before_steps", "time before the first step", before_steps, "s")
     reasons: set[str] = set()
     for side in As + Bs:
         for step in side.steps:
