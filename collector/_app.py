@@ -395,6 +395,8 @@ class Collector:
             key = run if run and self.joiner.known(run) else ""
             by_run[key] = by_run.get(key, 0) + n
         self.metrics.spans_received(by_run)
+        if extracted.skipped:
+            self.metrics.skipped.inc(extracted.skipped)
         if extracted.invalid:
             self.metrics.invalid_spans(extracted.invalid)
         rejected = extracted.invalid_total

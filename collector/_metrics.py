@@ -141,6 +141,10 @@ class ClusterMetrics:
                                   registry=reg, buckets=JOIN_LAG_BUCKETS_S)
         self.received = counter("steptrace_collector_received_spans",
                                 "Spans received (all kinds), by the run of the resource that sent them.")
+        self.skipped = counter("steptrace_collector_skipped_spans",
+                               "Spans received that the collector does not use (not train.step or train.stall*: "
+                               "microbatch, compute, idle, user spans), counted in received_spans too; their "
+                               "attributes are never decoded.", ())
         self.late = counter("steptrace_collector_late_spans",
                             "Step spans that arrived after their step was emitted (written as late records).")
         self.duplicates = counter("steptrace_collector_duplicate_spans",

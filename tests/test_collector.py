@@ -27,8 +27,12 @@ pytest.importorskip("prometheus_client",
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint  # noqa: E402
+from opentelemetry.proto.trace.v1.trace_pb2 import Span  # noqa: E402
 
 import steptrace  # noqa: E402
 from collector_helpers import (  # noqa: E402
@@ -102,6 +106,51 @@ def test_protobuf_request_decodes_to_step_spans_and_counts_other_spans():
     assert (second.rank, second.status, second.compute_seconds) == (2, "error", 0.75)
 
 
+def test_spans_the_collector_does_not_use_are_never_decoded(make_collector):
+    """Microbatch spans carrying attributes no decoder would take (malformed bytes, invalid UTF-8,
+    a 2 MB value) are counted and skipped by name: the request is accepted and the step joins."""
+    c = make_collector(world_size=2)
+
+    def microbatch(rank: int, k: int, attribute: bytes) -> bytes:
+        good = step_span(step=4, rank=rank, world_size=2, name="train.microbatch", **{"train.microbatch": k})
+        return good.SerializeToString() + b"\x4a" + _varint(len(attribute)) + attribute  # Span.attributes
+
+    broken = [b"\x0a\xff\x01train.step",  # a key longer than the KeyValue
+              b"\x0a\x04\xff\xfe\xfd\xfc",  # a key that is not UTF-8
+              b"\x0a\x0atrain.huge\x12\x85\x80\x80\x01\x0a\x80\x80\x80\x01" + b"x" * (1 << 21)]  # 2 MiB
+    rank_spans = []
+    for rank in range(2):
+        spans = b"".join(_field(2, microbatch(rank, k, attribute)) for k, attribute in enumerate(broken))
+        spans += _field(2, step_span(step=4, rank=rank, world_size=2).SerializeToString())
+        rank_spans.append(_field(1, _field(2, spans)))  # ResourceSpans{ScopeSpans{spans}}
+    with pytest.raises(Exception):  # what a full decode does with it (the collector before)
+        ExportTraceServiceRequest.FromString(b"".join(rank_spans))
+    status, _, _ = post(c.port, TRACES, b"".join(rank_spans))
+    assert status == 200
+    assert wait_for(lambda: len(read_records(cluster_file(c))) == 1)
+    (record,) = read_records(cluster_file(c))
+    assert (record["step"], record["complete"], record["ranks_reporting"]) == (4, True, 2)
+    text = scrape(c.metrics_url)
+    assert value(text, "steptrace_collector_skipped_spans_total") == 6
+    assert value(text, "steptrace_collector_received_spans_total", run_id="run") == 8  # its meaning is unchanged
+
+    # OTLP/JSON: spans it does not use are blanked before the document is parsed.
+    message = request(step_span(step=5, rank=0, world_size=2), step_span(step=5, rank=1, world_size=2))
+    document = json.loads(otlp_json(message))
+    for resource in document["resourceSpans"]:
+        resource["scopeSpans"][0]["spans"].append({"name": "train.microbatch", "attributes": "not a list",
+                                                   "traceId": 17, "startTimeUnixNano": {"x": []}})
+    status, _, _ = post(c.port, TRACES, json.dumps(document).encode(), JSON)
+    assert status == 200
+    assert wait_for(lambda: len(read_records(cluster_file(c))) == 2)
+    assert read_records(cluster_file(c))[1]["complete"] is True
+    assert value(scrape(c.metrics_url), "steptrace_collector_skipped_spans_total") == 8
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
 def test_otlp_json_with_hex_ids_decodes_like_protobuf():
     message = request(step_span(step=3, rank=0, compute=0.5), step_span(step=3, rank=2, compute=0.25))
     data = otlp_json(message)
@@ -110,7 +159,7 @@ def test_otlp_json_with_hex_ids_decodes_like_protobuf():
     assert hex_id == trace_id_hex("run", 3)  # the spec's encoding: hex, not base64
 
     decoded = parse_request("traces", data, JSON)
-    assert decoded == message
+    assert ExportTraceServiceRequest.FromString(decoded.SerializeToString()) == message  # spans kept as bytes
     steps = extract_steps(decoded).steps
     assert [(s.rank, s.compute_seconds, s.trace_id) for s in steps] == [
         (0, 0.5, trace_id_hex("run", 3)), (2, 0.25, trace_id_hex("run", 3))]
@@ -119,7 +168,7 @@ def test_otlp_json_with_hex_ids_decodes_like_protobuf():
     document["somethingNew"] = {"x": 1}
     document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"] = "AAAAAAAAAAAAAAAAAAAAAQ=="
     decoded = parse_request("traces", json.dumps(document).encode(), JSON)
-    assert decoded.resource_spans[0].scope_spans[0].spans[0].trace_id == (1).to_bytes(16, "big")
+    assert Span.FromString(decoded.resource_spans[0].scope_spans[0].spans[0]).trace_id == (1).to_bytes(16, "big")
 
 
 def test_metrics_requests_decode_in_both_encodings():
@@ -707,18 +756,21 @@ def test_deeply_nested_payloads_are_rejected_not_crashing():
     def field(number: int, payload: bytes) -> bytes:
         return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
-    def payload(depth: int) -> bytes:
+    def payload(depth: int, name: str = "train.step") -> bytes:
         value = field(1, b"x")  # AnyValue.string_value
         for _ in range(depth):
             value = field(5, field(1, value))  # AnyValue.array_value -> ArrayValue.values
         attribute = field(1, b"train.attrs.deep") + field(2, value)  # KeyValue
-        span_bytes = step_span().SerializeToString() + field(9, attribute)  # Span.attributes
+        span_bytes = step_span(name=name).SerializeToString() + field(9, attribute)  # Span.attributes
         return field(1, field(2, field(2, span_bytes)))  # request.resource_spans.scope_spans.spans
 
     assert len(decode_all(payload(5), PROTOBUF, None).steps) == 1  # the hand encoding is right
-    with pytest.raises(Rejected) as info:
-        decode_all(payload(200), PROTOBUF, None)
-    assert (info.value.status, info.value.reason) == (400, "malformed")
+    # Spans are decoded one by one: the step span that does not decode is skipped and counted.
+    extracted = decode_all(payload(200), PROTOBUF, None)
+    assert (extracted.steps, extracted.invalid, extracted.spans) == ([], {"bad_value": 1}, 1)
+    # A span the collector does not use is never decoded at all.
+    extracted = decode_all(payload(200, "train.microbatch") + payload(5), PROTOBUF, None)
+    assert (len(extracted.steps), extracted.invalid, extracted.skipped) == (1, {}, 1)
 
 
 def _varint(n: int) -> bytes:
