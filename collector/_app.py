@@ -80,6 +80,8 @@ class CollectorConfig:
     straggler_min_seconds: float = STRAGGLER_MIN_SECONDS
     straggler_min_ratio: float = STRAGGLER_MIN_RATIO
     straggler_window_steps: int = 100
+    #: keep per-rank maps (rank_compute_seconds, ...) in cluster_step records (--cluster-per-rank)
+    cluster_per_rank: bool = False
     max_runs: int = 64
     max_runs_per_token: int | None = None  # default: max_runs // 4, for each --token-file line
     read_timeout_s: float = 10.0
@@ -198,6 +200,7 @@ class Collector:
                              max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history,
                              straggler_min_seconds=config.straggler_min_seconds,
                              straggler_min_ratio=config.straggler_min_ratio,
+                             per_rank=config.cluster_per_rank,
                              max_runs_per_owner=config.max_runs_per_token if config.max_runs_per_token is not None
                              else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
@@ -427,9 +430,11 @@ class Collector:
     def _publish(self, result: JoinResult) -> None:
         # Journal entries go only once their records are written (a failed write keeps them, and
         # the records, for the next try).
+        # The ranks' time on their own feeds the scores; it is written only with --cluster-per-rank.
+        own = {id(r): r.pop("_own") for r in result.records if "_own" in r}
         written = self.log.write(result.records) if result.records else self.log.retry()
         if result.records:
-            self.metrics.publish(result.records)
+            self.metrics.publish(result.records, own)
         for run_id in written:
             if self.joiner.open_in(run_id) == 0:
                 self.log.reset_journal(run_id)

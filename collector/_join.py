@@ -73,6 +73,7 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import heapq
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -94,6 +95,8 @@ REASONS = ("all_ranks", "window", "evicted", "shutdown")
 MAX_MISSING_LISTED = 64
 #: Stages in one record's ``pipeline_bubble_ratio`` (the first ones met, by rank).
 MAX_STAGES_PER_STEP = 256
+#: ``slowest_ranks`` lists this many ranks: the most time on their own first.
+SLOWEST_LISTED = 10
 
 #: A history entry: a rank, or (rank, fingerprint); a bare rank matches any span (a duplicate).
 HistoryRank = int | tuple[int, int | None]
@@ -182,8 +185,10 @@ class Joiner:
                  history: Callable[[str], Iterable[HistoryEntry]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
-                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO):
+                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = False):
         self.world_size = world_size
+        #: keep the per-rank maps in records (``--cluster-per-rank``); otherwise aggregates only
+        self.per_rank = per_rank
         self.straggler_min_seconds = straggler_min_seconds
         self.straggler_min_ratio = straggler_min_ratio
         self.window_s = window_s
@@ -393,7 +398,7 @@ class Joiner:
                               joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
                               conflicting_ranks=sorted(open_step.conflicted),
                               straggler_min_seconds=self.straggler_min_seconds,
-                              straggler_min_ratio=self.straggler_min_ratio)
+                              straggler_min_ratio=self.straggler_min_ratio, per_rank=self.per_rank)
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
@@ -422,10 +427,13 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
                    conflicting_ranks: list[int] | None = None, attempt: int = 0,
                    straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
-                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO) -> dict[str, Any]:
+                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = True) -> dict[str, Any]:
     """The ``cluster_step`` record of one step from its ranks' spans (the schema is in docs/collector.md).
 
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
+    Without ``per_rank`` the record holds no per-rank map (``rank_*_seconds``): its size does not
+    grow with the ranks but for ``slowest_ranks`` (at most :data:`SLOWEST_LISTED`); the ranks'
+    time on their own is then under ``"_own"``, for the collector's scores, never written.
     """
     spans = sorted(spans, key=lambda s: s.rank)
     # Missing ranks as ranges between the reported ones: the work grows with the ranks that
@@ -469,7 +477,7 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     for s in spans:
         status[s.status] = status.get(s.status, 0) + 1
     ends = [s.end_time for s in spans if s.end_time is not None]
-    return {
+    record = {
         "type": "cluster_step",
         "run_id": run_id,
         "attempt": attempt,
@@ -512,4 +520,12 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},
         "status": status,
         "conflicting_ranks": list(conflicting_ranks or []),
+        "slowest_ranks": [[rank, seconds] for rank, seconds in
+                          heapq.nsmallest(SLOWEST_LISTED, own.items(), key=lambda kv: (-kv[1], kv[0]))],
     }
+    if not per_rank:
+        for key in ("rank_compute_seconds", "rank_interval_seconds", "rank_collective_wait_seconds",
+                    "rank_own_seconds"):
+            del record[key]
+        record["_own"] = own
+    return record

@@ -214,8 +214,11 @@ class ClusterMetrics:
                 self._touch(run_id)
                 self.conflicts.labels(run_id).inc(count)
 
-    def publish(self, records: Iterable[dict[str, Any]]) -> None:
-        """Update the cluster series from emitted ``cluster_step`` and ``late`` records."""
+    def publish(self, records: Iterable[dict[str, Any]], own: dict[int, dict[int, float]] | None = None) -> None:
+        """Update the cluster series from emitted ``cluster_step`` and ``late`` records.
+
+        ``own``: id(record) -> its ranks' time on their own, for records without ``rank_own_seconds``.
+        """
         with self._lock:
             for record in records:
                 run_id = record["run_id"]
@@ -223,9 +226,9 @@ class ClusterMetrics:
                 if record["type"] == "late":
                     self.late.labels(run_id).inc()
                 elif record["type"] == "cluster_step":
-                    self._step(run_id, state, record)
+                    self._step(run_id, state, record, (own or {}).get(id(record)))
 
-    def _step(self, run_id: str, state: _RunState, r: dict[str, Any]) -> None:
+    def _step(self, run_id: str, state: _RunState, r: dict[str, Any], own: dict[int, float] | None) -> None:
         step = r["step"]
         self.joined.labels(run_id).inc()
         self.join_lag.labels(run_id).observe(r["join_seconds"])
@@ -245,14 +248,9 @@ class ClusterMetrics:
                 self.world_size.labels(run_id).set(r["world_size"])
         if not r["complete"]:
             return
-        if not state.straggler_ranks and r["world_size"] is not None:
-            # Start every rank's counter at 0: Prometheus's increase() cannot see the
-            # first count of a series that appears with it, so a rank's first straggler
-            # step would otherwise be invisible on the dashboards.
-            for rank in range(int(r["world_size"])):
-                state.straggler_ranks.add(str(rank))
-                self.straggler_steps.labels(run_id, str(rank))
-                self.straggler_cost_total.labels(run_id, str(rank))
+        # A rank's straggler counters appear when it is first named (at their first value), never
+        # one per rank ahead: collectors x ranks series. The rules count a series with no sample a
+        # window ago from 0 (collector/alerts.yml, docs/alerts.md).
         named = r.get("straggler_rank")
         cost = r.get("straggler_cost_seconds")
         if named is not None:
@@ -261,7 +259,8 @@ class ClusterMetrics:
             self.straggler_steps.labels(run_id, straggler).inc()
             if cost is not None:
                 self.straggler_cost_total.labels(run_id, straggler).inc(cost)
-        own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
+        if own is None:
+            own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
         state.scores.add(own)
         for rank, (relative, individual) in state.scores.scores().items():
             for kind, score in (("relative", relative), ("individual", individual)):

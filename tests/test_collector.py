@@ -64,7 +64,7 @@ from steptrace.collector._decode import (  # noqa: E402
     media_type,
     parse_request,
 )
-from steptrace.collector._join import Joiner  # noqa: E402
+from steptrace.collector._join import Joiner, cluster_record  # noqa: E402
 from steptrace.testing import SimulatedDevice  # noqa: E402
 
 TRACES = "/v1/traces"
@@ -229,8 +229,31 @@ def test_unusable_step_spans_are_skipped_and_counted_by_reason():
 # -- the join ------------------------------------------------------------------------------------
 
 
+def test_records_hold_aggregates_and_the_slowest_ranks_not_per_rank_maps_by_default(tmp_path):
+    spans = [span(rank=r, world_size=12, compute=0.1, interval=0.2 + r / 1000) for r in range(12) if r != 4]
+    joiner = Joiner(world_size=12)
+    joiner.add(spans)
+    [record] = joiner.flush().records
+    assert not any(key.startswith("rank_") for key in record)
+    # the ranks with the most time on their own (compute: no waits measured; a tie goes to the lowest)
+    assert [rank for rank, _ in record["slowest_ranks"]] == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+    assert (record["missing_rank_count"], record["missing_rank_ranges"], record["ranks_reporting"]) == (1, [[4, 4]], 11)
+    assert record["interval_max_seconds"] == 0.211 and record["_own"][11] == 0.1
+    full = cluster_record("run", 0, "", 12, spans, reason="window", first_seen_time=0.0,
+                          joined_time=0.0, join_seconds=0.0)
+    assert len(full["rank_compute_seconds"]) == 11 and "_own" not in full
+
+    # A restarted collector reads which ranks a step had from the aggregates: a retry of a span
+    # it wrote is a duplicate, the missing rank's span a late record, never a second step.
+    from steptrace.collector._runlog import _present_ranks
+    assert list(_present_ranks(record)) == [r for r in range(12) if r != 4]
+    restarted = Joiner(world_size=12, history=lambda run: [(0, list(_present_ranks(record)), None)])
+    result = restarted.add([spans[0], span(rank=4, world_size=12)])
+    assert result.duplicates == {"run": 1} and [r["type"] for r in result.records] == ["late"]
+
+
 def test_step_is_emitted_when_all_ranks_reported_with_straggler_skew_and_stats():
-    joiner = Joiner(world_size=3)
+    joiner = Joiner(world_size=3, per_rank=True)
     assert joiner.add([span(rank=0, compute=0.1, interval=0.5), span(rank=2, compute=0.2, interval=0.7)]).records == []
     assert joiner.open_steps == 1
     [record] = joiner.add([span(rank=1, compute=0.35, interval=0.6, status="error")]).records
@@ -537,7 +560,7 @@ def test_gzip_and_json_requests_are_joined_with_matching_responses(collector):
                         headers={"Content-Encoding": "deflate"})
     assert status == 200
     [record] = read_records(cluster_file(collector))
-    assert record["complete"] and sorted(record["rank_compute_seconds"]) == ["0", "1", "2"]
+    assert record["complete"] and record["ranks_reporting"] == 3
 
 
 def test_invalid_spans_are_reported_as_partial_success(collector):

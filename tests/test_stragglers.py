@@ -203,7 +203,7 @@ def test_collector_joins_own_time_names_the_straggler_and_its_cost():
     from steptrace.collector._decode import extract_steps
     from steptrace.collector._join import Joiner
 
-    joiner = Joiner(world_size=4)
+    joiner = Joiner(world_size=4, per_rank=True)
     spans = []
     for rank in range(4):
         wait = 0.004 if rank == 2 else 0.034
@@ -259,7 +259,8 @@ def test_cluster_metrics_publish_cost_own_time_and_scores():
     assert value(text, "steptrace_cluster_straggler_rank", **run) == 2
     assert value(text, "steptrace_cluster_step_straggler_cost_seconds", **run) == pytest.approx(0.0305)
     assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="2", **run) == pytest.approx(3 * 0.0305)
-    assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="0", **run) == 0
+    assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="0", **run) is None  # never named
+    assert value(text, "steptrace_cluster_straggler_steps_total", rank="0", **run) is None
     assert value(text, "steptrace_cluster_step_own_seconds", stat="max", **run) == pytest.approx(0.063)
     assert value(text, "steptrace_cluster_straggler_score", rank="2", kind="relative", **run) == \
         pytest.approx(0.033 / 0.063)  # the median rank (of 0.033, 0.032, 0.063) over rank 2
