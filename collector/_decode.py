@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -290,8 +291,9 @@ LazyTraceRequest = _LAZY_REQUEST = _lazy_request_type()
 #: The span names the collector decodes: step spans (the join) and stall spans (collector/_stalls.py).
 _USED_SPANS = ("train.step", "train.stall", "train.stall_end")
 #: Each used name as protobuf writes it in a span (field 5, its length, the name): a span without
-#: one of these byte strings is not named so and is skipped without a look at its fields.
-_NAME_FIELDS = tuple(bytes([0x2A, len(name)]) + name.encode() for name in _USED_SPANS)
+#: one of these byte strings is not named so and is skipped without a look at its fields. (A
+#: name written with a non-minimal length varint, which no protobuf encoder does, is not seen.)
+_NAME_FIELD = re.compile(b"|".join(re.escape(bytes([0x2A, len(name)]) + name.encode()) for name in _USED_SPANS))
 
 
 def _span_name(blob: bytes) -> bytes | None:
@@ -337,13 +339,13 @@ def _span_name(blob: bytes) -> bytes | None:
 
 def _used_span(blob: bytes) -> str | None:
     """The span's name when the collector uses it (:data:`_USED_SPANS`), else None: nothing decoded."""
-    for pattern in _NAME_FIELDS:
-        if pattern in blob:
-            name = _span_name(blob)
-            if name is not None and name.decode("utf-8", "replace") in _USED_SPANS:
-                return name.decode()
-            return None
-    return None
+    if _NAME_FIELD.search(blob) is None:
+        return None
+    name = _span_name(blob)
+    if name is None:
+        return None
+    text = name.decode("utf-8", "replace")
+    return text if text in _USED_SPANS else None
 
 
 def _blank_unused_json_spans(document: dict[str, Any]) -> None:
@@ -597,12 +599,17 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
         count = 0
         run: str | None = None
         for scope_spans in resource_spans.scope_spans:
-            for blob in scope_spans.spans:
-                count += 1
+            spans = scope_spans.spans
+            count += len(spans)
+            out.skipped += len(spans)
+            search = _NAME_FIELD.search
+            for blob in spans:
+                if search(blob) is None:  # the common case, kept to one C call per span
+                    continue
                 name = _used_span(blob)
                 if name is None:
-                    out.skipped += 1
                     continue
+                out.skipped -= 1
                 try:
                     span = Span.FromString(blob)
                 except Exception:  # the span alone is malformed: counted as a step span we cannot use
