@@ -120,8 +120,9 @@ def bodies(ranks: int, steps: int, per_request: int, pipeline: bool) -> list[lis
     for step in range(steps):
         requests = []
         for first in range(0, ranks, per_request):
-            request = ExportTraceServiceRequest(resource_spans=[
-                rank_spans(r, ranks, step, now + step, pipeline) for r in range(first, min(ranks, first + per_request))])
+            group = range(first, min(ranks, first + per_request))
+            request = ExportTraceServiceRequest(resource_spans=[rank_spans(r, ranks, step, now + step, pipeline)
+                                                                for r in group])
             requests.append(request.SerializeToString())
         out.append(requests)
     return out
