@@ -119,27 +119,62 @@ class _OpenStep:
 
 
 class _Emitted:
-    """The ranks an emitted step had: sorted ranks, their fingerprints (-1: any), the latest end time."""
+    """The ranks an emitted step had: sorted ranks, their fingerprints (-1: any), the latest end time.
 
-    __slots__ = ("end", "fingerprints", "ranks")
+    Kept for duplicates, late spans and conflicts after the step is written, so O(ranks that
+    reported) per step, for ``max_emitted`` steps per run. Compact where it can be: ranks exactly
+    ``0 .. n-1`` (a complete step) are a count, not an array (``ranks`` is None); fingerprints all
+    known are 4 bytes each (crc32), all unknown (seeded from a record without per-rank maps) none
+    (``fingerprints`` is None). At 16,384 ranks a complete step holds 64 KiB instead of 256 KiB.
+    """
+
+    __slots__ = ("count", "end", "fingerprints", "ranks")
 
     def __init__(self, pairs: Iterable[tuple[int, int | None]], end: float | None):
         ordered = sorted(dict(pairs).items())
-        self.ranks = array.array("q", (r for r, _ in ordered))
-        self.fingerprints = array.array("q", (-1 if f is None else f for _, f in ordered))
+        self.count = len(ordered)
+        dense = not ordered or (ordered[0][0] == 0 and ordered[-1][0] == len(ordered) - 1)
+        self.ranks: array.array[int] | None = None if dense else array.array("q", (r for r, _ in ordered))
+        known = [f for _, f in ordered if f is not None]
+        self.fingerprints: array.array[int] | None
+        if not known:
+            self.fingerprints = None
+        elif len(known) == len(ordered):
+            self.fingerprints = array.array("I", known)
+        else:
+            self.fingerprints = array.array("q", (-1 if f is None else f for _, f in ordered))
         self.end = end
+
+    def _index(self, rank: int) -> int | None:
+        if self.ranks is None:
+            return rank if 0 <= rank < self.count else None
+        i = bisect.bisect_left(self.ranks, rank)
+        return i if i < len(self.ranks) and self.ranks[i] == rank else None
 
     def find(self, rank: int) -> int | None:
         """The fingerprint of ``rank`` (-1: unknown), None when the rank is not in the step."""
-        i = bisect.bisect_left(self.ranks, rank)
-        if i < len(self.ranks) and self.ranks[i] == rank:
-            return self.fingerprints[i]
-        return None
+        i = self._index(rank)
+        if i is None:
+            return None
+        return -1 if self.fingerprints is None else self.fingerprints[i]
+
+    def pairs(self) -> list[tuple[int, int | None]]:
+        """(rank, fingerprint or None) of every rank it holds."""
+        ranks = range(self.count) if self.ranks is None else self.ranks
+        if self.fingerprints is None:
+            return [(r, None) for r in ranks]
+        return [(r, None if f == -1 else f) for r, f in zip(ranks, self.fingerprints)]
 
     def add(self, rank: int, fingerprint: int) -> None:
+        # Rare (a late span): back to the plain arrays.
+        if self.ranks is None:
+            self.ranks = array.array("q", range(self.count))
+        if self.fingerprints is None or self.fingerprints.typecode != "q":
+            self.fingerprints = array.array("q", [-1] * self.count if self.fingerprints is None else self.fingerprints)
         i = bisect.bisect_left(self.ranks, rank)
         self.ranks.insert(i, rank)
         self.fingerprints.insert(i, fingerprint)
+        self.count += 1
 
 
 class _Run:
@@ -373,7 +408,7 @@ class Joiner:
             pairs = [(r, None) if isinstance(r, int) else (r[0], r[1]) for r in ranks]
             have = run.emitted.get(unit)
             if have is not None:
-                pairs += [(r, None if f == -1 else f) for r, f in zip(have.ranks, have.fingerprints)]
+                pairs += have.pairs()
                 end = have.end if end is None else end if have.end is None else max(end, have.end)
             self._remember(run, unit, _Emitted(pairs, end))
 

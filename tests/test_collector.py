@@ -252,6 +252,30 @@ def test_records_hold_aggregates_and_the_slowest_ranks_not_per_rank_maps_by_defa
     assert result.duplicates == {"run": 1} and [r["type"] for r in result.records] == ["late"]
 
 
+def test_written_steps_are_remembered_compactly_and_still_tell_duplicates_late_spans_and_conflicts():
+    from steptrace.collector._decode import span_fingerprint
+    from steptrace.collector._join import _Emitted
+
+    world = 1000
+    joiner = Joiner(world_size=world)
+    spans = [span(rank=r, world_size=world, compute=0.1 + r / 1e4) for r in range(world)]
+    [record] = joiner.add(spans).records
+    emitted = joiner._runs["run"].emitted[(0, 0)]
+    # a complete step: the ranks are a count and the fingerprints 4 bytes each
+    assert emitted.ranks is None and emitted.count == world and emitted.fingerprints.typecode == "I"
+    assert emitted.fingerprints.itemsize * len(emitted.fingerprints) == 4 * world
+    assert emitted.find(7) == span_fingerprint(spans[7].compute_seconds, spans[7].interval_seconds)
+    assert emitted.find(world) is None
+    again = joiner.add([spans[7], span(rank=7, world_size=world, compute=9.0), span(rank=world + 3, world_size=world)])
+    assert again.duplicates == {"run": 1} and len(again.conflicts) == 1 and [r["type"] for r in again.records] == [
+        "late"]
+    assert emitted.ranks is not None and emitted.find(world + 3) is not None and emitted.find(7) != -1
+    # seeded from a record without per-rank maps: the ranks only, any later span of one a duplicate
+    seeded = _Emitted([(r, None) for r in range(world) if r != 4], None)
+    assert seeded.fingerprints is None and seeded.ranks is not None and seeded.find(5) == -1
+    assert seeded.find(4) is None
+
+
 def test_step_is_emitted_when_all_ranks_reported_with_straggler_skew_and_stats():
     joiner = Joiner(world_size=3, per_rank=True)
     assert joiner.add([span(rank=0, compute=0.1, interval=0.5), span(rank=2, compute=0.2, interval=0.7)]).records == []
