@@ -80,6 +80,8 @@ class CollectorConfig:
     straggler_min_seconds: float = STRAGGLER_MIN_SECONDS
     straggler_min_ratio: float = STRAGGLER_MIN_RATIO
     straggler_window_steps: int = 100
+    #: ranks per run and kind with a straggler score series: the lowest scores (--straggler-score-ranks)
+    straggler_score_ranks: int = 10
     #: keep per-rank maps (rank_compute_seconds, ...) in cluster_step records (--cluster-per-rank)
     cluster_per_rank: bool = False
     max_runs: int = 64
@@ -126,6 +128,7 @@ class CollectorConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         integer("straggler_window_steps", 1)
+        integer("straggler_score_ranks", 1)
         for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
                      "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps",
                      "max_journal_bytes_per_run", "max_journal_bytes", "max_inflight_body_bytes"):
@@ -205,6 +208,7 @@ class Collector:
                              else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
                                       straggler_window_steps=config.straggler_window_steps,
+                                      straggler_score_ranks=config.straggler_score_ranks,
                                       open_steps=lambda: self.joiner.open_steps)
         self.limits = descriptor_limits(config)
         self.budget = ByteBudget(config.max_inflight_body_bytes,

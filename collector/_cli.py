@@ -89,6 +89,9 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="... and by at least this fraction of the step's median interval (default: %(default)s)")
     parser.add_argument("--straggler-window-steps", type=_positive_int, default=100,
                         help="steps in the per-rank straggler scores' window (default: 100)")
+    parser.add_argument("--straggler-score-ranks", type=_positive_int, default=10,
+                        help="ranks per run and kind with a straggler score series on /metrics: the lowest "
+                             "scores (default: 10)")
     parser.add_argument("--cluster-per-rank", action="store_true",
                         help="keep each rank's compute, interval, wait and time on its own in cluster_step "
                              "records (default: aggregates and the slowest ranks only)")
@@ -181,6 +184,7 @@ def run_collector(args: argparse.Namespace) -> int:
             max_open_steps=args.max_open_steps, goodput_window_steps=args.goodput_window_steps,
             straggler_min_seconds=args.straggler_min_seconds, straggler_min_ratio=args.straggler_min_ratio,
             straggler_window_steps=args.straggler_window_steps, cluster_per_rank=args.cluster_per_rank,
+            straggler_score_ranks=args.straggler_score_ranks,
             max_runs=args.max_runs, max_runs_per_token=args.max_runs_per_token, run_idle_s=args.run_idle_s,
             max_connections=args.max_connections,
             max_connections_per_peer=args.max_connections_per_peer, request_timeout_s=args.request_timeout_s,

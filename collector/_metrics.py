@@ -23,7 +23,7 @@ so far (a step completed out of order does not move them back):
   own; 0 when no rank stood out), ``steptrace_cluster_straggler_steps_total{rank}`` and
   ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named),
   and ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
-  complete steps (``relative``: median rank's mean time on its own / this rank's; ``individual``:
+  complete steps, for the ``straggler_score_ranks`` (10) lowest scores of each kind only (``relative``: median rank's mean time on its own / this rank's; ``individual``:
   this rank's best windowed mean / its current one; 1 is typical, lower is slower).
 
 A run's series are removed when more than ``max_runs`` runs have been seen
@@ -35,6 +35,7 @@ rejected request has no run anyone can trust.
 from __future__ import annotations
 
 import collections
+import heapq
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -57,10 +58,13 @@ JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 _STATS = ("min", "median", "max")
 #: ``stage`` label values of ``steptrace_cluster_pipeline_bubble_ratio`` per run (the last complete step's).
 MAX_STAGES_PER_RUN = 64
+#: Ranks per run and kind with a ``steptrace_cluster_straggler_score`` series: the lowest scores
+#: (``--straggler-score-ranks``).
+DEFAULT_SCORE_RANKS = 10
 
 
 class _RunState:
-    __slots__ = ("last_complete", "last_step", "scored_ranks", "scores", "stages", "straggler_ranks", "window")
+    __slots__ = ("last_complete", "last_step", "scored", "scores", "stages", "straggler_ranks", "window")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = GoodputWindow(window_steps)
@@ -69,15 +73,17 @@ class _RunState:
         self.last_complete = -1
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
-        self.scored_ranks: set[str] = set()
+        self.scored: set[tuple[str, str]] = set()  # (rank, kind) with a score series
 
 
 class ClusterMetrics:
     """Metric families and the per-run state behind them; thread-safe."""
 
     def __init__(self, *, goodput_window_steps: int = 100, max_runs: int = 64,
-                 open_steps: Callable[[], int] | None = None, straggler_window_steps: int = 100):
+                 open_steps: Callable[[], int] | None = None, straggler_window_steps: int = 100,
+                 straggler_score_ranks: int = DEFAULT_SCORE_RANKS):
         self._window_steps = goodput_window_steps
+        self._score_ranks = straggler_score_ranks
         self._straggler_window_steps = straggler_window_steps
         self._max_runs = max_runs
         self._lock = threading.Lock()
@@ -262,11 +268,21 @@ class ClusterMetrics:
         if own is None:
             own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
         state.scores.add(own)
-        for rank, (relative, individual) in state.scores.scores().items():
-            for kind, score in (("relative", relative), ("individual", individual)):
-                if score is not None:
-                    state.scored_ranks.add(str(rank))
-                    self.straggler_score.labels(run_id, str(rank), kind).set(score)
+        # Only the lowest scores of each kind get a series (a bounded top-k, not one per rank); a
+        # rank that leaves them loses its series.
+        scores = state.scores.scores()
+        shown: set[tuple[str, str]] = set()
+        for index, kind in enumerate(("relative", "individual")):
+            ranked = [(score[index], rank) for rank, score in scores.items() if score[index] is not None]
+            for score, rank in heapq.nsmallest(self._score_ranks, ranked):
+                shown.add((str(rank), kind))
+                self.straggler_score.labels(run_id, str(rank), kind).set(score)
+        for rank, kind in state.scored - shown:
+            try:
+                self.straggler_score.remove(run_id, rank, kind)
+            except KeyError:
+                pass
+        state.scored = shown
         if step < state.last_complete:
             return
         state.last_complete = step
@@ -330,9 +346,8 @@ class ClusterMetrics:
         for rank in state.straggler_ranks:
             remove(self.straggler_steps, rank)
             remove(self.straggler_cost_total, rank)
-        for rank in state.scored_ranks:
-            for kind in ("relative", "individual"):
-                remove(self.straggler_score, rank, kind)
+        for rank, kind in state.scored:
+            remove(self.straggler_score, rank, kind)
 
 
 class Exposition:

@@ -297,3 +297,35 @@ def test_rank_metrics_count_wait_and_own_seconds():
         assert value(text, "steptrace_step_own_seconds_total", **labels) == pytest.approx(0.072)
     finally:
         sink.shutdown(1)
+
+
+def test_cluster_metrics_expose_the_lowest_scores_only():
+    """Score series for the k lowest scores of each kind, not one per rank (k = --straggler-score-ranks)."""
+    pytest.importorskip("prometheus_client", reason="the collector needs steptrace[prometheus]")
+    from prometheus_client import generate_latest
+
+    from collector_helpers import samples
+    from steptrace.collector._decode import StepSpan
+    from steptrace.collector._join import cluster_record
+    from steptrace.collector._metrics import ClusterMetrics
+
+    metrics = ClusterMetrics(straggler_window_steps=4, straggler_score_ranks=3)
+
+    def publish(step: int, slow: dict[int, float]) -> dict[str, set[str]]:
+        spans = [StepSpan(run_id="r", step=step, rank=rank, world_size=30, trace_id="", compute_seconds=0.05,
+                          interval_seconds=0.1 + slow.get(rank, 0.0), collective_wait_seconds=0.01,
+                          own_seconds=own_seconds(0.1 + slow.get(rank, 0.0), 0.01)) for rank in range(30)]
+        metrics.publish([cluster_record("r", step, "", 30, spans, reason="all_ranks", first_seen_time=0.0,
+                                        joined_time=0.0, join_seconds=0.0)])
+        shown: dict[str, set[str]] = {}
+        for (name, labels), _ in samples(generate_latest(metrics.registry).decode()).items():
+            if name == "steptrace_cluster_straggler_score":
+                labels = dict(labels)
+                shown.setdefault(labels["kind"], set()).add(labels["rank"])
+        return shown
+
+    shown = publish(0, {7: 0.05, 11: 0.04, 20: 0.03, 3: 0.02})
+    assert shown["relative"] == {"7", "11", "20"} and len(shown["individual"]) == 3
+    for step in range(1, 5):  # rank 7 recovers, rank 3 stays slow: 7 leaves the relative top 3
+        shown = publish(step, {11: 0.04, 20: 0.03, 3: 0.02})
+    assert shown["relative"] == {"11", "20", "3"}
