@@ -21,10 +21,12 @@ so far (a step completed out of order does not move them back):
   ``steptrace_cluster_step_straggler_cost_seconds``
   (the last complete step: what its straggler cost the job, the other ranks' median wait less its
   own; 0 when no rank stood out), ``steptrace_cluster_straggler_steps_total{rank}`` and
-  ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named),
-  and ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
-  complete steps, for the ``straggler_score_ranks`` (10) lowest scores of each kind only (``relative``: median rank's mean time on its own / this rank's; ``individual``:
-  this rank's best windowed mean / its current one; 1 is typical, lower is slower).
+  ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named;
+  a rank's two counters appear when it is first named, at their first value), and
+  ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
+  complete steps, for the ``straggler_score_ranks`` (10) lowest scores of each kind only
+  (``relative``: median rank's mean time on its own / this rank's; ``individual``: this rank's
+  best windowed mean / its current one; 1 is typical, lower is slower).
 
 A run's series are removed when more than ``max_runs`` runs have been seen
 since (least recently active first), so a stream of run ids cannot grow the
