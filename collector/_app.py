@@ -88,7 +88,8 @@ class CollectorConfig:
     max_runs_per_token: int | None = None  # default: max_runs // 4, for each --token-file line
     read_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
-    max_connections: int = 1024
+    #: an upper bound: the file-descriptor limit sets the cap below it (descriptor_limits); one thread each
+    max_connections: int = 16384
     max_connections_per_peer: int = 128
     max_world_size: int = DEFAULT_MAX_WORLD_SIZE
     max_step: int = DEFAULT_MAX_STEP

@@ -102,8 +102,9 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--run-idle-s", type=_non_negative_seconds, default=300.0,
                         help="with --max-runs runs admitted, a new run replaces the least recently active one only "
                              "if it has no open step and was idle this long; else its spans are refused (default: 300)")
-    parser.add_argument("--max-connections", type=_positive_int, default=1024,
-                        help="OTLP/HTTP connections served at once; more get 503 (default: 1024)")
+    parser.add_argument("--max-connections", type=_positive_int, default=16384,
+                        help="OTLP/HTTP connections served at once, below what the file-descriptor limit allows "
+                             "(docs/collector.md); more get 503 (default: 16384)")
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=128,
                         help="OTLP/HTTP connections from one IP address at once; more get 503 (default: 128)")
     parser.add_argument("--request-timeout-s", type=_seconds, default=30.0,
