@@ -265,8 +265,9 @@ class ClusterMetrics:
             straggler = str(named)
             state.straggler_ranks.add(straggler)
             self.straggler_steps.labels(run_id, straggler).inc()
+            cost_total = self.straggler_cost_total.labels(run_id, straggler)  # both appear together
             if cost is not None:
-                self.straggler_cost_total.labels(run_id, straggler).inc(cost)
+                cost_total.inc(cost)
         if own is None:
             own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
         state.scores.add(own)
