@@ -166,8 +166,8 @@ def parse_request(signal: str, data: bytes, media: str) -> Any:
     Traces come back *lazy* (:data:`LazyTraceRequest`): resources and scopes decoded, each span
     left as its encoded bytes, so :func:`extract_steps` decodes only the spans it uses (a
     pipeline rank's ``train.microbatch`` spans were ~99 % of the parsing, all thrown away). From
-    OTLP/JSON, the spans it does not use are blanked before the conversion (each resource's
-    first one kept: it names the resource's run when no used span does).
+    OTLP/JSON, the spans it does not use are blanked before the conversion (each scope's first
+    one kept: it names the resource's run when no used span does).
     """
     request_type = _SIGNALS[signal][0]
     try:
