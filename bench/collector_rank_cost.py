@@ -62,8 +62,10 @@ def _kv(key: str, value: Any) -> KeyValue:
     return KeyValue(key=key, value=AnyValue(string_value=str(value)))
 
 
-def rank_spans(rank: int, world: int, step: int, end_s: float, pipeline: bool) -> ResourceSpans:
-    """One rank's spans of one step, as the SDK's exporter groups them."""
+def rank_spans(rank: int, world: int, step: int, end_s: float, pipeline: bool,
+               microbatch_spans: bool | None = None) -> ResourceSpans:
+    """One rank's spans of one step, as the SDK's exporter groups them (a pipeline rank's full
+    microbatch spans unless ``microbatch_spans`` is False: the SDK's default sends the summary only)."""
     interval, compute = 0.5, 0.375 + rank % 7 / 1000
     base = {"train.run_id": RUN, "train.rank": rank, "train.attempt": 0, "train.step": step}
     trace = trace_id(RUN, step).to_bytes(16, "big")
@@ -83,6 +85,7 @@ def rank_spans(rank: int, world: int, step: int, end_s: float, pipeline: bool) -
                 for field in ("count", "compute_seconds_sum", "compute_seconds_min", "compute_seconds_max",
                               "first_start_time", "last_end_time"):
                     attrs[prefix + field] = 32 if field == "count" else 0.01
+    if pipeline and (microbatch_spans is None or microbatch_spans):
         k = 0
         for chunk in range(2):
             for kind in ("forward", "backward"):
@@ -114,15 +117,16 @@ def rank_spans(rank: int, world: int, step: int, end_s: float, pipeline: bool) -
         scope=InstrumentationScope(name="steptrace"), spans=spans)])
 
 
-def bodies(ranks: int, steps: int, per_request: int, pipeline: bool) -> list[list[bytes]]:
+def bodies(ranks: int, steps: int, per_request: int, pipeline: bool,
+           microbatch_spans: bool | None = None) -> list[list[bytes]]:
     now = time.time() - 60
     out = []
     for step in range(steps):
         requests = []
         for first in range(0, ranks, per_request):
             group = range(first, min(ranks, first + per_request))
-            request = ExportTraceServiceRequest(resource_spans=[rank_spans(r, ranks, step, now + step, pipeline)
-                                                                for r in group])
+            request = ExportTraceServiceRequest(resource_spans=[
+                rank_spans(r, ranks, step, now + step, pipeline, microbatch_spans) for r in group])
             requests.append(request.SerializeToString())
         out.append(requests)
     return out
