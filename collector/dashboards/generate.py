@@ -452,7 +452,7 @@ def cluster() -> dash_b.Dashboard:
         "Seconds each rank cost the job as the straggler (the others' wait for it), per interval, "
         "summed over collectors: the 10 costliest ranks.",
         [(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_cost_seconds_total{{{RUN}}}"
-          f"[$__rate_interval])) > 0)", "rank {{rank}}")],
+          f"[$__rate_interval])))", "rank {{rank}}")],
         bars=True, stacked=True, w=8))
     for kind, what in (("relative", "the median rank's mean time on its own over this rank's: 1 is "
                                     "typical, 0.5 needs twice the median rank's time"),
