@@ -215,7 +215,10 @@ class SyntheticJob:
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except OSError:
+                    pass  # Prometheus gave up on the scrape (timeout) or is stopping
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -266,8 +269,19 @@ def rule_files(out: Path, interval: str | None) -> list[Path]:
     return paths
 
 
+def api(server: PrometheusProcess, path: str, params: dict[str, str]) -> dict[str, Any]:
+    """A POST to Prometheus's HTTP API, waiting up to its own --query.timeout (2 min) for the answer."""
+    request = urllib.request.Request(server.base + path, data=urllib.parse.urlencode(params).encode(),
+                                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(request, timeout=150) as response:
+            return json.loads(response.read().decode())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read().decode())
+
+
 def vector(server: PrometheusProcess, promql: str) -> list[tuple[dict, float]]:
-    body = server.api("/api/v1/query", {"query": promql}, post=True)
+    body = api(server, "/api/v1/query", {"query": promql})
     if body.get("status") != "success":
         raise RuntimeError(f"{promql}: {body}")
     return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
@@ -336,8 +350,8 @@ def run_query(server: PrometheusProcess, expr: str, start: float, end: float) ->
     ranks of the instant answer at ``end``."""
     step = (end - start) / (RANGE_S // STEP_S)
     started = time.perf_counter()
-    body = server.api("/api/v1/query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                              "step": f"{step:.3f}", "stats": "all"}, post=True)
+    body = api(server, "/api/v1/query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                               "step": f"{step:.3f}", "stats": "all"})
     seconds = time.perf_counter() - started
     result: dict[str, Any] = {"seconds": seconds, "status": body.get("status"), "error": body.get("error")}
     if body.get("status") == "success":
@@ -345,7 +359,7 @@ def run_query(server: PrometheusProcess, expr: str, start: float, end: float) ->
         result["peak"] = samples.get("peakSamples", 0)
         result["total"] = samples.get("totalQueryableSamples", 0)
         result["series"] = len(body["data"]["result"])
-        instant = server.api("/api/v1/query", {"query": expr, "time": f"{end:.3f}"}, post=True)
+        instant = api(server, "/api/v1/query", {"query": expr, "time": f"{end:.3f}"})
         result["ranks"] = len({r["metric"].get("rank") for r in instant.get("data", {}).get("result", [])
                                if "rank" in r["metric"]})
     return result
@@ -441,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dashboards", type=Path, default=COLLECTOR_DIR / "dashboards",
                         help="directory of steptrace-*.json dashboards (default collector/dashboards)")
     parser.add_argument("--json", type=Path, help="also write every figure, per query, to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="256 ranks, scraped and evaluated every second (the test's setup; ~1 min)")
     args = parser.parse_args(argv)
 
     binary = shutil.which("prometheus")
@@ -448,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         print("needs the `prometheus` server on PATH (Debian package `prometheus`)", file=sys.stderr)
         return 2
     shipped = yaml.safe_load((COLLECTOR_DIR / "prometheus.yml").read_text())["global"]
+    rule_interval = None
+    if args.quick:
+        args.ranks, rule_interval = "256", "1s"
+        shipped = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     results = []
     for kind in args.kinds.split(","):
         template = RankTemplate(capture(kind))
@@ -455,10 +475,12 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             r = measure(kind, ranks, template, dashboards=args.dashboards, evaluations=args.evaluations,
                         scrape=shipped["scrape_interval"], evaluation=shipped["evaluation_interval"],
-                        rule_interval=None, binary=binary)
+                        rule_interval=rule_interval, binary=binary)
             r["bench_seconds"] = time.monotonic() - started
             results.append(r)
             print(report([r]).splitlines()[-1], flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
     print(f"\nPrometheus {binary}; scrape {shipped['scrape_interval']}, evaluation "
           f"{shipped['evaluation_interval']}; max-samples {MAX_SAMPLES:,}; every query as a range query of "
           f"{RANGE_S // STEP_S + 1} points (Grafana's 1 h at {STEP_S} s) over the minutes with data")

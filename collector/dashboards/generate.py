@@ -335,15 +335,16 @@ def training() -> dash_b.Dashboard:
     d = d.with_row(dash_b.Row("Health"))
     d = d.with_panel(series(
         "Dropped records", "Records steptrace dropped instead of exporting (a full queue, a "
-        "failing sink, misuse, malformed records), by rank, sink and reason: the 10 largest. Empty "
+        "failing sink, misuse, malformed records) in the 5 minutes before each point, by rank, sink "
+        "and reason: the 10 largest (recording rule, kept only where records were dropped). Empty "
         "is good.",
-        [(f"topk(10, sum by (rank, sink, reason) (increase(steptrace_dropped_records_total{{{RUN}}}"
-          f"[$__rate_interval])) > 0)", "rank {{rank}} {{sink}}: {{reason}}")],
+        [(f"topk(10, run_id_rank_sink_reason:steptrace_dropped_records:increase5m{{{RUN}}})",
+          "rank {{rank}} {{sink}}: {{reason}}")],
         unit="short", w=8, bars=True, decimals=0))
     d = d.with_panel(series(
-        "Failed steps by rank", "Steps recorded with status error, the 10 ranks with the most. Empty is good.",
-        [(f'topk(10, sum by (rank) (increase(steptrace_steps_total{{{RUN}, status="error"}}'
-          f"[$__rate_interval])) > 0)", "rank {{rank}}")],
+        "Failed steps by rank", "Steps recorded with status error in the 5 minutes before each point "
+        "(recording rule, kept only where steps failed), the 10 ranks with the most. Empty is good.",
+        [(f"topk(10, run_id_rank:steptrace_failed_steps:increase5m{{{RUN}}})", "rank {{rank}}")],
         unit="short", w=8, bars=True, decimals=0))
     d = d.with_panel(
         bargauge.Panel().title("Ranks by backend and version")
