@@ -25,9 +25,10 @@ answers an error past it) and the query's wall time. The synthetic job has run o
 so each query asks for the span with data at a step giving it the 241 points of 1 h at 15 s: a range
 query's peak is about its series x its points, so that is the peak the 1 h dashboard would reach.
 
-Memory: Prometheus's resident memory at 4,096 pipeline ranks is ~1 GB; 16,384 ranks (``--ranks
-16384``) need ~4 GB and ~1,100 scrapes/s from this one Python process, more than two shared cores
-serve in time.
+Memory: at 4,096 pipeline ranks Prometheus holds ~295k series in ~1.1 GiB of heap (1.5 GiB resident
+after the queries). 16,384 ranks (``--ranks 16384``) would need ~4.5 GiB of heap and ~1,100
+scrapes/s from this one Python process: not run on the 2-core development VM (bench/RESULTS.md).
+``--quick``: 256 ranks scraped and evaluated every second (tests/test_prometheus_scale.py's setup).
 """
 
 from __future__ import annotations
