@@ -153,7 +153,7 @@ EXPECTED_PANELS = {
         "Last step", "Goodput (5m)", "Tokens/s (5m)", "TFLOP/s per device, mean", "MFU, mean",
         "Ranks reporting", "Stalled ranks", "Failed steps",
         "Step compute vs interval, all ranks (p50, p90)", "Step interval, slowest and fastest ranks (5m)",
-        "Mean compute per step, per rank (5m)", "Mean interval per step, per rank (5m)",
+        "Mean compute per step, per rank (5m)", "Mean interval per step, pinned ranks vs the run (5m)",
         "Goodput and idle time by reason (all ranks, 5m)", "Goodput per rank",
         "Tokens/s, all ranks (5m)", "Tokens/s per rank (last step)", "TFLOP/s per device", "MFU",
         "Checkpoint blocking time per save", "Checkpoint saves by status", "Blocked by checkpoints, per rank",

@@ -245,12 +245,14 @@ def training() -> dash_b.Dashboard:
         ranked(lambda sel: f"run_id_rank:steptrace_step_compute_seconds:mean_rate5m{{{sel}}}", "slow", "fast"),
         table_legend=True))
     d = d.with_panel(series(
-        "Mean interval per step, per rank (5m)",
-        "Exact mean of each rank's step interval (5 slowest, 5 fastest, pinned ranks). Ranks in "
-        "lockstep share one interval: a rank whose compute is low but interval is not is waiting for "
-        "the others.",
-        ranked(lambda sel: f"run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{sel}}}", "slow", "fast"),
-        table_legend=True))
+        "Mean interval per step, pinned ranks vs the run (5m)",
+        "Exact mean of each pinned rank's step interval (the Pinned ranks variable), against the "
+        "median and 90th percentile across the run's ranks. Ranks in lockstep share one interval: a "
+        "rank whose compute is low but interval is not is waiting for the others.",
+        [(f"run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}}", "rank {{rank}}"),
+         (f"run_id:steptrace_step_interval_seconds:p50_rate5m{{{RUN}}}", "run p50"),
+         (f"run_id:steptrace_step_interval_seconds:p90_rate5m{{{RUN}}}", "run p90")],
+        table_legend=True, dashed="/^run/"))
 
     d = d.with_row(dash_b.Row("Where the wall time goes"))
     d = d.with_panel(series(
