@@ -153,7 +153,7 @@ EXPECTED_PANELS = {
         "Last step", "Goodput (5m)", "Tokens/s (5m)", "TFLOP/s per device, mean", "MFU, mean",
         "Ranks reporting", "Stalled ranks", "Failed steps",
         "Step compute vs interval, all ranks (p50, p90)", "Step interval, slowest and fastest ranks (5m)",
-        "Mean compute per step, per rank (5m)", "Mean interval per step, per rank (5m)",
+        "Mean compute per step, per rank (5m)", "Mean interval per step, pinned ranks vs the run (5m)",
         "Goodput and idle time by reason (all ranks, 5m)", "Goodput per rank",
         "Tokens/s, all ranks (5m)", "Tokens/s per rank (last step)", "TFLOP/s per device", "MFU",
         "Checkpoint blocking time per save", "Checkpoint saves by status", "Blocked by checkpoints, per rank",
@@ -211,8 +211,170 @@ def test_variables_are_datasource_run_and_multi_rank(name):
     rank = variables["rank"]
     assert rank["type"] == "query" and rank["datasource"] == DATASOURCE
     assert rank["query"] == 'label_values(steptrace_steps_total{run_id="$run_id"}, rank)'
-    assert rank["multi"] and rank["includeAll"] and rank["allValue"] == ".*"
-    assert rank["current"]["value"] == "$__all"
+    # Pinned ranks: any rank can be picked, rank 0 by default, no "All" (issue 28: a 4,096-rank run).
+    assert rank["multi"] and not rank.get("includeAll") and "allValue" not in rank
+    assert rank["current"]["value"] == ["0"]
+
+
+# -- top-k ranks by default, never "All" (issue 28) -----------------------------------------------------
+#
+# A query is *unbounded in ranks* when its result can hold one series per rank of the run: it reads a
+# series that has a `rank` label without restricting rank to the pinned ones (`rank=~"$rank"`, a
+# variable without "All"), and no operation on the way out bounds it: neither topk/bottomk nor an
+# aggregation whose `by` drops rank. rank_extent() works that out on the query's syntax tree:
+# BOUNDED (no rank, or k ranks), PINNED (the picked ranks), ALL (every rank of the run). A vector
+# matched one-to-one with another keeps only the ranks both have; `or` keeps either side's; a
+# group_left/group_right match keeps the "many" side's. tests/test_prometheus_scale.py checks the same
+# on a real Prometheus holding 256 ranks, by counting the ranks in each query's answer.
+
+BOUNDED, PINNED, ALL = 0, 1, 2
+AGGREGATIONS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "quantile", "count_values", "group"}
+BINARY = re.compile(r"(==|!=|>=|<=|>|<|\+|-|\*|/|%|\^|\band\b|\bor\b|\bunless\b)")
+
+
+def rank_labelled() -> set[str]:
+    """Series names that carry a `rank` label: the ranks' own, the per-rank rules, the collector's per-rank."""
+    rules = {n for n in recorded_names() if "rank" in n.split(":")[0].split("_")}
+    return RANK_METRICS | rules | {"steptrace_cluster_straggler_steps_total", "steptrace_cluster_straggler_score",
+                                   "steptrace_cluster_straggler_cost_seconds_total"}
+
+
+def _split_top(expr: str) -> list[str]:
+    """``expr`` cut at its top-level binary operators (outside parentheses, braces, brackets, strings):
+    [operand, operator(+modifiers), operand, ...]."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(expr):
+        c = expr[i]
+        if c == '"':
+            i = expr.index('"', i + 1) + 1
+            continue
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        elif depth == 0:
+            m = BINARY.match(expr, i)
+            # a leading sign, or an exponent in a number, is not an operator
+            if m and expr[start:i].strip() and not re.search(r"\d[eE]$", expr[start:i]):
+                parts.append(expr[start:i])
+                j = m.end()
+                mod = re.match(r"\s*(bool\s*)?((on|ignoring)\s*\([^)]*\)\s*)?((group_left|group_right)"
+                               r"\s*(\([^)]*\))?)?", expr[j:])
+                parts.append(m.group(0) + " " + mod.group(0))
+                start = i = j + mod.end()
+                continue
+        i += 1
+    parts.append(expr[start:])
+    return parts
+
+
+def _call(expr: str) -> tuple[str, str, str] | None:
+    """(name, by/without clause, arguments) when ``expr`` is ``name [clause] (args) [clause]``."""
+    m = re.fullmatch(r"(\w+)\s*((?:by|without)\s*\([^)]*\))?\s*\((.*)\)\s*((?:by|without)\s*\([^)]*\))?",
+                     expr, re.S)
+    if not m:
+        return None
+    body, depth = m.group(3), 0
+    for c in body:  # the parentheses must be the call's own: f(a) + g(b) is not a call
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth < 0:
+            return None
+    return m.group(1), (m.group(2) or m.group(4) or ""), body
+
+
+def _args(body: str) -> list[str]:
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(body):
+        depth += {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            out.append(body[start:i])
+            start = i + 1
+    return out + [body[start:]]
+
+
+def rank_extent(expr: str, labelled: set[str] | None = None, *, rank_all: bool = False) -> int:
+    """BOUNDED, PINNED or ALL: how many ranks the result of the PromQL ``expr`` can hold. With
+    ``rank_all`` (a rank variable that offers "All"), `rank=~"$rank"` can be every rank too."""
+    labelled = rank_labelled() if labelled is None else labelled
+    expr = expr.strip()
+    if expr[:1] in "+-" and len(_split_top(expr)) == 1:
+        return rank_extent(expr[1:], labelled, rank_all=rank_all)  # a unary sign
+    parts = _split_top(expr)
+    if len(parts) > 1:
+        extent = rank_extent(parts[0], labelled, rank_all=rank_all)
+        for op, operand in zip(parts[1::2], parts[2::2]):
+            right = rank_extent(operand, labelled, rank_all=rank_all)
+            if op.startswith("or"):
+                extent = max(extent, right)
+            elif op.startswith("unless") or "group_left" in op:
+                pass
+            elif "group_right" in op:
+                extent = right
+            elif re.fullmatch(r"[\d.eE+-]+", operand.strip()) or re.fullmatch(r"[\d.eE+-]+", parts[0].strip()):
+                extent = max(extent, right)   # a number on one side: the vector's
+            else:
+                extent = min(extent, right)   # one-to-one: the ranks both sides have
+        return extent
+    if expr.startswith("(") and expr.endswith(")") and _call("f" + expr):
+        return rank_extent(expr[1:-1], labelled, rank_all=rank_all)
+    call = _call(expr)
+    if call:
+        name, clause, body = call
+        args = _args(body)
+        if name in ("topk", "bottomk"):
+            return BOUNDED
+        if name in AGGREGATIONS:
+            inner = rank_extent(args[-1], labelled, rank_all=rank_all)
+            keeps = re.search(r"\brank\b", clause) if clause.startswith("by") else (
+                clause.startswith("without") and not re.search(r"\brank\b", clause))
+            return inner if keeps else BOUNDED
+        return max((rank_extent(a, labelled, rank_all=rank_all) for a in args), default=BOUNDED)
+    m = re.fullmatch(r"([A-Za-z_:][\w:]*)?\s*(\{[^}]*\})?\s*(\[[^\]]*\])?", expr)
+    if m and (m.group(1) or m.group(2)):
+        if m.group(1) not in labelled:
+            return BOUNDED
+        return PINNED if 'rank=~"$rank"' in (m.group(2) or "") and not rank_all else ALL
+    return BOUNDED  # a number, a string
+
+
+def test_rank_extent():
+    sel = 'x{run_id="$run_id"}'
+    pinned = 'x{run_id="$run_id", rank=~"$rank"}'
+    labelled = {"x"}
+    cases = {
+        sel: ALL, pinned: PINNED, "y{}": BOUNDED, "1": BOUNDED,
+        f"topk(5, {sel})": BOUNDED, f"bottomk(5, sum by (rank) (rate({sel}[5m])))": BOUNDED,
+        f"sum(rate({sel}[5m]))": BOUNDED, f"sum by (rank, sink) (increase({sel}[5m])) > 0": ALL,
+        f"sum without (sink) ({sel})": ALL, f"sum without (rank) ({sel})": BOUNDED,
+        f"avg by (stage) ({sel})": BOUNDED, f"max({sel}) - min({sel})": BOUNDED,
+        f"({sel})": ALL, f"rate({sel}[5m]) / rate({pinned}[5m])": PINNED,
+        f"{sel} or {pinned}": ALL, f"{pinned} / on (run_id) group_left sum({sel})": PINNED,
+        f"sum by (rank) ({sel}) and on (rank) topk(3, {sel})": BOUNDED,
+        f"clamp_min({sel}, 0)": ALL, f"-{sel}": ALL, f"{sel} * 1e-3": ALL,
+    }
+    assert {e: rank_extent(e, labelled) for e in cases} == cases
+    assert rank_extent(pinned, labelled, rank_all=True) == ALL
+    assert rank_extent(f"topk(5, {pinned})", labelled, rank_all=True) == BOUNDED
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_no_variable_defaults_to_all_and_no_query_reads_every_rank_unbounded(name):
+    """Per-rank panels show the top-k and bottom-k ranks and the pinned ones: a 4,096-rank run draws
+    ~10 lines, not 4,096, and a range query does not hold ranks x points samples in its answer."""
+    variables = load(name)["templating"]["list"]
+    rank_all = any(v["name"] == "rank" and v.get("includeAll") for v in variables)
+    unbounded = [(title, expr) for title, expr in queries(load(name)) if rank_extent(expr, rank_all=rank_all) == ALL]
+    assert not unbounded, "queries with one series per rank of the run:\n" + "\n".join(map(str, unbounded))
+    for variable in variables:
+        current = variable.get("current", {})
+        values = current.get("value") if isinstance(current.get("value"), list) else [current.get("value")]
+        texts = current.get("text") if isinstance(current.get("text"), list) else [current.get("text")]
+        assert "$__all" not in values and "All" not in texts, (variable["name"], current)
+        if variable["name"] == "rank":
+            assert not variable.get("includeAll"), "the rank variable offers All"
+    # topk/bottomk take a small k.
+    for title, expr in queries(load(name)):
+        assert all(int(k) <= 10 for k in re.findall(r"\b(?:topk|bottomk)\s*\(\s*(\d+)", expr)), (title, expr)
 
 
 @pytest.mark.parametrize("name", FILES)

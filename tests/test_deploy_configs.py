@@ -127,7 +127,7 @@ def test_recording_rule_names_follow_the_level_metric_operations_convention():
         for rule in group["rules"]:
             name = rule["record"]
             level, metric, operations = name.split(":")
-            assert level_labels(name) <= {"run_id", "rank", "le", "reason", "kind", "stage", "chunk"}, name
+            assert level_labels(name) <= {"run_id", "rank", "le", "reason", "kind", "stage", "chunk", "sink"}, name
             # rate() of a counter drops `_total` from the name.
             assert metric.startswith("steptrace_") and not metric.endswith("_total") and operations, name
             # Every rule reads a 5-minute window, directly or through an earlier rule.

@@ -339,8 +339,8 @@ def dashboard_query(expr: str) -> str:
 
 
 def panel_query(dashboard: str, title: str) -> str:
-    """The one query of the panel ``title``, as Grafana sends it."""
-    [expr] = [e for name, t, e in all_queries() if name == dashboard and t == title]
+    """The first query of the panel ``title`` (a per-rank panel's top-k ranks), as Grafana sends it."""
+    expr, *_ = [e for name, t, e in all_queries() if name == dashboard and t == title]
     return dashboard_query(expr)
 
 

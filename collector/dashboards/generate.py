@@ -47,7 +47,20 @@ DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "steptrace"
 
 RUN = 'run_id="$run_id"'
+#: The ranks picked in the ``rank`` variable ("Pinned ranks"; rank 0 by default, never "All").
 RANKS = 'run_id="$run_id", rank=~"$rank"'
+#: Ranks a per-rank panel shows by default: the ``TOP_K`` highest and the ``TOP_K`` lowest. A panel
+#: plotting every rank would draw thousands of lines at scale and read ranks x points samples
+#: (docs/scale.md); the pinned ranks are added to these.
+TOP_K = 5
+
+
+def ranked(expr: Any, high: str = "highest", low: str = "lowest") -> list[tuple[str, str]]:
+    """A per-rank panel's queries: ``expr(selector)`` for the top-k and bottom-k ranks of the run,
+    and for the pinned ranks. ``expr`` returns one series per rank for a label selector."""
+    return [(f"topk({TOP_K}, {expr(RUN)})", f"{high}: rank {{{{rank}}}}"),
+            (f"bottomk({TOP_K}, {expr(RUN)})", f"{low}: rank {{{{rank}}}}"),
+            (expr(RANKS), "pinned: rank {{rank}}")]
 
 # The steptrace collector's gauges describe the last step *that instance* joined. Behind the
 # load balancer every collector joins a different subset of steps, so "now" is the collector
@@ -145,17 +158,18 @@ GOODPUT_THRESHOLDS: list[tuple[float | None, str]] = [(None, "red"), (0.7, "oran
 # -- variables and links ---------------------------------------------------------------------------
 
 def variables(run_metric: str) -> list[Any]:
-    """Data source, run (from ``run_metric``'s run_id values) and rank (multi, All = every rank)."""
+    """Data source, run (from ``run_metric``'s run_id values) and the pinned ranks (multi, rank 0 by
+    default, no "All": per-rank panels show the top-k and bottom-k ranks and these)."""
     refresh = dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED
     return [
         dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         dash_b.QueryVariable("run_id").label("Run").datasource(DATASOURCE)
         .query(f"label_values({run_metric}, run_id)").refresh(refresh)
         .sort(dash_m.VariableSort.ALPHABETICAL_ASC),
-        dash_b.QueryVariable("rank").label("Rank").datasource(DATASOURCE)
+        dash_b.QueryVariable("rank").label("Pinned ranks").datasource(DATASOURCE)
         .query(f'label_values(steptrace_steps_total{{{RUN}}}, rank)').refresh(refresh)
-        .sort(dash_m.VariableSort.NUMERICAL_ASC).multi(True).include_all(True).all_value(".*")
-        .current(dash_m.VariableOption(selected=True, text="All", value="$__all")),
+        .sort(dash_m.VariableSort.NUMERICAL_ASC).multi(True).include_all(False)
+        .current(dash_m.VariableOption(selected=True, text=["0"], value=["0"])),
     ]
 
 
@@ -188,19 +202,19 @@ def training() -> dash_b.Dashboard:
                thresholds=GOODPUT_THRESHOLDS),
         single("Tokens/s (5m)", "Tokens per second of wall time, summed over ranks.",
                f"run_id:steptrace_tokens:rate5m{{{RUN}}}", unit="short"),
-        single("TFLOP/s per device, mean", "Mean over the selected ranks of the last step's TFLOP/s per "
-               "device (over compute time).", f"avg(steptrace_tflops_per_second{{{RANKS}}})",
+        single("TFLOP/s per device, mean", "Mean over the ranks of the last step's TFLOP/s per "
+               "device (over compute time).", f"avg(steptrace_tflops_per_second{{{RUN}}})",
                unit="none", decimals=1),
-        single("MFU, mean", "Mean over the selected ranks of the last step's model FLOPs utilization "
+        single("MFU, mean", "Mean over the ranks of the last step's model FLOPs utilization "
                "(needs a peak: peak_tflops or steptrace's table for the device kind).",
-               f"avg(steptrace_mfu{{{RANKS}}})", unit="percentunit"),
+               f"avg(steptrace_mfu{{{RUN}}})", unit="percentunit"),
         single("Ranks reporting", "Ranks whose /metrics Prometheus has (a dead rank's series go "
                "stale after 5 minutes).", f"count(steptrace_last_step{{{RUN}}})", decimals=0),
         single("Stalled ranks", "Ranks whose last step has not changed in 5 minutes.",
                f"count(changes(steptrace_last_step{{{RUN}}}[5m]) == 0) or vector(0)", decimals=0,
                thresholds=[(None, "green"), (1, "red")]),
-        single("Failed steps", "Steps that raised inside `with step(n)`, selected ranks, time range.",
-               f'sum(increase(steptrace_steps_total{{{RANKS}, status="error"}}[$__range]))', decimals=0,
+        single("Failed steps", "Steps that raised inside `with step(n)`, all ranks, time range.",
+               f'sum(increase(steptrace_steps_total{{{RUN}, status="error"}}[$__range]))', decimals=0,
                thresholds=[(None, "green"), (1, "red")]),
     ]:
         d = d.with_panel(panel)
@@ -217,25 +231,28 @@ def training() -> dash_b.Dashboard:
         dashed="/p90$/"))
     d = d.with_panel(series(
         "Step interval, slowest and fastest ranks (5m)",
-        "Mean interval per step of the 5 slowest and the 5 fastest selected ranks (exact: sum / count). "
+        "Mean interval per step of the 5 slowest and the 5 fastest ranks, and the pinned ranks "
+        "(exact: sum / count). "
         "Ranks serve no buckets by default (a big job's Prometheus would hold ranks x buckets series); "
         "with prometheus_histograms=True, steptrace_step_interval_seconds_bucket has them, with each "
         "step's trace id as exemplar.",
-        [(f"topk(5, run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}})", "slow: rank {{rank}}"),
-         (f"bottomk(5, run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}})",
-          "fast: rank {{rank}}")], dashed="/^fast/"))
+        ranked(lambda sel: f"run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{sel}}}", "slow", "fast"),
+        dashed="/^fast/"))
     d = d.with_panel(series(
         "Mean compute per step, per rank (5m)",
-        "Exact mean (sum / count) of each rank's compute time. A rank above the rest is slow "
-        "on the device itself.",
-        [(f"run_id_rank:steptrace_step_compute_seconds:mean_rate5m{{{RANKS}}}", "rank {{rank}}")],
+        "Exact mean (sum / count) of each rank's compute time: the 5 slowest, the 5 fastest and the "
+        "pinned ranks. A rank above the rest is slow on the device itself.",
+        ranked(lambda sel: f"run_id_rank:steptrace_step_compute_seconds:mean_rate5m{{{sel}}}", "slow", "fast"),
         table_legend=True))
     d = d.with_panel(series(
-        "Mean interval per step, per rank (5m)",
-        "Exact mean of each rank's step interval. Ranks in lockstep share one interval: a rank "
-        "whose compute is low but interval is not is waiting for the others.",
-        [(f"run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}}", "rank {{rank}}")],
-        table_legend=True))
+        "Mean interval per step, pinned ranks vs the run (5m)",
+        "Exact mean of each pinned rank's step interval (the Pinned ranks variable), against the "
+        "median and 90th percentile across the run's ranks. Ranks in lockstep share one interval: a "
+        "rank whose compute is low but interval is not is waiting for the others.",
+        [(f"run_id_rank:steptrace_step_interval_seconds:mean_rate5m{{{RANKS}}}", "rank {{rank}}"),
+         (f"run_id:steptrace_step_interval_seconds:p50_rate5m{{{RUN}}}", "run p50"),
+         (f"run_id:steptrace_step_interval_seconds:p90_rate5m{{{RUN}}}", "run p90")],
+        table_legend=True, dashed="/^run/"))
 
     d = d.with_row(dash_b.Row("Where the wall time goes"))
     d = d.with_panel(series(
@@ -247,8 +264,9 @@ def training() -> dash_b.Dashboard:
         unit="percentunit", stacked=True, max_val=1, w=16))
     d = d.with_panel(series(
         "Goodput per rank",
-        "Each rank's own goodput over its last goodput_window_steps steps.",
-        [(f"steptrace_goodput_ratio{{{RANKS}}}", "rank {{rank}}")],
+        "Each rank's own goodput over its last goodput_window_steps steps: the 5 highest, the 5 "
+        "lowest and the pinned ranks.",
+        ranked(lambda sel: f"steptrace_goodput_ratio{{{sel}}}"),
         unit="percentunit", max_val=1, w=8, table_legend=True))
 
     d = d.with_row(dash_b.Row("Throughput"))
@@ -258,17 +276,19 @@ def training() -> dash_b.Dashboard:
         [(f"run_id:steptrace_tokens:rate5m{{{RUN}}}", "tokens/s")], unit="short", w=6,
         axis_label="tokens/s"))
     d = d.with_panel(series(
-        "Tokens/s per rank (last step)", "Each rank's tokens over its last step's interval.",
-        [(f"steptrace_tokens_per_second{{{RANKS}}}", "rank {{rank}}")], unit="short", w=6,
+        "Tokens/s per rank (last step)", "Each rank's tokens over its last step's interval (5 highest, "
+        "5 lowest, pinned ranks).",
+        ranked(lambda sel: f"steptrace_tokens_per_second{{{sel}}}"), unit="short", w=6,
         axis_label="tokens/s"))
     d = d.with_panel(series(
         "TFLOP/s per device", "Last step's FLOPs over its compute time (device time, not wall "
-        "time), per rank.",
-        [(f"steptrace_tflops_per_second{{{RANKS}}}", "rank {{rank}}")], unit="none", w=6,
+        "time), per rank: 5 highest, 5 lowest, pinned ranks.",
+        ranked(lambda sel: f"steptrace_tflops_per_second{{{sel}}}"), unit="none", w=6,
         axis_label="TFLOP/s"))
     d = d.with_panel(series(
-        "MFU", "Last step's model FLOPs / compute / the device's peak (peak_tflops or steptrace's table), per rank.",
-        [(f"steptrace_mfu{{{RANKS}}}", "rank {{rank}}")], unit="percentunit", w=6))
+        "MFU", "Last step's model FLOPs / compute / the device's peak (peak_tflops or steptrace's table), per "
+        "rank: 5 highest, 5 lowest, pinned ranks.",
+        ranked(lambda sel: f"steptrace_mfu{{{sel}}}"), unit="percentunit", w=6))
 
     d = d.with_row(dash_b.Row("Checkpoints"))
     blocking = "steptrace_checkpoint_blocking_seconds"
@@ -277,30 +297,30 @@ def training() -> dash_b.Dashboard:
         "Training time each save blocked: the host time after the saved step's device work "
         "ended. Gaps are windows without a save. Asynchronous commits run in the background and "
         "block nothing.",
-        [(f"max(increase({blocking}_sum{{{RANKS}}}[$__rate_interval]) / "
-          f"increase({blocking}_count{{{RANKS}}}[$__rate_interval]))", "blocking, slowest rank"),
-         (f"sum(increase({blocking}_sum{{{RANKS}}}[$__rate_interval])) / "
-          f"sum(increase({blocking}_count{{{RANKS}}}[$__rate_interval]))", "blocking, mean over ranks"),
-         (f"sum(increase(steptrace_checkpoint_async_seconds_sum{{{RANKS}}}[$__rate_interval])) / "
-          f"sum(increase(steptrace_checkpoint_async_seconds_count{{{RANKS}}}[$__rate_interval]))",
+        [(f"max(increase({blocking}_sum{{{RUN}}}[$__rate_interval]) / "
+          f"increase({blocking}_count{{{RUN}}}[$__rate_interval]))", "blocking, slowest rank"),
+         (f"sum(increase({blocking}_sum{{{RUN}}}[$__rate_interval])) / "
+          f"sum(increase({blocking}_count{{{RUN}}}[$__rate_interval]))", "blocking, mean over ranks"),
+         (f"sum(increase(steptrace_checkpoint_async_seconds_sum{{{RUN}}}[$__rate_interval])) / "
+          f"sum(increase(steptrace_checkpoint_async_seconds_count{{{RUN}}}[$__rate_interval]))",
           "async commit, mean (not blocking)")],
         w=12, points=True))
     d = d.with_panel(series(
         "Checkpoint saves by status", "Saves finalized (each rank's save counts once).",
-        [(f"sum by (status) (increase(steptrace_checkpoints_total{{{RANKS}}}[$__rate_interval]))",
+        [(f"sum by (status) (increase(steptrace_checkpoints_total{{{RUN}}}[$__rate_interval]))",
           "{{status}}")], unit="short", w=6, bars=True, decimals=0))
     d = d.with_panel(single(
         "Blocked by checkpoints, per rank", "Training time blocked by saves over the time range, "
-        "mean over the selected ranks.",
-        f"sum(increase({blocking}_sum{{{RANKS}}}[$__range])) / count({blocking}_count{{{RANKS}}})",
+        "mean over the ranks.",
+        f"sum(increase({blocking}_sum{{{RUN}}}[$__range])) / count({blocking}_count{{{RUN}}})",
         unit="s", w=6, h=8))
 
     d = d.with_row(dash_b.Row("Pipeline"))
     d = d.with_panel(series(
         "Pipeline bubble per stage",
         "1 - microbatch compute / pipeline window (step start to the stage's last microbatch end) "
-        "in the last step with microbatches, mean over the selected ranks of each stage.",
-        [(f"avg by (stage) (steptrace_pipeline_bubble_ratio{{{RANKS}}})", "stage {{stage}}")],
+        "in the last step with microbatches, mean over the ranks of each stage.",
+        [(f"avg by (stage) (steptrace_pipeline_bubble_ratio{{{RUN}}})", "stage {{stage}}")],
         unit="percentunit", max_val=1, w=8))
     d = d.with_panel(series(
         "Microbatch compute by stage and chunk, mean (5m)",
@@ -317,14 +337,16 @@ def training() -> dash_b.Dashboard:
     d = d.with_row(dash_b.Row("Health"))
     d = d.with_panel(series(
         "Dropped records", "Records steptrace dropped instead of exporting (a full queue, a "
-        "failing sink, misuse, malformed records), by rank, sink and reason. Empty is good.",
-        [(f"sum by (rank, sink, reason) (increase(steptrace_dropped_records_total{{{RANKS}}}"
-          f"[$__rate_interval])) > 0", "rank {{rank}} {{sink}}: {{reason}}")],
+        "failing sink, misuse, malformed records) in the 5 minutes before each point, by rank, sink "
+        "and reason: the 10 largest (recording rule, kept only where records were dropped). Empty "
+        "is good.",
+        [(f"topk(10, run_id_rank_sink_reason:steptrace_dropped_records:increase5m{{{RUN}}})",
+          "rank {{rank}} {{sink}}: {{reason}}")],
         unit="short", w=8, bars=True, decimals=0))
     d = d.with_panel(series(
-        "Failed steps by rank", "Steps recorded with status error. Empty is good.",
-        [(f'sum by (rank) (increase(steptrace_steps_total{{{RANKS}, status="error"}}'
-          f"[$__rate_interval])) > 0", "rank {{rank}}")],
+        "Failed steps by rank", "Steps recorded with status error in the 5 minutes before each point "
+        "(recording rule, kept only where steps failed), the 10 ranks with the most. Empty is good.",
+        [(f"topk(10, run_id_rank:steptrace_failed_steps:increase5m{{{RUN}}})", "rank {{rank}}")],
         unit="short", w=8, bars=True, decimals=0))
     d = d.with_panel(
         bargauge.Panel().title("Ranks by backend and version")
@@ -333,7 +355,7 @@ def training() -> dash_b.Dashboard:
         .datasource(DATASOURCE).span(8).height(8).unit("none").decimals(0)
         .orientation(common.VizOrientation.HORIZONTAL)
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
-        .with_target(query(f"count by (backend, version) (steptrace_info{{{RANKS}}})",
+        .with_target(query(f"count by (backend, version) (steptrace_info{{{RUN}}})",
                            "{{backend}} {{version}}", instant=True)))
     return d
 
@@ -388,9 +410,9 @@ def cluster() -> dash_b.Dashboard:
     d = d.with_panel(series(
         "Compute relative to the median rank (5m)",
         "Each rank's mean compute over the median rank's: 100% is typical, a straggler sits "
-        "above.",
-        [(f"run_id_rank:steptrace_step_compute_seconds:ratio_to_median_rate5m{{{RANKS}}}",
-          "rank {{rank}}")], unit="percentunit", min_val=None, table_legend=True))
+        "above. The 5 highest, the 5 lowest and the pinned ranks.",
+        ranked(lambda sel: f"run_id_rank:steptrace_step_compute_seconds:ratio_to_median_rate5m{{{sel}}}"),
+        unit="percentunit", min_val=None, table_legend=True))
 
     d = d.with_row(dash_b.Row("Stragglers"))
     d = d.with_panel(series(
@@ -401,9 +423,10 @@ def cluster() -> dash_b.Dashboard:
         unit="none", decimals=0, points=True, w=12))
     d = d.with_panel(series(
         "Steps each rank was the straggler",
-        "Complete steps in which each rank was named the straggler (summed over collectors).",
-        [(f"sum by (rank) (increase(steptrace_cluster_straggler_steps_total{{{RANKS}}}"
-          f"[$__rate_interval]))", "rank {{rank}}")],
+        "Complete steps in which each rank was named the straggler (summed over collectors), the 10 "
+        "ranks named most.",
+        [(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_steps_total{{{RUN}}}"
+          f"[$__rate_interval])) > 0)", "rank {{rank}}")],
         unit="short", bars=True, stacked=True, decimals=0, w=8))
     d = d.with_panel(
         bargauge.Panel().title("Top stragglers, time range")
@@ -430,9 +453,9 @@ def cluster() -> dash_b.Dashboard:
     d = d.with_panel(series(
         "Cost to the job by rank",
         "Seconds each rank cost the job as the straggler (the others' wait for it), per interval, "
-        "summed over collectors.",
-        [(f"sum by (rank) (increase(steptrace_cluster_straggler_cost_seconds_total{{{RANKS}}}"
-          f"[$__rate_interval]))", "rank {{rank}}")],
+        "summed over collectors: the 10 costliest ranks.",
+        [(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_cost_seconds_total{{{RUN}}}"
+          f"[$__rate_interval])))", "rank {{rank}}")],
         bars=True, stacked=True, w=8))
     for kind, what in (("relative", "the median rank's mean time on its own over this rank's: 1 is "
                                     "typical, 0.5 needs twice the median rank's time"),
@@ -441,9 +464,10 @@ def cluster() -> dash_b.Dashboard:
         d = d.with_panel(series(
             f"Straggler score per rank, {kind}",
             f"Over each collector's last --straggler-window-steps complete steps: {what} (NVIDIA "
-            "resiliency-ext's scores; mean over collectors).",
-            [(f"avg by (rank) (steptrace_cluster_straggler_score{{{RANKS}, kind=\"{kind}\"}})",
-              "rank {{rank}}")], unit="none", min_val=None, decimals=2, table_legend=True))
+            "resiliency-ext's scores; mean over collectors): the 5 lowest ranks and the pinned ranks.",
+            ranked(lambda sel, kind=kind: (f"avg by (rank) (steptrace_cluster_straggler_score"
+                                           f"{{{sel}, kind=\"{kind}\"}})"))[1:],
+            unit="none", min_val=None, decimals=2, table_legend=True))
 
     d = d.with_row(dash_b.Row("Pipeline and goodput"))
     d = d.with_panel(series(
