@@ -71,6 +71,22 @@ COMPLETE = "steptrace_cluster_last_complete_step"
 JOINED = "steptrace_cluster_last_step"
 
 
+STRAGGLER_STEPS = "steptrace_cluster_straggler_steps_total"
+STRAGGLER_COST = "steptrace_cluster_straggler_cost_seconds_total"
+
+
+def born_increase(counter: str, window: str) -> str:
+    """``increase(counter[window])`` that also counts a series born inside the window.
+
+    The collector creates a rank's straggler counters when the rank is first named, at their
+    first value, which ``increase()`` never sees; a series with no sample ``window`` ago counts
+    its whole value instead (the form of collector/alerts.yml and docs/alerts.md).
+    """
+    sel = f"{counter}{{{RUN}}}"
+    return (f"(increase({sel}[{window}]) and {sel} offset {window}) "
+            f"or ({sel} unless {sel} offset {window})")
+
+
 def latest(metric: str, by: str = "", marker: str = COMPLETE) -> str:
     """``metric`` from the collector whose ``marker`` step is the run's highest (one series per ``by``)."""
     newest = (f"{marker}{{{RUN}}} == on (run_id) group_left max by (run_id) ({marker}{{{RUN}}})")
@@ -425,8 +441,8 @@ def cluster() -> dash_b.Dashboard:
         "Steps each rank was the straggler",
         "Complete steps in which each rank was named the straggler (summed over collectors), the 10 "
         "ranks named most.",
-        [(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_steps_total{{{RUN}}}"
-          f"[$__rate_interval])) > 0)", "rank {{rank}}")],
+        [(f"topk(10, sum by (rank) ({born_increase(STRAGGLER_STEPS, '$__rate_interval')})"
+          f" > 0)", "rank {{rank}}")],
         unit="short", bars=True, stacked=True, decimals=0, w=8))
     d = d.with_panel(
         bargauge.Panel().title("Top stragglers, time range")
@@ -434,8 +450,8 @@ def cluster() -> dash_b.Dashboard:
         .datasource(DATASOURCE).span(4).height(8).unit("short").decimals(0)
         .orientation(common.VizOrientation.HORIZONTAL)
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
-        .with_target(query(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_steps_total"
-                           f"{{{RUN}}}[$__range])))", "rank {{rank}}", instant=True)))
+        .with_target(query(f"topk(10, sum by (rank) ({born_increase(STRAGGLER_STEPS, '$__range')}))",
+                           "rank {{rank}}", instant=True)))
 
     d = d.with_row(dash_b.Row("Who slowed the job"))
     d = d.with_panel(series(
@@ -454,8 +470,7 @@ def cluster() -> dash_b.Dashboard:
         "Cost to the job by rank",
         "Seconds each rank cost the job as the straggler (the others' wait for it), per interval, "
         "summed over collectors: the 10 costliest ranks.",
-        [(f"topk(10, sum by (rank) (increase(steptrace_cluster_straggler_cost_seconds_total{{{RUN}}}"
-          f"[$__rate_interval])))", "rank {{rank}}")],
+        [(f"topk(10, sum by (rank) ({born_increase(STRAGGLER_COST, '$__rate_interval')}))", "rank {{rank}}")],
         bars=True, stacked=True, w=8))
     for kind, what in (("relative", "the median rank's mean time on its own over this rank's: 1 is "
                                     "typical, 0.5 needs twice the median rank's time"),
