@@ -167,7 +167,8 @@ def assert_same_steps(sql_rows: list[dict], records: list[dict]) -> None:
             else:
                 assert got == want, (record["step"], key, got, want)
         # The collector's goodput for a step is its Σcompute / Σinterval.
-        assert row["goodput_ratio"] == pytest.approx(record["compute_sum_seconds"] / record["interval_sum_seconds"])
+        assert row["goodput_ratio"] == (pytest.approx(record["compute_sum_seconds"] / record["interval_sum_seconds"])
+                                        if record["interval_sum_seconds"] else None)
 
 
 def test_chdb_views_equal_the_collector_join_on_the_same_sdk_run(sdk_run):
@@ -516,3 +517,77 @@ def test_compare_reads_two_runs_from_clickhouse(sdk_run, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "steptrace", "compare", "--clickhouse", f"chdb://{data}",
                               RUN_ID, "no_such_run"], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no train.step spans of run 'no_such_run'" in missing.stderr
+
+
+# --- the rule, case by case: generated steps through both joins -------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_cases = itertools.count()
+# Few distinct values, so ties (the lowest rank wins), equal medians and exact thresholds come up.
+_SECONDS = st.sampled_from([0.0, 0.004, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25])
+
+
+@st.composite
+def steps_of_a_run(draw):
+    world = draw(st.integers(1, 6))
+    measured = draw(st.sampled_from(["all", "none", "some"]))
+    spans = []
+    for step in range(draw(st.integers(1, 3))):
+        for rank in range(world + 1):  # rank == world: beyond the world size
+            if not draw(st.booleans() if rank == world else st.sampled_from([True, True, True, False])):
+                continue
+            compute = draw(_SECONDS)
+            interval = compute + draw(_SECONDS)
+            wait = None
+            if measured == "all" or (measured == "some" and draw(st.booleans())):
+                wait = draw(_SECONDS) * draw(st.sampled_from([1, 1, 3]))  # now and then above the interval
+            bubble = {str(s): draw(st.sampled_from([0.0, 0.125, 0.5])) for s in range(draw(st.integers(0, 2)))}
+            status = draw(st.sampled_from(["ok", "ok", "error"]))
+            spans.append((step, rank, world, compute, interval, wait, bubble, status))
+    return spans
+
+
+def _step_request(run_id: str, spans) -> ExportTraceServiceRequest:
+    from steptrace._ids import span_id, trace_id
+
+    out = []
+    for step, rank, world, compute, interval, wait, bubble, status in spans:
+        attrs = [_kv("train.run_id", AnyValue(string_value=run_id)), _kv("train.rank", AnyValue(int_value=rank)),
+                 _kv("train.step", AnyValue(int_value=step)), _kv("train.world_size", AnyValue(int_value=world)),
+                 _kv("train.attempt", AnyValue(int_value=0)), _kv("train.status", AnyValue(string_value=status)),
+                 _kv("train.compute_seconds", AnyValue(double_value=compute)),
+                 _kv("train.interval_seconds", AnyValue(double_value=interval))]
+        if wait is not None:
+            attrs.append(_kv("train.collective_wait_seconds", AnyValue(double_value=wait)))
+        attrs += [_kv(f"train.pipeline.bubble_ratio.{s}", AnyValue(double_value=v)) for s, v in bubble.items()]
+        end = 1_700_000_000_000_000_000 + step * 1_000_000_000 + rank
+        out.append(Span(trace_id=trace_id(run_id, step, 0).to_bytes(16, "big"),
+                        span_id=span_id(run_id, step, rank, "step", 0).to_bytes(8, "big"), name="train.step",
+                        kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=end - round(interval * 1e9),
+                        end_time_unix_nano=end, attributes=attrs))
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource=Resource(attributes=[_kv("service.name", AnyValue(string_value="steptrace"))]),
+        scope_spans=[ScopeSpans(scope={"name": "steptrace"}, spans=out)])])
+
+
+@pytest.fixture(scope="module")
+def shared_client():
+    return fresh_client()
+
+
+@settings(max_examples=60, deadline=None)
+@given(spans=steps_of_a_run())
+def test_generated_steps_give_the_collectors_aggregates(shared_client, spans):
+    """Ties, even rank counts, unmeasured waits, waits above the interval, ranks beyond the world."""
+    run_id = f"gen{next(_cases)}"
+    request = _step_request(run_id, spans)
+    load(shared_client, [request])
+    world = spans[0][2]
+    # The collector with --world-size refuses a rank beyond it; without, it joins such a rank only
+    # when it arrives before the step is complete (arrival order, which SQL does not have).
+    assert_same_steps(ch.cluster_steps(shared_client, run_id, world_size=world), collector_join([request], world))
+    in_world = _step_request(run_id + "w", [s for s in spans if s[1] < world])
+    load(shared_client, [in_world])
+    assert_same_steps(ch.cluster_steps(shared_client, run_id + "w"), collector_join([in_world]))

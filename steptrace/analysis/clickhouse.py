@@ -563,7 +563,8 @@ FROM (
         toFloat64OrNull(SpanAttributes['train.idle_seconds']) AS s_idle,
         toFloat64OrNull(SpanAttributes['train.collective_wait_seconds']) AS s_wait_sent,
         -- least() skips a NULL argument in recent ClickHouse: an unmeasured wait must stay NULL.
-        if(s_wait_sent IS NULL, NULL, least(s_wait_sent, s_interval)) AS s_wait,
+        if(s_wait_sent IS NULL OR NOT (s_wait_sent >= 0 AND isFinite(s_wait_sent)), NULL,
+           least(s_wait_sent, s_interval)) AS s_wait,
         if(SpanAttributes['train.status'] = '', 'ok', SpanAttributes['train.status']) AS s_status,
         (toUnixTimestamp64Nano(Timestamp) + Duration) / 1e9 AS s_end,
         TraceId AS s_trace,
@@ -573,7 +574,9 @@ FROM (
     FROM {source}
     WHERE SpanName = 'train.step'{where}
 )
-WHERE step >= 0 AND rank >= 0 AND s_compute IS NOT NULL AND s_interval IS NOT NULL
+-- As the collector's decoder: a span without a usable step, rank, compute or interval is skipped.
+WHERE step >= 0 AND rank >= 0 AND s_compute >= 0 AND isFinite(s_compute) AND s_interval >= 0
+      AND isFinite(s_interval)
 GROUP BY run_id, attempt, step, rank"""
 
 
@@ -594,7 +597,8 @@ def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run
 
     Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
     argument, like the collector's ``--world-size``, else the largest ``train.world_size`` the
-    step's spans carry), ``ranks_reporting``, ``missing_rank_count`` (ranks below the world size
+    step's spans carry; a rank at or beyond it is left out, as the collector with ``--world-size``
+    refuses it), ``ranks_reporting``, ``missing_rank_count`` (ranks below the world size
     that sent no usable span, or two different ones), ``complete``, ``compute_*`` and
     ``interval_*`` min/median/max (exact medians, as ``statistics.median``), ``skew_seconds`` (max −
     min compute), ``own_*``, ``straggler_rank``/``straggler_cost_seconds``/
@@ -617,6 +621,7 @@ def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run
                                    or world_size < 1):
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world = f"toNullable(toInt64({world_size}))" if world_size is not None else "max(world_size)"
+    in_world = str(world_size) if world_size is not None else "ifNull(world_size, rank + 1)"
     ranks_sql = step_ranks_sql(database, table, run_id)
     MAX_LISTED = 64  # noqa: N806 - collector/_join.py MAX_MISSING_LISTED
     step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
@@ -690,6 +695,8 @@ FROM (
         avgMapIf(bubble, versions = 1 AND length(bubble) > 0) AS m_bubble,
         sumMapIf(map(status, toUInt64(1)), versions = 1) AS m_status
     FROM ({ranks_sql})
+    -- Ranks at or beyond the world size are not the job's (the collector refuses them with --world-size).
+    WHERE rank < {in_world}
     GROUP BY run_id, attempt, step
     )
 )
