@@ -593,9 +593,10 @@ SELECT
     any(s_status) AS status,
     max(s_end) AS end_time,
     any(s_trace) AS trace_id,
-    any(s_bubble) AS bubble,
-    -- 1, or 2 when the rank sent different spans (a min/max pair costs less than a set per rank)
-    if(min((s_compute, s_interval)) = max((s_compute, s_interval)), 1, 2) AS versions
+    any(mapKeys(s_bubble)) AS bubble_keys,
+    any(mapValues(s_bubble)) AS bubble_values,
+    -- 1, or 2 when the rank sent different spans (min/max per column cost less than a set per rank)
+    if(min(s_compute) = max(s_compute) AND min(s_interval) = max(s_interval), 1, 2) AS versions
 FROM ({spans})
 GROUP BY run_id, attempt, step, rank"""
 
@@ -674,7 +675,8 @@ def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run
     threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
     # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
     return f"""\
-SELECT * EXCEPT (gaps, named, candidate_excess_seconds, candidate_threshold_seconds)
+SELECT * EXCEPT (gaps, named, candidate_excess_seconds, candidate_threshold_seconds, stages, names, others_own,
+                 others_waits, candidate_rank, candidate_wait)
 FROM (
 SELECT
     run_id, attempt, step,
@@ -703,19 +705,30 @@ SELECT
     own_sorted[1] AS own_min_seconds,
     {_median_sql('own_sorted')} AS own_median_seconds,
     own_sorted[-1] AS own_max_seconds,
-    own_sorted[-1] - {_median_sql('arrayPopBack(own_sorted)')} AS candidate_excess_seconds,
+    -- The rank with most time on its own, the lowest on a tie (argMax over a tuple is slow at 4k ranks).
+    arrayMin(arrayFilter((r, o) -> o = own_sorted[-1], ranks, owns)) AS candidate_rank,
+    waits[indexOf(ranks, candidate_rank)] AS candidate_wait,
+    -- Named once (an alias), so the median's five uses do not copy or sort the array five times.
+    arrayPopBack(own_sorted) AS others_own,
+    own_sorted[-1] - {_median_sql('others_own')} AS candidate_excess_seconds,
     {threshold} AS candidate_threshold_seconds,
     complete AND ranks_reporting >= 2 AND candidate_excess_seconds >= candidate_threshold_seconds AS named,
     if(named, candidate_rank, NULL) AS straggler_rank,
     if(named, candidate_excess_seconds, NULL) AS straggler_excess_seconds,
+    if(named AND measured, arraySort(arrayFilter((w, r) -> r != candidate_rank, waits, ranks)), [])
+        AS others_waits,
     if(named AND measured,
-       greatest(0., {_median_sql('arraySort(arrayFilter((w, r) -> r != candidate_rank, waits, ranks))')}
+       greatest(0., {_median_sql('others_waits')}
                     - candidate_wait), NULL) AS straggler_cost_seconds,
     if(complete, candidate_threshold_seconds, NULL) AS straggler_threshold_seconds,
     compute_sum_seconds, interval_sum_seconds,
     if(interval_sum_seconds > 0, compute_sum_seconds / interval_sum_seconds, NULL) AS goodput_ratio,
-    m_bubble AS pipeline_bubble_ratio,
-    m_status AS status
+    -- per stage, the mean over the ranks that report it; ranks per status
+    mapFromArrays(arraySort(arrayDistinct(bubble_stages)) AS stages,
+                  arrayMap(st -> arrayAvg(arrayFilter((v, k) -> k = st, bubble_ratios, bubble_stages)), stages))
+        AS pipeline_bubble_ratio,
+    mapFromArrays(arraySort(arrayDistinct(statuses)) AS names,
+                  arrayMap(name -> toUInt64(countEqual(statuses, name)), names)) AS status
 FROM (
     SELECT
         *,
@@ -734,12 +747,13 @@ FROM (
         groupArrayIf(rank, versions = 1) AS ranks,
         groupArrayIf(collective_wait_seconds, versions = 1) AS waits,
         countIf(versions = 1 AND collective_wait_seconds IS NULL) = 0 AND m_ranks > 0 AS measured,
-        argMaxIf(rank, (own_seconds, -rank), versions = 1) AS candidate_rank,
-        argMaxIf(collective_wait_seconds, (own_seconds, -rank), versions = 1) AS candidate_wait,
+        groupArrayIf(own_seconds, versions = 1) AS owns,
         sumIf(compute_seconds, versions = 1) AS compute_sum_seconds,
         sumIf(interval_seconds, versions = 1) AS interval_sum_seconds,
-        avgMapIf(bubble, versions = 1 AND length(bubble) > 0) AS m_bubble,
-        sumMapIf(map(status, toUInt64(1)), versions = 1) AS m_status
+        -- Maps aggregated with -Map combinators are slow at thousands of ranks: flat arrays instead.
+        arrayFlatten(groupArrayIf(bubble_keys, versions = 1)) AS bubble_stages,
+        arrayFlatten(groupArrayIf(bubble_values, versions = 1)) AS bubble_ratios,
+        groupArrayIf(status, versions = 1) AS statuses
     FROM ({ranks_sql})
     -- Ranks at or beyond the world size are not the job's (the collector refuses them with --world-size).
     WHERE rank < {in_world}
