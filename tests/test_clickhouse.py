@@ -617,3 +617,25 @@ def test_the_typed_table_gives_the_same_steps_whether_fed_live_or_backfilled(sdk
                        "ORDER BY step")
     assert [(r["step"], r["straggler_rank"], r["missing_rank_count"], r["skew_seconds"]) for r in rows] == \
         [(r["step"], r["straggler_rank"], r["missing_rank_count"], r["skew_seconds"]) for r in expected]
+
+
+def test_steptrace_clickhouse_steps_and_ddl(sdk_run, tmp_path):
+    requests, _ = sdk_run
+    data = tmp_path / "chdb-data"
+    _load_folder(tmp_path, data, requests)
+    out = subprocess.run([sys.executable, "-m", "steptrace", "clickhouse", "steps", f"chdb://{data}", "--run", RUN_ID],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert_same_steps(rows, collector_join(requests))
+    bad = subprocess.run([sys.executable, "-m", "steptrace", "clickhouse", "steps", "ftp://x", "--run", RUN_ID],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "ClickHouse URL must be" in bad.stderr
+
+    ddl = subprocess.run([sys.executable, "-m", "steptrace", "clickhouse", "ddl", "--database", "ddl_db"],
+                         capture_output=True, text=True, timeout=120)
+    assert ddl.returncode == 0 and ddl.stdout.startswith('CREATE TABLE IF NOT EXISTS "ddl_db"."otel_traces"')
+    client = ch.connect("chdb://")
+    client.command("CREATE DATABASE IF NOT EXISTS ddl_db")
+    client.command(ddl.stdout.strip().rstrip(";"))
+    assert client.query("SELECT count() AS n FROM ddl_db.otel_traces") == [{"n": 0}]
