@@ -18,7 +18,7 @@ processes would not fit on 2 cores, so a generator builds each rank's spans itse
 * **The payload is what steptrace's exporter sends.** Per rank and step, one ``ResourceSpans``
   (``service.instance.id = <run_id>/rank-<r>``, the SDK's resource attributes, scope
   ``steptrace``) with the three spans ``steptrace/otlp.py`` emits for a step with one idle
-  segment: ``train.step`` (15 ``train.*`` attributes: run id, rank, step, world size, status,
+  segment: ``train.step`` (16 ``train.*`` attributes: run id, rank, attempt, step, world size, status,
   backend, interval/compute/idle seconds, tokens, flops, tokens/s, TFLOP/s, MFU,
   ``train.idle.data_seconds``), ``train.compute`` and ``train.idle`` (reason ``data``) as its
   children; trace id ``steptrace._ids.trace_id(run_id, step)``, span ids ``span_id(run_id, step,
@@ -177,14 +177,14 @@ _RESOURCE_BASE: list[tuple[str, Any]] | None = None
 
 def _resource_attributes(instance_id: str) -> list[tuple[str, Any]]:
     """The resource steptrace's exporter sends: the SDK's defaults (+ OTEL_RESOURCE_ATTRIBUTES),
-    ``service.name`` (steptrace) and ``service.instance.id``, in the SDK's order."""
+    ``service.name`` (steptrace), ``service.instance.id`` and ``train.attempt``, in the SDK's order."""
     global _RESOURCE_BASE
     if _RESOURCE_BASE is None:
         from opentelemetry.sdk.resources import Resource
 
         _RESOURCE_BASE = [(k, v) for k, v in Resource.create({}).attributes.items()
                           if k not in ("service.name", "service.instance.id")]
-    return _RESOURCE_BASE + [("service.instance.id", instance_id), ("service.name", "steptrace")]
+    return _RESOURCE_BASE + [("service.instance.id", instance_id), ("service.name", "steptrace"), ("train.attempt", 0)]
 
 
 class _Template:
@@ -236,7 +236,7 @@ class _Template:
             return KeyValue(key=key, value=any_value)
 
         def base(step: int) -> list[KeyValue]:
-            return [kv("train.run_id", run_id), kv("train.rank", rank), kv("train.step", step)]
+            return [kv("train.run_id", run_id), kv("train.rank", rank), kv("train.attempt", 0), kv("train.step", step)]
 
         # Attribute order as steptrace/otlp.py writes them (None values left out).
         step_attrs = base(sentinel_step) + [kv("train.world_size", world)]
@@ -363,7 +363,8 @@ def verify_payload() -> str:
             end_time = time.time()
             end_ns = round(end_time * 1e9)
             _Capture.bodies = []
-            sink = OtlpSink(endpoint, run_id=run_id, rank=rank, world_size=world, metrics_interval_s=3600.0)
+            sink = OtlpSink(endpoint, run_id=run_id, rank=rank, world_size=world, metrics_interval_s=3600.0,
+                            compression="none")  # the bodies are compared as protobuf
             try:
                 sink.export([step_record(run_id, rank, world, step, end_time, interval)])
             finally:

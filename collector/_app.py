@@ -80,11 +80,16 @@ class CollectorConfig:
     straggler_min_seconds: float = STRAGGLER_MIN_SECONDS
     straggler_min_ratio: float = STRAGGLER_MIN_RATIO
     straggler_window_steps: int = 100
+    #: ranks per run and kind with a straggler score series: the lowest scores (--straggler-score-ranks)
+    straggler_score_ranks: int = 10
+    #: keep per-rank maps (rank_compute_seconds, ...) in cluster_step records (--cluster-per-rank)
+    cluster_per_rank: bool = False
     max_runs: int = 64
     max_runs_per_token: int | None = None  # default: max_runs // 4, for each --token-file line
     read_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
-    max_connections: int = 1024
+    #: an upper bound: the file-descriptor limit sets the cap below it (descriptor_limits); one thread each
+    max_connections: int = 16384
     max_connections_per_peer: int = 128
     max_world_size: int = DEFAULT_MAX_WORLD_SIZE
     max_step: int = DEFAULT_MAX_STEP
@@ -124,6 +129,7 @@ class CollectorConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         integer("straggler_window_steps", 1)
+        integer("straggler_score_ranks", 1)
         for name in ("max_body_bytes", "max_open_steps", "goodput_window_steps", "max_runs", "max_connections",
                      "max_connections_per_peer", "max_spans_per_request", "max_emitted_steps",
                      "max_journal_bytes_per_run", "max_journal_bytes", "max_inflight_body_bytes"):
@@ -198,10 +204,12 @@ class Collector:
                              max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history,
                              straggler_min_seconds=config.straggler_min_seconds,
                              straggler_min_ratio=config.straggler_min_ratio,
+                             per_rank=config.cluster_per_rank,
                              max_runs_per_owner=config.max_runs_per_token if config.max_runs_per_token is not None
                              else max(1, config.max_runs // 4))
         self.metrics = ClusterMetrics(goodput_window_steps=config.goodput_window_steps, max_runs=config.max_runs,
                                       straggler_window_steps=config.straggler_window_steps,
+                                      straggler_score_ranks=config.straggler_score_ranks,
                                       open_steps=lambda: self.joiner.open_steps)
         self.limits = descriptor_limits(config)
         self.budget = ByteBudget(config.max_inflight_body_bytes,
@@ -395,6 +403,8 @@ class Collector:
             key = run if run and self.joiner.known(run) else ""
             by_run[key] = by_run.get(key, 0) + n
         self.metrics.spans_received(by_run)
+        if extracted.skipped:
+            self.metrics.skipped.inc(extracted.skipped)
         if extracted.invalid:
             self.metrics.invalid_spans(extracted.invalid)
         rejected = extracted.invalid_total
@@ -425,9 +435,11 @@ class Collector:
     def _publish(self, result: JoinResult) -> None:
         # Journal entries go only once their records are written (a failed write keeps them, and
         # the records, for the next try).
+        # The ranks' time on their own feeds the scores; it is written only with --cluster-per-rank.
+        own = {id(r): r.pop("_own") for r in result.records if "_own" in r}
         written = self.log.write(result.records) if result.records else self.log.retry()
         if result.records:
-            self.metrics.publish(result.records)
+            self.metrics.publish(result.records, own)
         for run_id in written:
             if self.joiner.open_in(run_id) == 0:
                 self.log.reset_journal(run_id)

@@ -89,6 +89,12 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="... and by at least this fraction of the step's median interval (default: %(default)s)")
     parser.add_argument("--straggler-window-steps", type=_positive_int, default=100,
                         help="steps in the per-rank straggler scores' window (default: 100)")
+    parser.add_argument("--straggler-score-ranks", type=_positive_int, default=10,
+                        help="ranks per run and kind with a straggler score series on /metrics: the lowest "
+                             "scores (default: 10)")
+    parser.add_argument("--cluster-per-rank", action="store_true",
+                        help="keep each rank's compute, interval, wait and time on its own in cluster_step "
+                             "records (default: aggregates and the slowest ranks only)")
     parser.add_argument("--max-runs", type=_positive_int, default=64,
                         help="runs kept in /metrics at once; the least recently active is dropped (default: 64)")
     parser.add_argument("--max-runs-per-token", type=_positive_int, default=None,
@@ -96,8 +102,9 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--run-idle-s", type=_non_negative_seconds, default=300.0,
                         help="with --max-runs runs admitted, a new run replaces the least recently active one only "
                              "if it has no open step and was idle this long; else its spans are refused (default: 300)")
-    parser.add_argument("--max-connections", type=_positive_int, default=1024,
-                        help="OTLP/HTTP connections served at once; more get 503 (default: 1024)")
+    parser.add_argument("--max-connections", type=_positive_int, default=16384,
+                        help="OTLP/HTTP connections served at once, below what the file-descriptor limit allows "
+                             "(docs/collector.md); more get 503 (default: 16384)")
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=128,
                         help="OTLP/HTTP connections from one IP address at once; more get 503 (default: 128)")
     parser.add_argument("--request-timeout-s", type=_seconds, default=30.0,
@@ -177,7 +184,8 @@ def run_collector(args: argparse.Namespace) -> int:
             tls_key=args.tls_key, max_body_bytes=args.max_body_bytes, window_s=args.window_s,
             max_open_steps=args.max_open_steps, goodput_window_steps=args.goodput_window_steps,
             straggler_min_seconds=args.straggler_min_seconds, straggler_min_ratio=args.straggler_min_ratio,
-            straggler_window_steps=args.straggler_window_steps,
+            straggler_window_steps=args.straggler_window_steps, cluster_per_rank=args.cluster_per_rank,
+            straggler_score_ranks=args.straggler_score_ranks,
             max_runs=args.max_runs, max_runs_per_token=args.max_runs_per_token, run_idle_s=args.run_idle_s,
             max_connections=args.max_connections,
             max_connections_per_peer=args.max_connections_per_peer, request_timeout_s=args.request_timeout_s,

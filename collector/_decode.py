@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from steptrace._attribution import own_seconds as _own_seconds
 from steptrace._ids import run_id_problem
@@ -63,6 +65,7 @@ __all__ = [
     "MEDIA_JSON",
     "MEDIA_PROTOBUF",
     "Extracted",
+    "LazyTraceRequest",
     "Rejected",
     "StepSpan",
     "count_data_points",
@@ -158,15 +161,29 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
 
 
 def parse_request(signal: str, data: bytes, media: str) -> Any:
-    """The ``Export<Signal>ServiceRequest`` in ``data``; 400 when it does not decode."""
+    """The ``Export<Signal>ServiceRequest`` in ``data``; 400 when it does not decode.
+
+    Traces come back *lazy* (:data:`LazyTraceRequest`): resources and scopes decoded, each span
+    left as its encoded bytes, so :func:`extract_steps` decodes only the spans it uses (a
+    pipeline rank's ``train.microbatch`` spans were ~99 % of the parsing, all thrown away). From
+    OTLP/JSON, the spans it does not use are blanked before the conversion (each scope's first
+    one kept: it names the resource's run when no used span does).
+    """
     request_type = _SIGNALS[signal][0]
     try:
         if media == MEDIA_JSON:
             document = json.loads(data)
             if not isinstance(document, dict):
                 raise ValueError("the body is not a JSON object")
+            if signal == "traces":
+                _blank_unused_json_spans(document)
             _hex_ids_to_base64(document)
-            return json_format.ParseDict(document, request_type(), ignore_unknown_fields=True)
+            message = json_format.ParseDict(document, request_type(), ignore_unknown_fields=True)
+            if signal == "traces":
+                return _LAZY_REQUEST.FromString(message.SerializeToString())
+            return message
+        if signal == "traces":
+            return _LAZY_REQUEST.FromString(data)
         return request_type.FromString(data)
     except Exception as exc:  # DecodeError, ParseError, ValueError, RecursionError, ...: all a bad body
         raise Rejected(400, "malformed", f"cannot decode the {signal} request as {media}: "
@@ -240,6 +257,118 @@ def _hex_ids_to_base64(document: Any) -> None:
             stack.extend(v for v in node if isinstance(v, (dict, list)))
 
 
+# -- lazy trace requests -------------------------------------------------------------------------
+
+
+def _lazy_request_type() -> Any:
+    """``ExportTraceServiceRequest`` with each span kept as bytes: the same wire format (fields 1,
+    2 and 3 of each level), so a request parses in one C call without decoding any span."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    proto = descriptor_pb2.FileDescriptorProto(name="steptrace/collector/lazy_trace.proto",
+                                               package="steptrace.collector.lazy", syntax="proto3")
+    field_type = descriptor_pb2.FieldDescriptorProto
+    for name, fields in (("Request", [("resource_spans", 1, "ResourceSpans")]),
+                         ("ResourceSpans", [("resource", 1, None), ("scope_spans", 2, "ScopeSpans"),
+                                            ("schema_url", 3, None)]),
+                         ("ScopeSpans", [("scope", 1, None), ("spans", 2, None), ("schema_url", 3, None)])):
+        message = proto.message_type.add(name=name)
+        for field_name, number, of in fields:
+            repeated = field_name in ("resource_spans", "scope_spans", "spans")
+            entry = message.field.add(name=field_name, number=number,
+                                      label=field_type.LABEL_REPEATED if repeated else field_type.LABEL_OPTIONAL,
+                                      type=field_type.TYPE_MESSAGE if of else field_type.TYPE_BYTES)
+            if of:
+                entry.type_name = f".steptrace.collector.lazy.{of}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("steptrace.collector.lazy.Request"))
+
+
+#: What :func:`parse_request` gives for traces: ``resource_spans[i].scope_spans[j].spans[k]`` are bytes.
+LazyTraceRequest = _LAZY_REQUEST = _lazy_request_type()
+
+#: The span names the collector decodes: step spans (the join) and stall spans (collector/_stalls.py).
+_USED_SPANS = ("train.step", "train.stall", "train.stall_end")
+#: Each used name as protobuf writes it in a span (field 5, its length, the name): a span without
+#: one of these byte strings is not named so and is skipped without a look at its fields. (A
+#: name written with a non-minimal length varint, which no protobuf encoder does, is not seen.)
+_NAME_FIELD = re.compile(b"|".join(re.escape(bytes([0x2A, len(name)]) + name.encode()) for name in _USED_SPANS))
+
+
+def _span_name(blob: bytes) -> bytes | None:
+    """Field 5 (``name``) of an encoded span, read without decoding the rest; None if unreadable."""
+    i, end = 0, len(blob)
+    try:
+        while i < end:
+            tag, shift = 0, 0
+            while True:
+                byte = blob[i]
+                i += 1
+                tag |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    break
+            wire = tag & 7
+            if wire == 2:
+                size, shift = 0, 0
+                while True:
+                    byte = blob[i]
+                    i += 1
+                    size |= (byte & 0x7F) << shift
+                    shift += 7
+                    if not byte & 0x80:
+                        break
+                if tag >> 3 == 5:
+                    return blob[i:i + size]
+                i += size
+            elif wire == 0:
+                while blob[i] & 0x80:
+                    i += 1
+                i += 1
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _used_span(blob: bytes) -> str | None:
+    """The span's name when the collector uses it (:data:`_USED_SPANS`), else None: nothing decoded."""
+    if _NAME_FIELD.search(blob) is None:
+        return None
+    name = _span_name(blob)
+    if name is None:
+        return None
+    text = name.decode("utf-8", "replace")
+    return text if text in _USED_SPANS else None
+
+
+def _blank_unused_json_spans(document: dict[str, Any]) -> None:
+    """OTLP/JSON: replace each span the collector does not use by ``{}`` (it is still counted),
+    before the ids are converted and the document parsed; each scope's first span stays whole."""
+    for resource in _json_list(document, "resourceSpans", "resource_spans"):
+        if isinstance(resource, dict):
+            for scope in _json_list(resource, "scopeSpans", "scope_spans"):
+                spans = scope.get("spans") if isinstance(scope, dict) else None
+                if isinstance(spans, list):
+                    for k in range(1, len(spans)):
+                        if not (isinstance(spans[k], dict) and spans[k].get("name") in _USED_SPANS):
+                            spans[k] = {}
+
+
+def _json_list(node: dict[str, Any], *keys: str) -> list[Any]:
+    for key in keys:
+        value = node.get(key)
+        if isinstance(value, list):
+            return value
+    return []
+
+
 # -- step spans ----------------------------------------------------------------------------------
 
 
@@ -277,6 +406,8 @@ class Extracted:
     spans_by_run: dict[str, int] = field(default_factory=dict)
     #: the ranks' ``train.stall`` / ``train.stall_end`` spans (:func:`_stall_span`); bad ones are dropped
     stalls: list[dict[str, Any]] = field(default_factory=list)
+    #: spans the collector does not use (not step or stall spans): counted, never decoded
+    skipped: int = 0
 
     @property
     def invalid_total(self) -> int:
@@ -330,9 +461,16 @@ def span_fingerprint(compute_seconds: float, interval_seconds: float) -> int:
     return zlib.crc32(struct.pack("<dd", compute_seconds, interval_seconds))
 
 
+#: The step span's attributes the join reads (and ``train.pipeline.bubble_ratio.*``); the others
+#: (FLOPs, scalars, microbatch summaries, ...) are not decoded.
+_STEP_ATTRS = frozenset((ATTR_RUN_ID, ATTR_STEP, ATTR_RANK, ATTR_ATTEMPT, ATTR_WORLD_SIZE, ATTR_COMPUTE_SECONDS,
+                         ATTR_INTERVAL_SECONDS, ATTR_IDLE_SECONDS, ATTR_COLLECTIVE_WAIT_SECONDS, ATTR_STATUS))
+
+
 def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
                max_step: int = DEFAULT_MAX_STEP, ends: tuple[float, float] | None = None) -> StepSpan:
-    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key.startswith(ATTR_PREFIX)}
+    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes
+             if kv.key in _STEP_ATTRS or kv.key.startswith(_BUBBLE_PREFIX)}
     run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
         raise _Invalid("missing_attribute")
@@ -378,7 +516,6 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait))
 
 
-_STALL_SPANS = ("train.stall", "train.stall_end")
 #: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).
 _MAX_STACK_CHARS = 8192
 _MAX_STACK_FRAMES = 64
@@ -413,15 +550,25 @@ def _stall_span(span: Any, rank_limit: int, max_step: int) -> dict[str, Any] | N
             "threads": [{"name": "training", "training": True, "frames": frames}]}
 
 
+def _run_of(span: Any) -> str:
+    for kv in span.attributes:
+        if kv.key == ATTR_RUN_ID:
+            value = _scalar(kv.value)
+            return value if safe_run_id(value) else ""
+    return ""
+
+
 def _resource_run_id(scope_spans: Any) -> str:
-    """The run of a resource's spans: its first span's ``train.run_id`` (all of a rank's spans share it)."""
+    """The run of a resource's spans whose first span is not one the collector uses: that span's
+    ``train.run_id`` (all of a rank's spans share it), decoded for this alone."""
     for scope in scope_spans:
         for span in scope.spans:
-            for kv in span.attributes:
-                if kv.key == ATTR_RUN_ID:
-                    value = _scalar(kv.value)
-                    return value if safe_run_id(value) else ""
-            return ""
+            if isinstance(span, bytes):
+                try:
+                    span = Span.FromString(span)
+                except Exception:  # a span it does not use may be malformed: no run
+                    return ""
+            return _run_of(span)
     return ""
 
 
@@ -429,6 +576,11 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
                   max_world_size: int = DEFAULT_MAX_WORLD_SIZE, max_step: int = DEFAULT_MAX_STEP,
                   ends: tuple[float, float] | None = None) -> Extracted:
     """The ``train.step`` spans of ``request``; other spans are only counted.
+
+    Only the spans named ``train.step``, ``train.stall`` and ``train.stall_end`` are decoded; the
+    name is read from each span's bytes first, so any other span (``train.microbatch``,
+    ``train.compute``, user spans) costs a byte search and is counted in ``skipped``, its
+    attributes never decoded. A used span whose bytes do not decode is ``bad_value``.
 
     ``ends`` (unix seconds, earliest and latest) skips a step span that ended outside it as
     ``end_out_of_range``: the collector's clock minus ``--max-span-age-s`` to plus
@@ -440,25 +592,43 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
     ``max_step`` as ``step_out_of_range``. What one span can make the collector
     hold is bounded by these, whoever sent it.
     """
+    if not isinstance(request, _LAZY_REQUEST):  # a decoded request (tests, tools): the same path
+        request = _LAZY_REQUEST.FromString(request.SerializeToString())
     out = Extracted()
     for resource_spans in request.resource_spans:
         count = 0
+        run: str | None = None
         for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                count += 1
-                if span.name in _STALL_SPANS:
+            spans = scope_spans.spans
+            count += len(spans)
+            out.skipped += len(spans)
+            search = _NAME_FIELD.search
+            for blob in spans:
+                if search(blob) is None:  # the common case, kept to one C call per span
+                    continue
+                name = _used_span(blob)
+                if name is None:
+                    continue
+                out.skipped -= 1
+                try:
+                    span = Span.FromString(blob)
+                except Exception:  # the span alone is malformed: counted as a step span we cannot use
+                    out.invalid["bad_value"] = out.invalid.get("bad_value", 0) + 1
+                    continue
+                if run is None:
+                    run = _run_of(span)
+                if name != _STEP_SPAN:
                     stall = _stall_span(span, world_size if world_size is not None else max_world_size, max_step)
                     if stall is not None:
                         out.stalls.append(stall)
-                    continue
-                if span.name != _STEP_SPAN:
                     continue
                 try:
                     out.steps.append(_step_span(span, world_size, max_world_size, max_step, ends))
                 except _Invalid as bad:
                     out.invalid[bad.reason] = out.invalid.get(bad.reason, 0) + 1
         if count:
-            run = _resource_run_id(resource_spans.scope_spans)
+            if run is None:
+                run = _resource_run_id(resource_spans.scope_spans)
             out.spans_by_run[run] = out.spans_by_run.get(run, 0) + count
         out.spans += count
     return out

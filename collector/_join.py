@@ -73,6 +73,7 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import heapq
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -94,6 +95,8 @@ REASONS = ("all_ranks", "window", "evicted", "shutdown")
 MAX_MISSING_LISTED = 64
 #: Stages in one record's ``pipeline_bubble_ratio`` (the first ones met, by rank).
 MAX_STAGES_PER_STEP = 256
+#: ``slowest_ranks`` lists this many ranks: the most time on their own first.
+SLOWEST_LISTED = 10
 
 #: A history entry: a rank, or (rank, fingerprint); a bare rank matches any span (a duplicate).
 HistoryRank = int | tuple[int, int | None]
@@ -116,27 +119,62 @@ class _OpenStep:
 
 
 class _Emitted:
-    """The ranks an emitted step had: sorted ranks, their fingerprints (-1: any), the latest end time."""
+    """The ranks an emitted step had: sorted ranks, their fingerprints (-1: any), the latest end time.
 
-    __slots__ = ("end", "fingerprints", "ranks")
+    Kept for duplicates, late spans and conflicts after the step is written, so O(ranks that
+    reported) per step, for ``max_emitted`` steps per run. Compact where it can be: ranks exactly
+    ``0 .. n-1`` (a complete step) are a count, not an array (``ranks`` is None); fingerprints all
+    known are 4 bytes each (crc32), all unknown (seeded from a record without per-rank maps) none
+    (``fingerprints`` is None). At 16,384 ranks a complete step holds 64 KiB instead of 256 KiB.
+    """
+
+    __slots__ = ("count", "end", "fingerprints", "ranks")
 
     def __init__(self, pairs: Iterable[tuple[int, int | None]], end: float | None):
         ordered = sorted(dict(pairs).items())
-        self.ranks = array.array("q", (r for r, _ in ordered))
-        self.fingerprints = array.array("q", (-1 if f is None else f for _, f in ordered))
+        self.count = len(ordered)
+        dense = not ordered or (ordered[0][0] == 0 and ordered[-1][0] == len(ordered) - 1)
+        self.ranks: array.array[int] | None = None if dense else array.array("q", (r for r, _ in ordered))
+        known = [f for _, f in ordered if f is not None]
+        self.fingerprints: array.array[int] | None
+        if not known:
+            self.fingerprints = None
+        elif len(known) == len(ordered):
+            self.fingerprints = array.array("I", known)
+        else:
+            self.fingerprints = array.array("q", (-1 if f is None else f for _, f in ordered))
         self.end = end
+
+    def _index(self, rank: int) -> int | None:
+        if self.ranks is None:
+            return rank if 0 <= rank < self.count else None
+        i = bisect.bisect_left(self.ranks, rank)
+        return i if i < len(self.ranks) and self.ranks[i] == rank else None
 
     def find(self, rank: int) -> int | None:
         """The fingerprint of ``rank`` (-1: unknown), None when the rank is not in the step."""
-        i = bisect.bisect_left(self.ranks, rank)
-        if i < len(self.ranks) and self.ranks[i] == rank:
-            return self.fingerprints[i]
-        return None
+        i = self._index(rank)
+        if i is None:
+            return None
+        return -1 if self.fingerprints is None else self.fingerprints[i]
+
+    def pairs(self) -> list[tuple[int, int | None]]:
+        """(rank, fingerprint or None) of every rank it holds."""
+        ranks = range(self.count) if self.ranks is None else self.ranks
+        if self.fingerprints is None:
+            return [(r, None) for r in ranks]
+        return [(r, None if f == -1 else f) for r, f in zip(ranks, self.fingerprints)]
 
     def add(self, rank: int, fingerprint: int) -> None:
+        # Rare (a late span): back to the plain arrays.
+        if self.ranks is None:
+            self.ranks = array.array("q", range(self.count))
+        if self.fingerprints is None or self.fingerprints.typecode != "q":
+            self.fingerprints = array.array("q", [-1] * self.count if self.fingerprints is None else self.fingerprints)
         i = bisect.bisect_left(self.ranks, rank)
         self.ranks.insert(i, rank)
         self.fingerprints.insert(i, fingerprint)
+        self.count += 1
 
 
 class _Run:
@@ -182,8 +220,10 @@ class Joiner:
                  history: Callable[[str], Iterable[HistoryEntry]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
-                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO):
+                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = False):
         self.world_size = world_size
+        #: keep the per-rank maps in records (``--cluster-per-rank``); otherwise aggregates only
+        self.per_rank = per_rank
         self.straggler_min_seconds = straggler_min_seconds
         self.straggler_min_ratio = straggler_min_ratio
         self.window_s = window_s
@@ -368,7 +408,7 @@ class Joiner:
             pairs = [(r, None) if isinstance(r, int) else (r[0], r[1]) for r in ranks]
             have = run.emitted.get(unit)
             if have is not None:
-                pairs += [(r, None if f == -1 else f) for r, f in zip(have.ranks, have.fingerprints)]
+                pairs += have.pairs()
                 end = have.end if end is None else end if have.end is None else max(end, have.end)
             self._remember(run, unit, _Emitted(pairs, end))
 
@@ -393,7 +433,7 @@ class Joiner:
                               joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
                               conflicting_ranks=sorted(open_step.conflicted),
                               straggler_min_seconds=self.straggler_min_seconds,
-                              straggler_min_ratio=self.straggler_min_ratio)
+                              straggler_min_ratio=self.straggler_min_ratio, per_rank=self.per_rank)
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
@@ -422,10 +462,13 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
                    conflicting_ranks: list[int] | None = None, attempt: int = 0,
                    straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
-                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO) -> dict[str, Any]:
+                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = True) -> dict[str, Any]:
     """The ``cluster_step`` record of one step from its ranks' spans (the schema is in docs/collector.md).
 
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
+    Without ``per_rank`` the record holds no per-rank map (``rank_*_seconds``): its size does not
+    grow with the ranks but for ``slowest_ranks`` (at most :data:`SLOWEST_LISTED`); the ranks'
+    time on their own is then under ``"_own"``, for the collector's scores, never written.
     """
     spans = sorted(spans, key=lambda s: s.rank)
     # Missing ranks as ranges between the reported ones: the work grows with the ranks that
@@ -469,7 +512,7 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     for s in spans:
         status[s.status] = status.get(s.status, 0) + 1
     ends = [s.end_time for s in spans if s.end_time is not None]
-    return {
+    record = {
         "type": "cluster_step",
         "run_id": run_id,
         "attempt": attempt,
@@ -512,4 +555,12 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},
         "status": status,
         "conflicting_ranks": list(conflicting_ranks or []),
+        "slowest_ranks": [[rank, seconds] for rank, seconds in
+                          heapq.nsmallest(SLOWEST_LISTED, own.items(), key=lambda kv: (-kv[1], kv[0]))],
     }
+    if not per_rank:
+        for key in ("rank_compute_seconds", "rank_interval_seconds", "rank_collective_wait_seconds",
+                    "rank_own_seconds"):
+            del record[key]
+        record["_own"] = own
+    return record

@@ -21,10 +21,12 @@ so far (a step completed out of order does not move them back):
   ``steptrace_cluster_step_straggler_cost_seconds``
   (the last complete step: what its straggler cost the job, the other ranks' median wait less its
   own; 0 when no rank stood out), ``steptrace_cluster_straggler_steps_total{rank}`` and
-  ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named),
-  and ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
-  complete steps (``relative``: median rank's mean time on its own / this rank's; ``individual``:
-  this rank's best windowed mean / its current one; 1 is typical, lower is slower).
+  ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named;
+  a rank's two counters appear when it is first named, at their first value), and
+  ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
+  complete steps, for the ``straggler_score_ranks`` (10) lowest scores of each kind only
+  (``relative``: median rank's mean time on its own / this rank's; ``individual``: this rank's
+  best windowed mean / its current one; 1 is typical, lower is slower).
 
 A run's series are removed when more than ``max_runs`` runs have been seen
 since (least recently active first), so a stream of run ids cannot grow the
@@ -35,6 +37,7 @@ rejected request has no run anyone can trust.
 from __future__ import annotations
 
 import collections
+import heapq
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -57,10 +60,13 @@ JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 _STATS = ("min", "median", "max")
 #: ``stage`` label values of ``steptrace_cluster_pipeline_bubble_ratio`` per run (the last complete step's).
 MAX_STAGES_PER_RUN = 64
+#: Ranks per run and kind with a ``steptrace_cluster_straggler_score`` series: the lowest scores
+#: (``--straggler-score-ranks``).
+DEFAULT_SCORE_RANKS = 10
 
 
 class _RunState:
-    __slots__ = ("last_complete", "last_step", "scored_ranks", "scores", "stages", "straggler_ranks", "window")
+    __slots__ = ("last_complete", "last_step", "scored", "scores", "stages", "straggler_ranks", "window")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = GoodputWindow(window_steps)
@@ -69,15 +75,17 @@ class _RunState:
         self.last_complete = -1
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
-        self.scored_ranks: set[str] = set()
+        self.scored: set[tuple[str, str]] = set()  # (rank, kind) with a score series
 
 
 class ClusterMetrics:
     """Metric families and the per-run state behind them; thread-safe."""
 
     def __init__(self, *, goodput_window_steps: int = 100, max_runs: int = 64,
-                 open_steps: Callable[[], int] | None = None, straggler_window_steps: int = 100):
+                 open_steps: Callable[[], int] | None = None, straggler_window_steps: int = 100,
+                 straggler_score_ranks: int = DEFAULT_SCORE_RANKS):
         self._window_steps = goodput_window_steps
+        self._score_ranks = straggler_score_ranks
         self._straggler_window_steps = straggler_window_steps
         self._max_runs = max_runs
         self._lock = threading.Lock()
@@ -141,6 +149,10 @@ class ClusterMetrics:
                                   registry=reg, buckets=JOIN_LAG_BUCKETS_S)
         self.received = counter("steptrace_collector_received_spans",
                                 "Spans received (all kinds), by the run of the resource that sent them.")
+        self.skipped = counter("steptrace_collector_skipped_spans",
+                               "Spans received that the collector does not use (not train.step or train.stall*: "
+                               "microbatch, compute, idle, user spans), counted in received_spans too; their "
+                               "attributes are never decoded.", ())
         self.late = counter("steptrace_collector_late_spans",
                             "Step spans that arrived after their step was emitted (written as late records).")
         self.duplicates = counter("steptrace_collector_duplicate_spans",
@@ -210,8 +222,11 @@ class ClusterMetrics:
                 self._touch(run_id)
                 self.conflicts.labels(run_id).inc(count)
 
-    def publish(self, records: Iterable[dict[str, Any]]) -> None:
-        """Update the cluster series from emitted ``cluster_step`` and ``late`` records."""
+    def publish(self, records: Iterable[dict[str, Any]], own: dict[int, dict[int, float]] | None = None) -> None:
+        """Update the cluster series from emitted ``cluster_step`` and ``late`` records.
+
+        ``own``: id(record) -> its ranks' time on their own, for records without ``rank_own_seconds``.
+        """
         with self._lock:
             for record in records:
                 run_id = record["run_id"]
@@ -219,9 +234,9 @@ class ClusterMetrics:
                 if record["type"] == "late":
                     self.late.labels(run_id).inc()
                 elif record["type"] == "cluster_step":
-                    self._step(run_id, state, record)
+                    self._step(run_id, state, record, (own or {}).get(id(record)))
 
-    def _step(self, run_id: str, state: _RunState, r: dict[str, Any]) -> None:
+    def _step(self, run_id: str, state: _RunState, r: dict[str, Any], own: dict[int, float] | None) -> None:
         step = r["step"]
         self.joined.labels(run_id).inc()
         self.join_lag.labels(run_id).observe(r["join_seconds"])
@@ -241,29 +256,36 @@ class ClusterMetrics:
                 self.world_size.labels(run_id).set(r["world_size"])
         if not r["complete"]:
             return
-        if not state.straggler_ranks and r["world_size"] is not None:
-            # Start every rank's counter at 0: Prometheus's increase() cannot see the
-            # first count of a series that appears with it, so a rank's first straggler
-            # step would otherwise be invisible on the dashboards.
-            for rank in range(int(r["world_size"])):
-                state.straggler_ranks.add(str(rank))
-                self.straggler_steps.labels(run_id, str(rank))
-                self.straggler_cost_total.labels(run_id, str(rank))
+        # A rank's straggler counters appear when it is first named (at their first value), never
+        # one per rank ahead: collectors x ranks series. The rules count a series with no sample a
+        # window ago from 0 (collector/alerts.yml, docs/alerts.md).
         named = r.get("straggler_rank")
         cost = r.get("straggler_cost_seconds")
         if named is not None:
             straggler = str(named)
             state.straggler_ranks.add(straggler)
             self.straggler_steps.labels(run_id, straggler).inc()
+            cost_total = self.straggler_cost_total.labels(run_id, straggler)  # both appear together
             if cost is not None:
-                self.straggler_cost_total.labels(run_id, straggler).inc(cost)
-        own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
+                cost_total.inc(cost)
+        if own is None:
+            own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
         state.scores.add(own)
-        for rank, (relative, individual) in state.scores.scores().items():
-            for kind, score in (("relative", relative), ("individual", individual)):
-                if score is not None:
-                    state.scored_ranks.add(str(rank))
-                    self.straggler_score.labels(run_id, str(rank), kind).set(score)
+        # Only the lowest scores of each kind get a series (a bounded top-k, not one per rank); a
+        # rank that leaves them loses its series.
+        scores = state.scores.scores()
+        shown: set[tuple[str, str]] = set()
+        for index, kind in enumerate(("relative", "individual")):
+            ranked = [(score[index], rank) for rank, score in scores.items() if score[index] is not None]
+            for score, rank in heapq.nsmallest(self._score_ranks, ranked):
+                shown.add((str(rank), kind))
+                self.straggler_score.labels(run_id, str(rank), kind).set(score)
+        for rank, kind in state.scored - shown:
+            try:
+                self.straggler_score.remove(run_id, rank, kind)
+            except KeyError:
+                pass
+        state.scored = shown
         if step < state.last_complete:
             return
         state.last_complete = step
@@ -327,9 +349,8 @@ class ClusterMetrics:
         for rank in state.straggler_ranks:
             remove(self.straggler_steps, rank)
             remove(self.straggler_cost_total, rank)
-        for rank in state.scored_ranks:
-            for kind in ("relative", "individual"):
-                remove(self.straggler_score, rank, kind)
+        for rank, kind in state.scored:
+            remove(self.straggler_score, rank, kind)
 
 
 class Exposition:

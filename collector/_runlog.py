@@ -311,10 +311,15 @@ class ClusterLog:
             try:
                 record = json.loads(line)
                 step = record["step"]
-                if record["type"] == "cluster_step":
+                if record["type"] == "cluster_step" and "rank_compute_seconds" in record:
                     computes, intervals = record["rank_compute_seconds"], record["rank_interval_seconds"]
                     ranks = [(int(r), _fingerprint(computes[r], intervals.get(r))) for r in computes]
                     # A conflicting rank's spans are in neither map; None makes a later one a duplicate.
+                    ranks += [(int(r), None) for r in record.get("conflicting_ranks") or ()]
+                elif record["type"] == "cluster_step":
+                    # Without per-rank maps (the default): the ranks are the world less the missing
+                    # ranges, their fingerprints unknown (a later span of one is a duplicate).
+                    ranks = [(r, None) for r in _present_ranks(record)]
                     ranks += [(int(r), None) for r in record.get("conflicting_ranks") or ()]
                 elif record["type"] == "late":
                     ranks = [(int(record["rank"]),
@@ -423,3 +428,22 @@ def _fingerprint(compute: Any, interval: Any) -> int | None:
     if isinstance(compute, (int, float)) and isinstance(interval, (int, float)):
         return span_fingerprint(float(compute), float(interval))
     return None
+
+
+def _present_ranks(record: dict[str, Any]) -> range | list[int]:
+    """The ranks a ``cluster_step`` record without per-rank maps had: ``[0, world_size)`` less its
+    missing ranges (conflicting ranks count as missing and are in them). Where more ranges were
+    missing than the record lists, the ranks after its last range count as present."""
+    world = record.get("world_size")
+    if not _is_int(world) or not 0 < world <= (1 << 20):
+        return []
+    ranges = record.get("missing_rank_ranges") or []
+    if not ranges:
+        return range(world)
+    present: list[int] = []
+    low = 0
+    for first, last in sorted((int(a), int(b)) for a, b in ranges):
+        present += range(low, min(first, world))
+        low = max(low, last + 1)
+    present += range(low, world)
+    return present

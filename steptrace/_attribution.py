@@ -49,6 +49,7 @@ its host span after the saved step's end (blocking_seconds).
 
 from __future__ import annotations
 
+import array
 import collections
 import math
 from typing import Iterable, NamedTuple, Protocol
@@ -420,6 +421,32 @@ def find_straggler(ranks: dict[int, tuple[float, float | None]], step_seconds: f
     return Straggler(rank, excess, cost, threshold)
 
 
+class _Window:
+    """One rank's last ``steps`` values: a ring of doubles, their sum and the best mean so far."""
+
+    __slots__ = ("best", "count", "pos", "total", "values")
+
+    def __init__(self) -> None:
+        self.values = array.array("d")
+        self.pos = 0
+        self.count = 0
+        self.total = 0.0
+        self.best = math.inf
+
+    def add(self, seconds: float, steps: int) -> None:
+        if self.count < steps:
+            self.values.append(seconds)
+            self.count += 1
+        else:
+            self.total -= self.values[self.pos]
+            self.values[self.pos] = seconds
+            self.pos = (self.pos + 1) % steps
+        self.total += seconds
+        mean = self.total / self.count
+        if mean < self.best:
+            self.best = mean
+
+
 class StragglerScores:
     """Per-rank straggler scores over the last ``steps`` joined steps (as NVIDIA resiliency-ext does).
 
@@ -431,37 +458,34 @@ class StragglerScores:
       ever been, lower is slower than its own best (until the window fills, the means are over the
       steps seen).
 
-    O(1) per rank and step; scores are computed on demand (at scrape or report time).
+    O(1) per rank and step; scores are computed on demand (at scrape or report time). Each rank's
+    window is a ring of 8-byte floats (~0.8 KB per rank at 100 steps; a deque of float objects
+    took ~3.5 KB, 57 MB per run at 16,384 ranks).
     """
 
-    __slots__ = ("_steps", "_windows", "_sums", "_best")
+    __slots__ = ("_steps", "_windows")
 
     def __init__(self, steps: int):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"straggler score window must be an integer >= 1, got {steps!r}")
         self._steps = steps
-        self._windows: dict[int, collections.deque[float]] = {}
-        self._sums: dict[int, float] = {}
-        self._best: dict[int, float] = {}
+        self._windows: dict[int, _Window] = {}
 
     def add(self, own: dict[int, float]) -> None:
         """One step's time on its own, rank -> seconds."""
         for rank, seconds in own.items():
             window = self._windows.get(rank)
             if window is None:
-                window = self._windows[rank] = collections.deque(maxlen=self._steps)
-                self._sums[rank] = 0.0
-            if len(window) == window.maxlen:
-                self._sums[rank] -= window[0]
-            window.append(seconds)
-            self._sums[rank] += seconds
-            mean = self._sums[rank] / len(window)
-            if mean < self._best.get(rank, math.inf):
-                self._best[rank] = mean
+                window = self._windows[rank] = _Window()
+            window.add(seconds, self._steps)
 
     def means(self) -> dict[int, float]:
         """Each rank's mean time on its own over its window."""
-        return {rank: max(0.0, self._sums[rank]) / len(window) for rank, window in self._windows.items() if window}
+        return {rank: max(0.0, w.total) / w.count for rank, w in self._windows.items() if w.count}
+
+    def _best(self, rank: int) -> float | None:
+        window = self._windows.get(rank)
+        return None if window is None or window.best == math.inf else window.best
 
     def scores(self) -> dict[int, tuple[float | None, float | None]]:
         """rank -> (relative, individual) scores; None where undefined (a mean of zero)."""
@@ -472,7 +496,7 @@ class StragglerScores:
         out: dict[int, tuple[float | None, float | None]] = {}
         for rank, mean in means.items():
             relative = median / mean if mean > 0 else None
-            best = self._best.get(rank)
+            best = self._best(rank)
             individual = min(1.0, best / mean) if best is not None and mean > 0 else None
             out[rank] = (relative, individual)
         return out

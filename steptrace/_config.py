@@ -60,6 +60,8 @@ ENV_PROMETHEUS_ADDR = "STEPTRACE_PROMETHEUS_ADDR"
 ENV_GOODPUT_WINDOW_STEPS = "STEPTRACE_GOODPUT_WINDOW_STEPS"
 #: Seconds one OTLP export may take before it is abandoned (and its records counted as dropped).
 ENV_OTLP_TIMEOUT_S = "STEPTRACE_OTLP_TIMEOUT_S"
+#: Seconds the oldest record may wait for others before an OTLP span export (one request for several steps).
+ENV_OTLP_BATCH_DELAY_S = "STEPTRACE_OTLP_BATCH_DELAY_S"
 #: Seconds between OTLP metric exports.
 ENV_OTLP_METRICS_INTERVAL_S = "STEPTRACE_OTLP_METRICS_INTERVAL_S"
 # The standard OpenTelemetry variables (https://opentelemetry.io/docs/specs/otel/protocol/exporter/).
@@ -86,6 +88,8 @@ ENV_OTLP_MICROBATCH_SPANS = "STEPTRACE_OTLP_MICROBATCH_SPANS"
 ENV_PROMETHEUS_HISTOGRAMS = "STEPTRACE_PROMETHEUS_HISTOGRAMS"
 #: The longest timeout or interval accepted (a day): larger ones overflow the threading primitives.
 MAX_TIMEOUT_S = 86400.0
+#: The longest OTLP batch delay accepted: spans later than the collector's join window are late.
+MAX_OTLP_BATCH_DELAY_S = 5.0
 MAX_TAGS = 64
 
 BACKENDS = ("auto", "host", "jax", "torch")
@@ -125,6 +129,7 @@ class Config:
     otlp_microbatch_spans: str = "none"  # "all", "none" or "every:N": full train.microbatch spans
     otlp_timeout_s: float = 10.0
     otlp_metrics_interval_s: float = 10.0
+    otlp_batch_delay_s: float = 0.5
     service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "steptrace"
     tags: tuple[tuple[str, str], ...] = ()  # user labels for the run (metadata record, compare)
     # Which process start of the run this is: init(attempt=...), STEPTRACE_ATTEMPT, a launcher's restart
@@ -284,6 +289,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         otlp_microbatch_spans=str(_first(code.get("otlp_microbatch_spans"),
                                          env.get(ENV_OTLP_MICROBATCH_SPANS) or None, "none")).strip().lower(),
         otlp_timeout_s=_first(code.get("otlp_timeout_s"), _env_float(ENV_OTLP_TIMEOUT_S, env), 10.0),
+        otlp_batch_delay_s=_first(code.get("otlp_batch_delay_s"), _env_float(ENV_OTLP_BATCH_DELAY_S, env), 0.5),
         otlp_metrics_interval_s=_first(code.get("otlp_metrics_interval_s"),
                                        _env_float(ENV_OTLP_METRICS_INTERVAL_S, env), 10.0),
         service_name=_first(code.get("service_name"), env.get(ENV_SERVICE_NAME) or None),
@@ -397,7 +403,8 @@ def _validate(config: Config) -> None:
                          f"got {config.flops!r}")
     if config.peak_tflops is not None and not config.peak_tflops > 0:
         raise ValueError(f"peak_tflops must be > 0, got {config.peak_tflops!r}")
-    for field in ("shutdown_timeout_s", "otlp_timeout_s", "otlp_metrics_interval_s", "peak_tflops"):
+    for field in ("shutdown_timeout_s", "otlp_timeout_s", "otlp_metrics_interval_s", "otlp_batch_delay_s",
+                  "peak_tflops"):
         value = getattr(config, field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value)):
@@ -436,6 +443,10 @@ def _validate(config: Config) -> None:
     for field in ("otlp_timeout_s", "otlp_metrics_interval_s"):
         if not 0 < getattr(config, field) <= MAX_TIMEOUT_S:
             raise ValueError(f"{field} must be in (0, {MAX_TIMEOUT_S:g}], got {getattr(config, field)!r}")
+    if not 0 <= config.otlp_batch_delay_s <= MAX_OTLP_BATCH_DELAY_S:
+        raise ValueError(f"otlp_batch_delay_s must be in [0, {MAX_OTLP_BATCH_DELAY_S:g}] (the collector joins a "
+                         f"step's ranks within its window, 10 s by default), got {config.otlp_batch_delay_s!r} "
+                         f"(set by init(otlp_batch_delay_s=...) or {ENV_OTLP_BATCH_DELAY_S})")
 
 
 def microbatch_span_every(value: str) -> int:

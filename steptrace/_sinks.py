@@ -177,6 +177,10 @@ class DropCounter:
         return self._read()
 
 
+#: Records a sink is handed at most at once.
+_BATCH_RECORDS = 1024
+
+
 class SinkWorker:
     """A sink's bounded queue and background thread."""
 
@@ -192,6 +196,12 @@ class SinkWorker:
         self._stopping = False
         self._failures = 0
         self._in_flight = 0  # records in the export call now running
+        # A sink with ``batch_delay_s`` (OTLP) gets a batch once its oldest record waited that
+        # long (or the batch is full, or a flush or stop asks): one request then carries several
+        # steps, and the request, not the records, is most of an export's CPU.
+        self._batch_delay_s = max(0.0, float(getattr(sink, "batch_delay_s", 0.0) or 0.0))
+        self._oldest_queued = 0.0  # time.monotonic() when the queue last went from empty to not
+        self._urgent = 0  # flushes waiting: export at once
         self._abandoned = False  # shutdown gave up on a hung export and counted its batch
         #: CPU seconds this sink's thread has used (it holds the GIL for nearly all of them).
         self.cpu_seconds = 0.0
@@ -202,6 +212,8 @@ class SinkWorker:
         if self._stopping or len(self._queue) + len(records) > self._max_queue:
             self._count_drop(sink_drop_reason(self.name), len(records))
             return
+        if not self._queue:
+            self._oldest_queued = time.monotonic()
         self._queue.extend(records)
         self._offered += len(records)
         self._wake.set()
@@ -210,10 +222,15 @@ class SinkWorker:
         cpu_start = time.thread_time()
         while True:
             self.cpu_seconds = time.thread_time() - cpu_start
-            self._wake.wait(0.1)
+            if not self._queue:
+                self._wake.wait(0.1)
             while self._queue:
+                wait = self._gather_for()
+                if wait > 0:
+                    self._wake.wait(min(wait, 0.1))
+                    break
                 batch: list[Mapping[str, Any]] = []
-                while self._queue and len(batch) < 1024:
+                while self._queue and len(batch) < _BATCH_RECORDS:
                     batch.append(self._queue.popleft())
                 self._export(batch)
                 self._done += len(batch)
@@ -221,15 +238,24 @@ class SinkWorker:
                 self.cpu_seconds = time.thread_time() - cpu_start
                 return
 
+    def _gather_for(self) -> float:
+        """Seconds the queued records should still wait for others (0: export now)."""
+        if not self._batch_delay_s or self._stopping or self._urgent or len(self._queue) >= _BATCH_RECORDS:
+            return 0.0
+        return self._oldest_queued + self._batch_delay_s - time.monotonic()
+
     def _export(self, batch: list[Mapping[str, Any]]) -> None:
         invalid_before = getattr(self.sink, "invalid_records", 0)
         rejected_before = dict(getattr(self.sink, "rejected", None) or {})
         self._in_flight = len(batch)
         failed = False
+        lost = None
         try:
             self.sink.export(batch)
-        except Exception:
+        except Exception as exc:
             failed = True
+            # A sink may say how many of the batch's records the failure lost (it skips some kinds).
+            lost = getattr(exc, "dropped_records", None)
             self._failures += 1
             if self._failures == 1:
                 log.exception("steptrace sink %s failed; its records are dropped and counted", self.name)
@@ -245,16 +271,23 @@ class SinkWorker:
             if count > rejected_before.get(reason, 0):
                 self._count_drop(rejected_record_reason(self.name, reason), count - rejected_before.get(reason, 0))
         if failed:
-            self._count_drop(sink_drop_reason(self.name), len(batch) - invalid)
+            if not isinstance(lost, int) or not 0 <= lost <= len(batch) - invalid:
+                lost = len(batch) - invalid
+            if lost:
+                self._count_drop(sink_drop_reason(self.name), lost)
 
     def flush(self, deadline: float) -> bool:
         """Wait until everything offered so far is exported, then flush the sink."""
         target = self._offered
-        while self._done < target:
-            if time.monotonic() >= deadline or not self._thread.is_alive():
-                return False
-            self._wake.set()
-            time.sleep(0.001)
+        self._urgent += 1
+        try:
+            while self._done < target:
+                if time.monotonic() >= deadline or not self._thread.is_alive():
+                    return False
+                self._wake.set()
+                time.sleep(0.001)
+        finally:
+            self._urgent -= 1
         try:
             return bool(self.sink.force_flush(max(0.0, deadline - time.monotonic())))
         except Exception:

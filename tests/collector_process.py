@@ -14,10 +14,11 @@ from pathlib import Path
 class CollectorProcess:
     """``python -m steptrace.collector`` for ``world_size`` ranks, with ports read from its start line."""
 
-    def __init__(self, run_dir: Path, world_size: int, port: int = 0, window_s: float = 5.0):
+    def __init__(self, run_dir: Path, world_size: int, port: int = 0, window_s: float = 5.0,
+                 extra: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "steptrace.collector", "--port", str(port), "--metrics-port", "0",
-             "--world-size", str(world_size), "--run-dir", str(run_dir), "--window-s", str(window_s)],
+             "--world-size", str(world_size), "--run-dir", str(run_dir), "--window-s", str(window_s), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.line = self.proc.stdout.readline()
         match = re.search(r"otlp_http=127\.0\.0\.1:(\d+) .*metrics=127\.0\.0\.1:(\d+)", self.line)

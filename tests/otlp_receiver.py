@@ -149,10 +149,16 @@ class OtlpHttpReceiver(_Store):
         self.hang_s = hang_s
         self.status = status
         self._release = threading.Event()
+        #: TCP connections accepted (HTTP/1.1 keep-alive: a client that reuses one makes one).
+        self.connections = 0
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                receiver.connections += 1
+                super().setup()
 
             def log_message(self, *args: Any) -> None:  # keep test output quiet
                 pass

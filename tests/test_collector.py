@@ -26,9 +26,14 @@ pytest.importorskip("prometheus_client",
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from google.protobuf.message import DecodeError  # noqa: E402
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Gauge, Metric, NumberDataPoint  # noqa: E402
+from opentelemetry.proto.trace.v1.trace_pb2 import Span  # noqa: E402
 
 import steptrace  # noqa: E402
 from collector_helpers import (  # noqa: E402
@@ -59,7 +64,7 @@ from steptrace.collector._decode import (  # noqa: E402
     media_type,
     parse_request,
 )
-from steptrace.collector._join import Joiner  # noqa: E402
+from steptrace.collector._join import Joiner, cluster_record  # noqa: E402
 from steptrace.testing import SimulatedDevice  # noqa: E402
 
 TRACES = "/v1/traces"
@@ -102,6 +107,51 @@ def test_protobuf_request_decodes_to_step_spans_and_counts_other_spans():
     assert (second.rank, second.status, second.compute_seconds) == (2, "error", 0.75)
 
 
+def test_spans_the_collector_does_not_use_are_never_decoded(make_collector):
+    """Microbatch spans carrying attributes no decoder would take (malformed bytes, invalid UTF-8,
+    a 2 MB value) are counted and skipped by name: the request is accepted and the step joins."""
+    c = make_collector(world_size=2)
+
+    def microbatch(rank: int, k: int, attribute: bytes) -> bytes:
+        good = step_span(step=4, rank=rank, world_size=2, name="train.microbatch", **{"train.microbatch": k})
+        return good.SerializeToString() + b"\x4a" + _varint(len(attribute)) + attribute  # Span.attributes
+
+    broken = [b"\x0a\xff\x01train.step",  # a key longer than the KeyValue
+              b"\x0a\x04\xff\xfe\xfd\xfc",  # a key that is not UTF-8
+              b"\x0a\x0atrain.huge\x12\x85\x80\x80\x01\x0a\x80\x80\x80\x01" + b"x" * (1 << 21)]  # 2 MiB
+    rank_spans = []
+    for rank in range(2):
+        spans = b"".join(_field(2, microbatch(rank, k, attribute)) for k, attribute in enumerate(broken))
+        spans += _field(2, step_span(step=4, rank=rank, world_size=2).SerializeToString())
+        rank_spans.append(_field(1, _field(2, spans)))  # ResourceSpans{ScopeSpans{spans}}
+    with pytest.raises(DecodeError):  # what a full decode does with it (the collector before)
+        ExportTraceServiceRequest.FromString(b"".join(rank_spans))
+    status, _, _ = post(c.port, TRACES, b"".join(rank_spans))
+    assert status == 200
+    assert wait_for(lambda: len(read_records(cluster_file(c))) == 1)
+    (record,) = read_records(cluster_file(c))
+    assert (record["step"], record["complete"], record["ranks_reporting"]) == (4, True, 2)
+    text = scrape(c.metrics_url)
+    assert value(text, "steptrace_collector_skipped_spans_total") == 6
+    assert value(text, "steptrace_collector_received_spans_total", run_id="run") == 8  # its meaning is unchanged
+
+    # OTLP/JSON: spans it does not use are blanked before the document is parsed.
+    message = request(step_span(step=5, rank=0, world_size=2), step_span(step=5, rank=1, world_size=2))
+    document = json.loads(otlp_json(message))
+    for resource in document["resourceSpans"]:
+        resource["scopeSpans"][0]["spans"].append({"name": "train.microbatch", "attributes": "not a list",
+                                                   "traceId": 17, "startTimeUnixNano": {"x": []}})
+    status, _, _ = post(c.port, TRACES, json.dumps(document).encode(), JSON)
+    assert status == 200
+    assert wait_for(lambda: len(read_records(cluster_file(c))) == 2)
+    assert read_records(cluster_file(c))[1]["complete"] is True
+    assert value(scrape(c.metrics_url), "steptrace_collector_skipped_spans_total") == 8
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
 def test_otlp_json_with_hex_ids_decodes_like_protobuf():
     message = request(step_span(step=3, rank=0, compute=0.5), step_span(step=3, rank=2, compute=0.25))
     data = otlp_json(message)
@@ -110,7 +160,7 @@ def test_otlp_json_with_hex_ids_decodes_like_protobuf():
     assert hex_id == trace_id_hex("run", 3)  # the spec's encoding: hex, not base64
 
     decoded = parse_request("traces", data, JSON)
-    assert decoded == message
+    assert ExportTraceServiceRequest.FromString(decoded.SerializeToString()) == message  # spans kept as bytes
     steps = extract_steps(decoded).steps
     assert [(s.rank, s.compute_seconds, s.trace_id) for s in steps] == [
         (0, 0.5, trace_id_hex("run", 3)), (2, 0.25, trace_id_hex("run", 3))]
@@ -119,7 +169,7 @@ def test_otlp_json_with_hex_ids_decodes_like_protobuf():
     document["somethingNew"] = {"x": 1}
     document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"] = "AAAAAAAAAAAAAAAAAAAAAQ=="
     decoded = parse_request("traces", json.dumps(document).encode(), JSON)
-    assert decoded.resource_spans[0].scope_spans[0].spans[0].trace_id == (1).to_bytes(16, "big")
+    assert Span.FromString(decoded.resource_spans[0].scope_spans[0].spans[0]).trace_id == (1).to_bytes(16, "big")
 
 
 def test_metrics_requests_decode_in_both_encodings():
@@ -179,8 +229,55 @@ def test_unusable_step_spans_are_skipped_and_counted_by_reason():
 # -- the join ------------------------------------------------------------------------------------
 
 
+def test_records_hold_aggregates_and_the_slowest_ranks_not_per_rank_maps_by_default(tmp_path):
+    spans = [span(rank=r, world_size=12, compute=0.1, interval=0.2 + r / 1000) for r in range(12) if r != 4]
+    joiner = Joiner(world_size=12)
+    joiner.add(spans)
+    [record] = joiner.flush().records
+    assert not any(key.startswith("rank_") for key in record)
+    # the ranks with the most time on their own (compute: no waits measured; a tie goes to the lowest)
+    assert [rank for rank, _ in record["slowest_ranks"]] == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+    assert (record["missing_rank_count"], record["missing_rank_ranges"], record["ranks_reporting"]) == (1, [[4, 4]], 11)
+    assert record["interval_max_seconds"] == pytest.approx(0.211) and record["_own"][11] == 0.1
+    full = cluster_record("run", 0, "", 12, spans, reason="window", first_seen_time=0.0,
+                          joined_time=0.0, join_seconds=0.0)
+    assert len(full["rank_compute_seconds"]) == 11 and "_own" not in full
+
+    # A restarted collector reads which ranks a step had from the aggregates: a retry of a span
+    # it wrote is a duplicate, the missing rank's span a late record, never a second step.
+    from steptrace.collector._runlog import _present_ranks
+    assert list(_present_ranks(record)) == [r for r in range(12) if r != 4]
+    restarted = Joiner(world_size=12, history=lambda run: [(0, list(_present_ranks(record)), None)])
+    result = restarted.add([spans[0], span(rank=4, world_size=12)])
+    assert result.duplicates == {"run": 1} and [r["type"] for r in result.records] == ["late"]
+
+
+def test_written_steps_are_remembered_compactly_and_still_tell_duplicates_late_spans_and_conflicts():
+    from steptrace.collector._decode import span_fingerprint
+    from steptrace.collector._join import _Emitted
+
+    world = 1000
+    joiner = Joiner(world_size=world)
+    spans = [span(rank=r, world_size=world, compute=0.1 + r / 1e4) for r in range(world)]
+    [record] = joiner.add(spans).records
+    emitted = joiner._runs["run"].emitted[(0, 0)]
+    # a complete step: the ranks are a count and the fingerprints 4 bytes each
+    assert emitted.ranks is None and emitted.count == world and emitted.fingerprints.typecode == "I"
+    assert emitted.fingerprints.itemsize * len(emitted.fingerprints) == 4 * world
+    assert emitted.find(7) == span_fingerprint(spans[7].compute_seconds, spans[7].interval_seconds)
+    assert emitted.find(world) is None
+    again = joiner.add([spans[7], span(rank=7, world_size=world, compute=9.0), span(rank=world + 3, world_size=world)])
+    assert again.duplicates == {"run": 1} and len(again.conflicts) == 1 and [r["type"] for r in again.records] == [
+        "late"]
+    assert emitted.ranks is not None and emitted.find(world + 3) is not None and emitted.find(7) != -1
+    # seeded from a record without per-rank maps: the ranks only, any later span of one a duplicate
+    seeded = _Emitted([(r, None) for r in range(world) if r != 4], None)
+    assert seeded.fingerprints is None and seeded.ranks is not None and seeded.find(5) == -1
+    assert seeded.find(4) is None
+
+
 def test_step_is_emitted_when_all_ranks_reported_with_straggler_skew_and_stats():
-    joiner = Joiner(world_size=3)
+    joiner = Joiner(world_size=3, per_rank=True)
     assert joiner.add([span(rank=0, compute=0.1, interval=0.5), span(rank=2, compute=0.2, interval=0.7)]).records == []
     assert joiner.open_steps == 1
     [record] = joiner.add([span(rank=1, compute=0.35, interval=0.6, status="error")]).records
@@ -487,7 +584,7 @@ def test_gzip_and_json_requests_are_joined_with_matching_responses(collector):
                         headers={"Content-Encoding": "deflate"})
     assert status == 200
     [record] = read_records(cluster_file(collector))
-    assert record["complete"] and sorted(record["rank_compute_seconds"]) == ["0", "1", "2"]
+    assert record["complete"] and record["ranks_reporting"] == 3
 
 
 def test_invalid_spans_are_reported_as_partial_success(collector):
@@ -707,18 +804,21 @@ def test_deeply_nested_payloads_are_rejected_not_crashing():
     def field(number: int, payload: bytes) -> bytes:
         return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
-    def payload(depth: int) -> bytes:
+    def payload(depth: int, name: str = "train.step") -> bytes:
         value = field(1, b"x")  # AnyValue.string_value
         for _ in range(depth):
             value = field(5, field(1, value))  # AnyValue.array_value -> ArrayValue.values
         attribute = field(1, b"train.attrs.deep") + field(2, value)  # KeyValue
-        span_bytes = step_span().SerializeToString() + field(9, attribute)  # Span.attributes
+        span_bytes = step_span(name=name).SerializeToString() + field(9, attribute)  # Span.attributes
         return field(1, field(2, field(2, span_bytes)))  # request.resource_spans.scope_spans.spans
 
     assert len(decode_all(payload(5), PROTOBUF, None).steps) == 1  # the hand encoding is right
-    with pytest.raises(Rejected) as info:
-        decode_all(payload(200), PROTOBUF, None)
-    assert (info.value.status, info.value.reason) == (400, "malformed")
+    # Spans are decoded one by one: the step span that does not decode is skipped and counted.
+    extracted = decode_all(payload(200), PROTOBUF, None)
+    assert (extracted.steps, extracted.invalid, extracted.spans) == ([], {"bad_value": 1}, 1)
+    # A span the collector does not use is never decoded at all.
+    extracted = decode_all(payload(200, "train.microbatch") + payload(5), PROTOBUF, None)
+    assert (len(extracted.steps), extracted.invalid, extracted.skipped) == (1, {}, 1)
 
 
 def _varint(n: int) -> bytes:

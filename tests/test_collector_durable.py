@@ -428,3 +428,11 @@ def test_connection_caps_stay_below_the_descriptor_limit(monkeypatch):
         assert lim.http + lim.grpc * (lim is both) + lim.metrics + lim.open_files + 32 <= 1024
     assert http_only.http_per_peer <= http_only.http // 2
     assert both.grpc >= 4 and both.http == both.grpc
+
+    # With room, the descriptors set the cap, not a fixed 1,024 (4,096 ranks may post directly):
+    # nofile - 32 - min(3 x max_runs, nofile / 4) - min(64, nofile / 16).
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (65536, 65536))
+    lim = descriptor_limits(CollectorConfig())
+    assert lim.http == 16384  # --max-connections bounds it there (a thread per connection)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8192, 8192))
+    assert descriptor_limits(CollectorConfig()).http == 8192 - 32 - 192 - 64

@@ -107,7 +107,7 @@ def cluster_steps(run_dir: Path) -> list[dict]:
 
 def test_ranks_through_steptrace_exporter_are_joined_and_the_slow_rank_is_the_straggler(tmp_path):
     run_dir = tmp_path / "runs"
-    collector = CollectorProcess(run_dir, WORLD)
+    collector = CollectorProcess(run_dir, WORLD, extra=("--cluster-per-rank",))
     try:
         steps = 20
         ranks = start_ranks(tmp_path, f"http://127.0.0.1:{collector.port}", run_dir, steps)
@@ -138,9 +138,10 @@ def test_ranks_through_steptrace_exporter_are_joined_and_the_slow_rank_is_the_st
     run = {"run_id": RUN_ID}
     assert value(text, "steptrace_cluster_straggler_rank", **run) == 2
     assert value(text, "steptrace_cluster_straggler_steps_total", rank="2", **run) == steps
-    # Every rank's counter exists from the first complete step on, at 0 until it straggles.
-    assert value(text, "steptrace_cluster_straggler_steps_total", rank="0", **run) == 0
-    assert value(text, "steptrace_cluster_straggler_steps_total", rank="1", **run) == 0
+    # A rank's counters appear when it is first named: no series for the ranks never named.
+    assert value(text, "steptrace_cluster_straggler_steps_total", rank="0", **run) is None
+    assert value(text, "steptrace_cluster_straggler_steps_total", rank="1", **run) is None
+    assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="0", **run) is None
     assert value(text, "steptrace_cluster_ranks_reporting", **run) == WORLD
     assert value(text, "steptrace_cluster_last_step", **run) == steps - 1
     assert value(text, "steptrace_cluster_steps_joined_total", **run) == steps

@@ -718,3 +718,90 @@ def test_circular_and_nested_attrs_are_exported_as_text(receiver, device):
     assert step.attributes["train.attrs.nested"] == "[[1, 2], [3]]"
     assert step.attributes["train.attrs.mixed"] == "[1, 'a']"
     assert tuple(step.attributes["train.attrs.flat"]) == (1, 2)
+
+
+class _BatchRecorder:
+    """A sink that keeps each batch it is handed and asks the worker to gather for ``batch_delay_s``."""
+
+    name = "recorder"
+
+    def __init__(self, batch_delay_s):
+        self.batch_delay_s = batch_delay_s
+        self.batches = []
+
+    def export(self, records):
+        self.batches.append(list(records))
+
+    def force_flush(self, timeout_s):
+        return True
+
+
+def _worker(sink):
+    from steptrace._sinks import SinkWorker
+
+    drops = {}
+    return SinkWorker(sink, 100_000, lambda reason, n: drops.__setitem__(reason, drops.get(reason, 0) + n)), drops
+
+
+def test_a_batching_sink_gets_several_steps_in_one_export_and_a_flush_does_not_wait_for_the_delay():
+    """A 60 s delay: three offers stay queued until flush(), which exports them as one batch at once."""
+    sink = _BatchRecorder(60.0)
+    worker, drops = _worker(sink)
+    for n in range(3):
+        worker.offer([{"type": "step", "step": n}])
+    time.sleep(0.3)
+    assert sink.batches == []  # gathering
+    assert worker.flush(time.monotonic() + 10)  # a 10 s deadline: it cannot have waited the 60 s delay
+    assert [[r["step"] for r in batch] for batch in sink.batches] == [[0, 1, 2]]
+    assert worker.stop(time.monotonic() + 10) and drops == {}
+
+
+def test_a_batching_sink_gets_a_full_batch_without_waiting_and_the_rest_at_stop():
+    from steptrace._sinks import _BATCH_RECORDS
+
+    sink = _BatchRecorder(60.0)
+    worker, drops = _worker(sink)
+    worker.offer([{"type": "microbatch", "step": 0, "i": i} for i in range(_BATCH_RECORDS + 5)])
+    deadline = time.monotonic() + 10
+    while not sink.batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [len(b) for b in sink.batches] == [_BATCH_RECORDS]  # a full batch goes; the 5 left wait
+    assert worker.stop(time.monotonic() + 10)
+    assert [len(b) for b in sink.batches] == [_BATCH_RECORDS, 5] and drops == {}
+
+
+def test_without_a_batch_delay_each_offer_is_exported_as_it_comes():
+    sink = _BatchRecorder(0.0)
+    worker, _ = _worker(sink)
+    for n in range(3):
+        worker.offer([{"type": "step", "step": n}])
+        deadline = time.monotonic() + 10
+        while len(sink.batches) <= n and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert [[r["step"] for r in batch] for batch in sink.batches] == [[0], [1], [2]]
+    worker.stop(time.monotonic() + 10)
+
+
+def test_the_otlp_sink_asks_for_its_configured_batch_delay(monkeypatch):
+    assert OtlpSink("http://127.0.0.1:9", run_id=RUN, batch_delay_s=0.25).batch_delay_s == 0.25
+    for bad in (-0.1, 5.5, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="otlp_batch_delay_s"):
+            OtlpSink("http://127.0.0.1:9", run_id=RUN, batch_delay_s=bad)
+        with pytest.raises(ValueError, match="otlp_batch_delay_s"):
+            steptrace.init(jsonl=False, run_id=RUN, otlp_batch_delay_s=bad)
+    monkeypatch.setenv("STEPTRACE_OTLP_BATCH_DELAY_S", "9")
+    with pytest.raises(ValueError, match="STEPTRACE_OTLP_BATCH_DELAY_S"):
+        steptrace.init(jsonl=False, run_id=RUN)
+
+
+def test_span_exports_reuse_one_connection(receiver):
+    """The bounded answer reader reads a short answer to its end, so the connection is kept alive."""
+    sink = OtlpSink(receiver.url, run_id=RUN, metrics_interval_s=3600)
+    try:
+        for n in range(5):
+            sink.export([{"type": "step", "step": n, "status": "ok", "start_time": 1000.0 + n,
+                          "end_time": 1000.5 + n, "interval_seconds": 1.0, "compute_seconds": 0.5}])
+        assert len([r for r in receiver.requests if r.path == "/v1/traces"]) == 5
+        assert receiver.connections == 1
+    finally:
+        sink.shutdown(5)

@@ -203,7 +203,7 @@ def test_collector_joins_own_time_names_the_straggler_and_its_cost():
     from steptrace.collector._decode import extract_steps
     from steptrace.collector._join import Joiner
 
-    joiner = Joiner(world_size=4)
+    joiner = Joiner(world_size=4, per_rank=True)
     spans = []
     for rank in range(4):
         wait = 0.004 if rank == 2 else 0.034
@@ -259,7 +259,8 @@ def test_cluster_metrics_publish_cost_own_time_and_scores():
     assert value(text, "steptrace_cluster_straggler_rank", **run) == 2
     assert value(text, "steptrace_cluster_step_straggler_cost_seconds", **run) == pytest.approx(0.0305)
     assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="2", **run) == pytest.approx(3 * 0.0305)
-    assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="0", **run) == 0
+    assert value(text, "steptrace_cluster_straggler_cost_seconds_total", rank="0", **run) is None  # never named
+    assert value(text, "steptrace_cluster_straggler_steps_total", rank="0", **run) is None
     assert value(text, "steptrace_cluster_step_own_seconds", stat="max", **run) == pytest.approx(0.063)
     assert value(text, "steptrace_cluster_straggler_score", rank="2", kind="relative", **run) == \
         pytest.approx(0.033 / 0.063)  # the median rank (of 0.033, 0.032, 0.063) over rank 2
@@ -296,3 +297,35 @@ def test_rank_metrics_count_wait_and_own_seconds():
         assert value(text, "steptrace_step_own_seconds_total", **labels) == pytest.approx(0.072)
     finally:
         sink.shutdown(1)
+
+
+def test_cluster_metrics_expose_the_lowest_scores_only():
+    """Score series for the k lowest scores of each kind, not one per rank (k = --straggler-score-ranks)."""
+    pytest.importorskip("prometheus_client", reason="the collector needs steptrace[prometheus]")
+    from prometheus_client import generate_latest
+
+    from collector_helpers import samples
+    from steptrace.collector._decode import StepSpan
+    from steptrace.collector._join import cluster_record
+    from steptrace.collector._metrics import ClusterMetrics
+
+    metrics = ClusterMetrics(straggler_window_steps=4, straggler_score_ranks=3)
+
+    def publish(step: int, slow: dict[int, float]) -> dict[str, set[str]]:
+        spans = [StepSpan(run_id="r", step=step, rank=rank, world_size=30, trace_id="", compute_seconds=0.05,
+                          interval_seconds=0.1 + slow.get(rank, 0.0), collective_wait_seconds=0.01,
+                          own_seconds=own_seconds(0.1 + slow.get(rank, 0.0), 0.01)) for rank in range(30)]
+        metrics.publish([cluster_record("r", step, "", 30, spans, reason="all_ranks", first_seen_time=0.0,
+                                        joined_time=0.0, join_seconds=0.0)])
+        shown: dict[str, set[str]] = {}
+        for (name, labels), _ in samples(generate_latest(metrics.registry).decode()).items():
+            if name == "steptrace_cluster_straggler_score":
+                labels = dict(labels)
+                shown.setdefault(labels["kind"], set()).add(labels["rank"])
+        return shown
+
+    shown = publish(0, {7: 0.05, 11: 0.04, 20: 0.03, 3: 0.02})
+    assert shown["relative"] == {"7", "11", "20"} and len(shown["individual"]) == 3
+    for step in range(1, 5):  # rank 7 recovers, rank 3 stays slow: 7 leaves the relative top 3
+        shown = publish(step, {11: 0.04, 20: 0.03, 3: 0.02})
+    assert shown["relative"] == {"11", "20", "3"}
