@@ -213,10 +213,11 @@ def test_an_exporter_retry_counts_once_and_a_conflicting_rank_counts_as_missing(
     assert_same_steps(ch.cluster_steps(client, RUN_ID), collector_join(requests))
 
     # Rank 1 sends step 0 again with another compute time: the collector trusts neither version.
-    forged = ExportTraceServiceRequest()
-    forged.CopyFrom(next(r for r in requests if any(
+    original = next(r for r in requests if any(
         s.name == "train.step" and _attr(s, "train.rank") == 1 and _attr(s, "train.step") == 0
-        for res in r.resource_spans for ss in res.scope_spans for s in ss.spans)))
+        for res in r.resource_spans for ss in res.scope_spans for s in ss.spans))
+    forged = ExportTraceServiceRequest()
+    forged.CopyFrom(original)
     for res in forged.resource_spans:
         for ss in res.scope_spans:
             for s in ss.spans:
@@ -224,9 +225,10 @@ def test_an_exporter_retry_counts_once_and_a_conflicting_rank_counts_as_missing(
                     if kv.key == "train.compute_seconds":
                         kv.value.double_value += 0.5
     load(client, [forged])
-    # The forged span reaches the collector while the step is open (after it wrote the step, the
-    # written record would stand: ClickHouse has no such moment, so every version counts there).
-    rows, records = ch.cluster_steps(client, RUN_ID), collector_join([forged, *requests])
+    # Both versions reach the collector while the step is open (once it wrote the step, the written
+    # record would stand: ClickHouse has no such moment, so every version counts there).
+    rows = ch.cluster_steps(client, RUN_ID)
+    records = collector_join([forged, original, *(r for r in requests if r is not original)])
     assert_same_steps(rows, records)
     row, record = rows[0], records[0]
     assert record["conflicting_ranks"] == [1]
