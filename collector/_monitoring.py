@@ -27,6 +27,7 @@ FILES = {
     "grafana/dashboards/steptrace-training.json": "dashboards/steptrace-training.json",
     "grafana/dashboards/steptrace-cluster.json": "dashboards/steptrace-cluster.json",
     "otelcol/otelcol.yaml": "otelcol.yaml",
+    "otelcol/otelcol-clickhouse.yaml": "otelcol-clickhouse.yaml",
 }
 
 DESCRIPTION = ("Write steptrace's monitoring files under DIR, ready to mount: prometheus/ (prometheus.yml, "
