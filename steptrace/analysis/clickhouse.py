@@ -1,0 +1,497 @@
+"""steptrace runs in ClickHouse: the OpenTelemetry Collector's ``otel_traces`` table, read with SQL.
+
+At thousands of ranks the cross-rank join belongs to a distributed engine, not to one collector
+process (docs/scale.md). The path is: ranks → OpenTelemetry Collector (contrib distribution) → its
+``clickhouse`` exporter → table ``otel_traces`` → the per-step cross-rank views of this module.
+docs/clickhouse.md has the setup, the views and the limits.
+
+=======================  ======================================================================
+:data:`OTEL_TRACES_DDL`   the exporter's ``otel_traces`` table, column for column
+:func:`rows_from_otlp`    OTLP spans as the exporter's rows (a stand-in for the exporter in tests)
+:func:`connect`           a small client: ``http(s)://`` (the HTTP interface, stdlib only) or
+                          ``chdb://`` (chDB, the embedded ClickHouse engine, ``pip install chdb``)
+=======================  ======================================================================
+
+Nothing here is imported by the training-time code. ``opentelemetry-proto`` (the ``otlp`` extra) is
+imported only by :func:`rows_from_otlp` when handed bytes, and ``chdb`` only by a ``chdb://`` URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import re
+from decimal import Decimal
+from typing import Any, Iterable, Mapping, Protocol
+from urllib import error as urlerror
+from urllib import parse as urlparse
+from urllib import request as urlrequest
+
+__all__ = [
+    "OTEL_TRACES_DDL",
+    "ClickHouseError",
+    "Client",
+    "HttpClient",
+    "ChdbClient",
+    "connect",
+    "otel_traces_ddl",
+    "rows_from_otlp",
+    "insert_rows",
+    "attribute_string",
+]
+
+#: The exporter's default table name (``traces_table_name``).
+DEFAULT_TABLE = "otel_traces"
+
+# The traces table of the OpenTelemetry Collector contrib ``clickhouse`` exporter, column for column:
+# open-telemetry/opentelemetry-collector-contrib, exporter/clickhouseexporter/internal/sqltemplates/
+# traces_table.sql at commit f92a5763be13aeb59ecf6f8b47e31d54109191bb (the template the exporter's
+# ``create_schema: true`` runs; exporter_traces.go ``renderCreateTracesTableSQL`` fills database,
+# table, cluster clause, engine ``MergeTree()`` and an empty TTL). Older exporter releases
+# (exporter_traces.go with the DDL inline) lacked ScopeName/ScopeVersion and had ``Duration Int64``;
+# the views below read neither. Only the placeholders are ours: ``{database}``, ``{table}``.
+_OTEL_TRACES_TEMPLATE = """\
+CREATE TABLE IF NOT EXISTS "{database}"."{table}" (
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    TraceState String CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
+    SpanKind LowCardinality(String) CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion String CODEC(ZSTD(1)),
+    SpanAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    Duration UInt64 CODEC(ZSTD(1)),
+    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
+    StatusMessage String CODEC(ZSTD(1)),
+    Events Nested (
+        Timestamp DateTime64(9),
+        Name LowCardinality(String),
+        Attributes Map(LowCardinality(String), String)
+    ) CODEC(ZSTD(1)),
+    Links Nested (
+        TraceId String,
+        SpanId String,
+        TraceState String,
+        Attributes Map(LowCardinality(String), String)
+    ) CODEC(ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
+    INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_res_attr_value mapValues(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_duration Duration TYPE minmax GRANULARITY 1
+) ENGINE = MergeTree()
+PARTITION BY toDate(Timestamp)
+ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
+SETTINGS index_granularity=8192, ttl_only_drop_parts = 1
+"""
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _identifier(name: str, what: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{what} must be a plain ClickHouse identifier ([A-Za-z_][A-Za-z0-9_]*), got {name!r}")
+    return name
+
+
+def otel_traces_ddl(database: str = "default", table: str = DEFAULT_TABLE) -> str:
+    """The exporter's ``CREATE TABLE IF NOT EXISTS`` for ``database.table``."""
+    return _OTEL_TRACES_TEMPLATE.format(database=_identifier(database, "database"),
+                                        table=_identifier(table, "table"))
+
+
+#: ``default.otel_traces``, as the exporter creates it with its default configuration.
+OTEL_TRACES_DDL = otel_traces_ddl()
+
+
+# --- OTLP spans → otel_traces rows -------------------------------------------------------------
+
+# pdata's SpanKind.String() and StatusCode.String() (go.opentelemetry.io/collector/pdata/ptrace),
+# indexed by the OTLP enum value.
+_SPAN_KINDS = ("Unspecified", "Internal", "Server", "Client", "Producer", "Consumer")
+_STATUS_CODES = ("Unset", "Ok", "Error")
+
+
+def _go_float(f: float) -> str:
+    """pcommon ``float64AsString``: Go's ``encoding/json`` number text (ES6 rules), NaN/Inf as Go says them."""
+    if math.isnan(f) or math.isinf(f):
+        text = "NaN" if math.isnan(f) else ("+Inf" if f > 0 else "-Inf")
+        return "json: unsupported value: " + text
+    if f == 0:
+        return "-0" if math.copysign(1.0, f) < 0 else "0"
+    # repr is the shortest text that round-trips, as strconv's precision -1 is.
+    sign, digits, exponent = Decimal(repr(f)).normalize().as_tuple()
+    text = "".join(map(str, digits))
+    point = len(text) + int(exponent)  # the decimal point's position in the digits
+    minus = "-" if sign else ""
+    if 1e-6 <= abs(f) < 1e21:
+        if point <= 0:
+            return f"{minus}0.{'0' * -point}{text}"
+        if point >= len(text):
+            return f"{minus}{text}{'0' * (point - len(text))}"
+        return f"{minus}{text[:point]}.{text[point:]}"
+    # strconv 'e' with precision -1: d[.ddd]e±dd (two exponent digits at least); then e-0d → e-d.
+    e = point - 1
+    mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+    out = f"{minus}{mantissa}e{'-' if e < 0 else '+'}{abs(e):02d}"
+    return re.sub(r"e-0(\d)$", r"e-\1", out)
+
+
+def _go_json(value: Any) -> str:
+    """Go's ``json.Marshal`` of a pcommon ``AsRaw()`` value: compact, sorted keys, HTML-escaped."""
+    def encode(v: Any) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int):
+            return str(v)
+        if isinstance(v, float):
+            return _go_float(v)
+        if isinstance(v, bytes):
+            return json.dumps(base64.b64encode(v).decode("ascii"))
+        if isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False)
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{encode(str(k))}:{encode(v[k])}" for k in sorted(v)) + "}"
+        return "[" + ",".join(encode(x) for x in v) + "]"
+
+    text = encode(value)
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(char, escaped)
+    return text
+
+
+def _raw(any_value: Any) -> Any:
+    """pcommon ``Value.AsRaw()`` of an OTLP ``AnyValue``."""
+    which = any_value.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "kvlist_value":
+        return {kv.key: _raw(kv.value) for kv in any_value.kvlist_value.values}
+    if which == "array_value":
+        return [_raw(v) for v in any_value.array_value.values]
+    return getattr(any_value, which)
+
+
+def attribute_string(any_value: Any) -> str:
+    """An OTLP ``AnyValue`` as the exporter stores it in a ``Map(..., String)``: pcommon ``Value.AsString()``.
+
+    string as is; bool ``true``/``false``; int in decimal; double as Go's JSON number text
+    (``1``, ``0.25``, ``1e-7``, ``1e+21``: no ``.0``); bytes base64; arrays and maps as Go's
+    ``json.Marshal`` of their raw values (``[1,2]``, ``["a","b"]``, keys sorted); empty ``""``.
+    """
+    which = any_value.WhichOneof("value")
+    if which is None:
+        return ""
+    if which == "string_value":
+        return any_value.string_value
+    if which == "bool_value":
+        return "true" if any_value.bool_value else "false"
+    if which == "int_value":
+        return str(any_value.int_value)
+    if which == "double_value":
+        return _go_float(any_value.double_value)
+    if which == "bytes_value":
+        return base64.b64encode(any_value.bytes_value).decode("ascii")
+    return _go_json(_raw(any_value))
+
+
+def _attributes(key_values: Iterable[Any]) -> dict[str, str]:
+    # internal.AttributesToMap: every key, value.AsString(); a repeated key keeps the last.
+    return {kv.key: attribute_string(kv.value) for kv in key_values}
+
+
+def _hex(raw: bytes) -> str:
+    # traceutil.TraceIDToHexOrEmptyString / SpanIDToHexOrEmptyString: "" for the all-zero (empty) id.
+    return raw.hex() if raw and any(raw) else ""
+
+
+def rows_from_otlp(request: Any) -> list[dict[str, Any]]:
+    """The ``otel_traces`` rows the contrib ClickHouse exporter writes for one OTLP traces export.
+
+    ``request`` is an ``ExportTraceServiceRequest`` or its protobuf bytes (what a rank POSTs to
+    ``/v1/traces``). This stands in for the exporter where no ``otelcol-contrib`` binary is at hand
+    (none is installed here, nor can one be downloaded): the tests feed the SDK's own requests
+    through it. Each rule and where it comes from (open-telemetry/opentelemetry-collector-contrib,
+    ``exporter/clickhouseexporter/exporter_traces.go`` ``pushTraceData``, the version that writes
+    through ``internal/sqltemplates/traces_insert.sql``):
+
+    * one row per span, for every resource and scope;
+    * ``Timestamp`` = the span's start (``span.StartTimestamp().AsTime()``): here integer unix
+      nanoseconds, which :func:`insert_rows` writes as ``DateTime64(9)``;
+    * ``TraceId``/``SpanId``/``ParentSpanId``: lowercase hex, ``""`` for an empty id
+      (``traceutil.TraceIDToHexOrEmptyString``); ``TraceState`` as sent;
+    * ``SpanKind`` = pdata ``SpanKind.String()``: ``Unspecified``, ``Internal``, ``Server``,
+      ``Client``, ``Producer``, ``Consumer``;
+    * ``ServiceName`` = the resource's ``service.name`` (``internal.GetServiceName``), else ``""``;
+    * ``ResourceAttributes``/``SpanAttributes``/event and link ``Attributes``: every attribute as
+      a string (``internal.AttributesToMap`` → pcommon ``Value.AsString()``, see
+      :func:`attribute_string`), so SQL casts them back (``toFloat64OrNull``, ``toInt64OrNull``);
+    * ``ScopeName``/``ScopeVersion`` = the instrumentation scope's (``steptrace`` and its version);
+    * ``Duration`` = end − start in nanoseconds (``span.EndTimestamp() - span.StartTimestamp()``,
+      unsigned);
+    * ``StatusCode`` = pdata ``StatusCode.String()``: ``Unset``, ``Ok``, ``Error``;
+      ``StatusMessage`` as sent;
+    * ``Events.*`` (Timestamp in unix nanoseconds, Name, Attributes) and ``Links.*`` (TraceId,
+      SpanId, TraceState, Attributes): parallel arrays, one element per event or link.
+    """
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        try:
+            from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        except ImportError as exc:  # pragma: no cover - the otlp extra brings it
+            raise ImportError("rows_from_otlp needs opentelemetry-proto: pip install 'steptrace[otlp]'") from exc
+        parsed = ExportTraceServiceRequest()
+        parsed.ParseFromString(bytes(request))
+        request = parsed
+    rows: list[dict[str, Any]] = []
+    for resource_spans in request.resource_spans:
+        resource = _attributes(resource_spans.resource.attributes)
+        service = resource.get("service.name", "")
+        for scope_spans in resource_spans.scope_spans:
+            scope_name, scope_version = scope_spans.scope.name, scope_spans.scope.version
+            for span in scope_spans.spans:
+                kind = span.kind if 0 <= span.kind < len(_SPAN_KINDS) else 0
+                code = span.status.code if 0 <= span.status.code < len(_STATUS_CODES) else 0
+                rows.append({
+                    "Timestamp": span.start_time_unix_nano,
+                    "TraceId": _hex(span.trace_id),
+                    "SpanId": _hex(span.span_id),
+                    "ParentSpanId": _hex(span.parent_span_id),
+                    "TraceState": span.trace_state,
+                    "SpanName": span.name,
+                    "SpanKind": _SPAN_KINDS[kind],
+                    "ServiceName": service,
+                    "ResourceAttributes": dict(resource),
+                    "ScopeName": scope_name,
+                    "ScopeVersion": scope_version,
+                    "SpanAttributes": _attributes(span.attributes),
+                    "Duration": max(0, span.end_time_unix_nano - span.start_time_unix_nano),
+                    "StatusCode": _STATUS_CODES[code],
+                    "StatusMessage": span.status.message,
+                    "Events.Timestamp": [e.time_unix_nano for e in span.events],
+                    "Events.Name": [e.name for e in span.events],
+                    "Events.Attributes": [_attributes(e.attributes) for e in span.events],
+                    "Links.TraceId": [_hex(link.trace_id) for link in span.links],
+                    "Links.SpanId": [_hex(link.span_id) for link in span.links],
+                    "Links.TraceState": [link.trace_state for link in span.links],
+                    "Links.Attributes": [_attributes(link.attributes) for link in span.links],
+                })
+    return rows
+
+
+def _datetime64(unix_ns: int) -> str:
+    # DateTime64(9) from text: unix seconds with a 9-digit fraction (no time zone is involved).
+    seconds, nanos = divmod(int(unix_ns), 1_000_000_000)
+    return f"{seconds}.{nanos:09d}"
+
+
+def _json_row(row: Mapping[str, Any]) -> str:
+    out = dict(row)
+    if "Timestamp" in out:
+        out["Timestamp"] = _datetime64(out["Timestamp"])
+    if "Events.Timestamp" in out:
+        out["Events.Timestamp"] = [_datetime64(t) for t in out["Events.Timestamp"]]
+    return json.dumps(out, separators=(",", ":"))
+
+
+def insert_rows(client: "Client", rows: Iterable[Mapping[str, Any]], table: str = DEFAULT_TABLE,
+                database: str | None = None, batch_rows: int = 50_000) -> int:
+    """Insert :func:`rows_from_otlp` rows (``FORMAT JSONEachRow``), ``batch_rows`` per statement."""
+    name = _identifier(table, "table")
+    if database is not None:
+        name = f"{_identifier(database, 'database')}.{name}"
+    count, batch = 0, []
+    for row in rows:
+        batch.append(_json_row(row))
+        if len(batch) >= batch_rows:
+            client.insert(name, batch)
+            count += len(batch)
+            batch = []
+    if batch:
+        client.insert(name, batch)
+        count += len(batch)
+    return count
+
+
+# --- clients -------------------------------------------------------------------------------------
+
+class ClickHouseError(RuntimeError):
+    """A query ClickHouse refused or could not run: ``code`` is its exception code when it gave one."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class Client(Protocol):
+    """What the views and ``report``/``compare --clickhouse`` need from a connection."""
+
+    database: str
+
+    def query(self, sql: str) -> list[dict[str, Any]]:
+        """Run a SELECT; its rows as dicts (``FORMAT JSONEachRow``)."""
+
+    def command(self, sql: str) -> None:
+        """Run a statement that returns nothing (DDL, ``INSERT ... VALUES``)."""
+
+    def insert(self, table: str, json_rows: list[str]) -> None:
+        """``INSERT INTO table FORMAT JSONEachRow`` with one JSON object per string."""
+
+
+# Integers as JSON numbers, not strings: the rows are read by Python, which has big integers.
+_SETTINGS = {"output_format_json_quote_64bit_integers": "0", "output_format_json_quote_denormals": "1"}
+
+
+def _parse_rows(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _with_format(sql: str) -> str:
+    return sql.rstrip().rstrip(";") + "\nFORMAT JSONEachRow"
+
+
+class HttpClient:
+    """The ClickHouse HTTP interface (port 8123, 8443 for https) with the standard library.
+
+    Each call POSTs its statement; the database, credentials and the 64-bit-integers-as-numbers
+    setting go with it. A refusal raises :class:`ClickHouseError` with ClickHouse's exception code
+    (the ``X-ClickHouse-Exception-Code`` header) and message (the body).
+    """
+
+    def __init__(self, url: str, *, database: str = "default", user: str | None = None,
+                 password: str | None = None, timeout_s: float = 30.0):
+        self.url = url
+        self.database = _identifier(database, "database")
+        self.user = user
+        self.password = password
+        if not timeout_s or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+
+    def _post(self, body: bytes, params: dict[str, str]) -> str:
+        query = dict(_SETTINGS, database=self.database, **params)
+        url = self.url + ("&" if "?" in self.url else "?") + urlparse.urlencode(query)
+        headers = {"Content-Type": "text/plain; charset=utf-8"}
+        if self.user is not None:
+            headers["X-ClickHouse-User"] = self.user
+        if self.password is not None:
+            headers["X-ClickHouse-Key"] = self.password
+        req = urlrequest.Request(url, data=body, headers=headers, method="POST")
+        try:
+            with urlrequest.urlopen(req, timeout=self.timeout_s) as response:
+                text = response.read().decode("utf-8")
+                code = response.headers.get("X-ClickHouse-Exception-Code")
+        except urlerror.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace").strip()
+            code_text = exc.headers.get("X-ClickHouse-Exception-Code") if exc.headers else None
+            code_int = int(code_text) if code_text and code_text.isdigit() else None
+            raise ClickHouseError(f"ClickHouse at {self.url} answered HTTP {exc.code}"
+                                  f"{f' (code {code_int})' if code_int is not None else ''}: "
+                                  f"{detail[:2000] or exc.reason}", code_int) from None
+        except (urlerror.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ClickHouseError(f"cannot reach ClickHouse at {self.url}: {reason}") from None
+        if code:
+            # An error after the answer started (status 200 already sent): the body ends with it.
+            raise ClickHouseError(f"ClickHouse at {self.url} failed mid-answer (code {code}): "
+                                  f"{text.strip()[-2000:]}", int(code) if code.isdigit() else None)
+        return text
+
+    def query(self, sql: str) -> list[dict[str, Any]]:
+        return _parse_rows(self._post(_with_format(sql).encode("utf-8"), {}))
+
+    def command(self, sql: str) -> None:
+        self._post(sql.encode("utf-8"), {})
+
+    def insert(self, table: str, json_rows: list[str]) -> None:
+        self._post("\n".join(json_rows).encode("utf-8"), {"query": f"INSERT INTO {table} FORMAT JSONEachRow"})
+
+
+class ChdbClient:
+    """chDB (ClickHouse as a library): ``chdb://`` in memory, ``chdb:///path`` kept in a folder."""
+
+    def __init__(self, path: str | None = None, *, database: str = "default"):
+        try:
+            from chdb import session as chdb_session
+        except ImportError as exc:
+            raise ImportError("chdb:// URLs need chDB, the embedded ClickHouse engine: "
+                              "pip install 'steptrace[clickhouse]' (or pip install chdb)") from exc
+        self.path = path
+        self.database = _identifier(database, "database")
+        self._session = chdb_session.Session(path) if path else chdb_session.Session()
+        if self.database != "default":
+            self.command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+        self.command(f"USE {self.database}")
+
+    def _run(self, sql: str, fmt: str) -> str:
+        try:
+            result = self._session.query(sql, fmt) if fmt else self._session.query(sql)
+        except Exception as exc:  # chDB raises RuntimeError/ChdbError with ClickHouse's message
+            message = str(exc)
+            match = re.search(r"Code: (\d+)", message)
+            raise ClickHouseError(f"chDB: {message.strip()[:2000]}", int(match.group(1)) if match else None) from None
+        error = getattr(result, "error_message", None)
+        if callable(error):
+            error = error()
+        if error:
+            match = re.search(r"Code: (\d+)", str(error))
+            raise ClickHouseError(f"chDB: {str(error).strip()[:2000]}", int(match.group(1)) if match else None)
+        data = result.bytes() if hasattr(result, "bytes") else bytes(result)
+        return data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else str(data)
+
+    def query(self, sql: str) -> list[dict[str, Any]]:
+        body = sql.rstrip().rstrip(";")
+        settings = ", ".join(f"{k} = {v}" for k, v in _SETTINGS.items())
+        return _parse_rows(self._run(f"{body}\nSETTINGS {settings}", "JSONEachRow"))
+
+    def command(self, sql: str) -> None:
+        self._run(sql, "")
+
+    def insert(self, table: str, json_rows: list[str]) -> None:
+        self._run(f"INSERT INTO {table} FORMAT JSONEachRow\n" + "\n".join(json_rows), "")
+
+    def close(self) -> None:
+        close = getattr(self._session, "close", None)
+        if callable(close):
+            close()
+
+
+def connect(url: str, *, timeout_s: float = 30.0) -> HttpClient | ChdbClient:
+    """A client for ``url``.
+
+    * ``http://host:8123`` or ``https://host:8443``, optionally ``user:password@`` and
+      ``?database=NAME`` (default ``default``); the user and password may also come from
+      ``CLICKHOUSE_USER`` and ``CLICKHOUSE_PASSWORD``.
+    * ``chdb://`` (an in-memory chDB session) or ``chdb:///path/to/dir`` (a chDB data folder),
+      optionally ``?database=NAME``; needs ``pip install chdb``.
+
+    Anything else raises ValueError naming the accepted forms.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"ClickHouse URL must be http(s)://host:port[/?database=NAME] or chdb://[/path], got {url!r}")
+    parts = urlparse.urlsplit(url)
+    query = dict(urlparse.parse_qsl(parts.query))
+    unknown = set(query) - {"database"}
+    if unknown:
+        raise ValueError(f"ClickHouse URL {url!r}: unknown parameter(s) {sorted(unknown)} (only database=)")
+    database = query.get("database") or "default"
+    if parts.scheme == "chdb":
+        path = (parts.netloc + parts.path) or None
+        return ChdbClient(path, database=database)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"ClickHouse URL must be http(s)://host:port[/?database=NAME] or chdb://[/path], got {url!r}")
+    user = urlparse.unquote(parts.username) if parts.username else os.environ.get("CLICKHOUSE_USER")
+    password = urlparse.unquote(parts.password) if parts.password else os.environ.get("CLICKHOUSE_PASSWORD")
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    base = urlparse.urlunsplit((parts.scheme, netloc, parts.path or "/", "", ""))
+    return HttpClient(base, database=database, user=user, password=password, timeout_s=timeout_s)
