@@ -1,0 +1,297 @@
+"""``steptrace-clickhouse.json``: a run across ranks from ClickHouse, for jobs past one steptrace collector.
+
+Built by collector/dashboards/generate.py (this module only builds the dashboard). Every panel is
+SQL for the official Grafana ClickHouse plugin (``grafana-clickhouse-datasource``, v4) over the
+OpenTelemetry Collector ClickHouse exporter's ``otel_traces`` table (collector/otelcol-clickhouse.yaml
+writes it). The per-step cross-rank join is not written here: each panel wraps the SQL of
+:mod:`steptrace.analysis.clickhouse` (``cluster_steps_sql``: min/median/max, skew, the straggler
+and its cost, bubble, goodput, missing ranks; ``step_ranks_sql``: one row per rank and step), the
+same SQL ``steptrace report --clickhouse`` runs, restricted to the dashboard's run and time range.
+
+Query model of the plugin (grafana/clickhouse-datasource at 1d04063a, src/types/sql.ts
+``CHSqlQuery``; ``format`` per src/data/utils.ts ``mapQueryTypeToGrafanaFormat``: 0 time series,
+1 table). The plugin's backend expands the macros (pkg/macros/macros.go) after Grafana has
+substituted the variables; tests/test_dashboards_clickhouse.py expands them the same way and runs
+every panel's query in chDB.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grafana_foundation_sdk.builders import bargauge, common as common_b, dashboard as dash_b
+from grafana_foundation_sdk.builders import stat, table, timeseries
+from grafana_foundation_sdk.cog import builder as cogbuilder, variants as cogvariants
+from grafana_foundation_sdk.models import common, dashboard as dash_m
+
+from steptrace.analysis import clickhouse as ch
+
+__all__ = ["PLUGIN", "PLUGIN_VERSION", "SETTLE_SECONDS", "TOP_K_DEFAULT", "clickhouse"]
+
+#: The Grafana plugin id of the official ClickHouse data source.
+PLUGIN = "grafana-clickhouse-datasource"
+#: Stored with every query: the plugin migrates queries without a v4 ``pluginVersion`` as v3 ones.
+PLUGIN_VERSION = "4.20.0"
+DATASOURCE = dash_m.DataSourceRef(type_val=PLUGIN, uid="${datasource}")
+TAG = "steptrace"
+
+#: A step is shown once it ended this long before the end of the time range: a newer one may
+#: still have ranks in flight (the rank's export, otelcol's batch, ClickHouse's async insert), and
+#: would show as missing ranks that are only late.
+SETTLE_SECONDS = 15
+#: Rank tables show the k worst ranks (variable ``topk``), never every rank.
+TOP_K_CHOICES = (5, 10, 20, 50)
+TOP_K_DEFAULT = 10
+
+# The run and time range, as conditions on the exporter's rows (inside the per-step SQL, so that
+# ClickHouse reads only the run's spans of the time range). ``singlequote`` quotes the run id and
+# escapes a quote in it with a backslash; a steptrace run id holds no backslash (steptrace/_ids.py).
+SPAN_FILTER = (f"SpanAttributes['{ch.ATTR_PREFIX}run_id'] = ${{run_id:singlequote}} "
+               "AND $__timeFilter(Timestamp)") if hasattr(ch, "ATTR_PREFIX") else (
+    "SpanAttributes['train.run_id'] = ${run_id:singlequote} AND $__timeFilter(Timestamp)")
+SETTLED = f"end_time <= toUnixTimestamp($__toTime) - {SETTLE_SECONDS}"
+
+
+def steps_sql() -> str:
+    """The run's per-step cross-rank rows in the time range (28c's ``cluster_steps_sql``), settled."""
+    inner = ch.cluster_steps_sql(None, ch.DEFAULT_TABLE, None, where=SPAN_FILTER)
+    return f"SELECT *, toDateTime64(end_time, 3) AS time FROM (\n{inner}\n) WHERE {SETTLED}"
+
+
+def ranks_sql() -> str:
+    """The run's rows per (step, rank) in the time range (``step_ranks_sql``), settled."""
+    inner = ch.step_ranks_sql(None, ch.DEFAULT_TABLE, None, where=SPAN_FILTER)
+    return f"SELECT * FROM (\n{inner}\n) WHERE {SETTLED}"
+
+
+def from_steps(select: str, tail: str = "") -> str:
+    return f"{select}\nFROM (\n{steps_sql()}\n)" + (f"\n{tail}" if tail else "")
+
+
+def from_ranks(select: str, tail: str = "") -> str:
+    return f"{select}\nFROM (\n{ranks_sql()}\n)" + (f"\n{tail}" if tail else "")
+
+
+# -- the plugin's query model ------------------------------------------------------------------------
+
+class ClickHouseQuery(cogvariants.Dataquery):
+    """A raw-SQL query of the ClickHouse plugin (``CHSqlQuery``), as saved in a dashboard."""
+
+    def __init__(self, raw_sql: str, ref_id: str, fmt: int):
+        self.raw_sql, self.ref_id, self.fmt = raw_sql, ref_id, fmt
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "datasource": DATASOURCE,
+            "editorType": "sql",
+            "format": self.fmt,
+            "pluginVersion": PLUGIN_VERSION,
+            "queryType": {0: "timeseries", 1: "table"}[self.fmt],
+            "rawSql": self.raw_sql,
+            "refId": self.ref_id,
+        }
+
+
+class ClickHouseQueryBuilder(cogbuilder.Builder[ClickHouseQuery]):
+    """grafana-foundation-sdk has no ClickHouse builder (11.6 build): this one plugs into ``with_target``."""
+
+    TIME_SERIES, TABLE = 0, 1
+
+    def __init__(self, raw_sql: str, ref_id: str = "A", fmt: int = TIME_SERIES):
+        self._query = ClickHouseQuery(raw_sql, ref_id, fmt)
+
+    def build(self) -> ClickHouseQuery:
+        return self._query
+
+
+def sql(raw_sql: str, ref: str = "A", *, fmt: int = ClickHouseQueryBuilder.TIME_SERIES) -> ClickHouseQueryBuilder:
+    return ClickHouseQueryBuilder(raw_sql, ref, fmt)
+
+
+# -- panels ------------------------------------------------------------------------------------------
+
+def series(title: str, description: str, raw_sql: str, *, unit: str = "s", w: int = 12, h: int = 8,
+           points: bool = False, bars: bool = False, min_val: float | None = 0, max_val: float | None = None,
+           decimals: float | None = None) -> timeseries.Panel:
+    """A time series panel of one query (time first; one series per value column, or per string column)."""
+    p = (timeseries.Panel().title(title).description(description).datasource(DATASOURCE)
+         .unit(unit).span(w).height(h).line_width(1).fill_opacity(10).span_nulls(False)
+         .tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                  .sort(common.SortOrder.DESCENDING))
+         .legend(common_b.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+                 .placement(common.LegendPlacement.BOTTOM).show_legend(True)))
+    if points:
+        p = p.draw_style(common.GraphDrawStyle.POINTS).point_size(6)
+    if bars:
+        p = p.draw_style(common.GraphDrawStyle.BARS).fill_opacity(80)
+    if min_val is not None:
+        p = p.min(min_val)
+    if max_val is not None:
+        p = p.max(max_val)
+    if decimals is not None:
+        p = p.decimals(decimals)
+    return p.with_target(sql(raw_sql))
+
+
+def single(title: str, description: str, raw_sql: str, *, unit: str = "none", w: int = 4, h: int = 4,
+           decimals: float | None = None, thresholds: list[tuple[float | None, str]] | None = None,
+           no_value: str | None = None) -> stat.Panel:
+    """A stat panel of a one-row, one-column table query."""
+    steps = [dash_m.Threshold(value=v, color=c) for v, c in (thresholds or [(None, "blue")])]
+    p = (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+         .span(w).height(h).graph_mode(common.BigValueGraphMode.NONE)
+         .color_mode(common.BigValueColorMode.VALUE if thresholds else common.BigValueColorMode.NONE)
+         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+         .thresholds(dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE).steps(steps)))
+    if decimals is not None:
+        p = p.decimals(decimals)
+    if no_value is not None:
+        p = p.no_value(no_value)
+    return p.with_target(sql(raw_sql, fmt=ClickHouseQueryBuilder.TABLE))
+
+
+def rank_table(title: str, description: str, raw_sql: str, *, w: int = 12, h: int = 8) -> table.Panel:
+    return (table.Panel().title(title).description(description).datasource(DATASOURCE).span(w).height(h)
+            .with_target(sql(raw_sql, fmt=ClickHouseQueryBuilder.TABLE)))
+
+
+GOODPUT_THRESHOLDS: list[tuple[float | None, str]] = [(None, "red"), (0.7, "orange"), (0.9, "green")]
+LAST = "argMax({column}, step)"   # the latest settled step's value
+
+
+def variables() -> list[Any]:
+    """Data source (ClickHouse), run (from otel_traces in the time range), k for the rank tables.
+
+    No rank variable: at thousands of ranks a panel per rank (or an "All ranks" default) is what
+    the Prometheus dashboards had to give up; the rank tables list the k worst instead.
+    """
+    runs = (f"SELECT DISTINCT SpanAttributes['train.run_id'] AS run_id FROM {ch.DEFAULT_TABLE} "
+            "WHERE SpanName = 'train.step' AND $__timeFilter(Timestamp) ORDER BY run_id")
+    k = [dash_m.VariableOption(selected=v == TOP_K_DEFAULT, text=str(v), value=str(v)) for v in TOP_K_CHOICES]
+    return [
+        dash_b.DatasourceVariable("datasource").label("Data source").type(PLUGIN),
+        dash_b.QueryVariable("run_id").label("Run").datasource(DATASOURCE)
+        .query({"refId": "run_id", "queryType": "sql", "rawSql": runs})
+        .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dash_m.VariableSort.ALPHABETICAL_ASC),
+        dash_b.CustomVariable("topk").label("Ranks listed").values(",".join(str(v) for v in TOP_K_CHOICES))
+        .current(dash_m.VariableOption(selected=True, text=str(TOP_K_DEFAULT), value=str(TOP_K_DEFAULT)))
+        .options(k),
+    ]
+
+
+def clickhouse() -> dash_b.Dashboard:
+    d = (dash_b.Dashboard("steptrace: cluster (ClickHouse)").uid("steptrace-clickhouse")
+         .description("A run across ranks from ClickHouse (otel_traces, written by the OpenTelemetry "
+                      "Collector's clickhouse exporter): steptrace's per-step cross-rank join in SQL "
+                      "(steptrace/analysis/clickhouse.py), for jobs past one steptrace collector.")
+         .tags([TAG]).time("now-1h", "now").refresh("30s").timezone("browser")
+         .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
+         .link(dash_b.DashboardLink("steptrace").type(dash_m.DashboardLinkType.DASHBOARDS).tags([TAG])
+               .as_dropdown(False).include_vars(True).keep_time(True)))
+    for v in variables():
+        d = d.with_variable(v)
+
+    d = d.with_row(dash_b.Row("Overview"))
+    for panel in [
+        single("Last step", f"Highest step joined across ranks (steps that ended at least {SETTLE_SECONDS} s "
+               "before the end of the time range).", from_steps("SELECT max(step) AS step"), decimals=0),
+        single("Ranks in the last step", "Ranks whose train.step span of the last step is in ClickHouse.",
+               from_steps(f"SELECT {LAST.format(column='ranks_reporting')} AS ranks"), decimals=0),
+        single("Missing ranks, last step", "World size minus the ranks that reported the last step "
+               "(0 when every rank did).", from_steps(f"SELECT {LAST.format(column='missing_rank_count')} AS missing"),
+               decimals=0, thresholds=[(None, "green"), (1, "red")]),
+        single("Straggler rank, last step", "The rank that slowed the last step (most time on its own, "
+               "standing out from the others' median); none when no rank did.",
+               from_steps(f"SELECT {LAST.format(column='straggler_rank')} AS straggler"), decimals=0,
+               no_value="none"),
+        single("Cross-rank skew, last step", "Max - min compute over the ranks in the last step.",
+               from_steps(f"SELECT {LAST.format(column='skew_seconds')} AS skew"), unit="s"),
+        single("Goodput (time range)", "Sum of compute over sum of interval, every rank and step in the "
+               "time range.", from_steps("SELECT sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput"),
+               unit="percentunit", thresholds=GOODPUT_THRESHOLDS),
+    ]:
+        d = d.with_panel(panel)
+
+    bucket = "$__timeInterval(time) AS t"
+    d = d.with_row(dash_b.Row("Across ranks"))
+    for title, what, column in (("Step interval across ranks (min, median, max)", "interval", "interval"),
+                                ("Step compute across ranks (min, median, max)", "compute", "compute")):
+        d = d.with_panel(series(
+            title, f"Per step, the fastest, median and slowest rank's {what}; per time bucket the min of the "
+            "steps' min, the median of their medians, the max of their max.",
+            from_steps(f"SELECT {bucket}, min({column}_min_seconds) AS min, "
+                       f"quantile(0.5)({column}_median_seconds) AS median, max({column}_max_seconds) AS max",
+                       "GROUP BY t ORDER BY t")))
+    d = d.with_panel(series(
+        "Cross-rank skew (max - min compute)", "Per step, max - min compute over ranks; per time bucket "
+        "the mean and the worst step.",
+        from_steps(f"SELECT {bucket}, avg(skew_seconds) AS mean, max(skew_seconds) AS worst", "GROUP BY t ORDER BY t")))
+    d = d.with_panel(series(
+        "Time on its own across ranks (min, median, max)", "Per step, each rank's interval minus its wait "
+        "in collectives (its compute where the wait is not measured): the straggler is the max rank "
+        "when it stands out.",
+        from_steps(f"SELECT {bucket}, min(own_min_seconds) AS min, quantile(0.5)(own_median_seconds) AS median, "
+                   "max(own_max_seconds) AS max", "GROUP BY t ORDER BY t")))
+
+    d = d.with_row(dash_b.Row("Stragglers"))
+    d = d.with_panel(series(
+        "Straggler rank per step", "The rank named the straggler (per time bucket, the one that stood "
+        "out most); no point where no rank did. A rank that keeps coming back is a straggler.",
+        from_steps(f"SELECT {bucket}, argMax(straggler_rank, straggler_excess_seconds) AS straggler",
+                   "WHERE straggler_rank IS NOT NULL GROUP BY t ORDER BY t"),
+        unit="none", decimals=0, points=True, w=8))
+    d = d.with_panel(series(
+        "What the straggler cost per step", "The other ranks' median wait in collectives less the "
+        "straggler's own wait (0 when no rank stood out or the ranks do not measure their wait): "
+        "per time bucket, the mean over steps and the worst step.",
+        from_steps(f"SELECT {bucket}, avg(coalesce(straggler_cost_seconds, 0)) AS mean, "
+                   "max(coalesce(straggler_cost_seconds, 0)) AS worst", "GROUP BY t ORDER BY t"), w=8))
+    d = d.with_panel(
+        bargauge.Panel().title("Top stragglers (time range)")
+        .description("The $topk ranks that cost the job most as the straggler over the time range "
+                     "(seconds the others waited for them), with how many steps each was named.")
+        .datasource(DATASOURCE).span(8).height(8).unit("s")
+        .orientation(common.VizOrientation.HORIZONTAL)
+        .reduce_options(common_b.ReduceDataOptions().values(True).calcs([]).fields("/^cost$/"))
+        .with_target(sql(from_steps(
+            "SELECT toString(straggler_rank) AS rank, sum(coalesce(straggler_cost_seconds, 0)) AS cost, "
+            "count() AS steps", "WHERE straggler_rank IS NOT NULL GROUP BY straggler_rank "
+            "ORDER BY cost DESC, steps DESC, straggler_rank LIMIT $topk"), fmt=ClickHouseQueryBuilder.TABLE)))
+    d = d.with_panel(rank_table(
+        "Slowest ranks (time range)", "The $topk ranks with the most time on their own per step "
+        "(mean over the time range's steps), with their mean interval and compute: never every rank.",
+        from_ranks("SELECT rank, avg(own_seconds) AS own_seconds, avg(interval_seconds) AS interval_seconds, "
+                   "avg(compute_seconds) AS compute_seconds, count() AS steps",
+                   "GROUP BY rank ORDER BY own_seconds DESC, rank LIMIT $topk"), w=24))
+
+    d = d.with_row(dash_b.Row("Pipeline, goodput and missing ranks"))
+    d = d.with_panel(series(
+        "Pipeline bubble per stage", "1 - microbatch compute / pipeline window, per stage (mean over the "
+        "stage's ranks and the bucket's steps).",
+        from_steps(f"SELECT {bucket}, stage, avg(ratio) AS bubble",
+                   "ARRAY JOIN mapKeys(pipeline_bubble_ratio) AS stage, mapValues(pipeline_bubble_ratio) AS ratio "
+                   "GROUP BY t, stage ORDER BY t, stage"),
+        unit="percentunit", max_val=1, w=8))
+    d = d.with_panel(series(
+        "Goodput per step", "Sum of compute over sum of interval across ranks (per time bucket, over its "
+        "steps).", from_steps(f"SELECT {bucket}, sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput",
+                              "GROUP BY t ORDER BY t"), unit="percentunit", max_val=1, w=8))
+    d = d.with_panel(series(
+        "Step rate", "Steps joined per second of wall time.",
+        from_steps(f"SELECT {bucket}, count() / $__interval_s AS steps_per_second", "GROUP BY t ORDER BY t"),
+        unit="short", w=8))
+    d = d.with_panel(series(
+        "Ranks reporting and missing per step", "Per time bucket: the world size, the fewest ranks that "
+        "reported a step, and the most ranks missing from one (late, dead or not started).",
+        from_steps(f"SELECT {bucket}, max(world_size) AS world_size, min(ranks_reporting) AS reporting, "
+                   "max(missing_rank_count) AS missing", "GROUP BY t ORDER BY t"),
+        unit="none", decimals=0, w=12))
+    d = d.with_panel(rank_table(
+        "Steps with missing ranks (latest)", "The latest steps in which ranks are missing, and which "
+        "(the first $topk): a rank that never reports shows in every one.",
+        from_ranks("SELECT step, any(world_size) AS world_size, count() AS reporting, "
+                   "arraySlice(arrayFilter(r -> NOT has(groupArray(rank), r), range(toUInt64(any(world_size)))), "
+                   "1, $topk) AS missing_ranks",
+                   "GROUP BY run_id, attempt, step HAVING reporting < world_size ORDER BY step DESC LIMIT $topk"),
+        w=12))
+    return d
