@@ -495,3 +495,203 @@ def connect(url: str, *, timeout_s: float = 30.0) -> HttpClient | ChdbClient:
     netloc = host + (f":{parts.port}" if parts.port else "")
     base = urlparse.urlunsplit((parts.scheme, netloc, parts.path or "/", "", ""))
     return HttpClient(base, database=database, user=user, password=password, timeout_s=timeout_s)
+
+
+# --- the per-step cross-rank views ---------------------------------------------------------------
+
+def _literal(value: str) -> str:
+    """A ClickHouse string literal."""
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _number(value: float, what: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return repr(float(value))
+
+
+#: The view names :func:`views_sql` creates.
+STEP_RANKS_VIEW = "steptrace_step_ranks"
+CLUSTER_STEPS_VIEW = "steptrace_cluster_steps"
+
+
+def step_ranks_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None) -> str:
+    """One row per (run, attempt, step, rank) from the ranks' ``train.step`` spans, typed.
+
+    Attribute values are strings in the exporter's map (see :func:`rows_from_otlp`): numbers are cast
+    back with ``toFloat64OrNull``/``toInt64OrNull``, so an absent or unreadable one is NULL. A span
+    the exporter stored twice (an OTLP retry; ClickHouse keeps both rows) counts once; a rank that
+    sent two different spans for one step (``versions`` > 1) is a conflict, which
+    :func:`cluster_steps_sql` leaves out and counts as missing, as the steptrace collector does.
+    ``own_seconds`` follows the collector: interval − min(wait, interval) where the rank measured
+    its wait in collectives, its compute otherwise.
+    """
+    source = f"{_identifier(database, 'database')}.{_identifier(table, 'table')}"
+    where = f"\n      AND SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else ""
+    # The inner columns are prefixed: ClickHouse lets an outer alias shadow a column of the same name.
+    return f"""\
+SELECT
+    run_id, attempt, step, rank,
+    any(s_world) AS world_size,
+    any(s_compute) AS compute_seconds,
+    any(s_interval) AS interval_seconds,
+    any(s_idle) AS idle_seconds,
+    any(s_wait) AS collective_wait_seconds,
+    any(if(s_wait IS NULL, s_compute, greatest(0., s_interval - s_wait))) AS own_seconds,
+    any(s_status) AS status,
+    max(s_end) AS end_time,
+    any(s_trace) AS trace_id,
+    any(s_bubble) AS bubble,
+    uniqExact(s_compute, s_interval) AS versions
+FROM (
+    SELECT
+        SpanAttributes['train.run_id'] AS run_id,
+        toUInt32OrZero(SpanAttributes['train.attempt']) AS attempt,
+        toInt64OrNull(SpanAttributes['train.step']) AS step,
+        toInt64OrNull(SpanAttributes['train.rank']) AS rank,
+        toInt64OrNull(SpanAttributes['train.world_size']) AS s_world,
+        toFloat64OrNull(SpanAttributes['train.compute_seconds']) AS s_compute,
+        toFloat64OrNull(SpanAttributes['train.interval_seconds']) AS s_interval,
+        toFloat64OrNull(SpanAttributes['train.idle_seconds']) AS s_idle,
+        toFloat64OrNull(SpanAttributes['train.collective_wait_seconds']) AS s_wait_sent,
+        -- least() skips a NULL argument in recent ClickHouse: an unmeasured wait must stay NULL.
+        if(s_wait_sent IS NULL, NULL, least(s_wait_sent, s_interval)) AS s_wait,
+        if(SpanAttributes['train.status'] = '', 'ok', SpanAttributes['train.status']) AS s_status,
+        (toUnixTimestamp64Nano(Timestamp) + Duration) / 1e9 AS s_end,
+        TraceId AS s_trace,
+        mapApply((k, v) -> (substring(k, {len(_BUBBLE) + 1}), toFloat64OrZero(v)),
+                 mapFilter((k, v) -> startsWith(k, {_literal(_BUBBLE)}) AND isFinite(toFloat64OrNull(v)) = 1,
+                           SpanAttributes)) AS s_bubble
+    FROM {source}
+    WHERE SpanName = 'train.step'{where}
+)
+WHERE step >= 0 AND rank >= 0 AND s_compute IS NOT NULL AND s_interval IS NOT NULL
+GROUP BY run_id, attempt, step, rank"""
+
+
+_BUBBLE = "train.pipeline.bubble_ratio."
+
+
+def _median_sql(sorted_array: str) -> str:
+    # statistics.median of a sorted array: the middle element, or the mean of the two middle ones.
+    n = f"length({sorted_array})"
+    return (f"if({n} = 0, NULL, if({n} % 2 = 1, {sorted_array}[intDiv({n}, 2) + 1], "
+            f"({sorted_array}[intDiv({n}, 2)] + {sorted_array}[intDiv({n}, 2) + 1]) / 2))")
+
+
+def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+                      world_size: int | None = None, straggler_min_seconds: float | None = None,
+                      straggler_min_ratio: float | None = None) -> str:
+    """One row per (run, attempt, step): the steptrace collector's ``cluster_step`` aggregates, in SQL.
+
+    Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
+    argument, like the collector's ``--world-size``, else the largest ``train.world_size`` the
+    step's spans carry), ``ranks_reporting``, ``missing_rank_count`` (ranks below the world size
+    that sent no usable span, or two different ones), ``complete``, ``compute_*`` and
+    ``interval_*`` min/median/max (exact medians, as ``statistics.median``), ``skew_seconds`` (max −
+    min compute), ``own_*``, ``straggler_rank``/``straggler_cost_seconds``/
+    ``straggler_excess_seconds``/``straggler_threshold_seconds`` (``steptrace._attribution.
+    find_straggler``: the rank with most time on its own, the lowest on a tie, named only on a
+    complete step of two ranks or more whose excess over the other ranks' median reaches
+    max(min_seconds, min_ratio × the median interval, or median compute where a rank did not measure
+    its wait); the cost is the other ranks' median wait less its own), ``compute_sum_seconds``,
+    ``interval_sum_seconds``, ``goodput_ratio`` (Σcompute / Σinterval), ``pipeline_bubble_ratio``
+    (per stage, the mean over the ranks that report it), ``status`` (ranks per status),
+    ``end_time``, ``trace_id``.
+    """
+    from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
+
+    min_s = _number(STRAGGLER_MIN_SECONDS if straggler_min_seconds is None else straggler_min_seconds,
+                    "straggler_min_seconds")
+    ratio = _number(STRAGGLER_MIN_RATIO if straggler_min_ratio is None else straggler_min_ratio,
+                    "straggler_min_ratio")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    world = f"toNullable(toInt64({world_size}))" if world_size is not None else "max(world_size)"
+    ranks_sql = step_ranks_sql(database, table, run_id)
+    step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
+    threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
+    # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
+    return f"""\
+SELECT
+    run_id, attempt, step,
+    m_trace AS trace_id,
+    m_world AS world_size,
+    m_ranks AS ranks_reporting,
+    if(m_world IS NULL, 0, toInt64(m_world) - toInt64(arrayCount(r -> r < m_world, ranks))) AS missing_rank_count,
+    m_world IS NOT NULL AND missing_rank_count = 0 AS complete,
+    m_conflicting AS conflicting_rank_count,
+    m_end AS end_time,
+    compute_sorted[1] AS compute_min_seconds,
+    {_median_sql('compute_sorted')} AS compute_median_seconds,
+    compute_sorted[-1] AS compute_max_seconds,
+    interval_sorted[1] AS interval_min_seconds,
+    {_median_sql('interval_sorted')} AS interval_median_seconds,
+    interval_sorted[-1] AS interval_max_seconds,
+    compute_max_seconds - compute_min_seconds AS skew_seconds,
+    own_sorted[1] AS own_min_seconds,
+    {_median_sql('own_sorted')} AS own_median_seconds,
+    own_sorted[-1] AS own_max_seconds,
+    own_sorted[-1] - {_median_sql('arrayPopBack(own_sorted)')} AS candidate_excess_seconds,
+    {threshold} AS candidate_threshold_seconds,
+    complete AND ranks_reporting >= 2 AND candidate_excess_seconds >= candidate_threshold_seconds AS named,
+    if(named, candidate_rank, NULL) AS straggler_rank,
+    if(named, candidate_excess_seconds, NULL) AS straggler_excess_seconds,
+    if(named AND measured,
+       greatest(0., {_median_sql('arraySort(arrayFilter((w, r) -> r != candidate_rank, waits, ranks))')}
+                    - candidate_wait), NULL) AS straggler_cost_seconds,
+    if(complete, candidate_threshold_seconds, NULL) AS straggler_threshold_seconds,
+    compute_sum_seconds, interval_sum_seconds,
+    if(interval_sum_seconds > 0, compute_sum_seconds / interval_sum_seconds, NULL) AS goodput_ratio,
+    m_bubble AS pipeline_bubble_ratio,
+    m_status AS status
+FROM (
+    SELECT
+        run_id, attempt, step,
+        any(trace_id) AS m_trace,
+        {world} AS m_world,
+        countIf(versions = 1) AS m_ranks,
+        countIf(versions > 1) AS m_conflicting,
+        max(end_time) AS m_end,
+        arraySort(groupArrayIf(compute_seconds, versions = 1)) AS compute_sorted,
+        arraySort(groupArrayIf(interval_seconds, versions = 1)) AS interval_sorted,
+        arraySort(groupArrayIf(own_seconds, versions = 1)) AS own_sorted,
+        groupArrayIf(rank, versions = 1) AS ranks,
+        groupArrayIf(collective_wait_seconds, versions = 1) AS waits,
+        countIf(versions = 1 AND collective_wait_seconds IS NULL) = 0 AND m_ranks > 0 AS measured,
+        argMaxIf(rank, (own_seconds, -rank), versions = 1) AS candidate_rank,
+        argMaxIf(collective_wait_seconds, (own_seconds, -rank), versions = 1) AS candidate_wait,
+        sumIf(compute_seconds, versions = 1) AS compute_sum_seconds,
+        sumIf(interval_seconds, versions = 1) AS interval_sum_seconds,
+        avgMapIf(bubble, versions = 1 AND length(bubble) > 0) AS m_bubble,
+        sumMapIf(map(status, toUInt64(1)), versions = 1) AS m_status
+    FROM ({ranks_sql})
+    GROUP BY run_id, attempt, step
+)
+ORDER BY run_id, attempt, step"""
+
+
+def views_sql(database: str = "default", table: str = DEFAULT_TABLE) -> list[str]:
+    """``CREATE OR REPLACE VIEW`` statements for :data:`STEP_RANKS_VIEW` and :data:`CLUSTER_STEPS_VIEW`.
+
+    Plain (not materialized) views over the exporter's table: a query reads the spans it needs when
+    it runs (filter on ``run_id``; ClickHouse pushes the condition into the view's grouping). The
+    straggler thresholds are the collector's defaults.
+    """
+    db = _identifier(database, "database")
+    return [f"CREATE OR REPLACE VIEW {db}.{STEP_RANKS_VIEW} AS\n{step_ranks_sql(database, table)}",
+            f"CREATE OR REPLACE VIEW {db}.{CLUSTER_STEPS_VIEW} AS\n{cluster_steps_sql(database, table)}"]
+
+
+def cluster_steps(client: Client, run_id: str | None = None, *, table: str = DEFAULT_TABLE,
+                  world_size: int | None = None, straggler_min_seconds: float | None = None,
+                  straggler_min_ratio: float | None = None) -> list[dict[str, Any]]:
+    """The per-step cross-rank rows of ``run_id`` (all runs when None), as dicts (see :func:`cluster_steps_sql`)."""
+    rows = client.query(cluster_steps_sql(client.database, table, run_id, world_size=world_size,
+                                          straggler_min_seconds=straggler_min_seconds,
+                                          straggler_min_ratio=straggler_min_ratio))
+    for row in rows:
+        row["complete"] = bool(row.get("complete"))
+        row.pop("named", None)
+    return rows
