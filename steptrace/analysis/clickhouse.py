@@ -510,13 +510,29 @@ def _number(value: float, what: str) -> str:
     return repr(float(value))
 
 
+#: ``missing_ranks`` lists at most this many ranks, as the collector's cluster records
+#: (collector/_join.py ``MAX_MISSING_LISTED``; tests/test_dashboards_clickhouse.py checks they agree).
+MAX_MISSING_LISTED = 64
+
 #: The view names :func:`views_sql` creates.
 STEP_RANKS_VIEW = "steptrace_step_ranks"
 CLUSTER_STEPS_VIEW = "steptrace_cluster_steps"
 
 
-def step_ranks_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None) -> str:
+def _source(database: str | None, table: str) -> str:
+    """``database.table``; ``table`` alone when ``database`` is None (the connection's database)."""
+    name = _identifier(table, "table")
+    return name if database is None else f"{_identifier(database, 'database')}.{name}"
+
+
+def step_ranks_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+                   where: str | None = None) -> str:
     """One row per (run, attempt, step, rank) from the ranks' ``train.step`` spans, typed.
+
+    ``database`` None reads ``table`` in the connection's database (a Grafana data source's default
+    database). ``where``: an extra condition on the exporter's rows, AND-ed as given (SQL written
+    by steptrace, never user input: collector/dashboards/clickhouse.py passes the dashboard's run
+    and ``$__timeFilter(Timestamp)``, so ClickHouse reads only the time range's spans).
 
     Attribute values are strings in the exporter's map (see :func:`rows_from_otlp`): numbers are cast
     back with ``toFloat64OrNull``/``toInt64OrNull``, so an absent or unreadable one is NULL. A span
@@ -526,8 +542,10 @@ def step_ranks_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id
     ``own_seconds`` follows the collector: interval − min(wait, interval) where the rank measured
     its wait in collectives, its compute otherwise.
     """
-    source = f"{_identifier(database, 'database')}.{_identifier(table, 'table')}"
-    where = f"\n      AND SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else ""
+    source = _source(database, table)
+    conditions = "".join(f"\n      AND {c}" for c in (
+        f"SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else None,
+        f"({where})" if where else None) if c)
     # The inner columns are prefixed: ClickHouse lets an outer alias shadow a column of the same name.
     return f"""\
 SELECT
@@ -563,7 +581,7 @@ FROM (
                  mapFilter((k, v) -> startsWith(k, {_literal(_BUBBLE)}) AND isFinite(toFloat64OrNull(v)) = 1,
                            SpanAttributes)) AS s_bubble
     FROM {source}
-    WHERE SpanName = 'train.step'{where}
+    WHERE SpanName = 'train.step'{conditions}
 )
 WHERE step >= 0 AND rank >= 0 AND s_compute IS NOT NULL AND s_interval IS NOT NULL
 GROUP BY run_id, attempt, step, rank"""
@@ -579,15 +597,16 @@ def _median_sql(sorted_array: str) -> str:
             f"({sorted_array}[intDiv({n}, 2)] + {sorted_array}[intDiv({n}, 2) + 1]) / 2))")
 
 
-def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
                       world_size: int | None = None, straggler_min_seconds: float | None = None,
-                      straggler_min_ratio: float | None = None) -> str:
+                      straggler_min_ratio: float | None = None, where: str | None = None) -> str:
     """One row per (run, attempt, step): the steptrace collector's ``cluster_step`` aggregates, in SQL.
 
     Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
     argument, like the collector's ``--world-size``, else the largest ``train.world_size`` the
     step's spans carry), ``ranks_reporting``, ``missing_rank_count`` (ranks below the world size
-    that sent no usable span, or two different ones), ``complete``, ``compute_*`` and
+    that sent no usable span, or two different ones) and ``missing_ranks`` (the lowest
+    ``MAX_MISSING_LISTED`` of them, as the collector lists them), ``complete``, ``compute_*`` and
     ``interval_*`` min/median/max (exact medians, as ``statistics.median``), ``skew_seconds`` (max −
     min compute), ``own_*``, ``straggler_rank``/``straggler_cost_seconds``/
     ``straggler_excess_seconds``/``straggler_threshold_seconds`` (``steptrace._attribution.
@@ -609,7 +628,7 @@ def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run
                                    or world_size < 1):
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world = f"toNullable(toInt64({world_size}))" if world_size is not None else "max(world_size)"
-    ranks_sql = step_ranks_sql(database, table, run_id)
+    ranks_sql = step_ranks_sql(database, table, run_id, where=where)
     step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
     threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
     # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
@@ -620,6 +639,11 @@ SELECT
     m_world AS world_size,
     m_ranks AS ranks_reporting,
     if(m_world IS NULL, 0, toInt64(m_world) - toInt64(arrayCount(r -> r < m_world, ranks))) AS missing_rank_count,
+    -- A bitmap difference: has() per rank would cost ranks x world size per step.
+    if(m_world IS NULL, CAST([], 'Array(UInt32)'), arraySlice(bitmapToArray(bitmapAndnot(
+        bitmapBuild(range(toUInt32(assumeNotNull(m_world)))),
+        bitmapBuild(arrayMap(r -> toUInt32(r), arrayFilter(r -> r < m_world, ranks))))), 1, {MAX_MISSING_LISTED}))
+        AS missing_ranks,
     m_world IS NOT NULL AND missing_rank_count = 0 AS complete,
     m_conflicting AS conflicting_rank_count,
     m_end AS end_time,
