@@ -24,6 +24,7 @@ from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.cog import builder as cogbuilder, variants as cogvariants
 from grafana_foundation_sdk.models import common, dashboard as dash_m
 
+from steptrace._schema import ATTR_RUN_ID
 from steptrace.analysis import clickhouse as ch
 
 __all__ = ["PLUGIN", "PLUGIN_VERSION", "SETTLE_SECONDS", "TOP_K_DEFAULT", "clickhouse"]
@@ -46,9 +47,7 @@ TOP_K_DEFAULT = 10
 # The run and time range, as conditions on the exporter's rows (inside the per-step SQL, so that
 # ClickHouse reads only the run's spans of the time range). ``singlequote`` quotes the run id and
 # escapes a quote in it with a backslash; a steptrace run id holds no backslash (steptrace/_ids.py).
-SPAN_FILTER = (f"SpanAttributes['{ch.ATTR_PREFIX}run_id'] = ${{run_id:singlequote}} "
-               "AND $__timeFilter(Timestamp)") if hasattr(ch, "ATTR_PREFIX") else (
-    "SpanAttributes['train.run_id'] = ${run_id:singlequote} AND $__timeFilter(Timestamp)")
+SPAN_FILTER = f"SpanAttributes['{ATTR_RUN_ID}'] = ${{run_id:singlequote}} AND $__timeFilter(Timestamp)"
 SETTLED = f"end_time <= toUnixTimestamp($__toTime) - {SETTLE_SECONDS}"
 
 
@@ -165,7 +164,7 @@ def variables() -> list[Any]:
     No rank variable: at thousands of ranks a panel per rank (or an "All ranks" default) is what
     the Prometheus dashboards had to give up; the rank tables list the k worst instead.
     """
-    runs = (f"SELECT DISTINCT SpanAttributes['train.run_id'] AS run_id FROM {ch.DEFAULT_TABLE} "
+    runs = (f"SELECT DISTINCT SpanAttributes['{ATTR_RUN_ID}'] AS run_id FROM {ch.DEFAULT_TABLE} "
             "WHERE SpanName = 'train.step' AND $__timeFilter(Timestamp) ORDER BY run_id")
     k = [dash_m.VariableOption(selected=v == TOP_K_DEFAULT, text=str(v), value=str(v)) for v in TOP_K_CHOICES]
     return [
@@ -287,11 +286,8 @@ def clickhouse() -> dash_b.Dashboard:
                    "max(missing_rank_count) AS missing", "GROUP BY t ORDER BY t"),
         unit="none", decimals=0, w=12))
     d = d.with_panel(rank_table(
-        "Steps with missing ranks (latest)", "The latest steps in which ranks are missing, and which "
-        "(the first $topk): a rank that never reports shows in every one.",
-        from_ranks("SELECT step, any(world_size) AS world_size, count() AS reporting, "
-                   "arraySlice(arrayFilter(r -> NOT has(groupArray(rank), r), range(toUInt64(any(world_size)))), "
-                   "1, $topk) AS missing_ranks",
-                   "GROUP BY run_id, attempt, step HAVING reporting < world_size ORDER BY step DESC LIMIT $topk"),
-        w=12))
+        "Steps with missing ranks (latest)", "The latest $topk steps in which ranks are missing, and "
+        f"which (the lowest {ch.MAX_MISSING_LISTED}): a rank that never reports shows in every one.",
+        from_steps("SELECT step, world_size, ranks_reporting, missing_rank_count, missing_ranks",
+                   "WHERE missing_rank_count > 0 ORDER BY step DESC LIMIT $topk"), w=12))
     return d
