@@ -296,6 +296,16 @@ def test_overview_shows_the_last_step_its_straggler_and_the_runs_goodput(client)
     assert goodput["goodput"] == pytest.approx(compute / 1.0)
 
 
+def test_the_overview_of_a_last_step_with_a_missing_rank_names_no_straggler(client):
+    """A range ending at T0 + 23 shows steps that ended by T0 + 8: the last one is step 7, without rank 3."""
+    end = T0 + 23
+    assert run(client, "Last step", end=end) == [{"step": ABSENT_STEP}]
+    assert run(client, "Ranks in the last step", end=end) == [{"ranks": WORLD - 1}]
+    assert run(client, "Missing ranks, last step", end=end) == [{"missing": 1}]
+    # Not step 6's straggler: the last step named none.
+    assert run(client, "Straggler rank, last step", end=end) == [{"straggler": None}]
+
+
 def test_the_straggler_panels_name_the_slowed_rank_and_its_cost(client):
     points = run(client, "Straggler rank per step")
     assert points and {p["straggler"] for p in points} == {SLOW}

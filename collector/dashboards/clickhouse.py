@@ -155,7 +155,9 @@ def rank_table(title: str, description: str, raw_sql: str, *, w: int = 12, h: in
 
 
 GOODPUT_THRESHOLDS: list[tuple[float | None, str]] = [(None, "red"), (0.7, "orange"), (0.9, "green")]
-LAST = "argMax({column}, step)"   # the latest settled step's value
+# The latest settled step's value. argMax skips a NULL value (and would show an older step's
+# straggler when the last step has none): a tuple is never NULL.
+LAST = "argMax(tuple({column}), step).1"
 
 
 def variables() -> list[Any]:
