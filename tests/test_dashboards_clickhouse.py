@@ -46,6 +46,7 @@ DASHBOARDS = REPO / "collector" / "dashboards"
 NAME = "steptrace-clickhouse.json"
 PLUGIN = "grafana-clickhouse-datasource"
 DATASOURCE = {"type": PLUGIN, "uid": "${datasource}"}
+SHARED = {"type": "datasource", "uid": "-- Dashboard --"}   # Grafana's "use another panel's result"
 DATABASE = "steptrace_grafana"      # chDB is one engine per process: a database of our own
 
 RUN = "it's-a-run"                  # a quote: ${run_id:singlequote} must keep the SQL valid
@@ -194,12 +195,51 @@ def panels(dashboard: dict) -> list[dict]:
 
 
 def targets(dashboard: dict | None = None) -> list[tuple[str, dict]]:
-    return [(p["title"], t) for p in panels(dashboard or load()) for t in p["targets"]]
+    """(panel title, target) of every ClickHouse query (not the panels showing another's result)."""
+    return [(p["title"], t) for p in panels(dashboard or load()) for t in p["targets"] if t["datasource"] != SHARED]
+
+
+def panel(title: str, dashboard: dict | None = None) -> dict:
+    (found,) = [p for p in panels(dashboard or load()) if p["title"] == title]
+    return found
 
 
 def panel_sql(title: str) -> str:
-    (target,) = [t for name, t in targets() if name == title]
+    (target,) = panel(title)["targets"]
     return target["rawSql"]
+
+
+def source_of(p: dict, dashboard: dict | None = None) -> dict:
+    """The panel whose query ``p`` shows: itself, or the one its "-- Dashboard --" query names."""
+    (target,) = p["targets"]
+    if target["datasource"] != SHARED:
+        return p
+    assert not target["withTransforms"], p["title"]
+    (source,) = [s for s in panels(dashboard or load()) if s["id"] == target["panelId"]]
+    assert source["targets"][0]["datasource"] == DATASOURCE, f"{p['title']} shows a panel without a query"
+    return source
+
+
+def displayed(rows: list[dict], p: dict) -> list[dict]:
+    """``rows`` as panel ``p`` shows them: its transformations (filterFieldsByName, organize) and,
+    for a stat panel, the one field its reduceOptions.fields names."""
+    for transformation in p.get("transformations") or []:
+        options = transformation["options"]
+        if transformation["id"] == "filterFieldsByName":
+            names = options["include"]["names"]
+            for row in rows:
+                assert set(names) <= set(row), f"{p['title']}: {set(names) - set(row)} not in its query's columns"
+            rows = [{k: row[k] for k in names} for row in rows]
+        else:
+            assert transformation["id"] == "organize", transformation["id"]
+            rows = [{options["renameByName"].get(k, k): v for k, v in row.items()} for row in rows]
+    fields = (p.get("options") or {}).get("reduceOptions", {}).get("fields")
+    if p["type"] == "stat":
+        match = re.fullmatch(r"/\^(\w+)\$/", fields)
+        assert match, fields
+        assert all(match[1] in row for row in rows), f"{p['title']}: no column {match[1]}"
+        rows = [{match[1]: row[match[1]]} for row in rows]
+    return rows
 
 
 EXPECTED_PANELS = {
@@ -223,9 +263,18 @@ def test_the_dashboard_has_the_expected_panels_each_described():
     assert ids == list(range(1, len(ids) + 1))
 
 
-def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin():
-    for panel in panels(load()):
-        assert panel["datasource"] == DATASOURCE, panel["title"]
+def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin_or_another_panels_result():
+    dashboard = load()
+    queries = 0
+    for panel in panels(dashboard):
+        (target,) = panel["targets"]
+        assert panel["datasource"] == target["datasource"], panel["title"]
+        if target["datasource"] == SHARED:
+            # The per-step join is costly: panels reading the same rows show one panel's result.
+            source = source_of(panel, dashboard)
+            assert source["title"] in ("Last step", "Step interval across ranks (min, median, max)"), panel["title"]
+            continue
+        queries += 1
         for target in panel["targets"]:
             assert target["datasource"] == DATASOURCE and target["editorType"] == "sql", panel["title"]
             # A query without a v4 pluginVersion is migrated as a v3 one (src/data/migration.ts).
@@ -234,6 +283,7 @@ def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin():
             assert (target["format"], target["queryType"]) in ((0, "timeseries"), (1, "table")), panel["title"]
             assert (target["format"] == 0) == (panel["type"] == "timeseries"), panel["title"]
             assert "otel_traces" in target["rawSql"], panel["title"]
+    assert queries == 6, "each query joins the run's steps: add one only where no panel's result will do"
 
 
 def test_variables_are_a_clickhouse_datasource_a_run_and_k_never_all_ranks():
@@ -257,6 +307,7 @@ def test_rank_tables_list_the_top_k_ranks_not_every_rank():
 def test_panels_wrap_the_analysis_modules_per_step_sql_not_a_copy():
     """The straggler, skew and missing-rank logic lives in steptrace/analysis/clickhouse.py only."""
     per_step = ch.cluster_steps_sql(None, ch.DEFAULT_TABLE, None, where="X").split("WHERE SpanName")[0]
+    assert targets()
     per_rank = ch.step_ranks_sql(None, ch.DEFAULT_TABLE, None, where="X").split("WHERE SpanName")[0]
     for title, target in targets():
         assert per_step in target["rawSql"] or per_rank in target["rawSql"], title
@@ -266,10 +317,14 @@ def test_panels_wrap_the_analysis_modules_per_step_sql_not_a_copy():
 # -- every query, run ----------------------------------------------------------------------------------
 
 def run(client, title: str, **kw) -> list[dict]:
-    return client.query(as_sent(panel_sql(title), **kw))
+    """What panel ``title`` shows: its query (or the panel's whose result it shows), run, then transformed."""
+    p = panel(title)
+    return displayed(client.query(as_sent(source_of(p)["targets"][0]["rawSql"], **kw)), p)
 
 
 def test_every_panel_and_variable_query_runs_in_chdb_and_returns_rows(client):
+    for p in panels(load()):
+        assert run(client, p["title"]), f"{p['title']}: shows nothing"
     for title, target in targets():
         rows = client.query(as_sent(target["rawSql"]))
         assert rows, f"{title}: no rows"
@@ -285,7 +340,7 @@ def test_every_panel_and_variable_query_runs_in_chdb_and_returns_rows(client):
 
 
 def test_overview_shows_the_last_step_its_straggler_and_the_runs_goodput(client):
-    assert run(client, "Last step") == [{"step": STEPS - 1}]
+    assert run(client, "Last step") == [{"last_step": STEPS - 1}]
     assert run(client, "Ranks in the last step") == [{"ranks": WORLD}]
     assert run(client, "Missing ranks, last step") == [{"missing": 0}]
     assert run(client, "Straggler rank, last step") == [{"straggler": SLOW}]
@@ -299,7 +354,7 @@ def test_overview_shows_the_last_step_its_straggler_and_the_runs_goodput(client)
 def test_the_overview_of_a_last_step_with_a_missing_rank_names_no_straggler(client):
     """A range ending at T0 + 23 shows steps that ended by T0 + 8: the last one is step 7, without rank 3."""
     end = T0 + 23
-    assert run(client, "Last step", end=end) == [{"step": ABSENT_STEP}]
+    assert run(client, "Last step", end=end) == [{"last_step": ABSENT_STEP}]
     assert run(client, "Ranks in the last step", end=end) == [{"ranks": WORLD - 1}]
     assert run(client, "Missing ranks, last step", end=end) == [{"missing": 1}]
     # Not step 6's straggler: the last step named none.
@@ -336,14 +391,14 @@ def test_bubble_goodput_and_step_rate_per_bucket(client):
     assert all(v == pytest.approx(0.1 if stage == "0" else 0.3) for (_, stage), v in bubble.items())
     # Steps end at T0 + n + 0.5: two 5 s buckets of 5 steps each, one step a second.
     rate = run(client, "Step rate", interval_s=5)
-    assert [r["steps_per_second"] for r in rate] == [pytest.approx(1.0)] * 2
+    assert [r["steps/s"] for r in rate] == [pytest.approx(1.0)] * 2
     goodput = run(client, "Goodput per step", interval_s=5)
     assert goodput[0]["goodput"] == pytest.approx((3 * 0.5 + 0.9) / 4)
 
 
 def test_a_rank_that_never_reports_a_step_shows_as_missing(client):
     per_bucket = run(client, "Ranks reporting and missing per step", interval_s=5)
-    assert [(r["world_size"], r["reporting"], r["missing"]) for r in per_bucket] == [(WORLD, WORLD, 0),
+    assert [(r["world size"], r["reporting"], r["missing"]) for r in per_bucket] == [(WORLD, WORLD, 0),
                                                                                       (WORLD, WORLD - 1, 1)]
     assert run(client, "Steps with missing ranks (latest)") == [
         {"step": ABSENT_STEP, "world_size": WORLD, "ranks_reporting": WORLD - 1, "missing_rank_count": 1,
@@ -359,7 +414,7 @@ def test_panels_read_only_the_chosen_run_and_time_range(client):
     assert run(client, "Top stragglers (time range)", start=T0 + 5)[0]["steps"] == 3
     assert run(client, "Steps with missing ranks (latest)", start=T0 + 8) == []
     # A range ending at T0 + 20 shows only steps that ended 15 s before: steps 0-4.
-    assert run(client, "Last step", end=T0 + 20) == [{"step": 4}]
+    assert run(client, "Last step", end=T0 + 20) == [{"last_step": 4}]
     # An unknown run: no rows, no error.
     assert run(client, "Top stragglers (time range)", run="nobody") == []
 

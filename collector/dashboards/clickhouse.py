@@ -107,13 +107,58 @@ def sql(raw_sql: str, ref: str = "A", *, fmt: int = ClickHouseQueryBuilder.TIME_
     return ClickHouseQueryBuilder(raw_sql, ref, fmt)
 
 
+#: Grafana's "-- Dashboard --" data source: a panel shows another panel's query result
+#: (public/app/plugins/datasource/dashboard/types.ts: SHARED_DASHBOARD_QUERY, DashboardQuery.panelId).
+SHARED = dash_m.DataSourceRef(type_val="datasource", uid="-- Dashboard --")
+
+
+class SharedQuery(cogvariants.Dataquery):
+    """Another panel's result: the per-step join is costly, so panels reading the same rows share one query."""
+
+    def __init__(self, source: cogbuilder.Builder[dash_m.Panel]):
+        self.source = source
+
+    def to_json(self) -> dict[str, Any]:
+        # The source's id is read when the JSON is written, after generate.py numbered the panels.
+        return {"datasource": SHARED, "panelId": self.source.build().id_val, "refId": "A", "withTransforms": False}
+
+
+class SharedQueryBuilder(cogbuilder.Builder[SharedQuery]):
+    def __init__(self, source: cogbuilder.Builder[dash_m.Panel]):
+        self._query = SharedQuery(source)
+
+    def build(self) -> SharedQuery:
+        return self._query
+
+
+Query = ClickHouseQueryBuilder | SharedQueryBuilder
+
+
+def _datasource(query: Query) -> dash_m.DataSourceRef:
+    return SHARED if isinstance(query, SharedQueryBuilder) else DATASOURCE
+
+
+def _fields(panel: Any, fields: dict[str, str] | None, time: str | None = "t") -> Any:
+    """Show only ``fields`` (query column -> name shown) of a query with more columns."""
+    if not fields:
+        return panel
+    names = ([time] if time else []) + list(fields)
+    panel = panel.with_transformation(dash_m.DataTransformerConfig(
+        id_val="filterFieldsByName", options={"include": {"names": names}}))
+    renames = {column: shown for column, shown in fields.items() if column != shown}
+    if renames:
+        panel = panel.with_transformation(dash_m.DataTransformerConfig(
+            id_val="organize", options={"renameByName": renames, "excludeByName": {}, "indexByName": {}}))
+    return panel
+
+
 # -- panels ------------------------------------------------------------------------------------------
 
-def series(title: str, description: str, raw_sql: str, *, unit: str = "s", w: int = 12, h: int = 8,
-           points: bool = False, bars: bool = False, min_val: float | None = 0, max_val: float | None = None,
-           decimals: float | None = None) -> timeseries.Panel:
-    """A time series panel of one query (time first; one series per value column, or per string column)."""
-    p = (timeseries.Panel().title(title).description(description).datasource(DATASOURCE)
+def series(title: str, description: str, query: Query, fields: dict[str, str] | None = None, *, unit: str = "s",
+           w: int = 12, h: int = 8, points: bool = False, min_val: float | None = 0,
+           max_val: float | None = None, decimals: float | None = None) -> timeseries.Panel:
+    """A time series panel: ``query``'s time column and ``fields`` (all columns when None)."""
+    p = (timeseries.Panel().title(title).description(description).datasource(_datasource(query))
          .unit(unit).span(w).height(h).line_width(1).fill_opacity(10).span_nulls(False)
          .tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
                   .sort(common.SortOrder.DESCENDING))
@@ -121,32 +166,31 @@ def series(title: str, description: str, raw_sql: str, *, unit: str = "s", w: in
                  .placement(common.LegendPlacement.BOTTOM).show_legend(True)))
     if points:
         p = p.draw_style(common.GraphDrawStyle.POINTS).point_size(6)
-    if bars:
-        p = p.draw_style(common.GraphDrawStyle.BARS).fill_opacity(80)
     if min_val is not None:
         p = p.min(min_val)
     if max_val is not None:
         p = p.max(max_val)
     if decimals is not None:
         p = p.decimals(decimals)
-    return p.with_target(sql(raw_sql))
+    return _fields(p.with_target(query), fields)
 
 
-def single(title: str, description: str, raw_sql: str, *, unit: str = "none", w: int = 4, h: int = 4,
-           decimals: float | None = None, thresholds: list[tuple[float | None, str]] | None = None,
+def single(title: str, description: str, query: Query, field: str, *, unit: str = "none", w: int = 4,
+           h: int = 4, decimals: float | None = None, thresholds: list[tuple[float | None, str]] | None = None,
            no_value: str | None = None) -> stat.Panel:
-    """A stat panel of a one-row, one-column table query."""
+    """A stat panel showing column ``field`` of a one-row table query."""
     steps = [dash_m.Threshold(value=v, color=c) for v, c in (thresholds or [(None, "blue")])]
-    p = (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+    p = (stat.Panel().title(title).description(description).datasource(_datasource(query)).unit(unit)
          .span(w).height(h).graph_mode(common.BigValueGraphMode.NONE)
          .color_mode(common.BigValueColorMode.VALUE if thresholds else common.BigValueColorMode.NONE)
-         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
+                         .fields(f"/^{field}$/"))
          .thresholds(dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE).steps(steps)))
     if decimals is not None:
         p = p.decimals(decimals)
     if no_value is not None:
         p = p.no_value(no_value)
-    return p.with_target(sql(raw_sql, fmt=ClickHouseQueryBuilder.TABLE))
+    return p.with_target(query)
 
 
 def rank_table(title: str, description: str, raw_sql: str, *, w: int = 12, h: int = 8) -> table.Panel:
@@ -155,9 +199,33 @@ def rank_table(title: str, description: str, raw_sql: str, *, w: int = 12, h: in
 
 
 GOODPUT_THRESHOLDS: list[tuple[float | None, str]] = [(None, "red"), (0.7, "orange"), (0.9, "green")]
-# The latest settled step's value. argMax skips a NULL value (and would show an older step's
-# straggler when the last step has none): a tuple is never NULL.
-LAST = "argMax(tuple({column}), step).1"
+
+
+def last(column: str) -> str:
+    """``column`` of the latest settled step. argMax skips a NULL value (it would show an older
+    step's straggler when the last step has none): a tuple is never NULL."""
+    return f"argMax(tuple({column}), step).1"
+
+
+#: One row: the overview's stat panels each show one column.
+OVERVIEW_SQL = from_steps(
+    f"SELECT max(step) AS last_step, {last('ranks_reporting')} AS ranks, {last('missing_rank_count')} AS missing, "
+    f"{last('straggler_rank')} AS straggler, {last('skew_seconds')} AS skew, "
+    "sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput")
+
+#: One row per time bucket ($__timeInterval): every per-step time series panel shows some columns.
+#: Per bucket, the min of the steps' min, the median of their medians, the max of their max.
+BUCKETS_SQL = from_steps(
+    "SELECT $__timeInterval(time) AS t,\n"
+    + ",\n".join(f"min({c}_min_seconds) AS {c}_min, quantile(0.5)({c}_median_seconds) AS {c}_median, "
+                 f"max({c}_max_seconds) AS {c}_max" for c in ("interval", "compute", "own"))
+    + ",\navg(skew_seconds) AS skew_mean, max(skew_seconds) AS skew_worst,\n"
+    "argMaxIf(tuple(straggler_rank), straggler_excess_seconds, straggler_rank IS NOT NULL).1 AS straggler,\n"
+    "avg(coalesce(straggler_cost_seconds, 0)) AS cost_mean, max(coalesce(straggler_cost_seconds, 0)) AS cost_worst,\n"
+    "sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput,\n"
+    "count() / $__interval_s AS steps_per_second,\n"
+    "max(world_size) AS world, min(ranks_reporting) AS reporting, max(missing_rank_count) AS missing",
+    "GROUP BY t ORDER BY t")
 
 
 def variables() -> list[Any]:
@@ -193,60 +261,55 @@ def clickhouse() -> dash_b.Dashboard:
         d = d.with_variable(v)
 
     d = d.with_row(dash_b.Row("Overview"))
+    overview = single("Last step", f"Highest step joined across ranks (steps that ended at least {SETTLE_SECONDS} s "
+                      "before the end of the time range).", sql(OVERVIEW_SQL, fmt=ClickHouseQueryBuilder.TABLE),
+                      "last_step", decimals=0)
+    shared = SharedQueryBuilder(overview)
     for panel in [
-        single("Last step", f"Highest step joined across ranks (steps that ended at least {SETTLE_SECONDS} s "
-               "before the end of the time range).", from_steps("SELECT max(step) AS step"), decimals=0),
+        overview,
         single("Ranks in the last step", "Ranks whose train.step span of the last step is in ClickHouse.",
-               from_steps(f"SELECT {LAST.format(column='ranks_reporting')} AS ranks"), decimals=0),
+               shared, "ranks", decimals=0),
         single("Missing ranks, last step", "World size minus the ranks that reported the last step "
-               "(0 when every rank did).", from_steps(f"SELECT {LAST.format(column='missing_rank_count')} AS missing"),
-               decimals=0, thresholds=[(None, "green"), (1, "red")]),
+               "(0 when every rank did).", shared, "missing", decimals=0, thresholds=[(None, "green"), (1, "red")]),
         single("Straggler rank, last step", "The rank that slowed the last step (most time on its own, "
-               "standing out from the others' median); none when no rank did.",
-               from_steps(f"SELECT {LAST.format(column='straggler_rank')} AS straggler"), decimals=0,
-               no_value="none"),
-        single("Cross-rank skew, last step", "Max - min compute over the ranks in the last step.",
-               from_steps(f"SELECT {LAST.format(column='skew_seconds')} AS skew"), unit="s"),
+               "standing out from the others' median); none when no rank did.", shared, "straggler",
+               decimals=0, no_value="none"),
+        single("Cross-rank skew, last step", "Max - min compute over the ranks in the last step.", shared, "skew",
+               unit="s"),
         single("Goodput (time range)", "Sum of compute over sum of interval, every rank and step in the "
-               "time range.", from_steps("SELECT sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput"),
-               unit="percentunit", thresholds=GOODPUT_THRESHOLDS),
+               "time range.", shared, "goodput", unit="percentunit", thresholds=GOODPUT_THRESHOLDS),
     ]:
         d = d.with_panel(panel)
 
-    bucket = "$__timeInterval(time) AS t"
+    spread = {"min": "min", "median": "median", "max": "max"}
     d = d.with_row(dash_b.Row("Across ranks"))
-    for title, what, column in (("Step interval across ranks (min, median, max)", "interval", "interval"),
-                                ("Step compute across ranks (min, median, max)", "compute", "compute")):
-        d = d.with_panel(series(
-            title, f"Per step, the fastest, median and slowest rank's {what}; per time bucket the min of the "
-            "steps' min, the median of their medians, the max of their max.",
-            from_steps(f"SELECT {bucket}, min({column}_min_seconds) AS min, "
-                       f"quantile(0.5)({column}_median_seconds) AS median, max({column}_max_seconds) AS max",
-                       "GROUP BY t ORDER BY t")))
+    buckets = series(
+        "Step interval across ranks (min, median, max)", "Per step, the fastest, median and slowest rank's "
+        "interval; per time bucket the min of the steps' min, the median of their medians, the max of their max.",
+        sql(BUCKETS_SQL), {f"interval_{k}": v for k, v in spread.items()})
+    shared = SharedQueryBuilder(buckets)
+    d = d.with_panel(buckets)
+    d = d.with_panel(series(
+        "Step compute across ranks (min, median, max)", "Per step, the fastest, median and slowest rank's "
+        "compute (per time bucket as the interval's).", shared, {f"compute_{k}": v for k, v in spread.items()}))
     d = d.with_panel(series(
         "Cross-rank skew (max - min compute)", "Per step, max - min compute over ranks; per time bucket "
-        "the mean and the worst step.",
-        from_steps(f"SELECT {bucket}, avg(skew_seconds) AS mean, max(skew_seconds) AS worst", "GROUP BY t ORDER BY t")))
+        "the mean and the worst step.", shared, {"skew_mean": "mean", "skew_worst": "worst"}))
     d = d.with_panel(series(
         "Time on its own across ranks (min, median, max)", "Per step, each rank's interval minus its wait "
         "in collectives (its compute where the wait is not measured): the straggler is the max rank "
-        "when it stands out.",
-        from_steps(f"SELECT {bucket}, min(own_min_seconds) AS min, quantile(0.5)(own_median_seconds) AS median, "
-                   "max(own_max_seconds) AS max", "GROUP BY t ORDER BY t")))
+        "when it stands out.", shared, {f"own_{k}": v for k, v in spread.items()}))
 
     d = d.with_row(dash_b.Row("Stragglers"))
     d = d.with_panel(series(
         "Straggler rank per step", "The rank named the straggler (per time bucket, the one that stood "
         "out most); no point where no rank did. A rank that keeps coming back is a straggler.",
-        from_steps(f"SELECT {bucket}, argMax(straggler_rank, straggler_excess_seconds) AS straggler",
-                   "WHERE straggler_rank IS NOT NULL GROUP BY t ORDER BY t"),
-        unit="none", decimals=0, points=True, w=8))
+        shared, {"straggler": "straggler"}, unit="none", decimals=0, points=True, w=8))
     d = d.with_panel(series(
         "What the straggler cost per step", "The other ranks' median wait in collectives less the "
         "straggler's own wait (0 when no rank stood out or the ranks do not measure their wait): "
         "per time bucket, the mean over steps and the worst step.",
-        from_steps(f"SELECT {bucket}, avg(coalesce(straggler_cost_seconds, 0)) AS mean, "
-                   "max(coalesce(straggler_cost_seconds, 0)) AS worst", "GROUP BY t ORDER BY t"), w=8))
+        shared, {"cost_mean": "mean", "cost_worst": "worst"}, w=8))
     d = d.with_panel(
         bargauge.Panel().title("Top stragglers (time range)")
         .description("The $topk ranks that cost the job most as the straggler over the time range "
@@ -269,23 +332,20 @@ def clickhouse() -> dash_b.Dashboard:
     d = d.with_panel(series(
         "Pipeline bubble per stage", "1 - microbatch compute / pipeline window, per stage (mean over the "
         "stage's ranks and the bucket's steps).",
-        from_steps(f"SELECT {bucket}, stage, avg(ratio) AS bubble",
-                   "ARRAY JOIN mapKeys(pipeline_bubble_ratio) AS stage, mapValues(pipeline_bubble_ratio) AS ratio "
-                   "GROUP BY t, stage ORDER BY t, stage"),
+        sql(from_steps("SELECT $__timeInterval(time) AS t, stage, avg(ratio) AS bubble",
+                       "ARRAY JOIN mapKeys(pipeline_bubble_ratio) AS stage, mapValues(pipeline_bubble_ratio) AS ratio "
+                       "GROUP BY t, stage ORDER BY t, stage")),
         unit="percentunit", max_val=1, w=8))
     d = d.with_panel(series(
         "Goodput per step", "Sum of compute over sum of interval across ranks (per time bucket, over its "
-        "steps).", from_steps(f"SELECT {bucket}, sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput",
-                              "GROUP BY t ORDER BY t"), unit="percentunit", max_val=1, w=8))
+        "steps).", shared, {"goodput": "goodput"}, unit="percentunit", max_val=1, w=8))
     d = d.with_panel(series(
-        "Step rate", "Steps joined per second of wall time.",
-        from_steps(f"SELECT {bucket}, count() / $__interval_s AS steps_per_second", "GROUP BY t ORDER BY t"),
+        "Step rate", "Steps joined per second of wall time.", shared, {"steps_per_second": "steps/s"},
         unit="short", w=8))
     d = d.with_panel(series(
         "Ranks reporting and missing per step", "Per time bucket: the world size, the fewest ranks that "
         "reported a step, and the most ranks missing from one (late, dead or not started).",
-        from_steps(f"SELECT {bucket}, max(world_size) AS world_size, min(ranks_reporting) AS reporting, "
-                   "max(missing_rank_count) AS missing", "GROUP BY t ORDER BY t"),
+        shared, {"world": "world size", "reporting": "reporting", "missing": "missing"},
         unit="none", decimals=0, w=12))
     d = d.with_panel(rank_table(
         "Steps with missing ranks (latest)", "The latest $topk steps in which ranks are missing, and "
