@@ -249,11 +249,13 @@ def variables() -> list[Any]:
 
 
 def clickhouse() -> dash_b.Dashboard:
+    # Every refresh joins the time range's spans afresh (there is no pre-aggregated table): a
+    # 15-minute default reads 900 rows per rank at one step a second, per query, once a minute.
     d = (dash_b.Dashboard("steptrace: cluster (ClickHouse)").uid("steptrace-clickhouse")
          .description("A run across ranks from ClickHouse (otel_traces, written by the OpenTelemetry "
                       "Collector's clickhouse exporter): steptrace's per-step cross-rank join in SQL "
                       "(steptrace/analysis/clickhouse.py), for jobs past one steptrace collector.")
-         .tags([TAG]).time("now-1h", "now").refresh("30s").timezone("browser")
+         .tags([TAG]).time("now-15m", "now").refresh("1m").timezone("browser")
          .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
          .link(dash_b.DashboardLink("steptrace").type(dash_m.DashboardLinkType.DASHBOARDS).tags([TAG])
                .as_dropdown(False).include_vars(True).keep_time(True)))
