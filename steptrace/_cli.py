@@ -1,6 +1,6 @@
 """The ``steptrace`` command: ``steptrace report RUN_DIR``, ``steptrace timeline RUN_DIR -o trace.json``,
 ``steptrace compare RUN_A RUN_B``, ``steptrace collector --world-size N --run-dir DIR``,
-``steptrace monitoring export DIR``."""
+``steptrace monitoring export DIR``, ``steptrace clickhouse views``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                                             description=monitoring.DESCRIPTION)
     monitoring.add_monitoring_arguments(monitoring_parser)
     monitoring_parser.set_defaults(handler=monitoring.run_monitoring)
+    from steptrace.analysis import clickhouse
+
+    clickhouse_parser = commands.add_parser("clickhouse", help="the per-step cross-rank views as SQL over the "
+                                                               "OpenTelemetry Collector's ClickHouse table",
+                                            description=clickhouse.DESCRIPTION)
+    clickhouse.add_clickhouse_arguments(clickhouse_parser)
+    clickhouse_parser.set_defaults(handler=clickhouse.run_clickhouse)
     args = parser.parse_args(argv)
     return args.handler(args)
 

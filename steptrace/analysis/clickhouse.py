@@ -289,26 +289,30 @@ def rows_from_otlp(request: Any) -> list[dict[str, Any]]:
 
 
 def _datetime64(unix_ns: int) -> str:
-    # DateTime64(9) from text: unix seconds with a 9-digit fraction (no time zone is involved).
+    # DateTime64(9) from JSONEachRow: a bare JSON number of unix seconds with a 9-digit fraction, which
+    # ClickHouse reads exactly and with no time zone (quoted, a short one is misread as a date).
     seconds, nanos = divmod(int(unix_ns), 1_000_000_000)
     return f"{seconds}.{nanos:09d}"
 
 
+_TIMES = ("Timestamp", "Events.Timestamp")
+
+
 def _json_row(row: Mapping[str, Any]) -> str:
-    out = dict(row)
-    if "Timestamp" in out:
-        out["Timestamp"] = _datetime64(out["Timestamp"])
-    if "Events.Timestamp" in out:
-        out["Events.Timestamp"] = [_datetime64(t) for t in out["Events.Timestamp"]]
-    return json.dumps(out, separators=(",", ":"))
+    parts = [f"{json.dumps(k)}:{json.dumps(v, separators=(',', ':'))}" for k, v in row.items() if k not in _TIMES]
+    if "Timestamp" in row:
+        parts.append(f'"Timestamp":{_datetime64(row["Timestamp"])}')
+    if "Events.Timestamp" in row:
+        parts.append('"Events.Timestamp":[' + ",".join(_datetime64(t) for t in row["Events.Timestamp"]) + "]")
+    return "{" + ",".join(parts) + "}"
 
 
 def insert_rows(client: "Client", rows: Iterable[Mapping[str, Any]], table: str = DEFAULT_TABLE,
                 database: str | None = None, batch_rows: int = 50_000) -> int:
-    """Insert :func:`rows_from_otlp` rows (``FORMAT JSONEachRow``), ``batch_rows`` per statement."""
-    name = _identifier(table, "table")
-    if database is not None:
-        name = f"{_identifier(database, 'database')}.{name}"
+    """Insert :func:`rows_from_otlp` rows (``FORMAT JSONEachRow``), ``batch_rows`` per statement, into
+    ``database.table`` (the client's database by default)."""
+    db = _identifier(client.database if database is None else database, "database")
+    name = f"{db}.{_identifier(table, 'table')}"
     count, batch = 0, []
     for row in rows:
         batch.append(_json_row(row))
@@ -417,7 +421,11 @@ class HttpClient:
 
 
 class ChdbClient:
-    """chDB (ClickHouse as a library): ``chdb://`` in memory, ``chdb:///path`` kept in a folder."""
+    """chDB (ClickHouse as a library): ``chdb://`` in memory, ``chdb:///path`` kept in a folder.
+
+    chDB runs one engine per process: every ``chdb://`` client of a process sees the same in-memory
+    databases, and once a process opened one path (or memory) it cannot open another.
+    """
 
     def __init__(self, path: str | None = None, *, database: str = "default"):
         try:
@@ -573,7 +581,8 @@ FROM (
         toFloat64OrNull(SpanAttributes['train.idle_seconds']) AS s_idle,
         toFloat64OrNull(SpanAttributes['train.collective_wait_seconds']) AS s_wait_sent,
         -- least() skips a NULL argument in recent ClickHouse: an unmeasured wait must stay NULL.
-        if(s_wait_sent IS NULL, NULL, least(s_wait_sent, s_interval)) AS s_wait,
+        if(s_wait_sent IS NULL OR NOT (s_wait_sent >= 0 AND isFinite(s_wait_sent)), NULL,
+           least(s_wait_sent, s_interval)) AS s_wait,
         if(SpanAttributes['train.status'] = '', 'ok', SpanAttributes['train.status']) AS s_status,
         (toUnixTimestamp64Nano(Timestamp) + Duration) / 1e9 AS s_end,
         TraceId AS s_trace,
@@ -583,7 +592,9 @@ FROM (
     FROM {source}
     WHERE SpanName = 'train.step'{conditions}
 )
-WHERE step >= 0 AND rank >= 0 AND s_compute IS NOT NULL AND s_interval IS NOT NULL
+-- As the collector's decoder: a span without a usable step, rank, compute or interval is skipped.
+WHERE step >= 0 AND rank >= 0 AND s_compute >= 0 AND isFinite(s_compute) AND s_interval >= 0
+      AND isFinite(s_interval)
 GROUP BY run_id, attempt, step, rank"""
 
 
@@ -604,9 +615,9 @@ def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TAB
 
     Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
     argument, like the collector's ``--world-size``, else the largest ``train.world_size`` the
-    step's spans carry), ``ranks_reporting``, ``missing_rank_count`` (ranks below the world size
-    that sent no usable span, or two different ones) and ``missing_ranks`` (the lowest
-    ``MAX_MISSING_LISTED`` of them, as the collector lists them), ``complete``, ``compute_*`` and
+    step's spans carry; a rank at or beyond it is left out, as the collector with ``--world-size``
+    refuses it), ``ranks_reporting``, ``missing_rank_count`` (ranks below the world size
+    that sent no usable span, or two different ones), ``complete``, ``compute_*`` and
     ``interval_*`` min/median/max (exact medians, as ``statistics.median``), ``skew_seconds`` (max −
     min compute), ``own_*``, ``straggler_rank``/``straggler_cost_seconds``/
     ``straggler_excess_seconds``/``straggler_threshold_seconds`` (``steptrace._attribution.
@@ -628,23 +639,30 @@ def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TAB
                                    or world_size < 1):
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world = f"toNullable(toInt64({world_size}))" if world_size is not None else "max(world_size)"
+    in_world = str(world_size) if world_size is not None else "ifNull(world_size, rank + 1)"
     ranks_sql = step_ranks_sql(database, table, run_id, where=where)
+    MAX_LISTED = MAX_MISSING_LISTED  # noqa: N806 - collector/_join.py MAX_MISSING_LISTED
     step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
     threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
     # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
     return f"""\
+SELECT * EXCEPT (gaps, named, candidate_excess_seconds, candidate_threshold_seconds)
+FROM (
 SELECT
     run_id, attempt, step,
     m_trace AS trace_id,
     m_world AS world_size,
     m_ranks AS ranks_reporting,
     if(m_world IS NULL, 0, toInt64(m_world) - toInt64(arrayCount(r -> r < m_world, ranks))) AS missing_rank_count,
-    -- A bitmap difference: has() per rank would cost ranks x world size per step.
-    if(m_world IS NULL, CAST([], 'Array(UInt32)'), arraySlice(bitmapToArray(bitmapAndnot(
-        bitmapBuild(range(toUInt32(assumeNotNull(m_world)))),
-        bitmapBuild(arrayMap(r -> toUInt32(r), arrayFilter(r -> r < m_world, ranks))))), 1, {MAX_MISSING_LISTED}))
-        AS missing_ranks,
     m_world IS NOT NULL AND missing_rank_count = 0 AS complete,
+    -- The missing ranks as ranges between the reported ones (the collector's missing_rank_ranges),
+    -- the first {MAX_LISTED} ranges and ranks listed: O(ranks log ranks) per step, whatever the gaps.
+    arrayFilter(g -> g.2 - g.1 > 1,
+                arrayZip(arrayPushFront(present, -1), arrayPushBack(present, ifNull(m_world, 0)))) AS gaps,
+    arrayMap(g -> [g.1 + 1, g.2 - 1], arraySlice(gaps, 1, {MAX_LISTED})) AS missing_rank_ranges,
+    arraySlice(arrayFlatten(arrayMap(g -> arrayMap(i -> g.1 + 1 + toInt64(i), range(toUInt64(least(g.2 - g.1 - 1,
+                                                                                              {MAX_LISTED})))),
+                                     arraySlice(gaps, 1, {MAX_LISTED}))), 1, {MAX_LISTED}) AS missing_ranks,
     m_conflicting AS conflicting_rank_count,
     m_end AS end_time,
     compute_sorted[1] AS compute_min_seconds,
@@ -672,6 +690,10 @@ SELECT
     m_status AS status
 FROM (
     SELECT
+        *,
+        if(m_world IS NULL, [], arraySort(arrayFilter(r -> r < m_world, ranks))) AS present
+    FROM (
+    SELECT
         run_id, attempt, step,
         any(trace_id) AS m_trace,
         {world} AS m_world,
@@ -691,7 +713,11 @@ FROM (
         avgMapIf(bubble, versions = 1 AND length(bubble) > 0) AS m_bubble,
         sumMapIf(map(status, toUInt64(1)), versions = 1) AS m_status
     FROM ({ranks_sql})
+    -- Ranks at or beyond the world size are not the job's (the collector refuses them with --world-size).
+    WHERE rank < {in_world}
     GROUP BY run_id, attempt, step
+    )
+)
 )
 ORDER BY run_id, attempt, step"""
 
@@ -717,5 +743,217 @@ def cluster_steps(client: Client, run_id: str | None = None, *, table: str = DEF
                                           straggler_min_ratio=straggler_min_ratio))
     for row in rows:
         row["complete"] = bool(row.get("complete"))
-        row.pop("named", None)
     return rows
+
+
+# --- a run read back from ClickHouse (report / compare --clickhouse) -------------------------------
+
+class ClickHouseSource(str):
+    """Where a run read from ClickHouse came from (``Run.path``): the URL without its password."""
+
+    run_id: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.run_id
+
+
+def redacted(url: str) -> str:
+    """``url`` without the password in it."""
+    parts = urlparse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlparse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+_INT = re.compile(r"^-?\d+$")
+
+#: Step-record fields exported as ``train.<field>`` (steptrace/otlp.py ``_step_spans``) that are numbers.
+_STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens", "samples", "flops",
+                 "model_flops", "hardware_flops", "peak_flops", "tokens_per_second", "samples_per_second",
+                 "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds")
+_STEP_TEXTS = ("status", "error", "backend", "flops_source", "collective_wait_source")
+
+
+def _number_of(text: Any) -> int | float | None:
+    """An attribute's text back as the number the SDK sent (ints stay ints)."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return int(text) if _INT.match(text) else float(text)
+    except ValueError:
+        return None
+
+
+def _step_record(attrs: Mapping[str, str], end_ns: int, trace_id: str, status_message: str) -> dict[str, Any]:
+    record: dict[str, Any] = {"type": "step", "run_id": attrs.get("train.run_id"),
+                              "rank": _number_of(attrs.get("train.rank")),
+                              "attempt": _number_of(attrs.get("train.attempt")) or 0,
+                              "step": _number_of(attrs.get("train.step")),
+                              "world_size": _number_of(attrs.get("train.world_size")),
+                              "trace_id": trace_id, "end_time": end_ns / 1e9}
+    for key in _STEP_NUMBERS:
+        value = _number_of(attrs.get("train." + key))
+        if value is not None:
+            record[key] = value
+    for key in _STEP_TEXTS:
+        if attrs.get("train." + key):
+            record[key] = attrs["train." + key]
+    record.setdefault("status", "ok")
+    if record["status"] == "error" and "error" not in record and status_message:
+        record["error"] = status_message
+    idle: dict[str, float] = {}
+    groups: dict[str, dict[str, Any]] = {"pipeline_bubble_ratio": {}, "scalars": {}, "device_memory": {},
+                                         "attrs": {}}
+    prefixes = (("train.pipeline.bubble_ratio.", "pipeline_bubble_ratio"), ("train.scalar.", "scalars"),
+                ("train.device_memory.", "device_memory"), ("train.attrs.", "attrs"))
+    for key, text in attrs.items():
+        if key.startswith("train.idle.") and key.endswith("_seconds"):
+            value = _number_of(text)
+            if value is not None:
+                idle[key[len("train.idle."):-len("_seconds")]] = float(value)
+            continue
+        for prefix, field in prefixes:
+            if key.startswith(prefix):
+                # User attributes come back as the exporter's text: their types are not in otel_traces.
+                groups[field][key[len(prefix):]] = text if field == "attrs" else _number_of(text)
+                break
+    record["idle_breakdown"] = idle
+    record["attrs"] = groups.pop("attrs")
+    for field, values in groups.items():
+        values = {k: v for k, v in values.items() if v is not None}
+        if values:
+            record[field] = values
+    if "interval_seconds" in record:
+        record["start_time"] = record["end_time"] - float(record.get("compute_seconds") or 0.0)
+    return record
+
+
+def load_clickhouse_run(client: Client, run_id: str, *, table: str = DEFAULT_TABLE, source: str = "") -> Any:
+    """The run ``run_id`` rebuilt from the ranks' spans in ``table``, as :func:`steptrace.analysis.runs.load_run`
+    gives a run directory: a :class:`~steptrace.analysis.runs.Run` whose step and checkpoint records
+    come from the ``train.step``, ``train.compute``, ``train.idle`` and ``train.checkpoint`` spans, and
+    whose ``cluster_records`` are :func:`cluster_steps` (the per-step view). What the spans do not
+    carry is missing (docs/clickhouse.md lists it). Raises ``RunDirError`` when the run has no spans.
+    """
+    from steptrace.analysis.runs import Run, RunDirError
+
+    db = f"{_identifier(client.database, 'database')}.{_identifier(table, 'table')}"
+    rows = client.query(f"""\
+SELECT SpanName AS name, SpanAttributes AS attrs, toUnixTimestamp64Nano(Timestamp) AS start_ns, Duration AS ns,
+       StatusMessage AS message, TraceId AS trace_id
+FROM {db}
+WHERE SpanAttributes['train.run_id'] = {_literal(run_id)}
+  AND SpanName IN ('train.step', 'train.compute', 'train.idle', 'train.checkpoint')
+ORDER BY start_ns, SpanId
+LIMIT 1 BY SpanId""")
+    if not any(r["name"] == "train.step" for r in rows):
+        raise RunDirError(f"{redacted(source) or 'ClickHouse'}: no train.step spans of run {run_id!r} in {db}")
+    # Per (attempt, step, rank): the compute span's start, the idle segments.
+    compute_start: dict[tuple[int, int, int], float] = {}
+    segments: dict[tuple[int, int, int], list[list[Any]]] = {}
+    checkpoints: dict[int, list[dict[str, Any]]] = {}
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        attrs = row["attrs"]
+        rank, step = _number_of(attrs.get("train.rank")), _number_of(attrs.get("train.step"))
+        if not isinstance(rank, int) or not isinstance(step, int):
+            continue
+        attempt = _number_of(attrs.get("train.attempt")) or 0
+        key = (int(attempt), step, rank)
+        start, end = row["start_ns"] / 1e9, (row["start_ns"] + row["ns"]) / 1e9
+        if row["name"] == "train.compute":
+            compute_start[key] = start
+        elif row["name"] == "train.idle":
+            segments.setdefault(key, []).append([attrs.get("train.idle.reason", ""), start, end])
+        elif row["name"] == "train.checkpoint":
+            record: dict[str, Any] = {"type": "checkpoint", "run_id": run_id, "rank": rank, "attempt": attempt,
+                                      "step": step, "status": attrs.get("train.status") or "ok",
+                                      "start_time": start, "end_time": end}
+            if attrs.get("train.error"):
+                record["error"] = attrs["train.error"]
+            for field in ("host_seconds", "blocking_seconds", "async_seconds"):
+                record[field] = _number_of(attrs.get(f"train.checkpoint.{field}"))
+            checkpoints.setdefault(rank, []).append(record)
+        else:
+            record = _step_record(attrs, row["start_ns"] + row["ns"], row["trace_id"], row["message"])
+            steps.setdefault(rank, []).append(record)
+    for rank, records in steps.items():
+        for record in records:
+            key = (record["attempt"], record["step"], rank)
+            if key in compute_start:
+                record["start_time"] = compute_start[key]
+            record["idle_segments"] = sorted(segments.get(key, []), key=lambda s: s[1])
+    records_by_rank = {rank: sorted(steps.get(rank, []) + checkpoints.get(rank, []),
+                                    key=lambda r: (r["attempt"], r["end_time"]))
+                       for rank in sorted(set(steps) | set(checkpoints))}
+    cluster = [{"type": "cluster_step", **row} for row in cluster_steps(client, run_id, table=table)]
+    path = ClickHouseSource(f"{redacted(source)} {db} run {run_id}".strip())
+    path.run_id = run_id
+    return Run(path=path, records_by_rank=records_by_rank, cluster_records=cluster)  # type: ignore[arg-type]
+
+
+def open_run(url: str, run_id: str, *, table: str = DEFAULT_TABLE, timeout_s: float = 60.0) -> Any:
+    """``steptrace report/compare --clickhouse URL``: run ``run_id`` from the ClickHouse at ``url``.
+
+    Raises ``RunDirError`` (with the reason) for a bad URL, a missing chDB, a ClickHouse error or
+    a run with no spans, so the commands report it as they report an unreadable run directory.
+    """
+    from steptrace.analysis.runs import RunDirError
+
+    if not run_id:
+        raise RunDirError("--clickhouse needs the run's id (--run RUN_ID)")
+    try:
+        return load_clickhouse_run(connect(url, timeout_s=timeout_s), run_id, table=table, source=url)
+    except (ValueError, ImportError, ClickHouseError) as exc:
+        if isinstance(exc, RunDirError):
+            raise
+        raise RunDirError(f"{redacted(url)}: {exc}") from None
+
+
+# --- `steptrace clickhouse` ----------------------------------------------------------------------
+
+DESCRIPTION = ("SQL for the OpenTelemetry Collector's ClickHouse exporter table (otel_traces): the table's DDL, "
+               "steptrace's per-step cross-rank views, and those views' rows for a run (docs/clickhouse.md).")
+
+
+def add_clickhouse_arguments(parser: Any) -> Any:
+    commands = parser.add_subparsers(dest="clickhouse_command", required=True, metavar="WHAT")
+    views = commands.add_parser("views", help="print CREATE VIEW statements for the per-step views",
+                                description="Print the CREATE OR REPLACE VIEW statements of steptrace's views "
+                                            f"({STEP_RANKS_VIEW}, {CLUSTER_STEPS_VIEW}) over the exporter's "
+                                            "table, ';'-separated, for clickhouse-client --multiquery.")
+    ddl = commands.add_parser("ddl", help="print the exporter's otel_traces CREATE TABLE",
+                              description="Print the contrib ClickHouse exporter's traces table DDL (what its "
+                                          "create_schema makes), for a server where the exporter may not create it.")
+    steps = commands.add_parser("steps", help="print a run's per-step cross-rank rows as JSON lines",
+                                description="Run the per-step view for one run and print one JSON object a step.")
+    for sub in (views, ddl):
+        sub.add_argument("--database", default="default", help="the exporter's database (default: default)")
+        sub.add_argument("--table", default=DEFAULT_TABLE,
+                         help=f"the exporter's traces table (default {DEFAULT_TABLE})")
+    steps.add_argument("url", metavar="URL", help="http(s)://host:8123[/?database=NAME] or chdb:///path")
+    steps.add_argument("--run", required=True, metavar="RUN_ID", help="the run")
+    steps.add_argument("--table", default=DEFAULT_TABLE, help=f"the exporter's traces table (default {DEFAULT_TABLE})")
+    steps.add_argument("--world-size", type=int, default=None, metavar="N",
+                       help="the job's world size (default: what the spans say), as the collector's --world-size")
+    return parser
+
+
+def run_clickhouse(args: Any) -> int:
+    import sys
+
+    try:
+        if args.clickhouse_command == "views":
+            print(";\n\n".join(views_sql(args.database, args.table)) + ";")
+        elif args.clickhouse_command == "ddl":
+            print(otel_traces_ddl(args.database, args.table).rstrip() + ";")
+        else:
+            client = connect(args.url)
+            for row in cluster_steps(client, args.run, table=args.table, world_size=args.world_size):
+                print(json.dumps(row))
+    except (ValueError, ImportError, ClickHouseError) as exc:
+        print(f"steptrace clickhouse: {exc}", file=sys.stderr)
+        return 2
+    return 0

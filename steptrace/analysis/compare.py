@@ -755,6 +755,22 @@ def _sides(args: argparse.Namespace) -> tuple[list[Path], list[Path]]:
     return [path_a], [path_b]
 
 
+def _clickhouse_sides(args: argparse.Namespace) -> tuple[list[Run], list[Run]]:
+    """``--clickhouse URL``: RUN_A RUN_B (or --a/--b) are run ids in its otel_traces table."""
+    from steptrace.analysis.clickhouse import open_run
+
+    if args.a or args.b:
+        if not (args.a and args.b) or args.runs:
+            raise RunDirError("--a and --b go together (each with one or more runs), without RUN_A RUN_B")
+        ids_a, ids_b = list(args.a), list(args.b)
+    elif len(args.runs) == 2:
+        ids_a, ids_b = [args.runs[0]], [args.runs[1]]
+    else:
+        raise RunDirError("with --clickhouse, give two run ids (RUN_A RUN_B) or --a/--b run ids")
+    return ([open_run(args.clickhouse, run_id, table=args.clickhouse_table) for run_id in ids_a],
+            [open_run(args.clickhouse, run_id, table=args.clickhouse_table) for run_id in ids_b])
+
+
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("runs", nargs="*", metavar="RUN",
                         help="RUN_A RUN_B (run directories), or one run_dir: its two newest runs, older as A")
@@ -762,6 +778,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="several runs of A (seeds or repeats): verdicts use the run-to-run spread")
     parser.add_argument("--b", nargs="+", action="extend", metavar="RUN", default=[],
                         help="several runs of B (with --a)")
+    parser.add_argument("--clickhouse", metavar="URL", default=None,
+                        help="read the runs from ClickHouse (the OpenTelemetry Collector's otel_traces table): "
+                             "each RUN is then a run id (docs/clickhouse.md)")
+    parser.add_argument("--clickhouse-table", metavar="TABLE", default="otel_traces",
+                        help="with --clickhouse: the exporter's traces table (default otel_traces)")
     parser.add_argument("--markdown", action="store_true", help="a Markdown table (for a pull-request comment)")
     parser.add_argument("--json", action="store_true", help="every row as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw both runs' step-interval distributions")
@@ -778,8 +799,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def run_compare(args: argparse.Namespace) -> int:
     try:
-        paths_a, paths_b = _sides(args)
-        runs_a, runs_b = [load_run(p) for p in paths_a], [load_run(p) for p in paths_b]
+        if getattr(args, "clickhouse", None) is not None:
+            runs_a, runs_b = _clickhouse_sides(args)
+        else:
+            paths_a, paths_b = _sides(args)
+            runs_a, runs_b = [load_run(p) for p in paths_a], [load_run(p) for p in paths_b]
     except (RunDirError, OSError) as exc:
         print(f"steptrace compare: {exc}", file=sys.stderr)
         return 2

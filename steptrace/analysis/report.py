@@ -530,8 +530,15 @@ def render_report(
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``report`` arguments to *parser* (shared with the main CLI)."""
-    parser.add_argument("run_dir", metavar="RUN_DIR",
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None,
                         help="a run directory, or a run_dir holding runs (newest is used)")
+    parser.add_argument("--clickhouse", metavar="URL", default=None,
+                        help="read the run from ClickHouse (the OpenTelemetry Collector's otel_traces table) "
+                             "instead of a run directory: http(s)://host:8123[/?database=NAME] or "
+                             "chdb:///path (docs/clickhouse.md); with --run")
+    parser.add_argument("--run", metavar="RUN_ID", default=None, help="with --clickhouse: the run to report on")
+    parser.add_argument("--clickhouse-table", metavar="TABLE", default="otel_traces",
+                        help="with --clickhouse: the exporter's traces table (default otel_traces)")
     parser.add_argument("--rank", type=int, default=None,
                         help="rank to report on (default: 0)")
     parser.add_argument("--max-rows", type=int, default=40, metavar="N",
@@ -561,10 +568,26 @@ def report_width(width: int | None = None, stream: Any = None) -> int | None:
     return int(columns) if columns.isdigit() and int(columns) > 0 else UNWRAPPED_WIDTH
 
 
+def _load(args: argparse.Namespace) -> Run:
+    """The run dir's run, or with ``--clickhouse`` the run ``--run`` read from ClickHouse."""
+    clickhouse = getattr(args, "clickhouse", None)
+    if clickhouse is not None:
+        if args.run_dir is not None or not args.run:
+            raise RunDirError("--clickhouse URL takes --run RUN_ID and no RUN_DIR")
+        from steptrace.analysis.clickhouse import open_run
+
+        return open_run(clickhouse, args.run, table=args.clickhouse_table)
+    if getattr(args, "run", None) is not None:
+        raise RunDirError("--run RUN_ID goes with --clickhouse URL")
+    if args.run_dir is None:
+        raise RunDirError("give a RUN_DIR (or --clickhouse URL --run RUN_ID)")
+    return load_run(args.run_dir)
+
+
 def run_report(args: argparse.Namespace) -> int:
     """Run the report for parsed *args*; returns the process exit code."""
     try:
-        run = load_run(args.run_dir)
+        run = _load(args)
         # A collector's run dir may hold cluster.jsonl and no rank files.
         rank = run.resolve_rank(args.rank) if run.ranks or args.rank is not None else None
     except (RunDirError, OSError) as exc:  # OSError: e.g. an unreadable file
