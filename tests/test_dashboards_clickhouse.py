@@ -261,6 +261,13 @@ def test_the_dashboard_has_the_expected_panels_each_described():
     assert dashboard["uid"] == "steptrace-clickhouse" and "steptrace" in dashboard["tags"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert ids == list(range(1, len(ids) + 1))
+    cells: set[tuple[int, int]] = set()
+    for p in dashboard["panels"]:
+        pos = p["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, p["title"]
+        area = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not area & cells, f"{p['title']} overlaps another panel"
+        cells |= area
 
 
 def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin_or_another_panels_result():
