@@ -593,3 +593,27 @@ def test_generated_steps_give_the_collectors_aggregates(shared_client, spans):
     in_world = _step_request(run_id + "w", [s for s in spans if s[1] < world])
     load(shared_client, [in_world])
     assert_same_steps(ch.cluster_steps(shared_client, run_id + "w"), collector_join([in_world]))
+
+
+def test_the_typed_table_gives_the_same_steps_whether_fed_live_or_backfilled(sdk_run):
+    requests, _ = sdk_run
+    create_table, create_view, backfill = ch.typed_table_sql(fresh_client().database)  # the statements' shape
+    assert create_table.startswith("CREATE TABLE") and "MATERIALIZED VIEW" in create_view
+    assert backfill.startswith("INSERT INTO")
+
+    live = fresh_client()
+    create_table, create_view, _ = ch.typed_table_sql(live.database)
+    live.command(create_table)
+    live.command(create_view)  # before the spans arrive: the view types them as they are inserted
+    load(live, requests)
+    expected = ch.cluster_steps(live, RUN_ID)
+    assert_same_steps(ch.cluster_steps(live, RUN_ID, typed_table=ch.TYPED_TABLE), collector_join(requests))
+
+    later = fresh_client()
+    load(later, requests)
+    for statement in ch.views_sql(later.database, typed=True):  # table, view, backfill, then the views
+        later.command(statement)
+    rows = later.query(f"SELECT * FROM {later.database}.{ch.CLUSTER_STEPS_VIEW} WHERE run_id = '{RUN_ID}' "
+                       "ORDER BY step")
+    assert [(r["step"], r["straggler_rank"], r["missing_rank_count"], r["skew_seconds"]) for r in rows] == \
+        [(r["step"], r["straggler_rank"], r["missing_rank_count"], r["skew_seconds"]) for r in expected]

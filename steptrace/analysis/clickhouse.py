@@ -533,9 +533,13 @@ def _source(database: str | None, table: str) -> str:
     return name if database is None else f"{_identifier(database, 'database')}.{name}"
 
 
-def step_ranks_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+def _and(conditions: Iterable[str | None]) -> str:
+    return "".join(f"\n      AND {c}" for c in conditions if c)
+
+
+def step_spans_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
                    where: str | None = None) -> str:
-    """One row per (run, attempt, step, rank) from the ranks' ``train.step`` spans, typed.
+    """The ranks' ``train.step`` spans as typed columns, one row per stored span (retries included).
 
     ``database`` None reads ``table`` in the connection's database (a Grafana data source's default
     database). ``where``: an extra condition on the exporter's rows, AND-ed as given (SQL written
@@ -543,32 +547,17 @@ def step_ranks_sql(database: str | None = "default", table: str = DEFAULT_TABLE,
     and ``$__timeFilter(Timestamp)``, so ClickHouse reads only the time range's spans).
 
     Attribute values are strings in the exporter's map (see :func:`rows_from_otlp`): numbers are cast
-    back with ``toFloat64OrNull``/``toInt64OrNull``, so an absent or unreadable one is NULL. A span
-    the exporter stored twice (an OTLP retry; ClickHouse keeps both rows) counts once; a rank that
-    sent two different spans for one step (``versions`` > 1) is a conflict, which
-    :func:`cluster_steps_sql` leaves out and counts as missing, as the steptrace collector does.
-    ``own_seconds`` follows the collector: interval − min(wait, interval) where the rank measured
-    its wait in collectives, its compute otherwise.
+    back with ``toFloat64OrNull``/``toInt64OrNull``, so an absent or unreadable one is NULL. What the
+    collector's decoder skips (no usable step, rank, compute or interval) is left out. This is the
+    expensive part of every view (string maps read and parsed per row); :func:`typed_table_sql`
+    stores its result once, at insert time.
     """
     source = _source(database, table)
-    conditions = "".join(f"\n      AND {c}" for c in (
-        f"SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else None,
-        f"({where})" if where else None) if c)
-    # The inner columns are prefixed: ClickHouse lets an outer alias shadow a column of the same name.
+    conditions = _and([f"SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else None,
+                       f"({where})" if where else None])
+    # The columns are prefixed: ClickHouse lets an outer alias shadow a column of the same name.
     return f"""\
-SELECT
-    run_id, attempt, step, rank,
-    any(s_world) AS world_size,
-    any(s_compute) AS compute_seconds,
-    any(s_interval) AS interval_seconds,
-    any(s_idle) AS idle_seconds,
-    any(s_wait) AS collective_wait_seconds,
-    any(if(s_wait IS NULL, s_compute, greatest(0., s_interval - s_wait))) AS own_seconds,
-    any(s_status) AS status,
-    max(s_end) AS end_time,
-    any(s_trace) AS trace_id,
-    any(s_bubble) AS bubble,
-    uniqExact(s_compute, s_interval) AS versions
+SELECT run_id, attempt, step, rank, s_world, s_compute, s_interval, s_idle, s_wait, s_status, s_end, s_trace, s_bubble
 FROM (
     SELECT
         SpanAttributes['train.run_id'] AS run_id,
@@ -594,8 +583,70 @@ FROM (
 )
 -- As the collector's decoder: a span without a usable step, rank, compute or interval is skipped.
 WHERE step >= 0 AND rank >= 0 AND s_compute >= 0 AND isFinite(s_compute) AND s_interval >= 0
-      AND isFinite(s_interval)
+      AND isFinite(s_interval)"""
+
+
+def step_ranks_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+                   typed_table: str | None = None, where: str | None = None) -> str:
+    """One row per (run, attempt, step, rank) from the ranks' ``train.step`` spans, typed.
+
+    A span the exporter stored twice (an OTLP retry; ClickHouse keeps both rows) counts once; a rank
+    that sent two different spans for one step (``versions`` > 1) is a conflict, which
+    :func:`cluster_steps_sql` leaves out and counts as missing, as the steptrace collector does.
+    ``own_seconds`` follows the collector: interval − min(wait, interval) where the rank measured
+    its wait in collectives, its compute otherwise. ``typed_table``: read the typed columns from
+    that table (:func:`typed_table_sql`) instead of parsing ``table``'s attribute maps. ``database``
+    and ``where`` as for :func:`step_spans_sql`; with ``typed_table``, ``where`` is on its columns.
+    """
+    if typed_table is not None:
+        conditions = [c for c in (f"run_id = {_literal(run_id)}" if run_id is not None else None,
+                                  f"({where})" if where else None) if c]
+        spans = f"SELECT * FROM {_source(database, typed_table)}" + (
+            f" WHERE {' AND '.join(conditions)}" if conditions else "")
+    else:
+        spans = step_spans_sql(database, table, run_id, where=where)
+    return f"""\
+SELECT
+    run_id, attempt, step, rank,
+    any(s_world) AS world_size,
+    any(s_compute) AS compute_seconds,
+    any(s_interval) AS interval_seconds,
+    any(s_idle) AS idle_seconds,
+    any(s_wait) AS collective_wait_seconds,
+    any(if(s_wait IS NULL, s_compute, greatest(0., s_interval - s_wait))) AS own_seconds,
+    any(s_status) AS status,
+    max(s_end) AS end_time,
+    any(s_trace) AS trace_id,
+    any(s_bubble) AS bubble,
+    uniqExact(s_compute, s_interval) AS versions
+FROM ({spans})
 GROUP BY run_id, attempt, step, rank"""
+
+
+#: The typed table :func:`typed_table_sql` creates, and its materialized view.
+TYPED_TABLE = "steptrace_step_spans"
+
+
+def typed_table_sql(database: str = "default", table: str = DEFAULT_TABLE) -> list[str]:
+    """A typed copy of the ``train.step`` spans, kept by a materialized view as the exporter inserts.
+
+    ``CREATE TABLE`` :data:`TYPED_TABLE` (MergeTree ordered by run, attempt, step, rank), ``CREATE
+    MATERIALIZED VIEW ... TO`` it from ``table`` (it sees rows inserted after it exists), and the
+    ``INSERT ... SELECT`` that copies what ``table`` already holds (run it once, before spans
+    arrive or while none do, or rows inserted meanwhile are copied twice: a retry, which the views
+    count once). The views then read numbers, not string maps.
+    """
+    db = _identifier(database, "database")
+    spans = step_spans_sql(database, table)
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {db}.{TYPED_TABLE} (
+    run_id String, attempt UInt32, step Int64, rank Int64, s_world Nullable(Int64), s_compute Float64,
+    s_interval Float64, s_idle Nullable(Float64), s_wait Nullable(Float64), s_status LowCardinality(String),
+    s_end Float64, s_trace String, s_bubble Map(String, Float64)
+) ENGINE = MergeTree ORDER BY (run_id, attempt, step, rank)""",
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{TYPED_TABLE}_mv TO {db}.{TYPED_TABLE} AS\n{spans}",
+        f"INSERT INTO {db}.{TYPED_TABLE}\n{spans}",
+    ]
 
 
 _BUBBLE = "train.pipeline.bubble_ratio."
@@ -610,7 +661,8 @@ def _median_sql(sorted_array: str) -> str:
 
 def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
                       world_size: int | None = None, straggler_min_seconds: float | None = None,
-                      straggler_min_ratio: float | None = None, where: str | None = None) -> str:
+                      straggler_min_ratio: float | None = None, typed_table: str | None = None,
+                      where: str | None = None) -> str:
     """One row per (run, attempt, step): the steptrace collector's ``cluster_step`` aggregates, in SQL.
 
     Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
@@ -627,7 +679,7 @@ def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TAB
     its wait); the cost is the other ranks' median wait less its own), ``compute_sum_seconds``,
     ``interval_sum_seconds``, ``goodput_ratio`` (Σcompute / Σinterval), ``pipeline_bubble_ratio``
     (per stage, the mean over the ranks that report it), ``status`` (ranks per status),
-    ``end_time``, ``trace_id``.
+    ``end_time``, ``trace_id``. ``typed_table``, ``where``: see :func:`step_ranks_sql`.
     """
     from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
 
@@ -640,8 +692,8 @@ def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TAB
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world = f"toNullable(toInt64({world_size}))" if world_size is not None else "max(world_size)"
     in_world = str(world_size) if world_size is not None else "ifNull(world_size, rank + 1)"
-    ranks_sql = step_ranks_sql(database, table, run_id, where=where)
-    MAX_LISTED = MAX_MISSING_LISTED  # noqa: N806 - collector/_join.py MAX_MISSING_LISTED
+    ranks_sql = step_ranks_sql(database, table, run_id, typed_table=typed_table, where=where)
+    MAX_LISTED = MAX_MISSING_LISTED  # noqa: N806
     step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
     threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
     # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
@@ -722,25 +774,31 @@ FROM (
 ORDER BY run_id, attempt, step"""
 
 
-def views_sql(database: str = "default", table: str = DEFAULT_TABLE) -> list[str]:
+def views_sql(database: str = "default", table: str = DEFAULT_TABLE, *, typed: bool = False) -> list[str]:
     """``CREATE OR REPLACE VIEW`` statements for :data:`STEP_RANKS_VIEW` and :data:`CLUSTER_STEPS_VIEW`.
 
-    Plain (not materialized) views over the exporter's table: a query reads the spans it needs when
-    it runs (filter on ``run_id``; ClickHouse pushes the condition into the view's grouping). The
-    straggler thresholds are the collector's defaults.
+    Plain (not materialized) views: a query reads the spans it needs when it runs (filter on
+    ``run_id``; ClickHouse pushes the condition into the view's grouping). ``typed``: first the
+    :func:`typed_table_sql` statements, and the views read that table (thousands of ranks: the
+    attribute maps are parsed once, at insert time). The straggler thresholds are the collector's
+    defaults.
     """
     db = _identifier(database, "database")
-    return [f"CREATE OR REPLACE VIEW {db}.{STEP_RANKS_VIEW} AS\n{step_ranks_sql(database, table)}",
-            f"CREATE OR REPLACE VIEW {db}.{CLUSTER_STEPS_VIEW} AS\n{cluster_steps_sql(database, table)}"]
+    typed_table = TYPED_TABLE if typed else None
+    return [*(typed_table_sql(database, table) if typed else []),
+            f"CREATE OR REPLACE VIEW {db}.{STEP_RANKS_VIEW} AS\n"
+            f"{step_ranks_sql(database, table, typed_table=typed_table)}",
+            f"CREATE OR REPLACE VIEW {db}.{CLUSTER_STEPS_VIEW} AS\n"
+            f"{cluster_steps_sql(database, table, typed_table=typed_table)}"]
 
 
 def cluster_steps(client: Client, run_id: str | None = None, *, table: str = DEFAULT_TABLE,
                   world_size: int | None = None, straggler_min_seconds: float | None = None,
-                  straggler_min_ratio: float | None = None) -> list[dict[str, Any]]:
+                  straggler_min_ratio: float | None = None, typed_table: str | None = None) -> list[dict[str, Any]]:
     """The per-step cross-rank rows of ``run_id`` (all runs when None), as dicts (see :func:`cluster_steps_sql`)."""
     rows = client.query(cluster_steps_sql(client.database, table, run_id, world_size=world_size,
                                           straggler_min_seconds=straggler_min_seconds,
-                                          straggler_min_ratio=straggler_min_ratio))
+                                          straggler_min_ratio=straggler_min_ratio, typed_table=typed_table))
     for row in rows:
         row["complete"] = bool(row.get("complete"))
     return rows
@@ -929,6 +987,9 @@ def add_clickhouse_arguments(parser: Any) -> Any:
                                           "create_schema makes), for a server where the exporter may not create it.")
     steps = commands.add_parser("steps", help="print a run's per-step cross-rank rows as JSON lines",
                                 description="Run the per-step view for one run and print one JSON object a step.")
+    views.add_argument("--typed", action="store_true",
+                       help=f"also a typed table ({TYPED_TABLE}) kept by a materialized view, which the views "
+                            "read: for thousands of ranks")
     for sub in (views, ddl):
         sub.add_argument("--database", default="default", help="the exporter's database (default: default)")
         sub.add_argument("--table", default=DEFAULT_TABLE,
@@ -946,7 +1007,7 @@ def run_clickhouse(args: Any) -> int:
 
     try:
         if args.clickhouse_command == "views":
-            print(";\n\n".join(views_sql(args.database, args.table)) + ";")
+            print(";\n\n".join(views_sql(args.database, args.table, typed=args.typed)) + ";")
         elif args.clickhouse_command == "ddl":
             print(otel_traces_ddl(args.database, args.table).rstrip() + ";")
         else:
