@@ -27,6 +27,7 @@ FILES = {
     "grafana/dashboards/steptrace-training.json": "dashboards/steptrace-training.json",
     "grafana/dashboards/steptrace-cluster.json": "dashboards/steptrace-cluster.json",
     "grafana/dashboards/steptrace-clickhouse.json": "dashboards/steptrace-clickhouse.json",
+    "grafana/dashboards/steptrace-clickhouse-typed.json": "dashboards/steptrace-clickhouse-typed.json",
     # Not under grafana/provisioning/: it needs the ClickHouse plugin, so it is copied in by choice.
     "grafana/clickhouse/datasources/steptrace-clickhouse.yaml": "dashboards/provisioning/datasources-clickhouse.yaml",
     "otelcol/otelcol.yaml": "otelcol.yaml",

@@ -26,7 +26,7 @@ GENERATOR = DASHBOARDS / "generate.py"
 PROVISIONING = DASHBOARDS / "provisioning"
 FILES = ("steptrace-training.json", "steptrace-cluster.json")   # the Prometheus dashboards
 # Every file generate.py writes: the ClickHouse one has its own tests (tests/test_dashboards_clickhouse.py).
-GENERATED = FILES + ("steptrace-clickhouse.json",)
+GENERATED = FILES + ("steptrace-clickhouse.json", "steptrace-clickhouse-typed.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 # What the rank exporter serves (docs/prometheus.md, steptrace/prometheus.py).

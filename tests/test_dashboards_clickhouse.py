@@ -43,7 +43,9 @@ from steptrace.otlp import OtlpSink  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "collector" / "dashboards"
-NAME = "steptrace-clickhouse.json"
+# Two builds of one dashboard: over otel_traces as the exporter writes it, and over the typed table
+# that `steptrace clickhouse views --typed` keeps (the same panels; only the rows read differ).
+NAMES = ("steptrace-clickhouse.json", "steptrace-clickhouse-typed.json")
 PLUGIN = "grafana-clickhouse-datasource"
 DATASOURCE = {"type": PLUGIN, "uid": "${datasource}"}
 SHARED = {"type": "datasource", "uid": "-- Dashboard --"}   # Grafana's "use another panel's result"
@@ -91,6 +93,11 @@ def client():
     c = ch.connect(f"chdb://?database={DATABASE}")
     c.command(ch.otel_traces_ddl(DATABASE))
     c.command(f"TRUNCATE TABLE {DATABASE}.{ch.DEFAULT_TABLE}")
+    # The typed table and its materialized view, before the spans arrive (as documented).
+    c.command(f"DROP TABLE IF EXISTS {DATABASE}.{ch.TYPED_TABLE}_mv")
+    c.command(f"DROP TABLE IF EXISTS {DATABASE}.{ch.TYPED_TABLE}")
+    for statement in ch.typed_table_sql(DATABASE):
+        c.command(statement)
     rows = sdk_rows()
     assert {r["SpanName"] for r in rows} >= {"train.step", "train.compute"}
     ch.insert_rows(c, rows, database=DATABASE)
@@ -186,36 +193,41 @@ def test_macro_expansion_matches_the_plugins_go_code():
 
 # -- the dashboard -------------------------------------------------------------------------------------
 
-def load() -> dict:
-    return json.loads((DASHBOARDS / NAME).read_text())
+def load(name: str) -> dict:
+    return json.loads((DASHBOARDS / name).read_text())
+
+
+@pytest.fixture(params=NAMES)
+def dashboard(request) -> dict:
+    return load(request.param)
 
 
 def panels(dashboard: dict) -> list[dict]:
     return [p for p in dashboard["panels"] if p["type"] != "row"]
 
 
-def targets(dashboard: dict | None = None) -> list[tuple[str, dict]]:
+def targets(dashboard: dict) -> list[tuple[str, dict]]:
     """(panel title, target) of every ClickHouse query (not the panels showing another's result)."""
-    return [(p["title"], t) for p in panels(dashboard or load()) for t in p["targets"] if t["datasource"] != SHARED]
+    return [(p["title"], t) for p in panels(dashboard) for t in p["targets"] if t["datasource"] != SHARED]
 
 
-def panel(title: str, dashboard: dict | None = None) -> dict:
-    (found,) = [p for p in panels(dashboard or load()) if p["title"] == title]
+def panel(dashboard: dict, title: str) -> dict:
+    (found,) = [p for p in panels(dashboard) if p["title"] == title]
     return found
 
 
-def panel_sql(title: str) -> str:
-    (target,) = panel(title)["targets"]
+def panel_sql(dashboard: dict, title: str) -> str:
+    (target,) = panel(dashboard, title)["targets"]
     return target["rawSql"]
 
 
-def source_of(p: dict, dashboard: dict | None = None) -> dict:
+def source_of(p: dict, dashboard: dict) -> dict:
     """The panel whose query ``p`` shows: itself, or the one its "-- Dashboard --" query names."""
     (target,) = p["targets"]
     if target["datasource"] != SHARED:
         return p
     assert not target["withTransforms"], p["title"]
-    (source,) = [s for s in panels(dashboard or load()) if s["id"] == target["panelId"]]
+    (source,) = [s for s in panels(dashboard) if s["id"] == target["panelId"]]
     assert source["targets"][0]["datasource"] == DATASOURCE, f"{p['title']} shows a panel without a query"
     return source
 
@@ -253,12 +265,11 @@ EXPECTED_PANELS = {
 }
 
 
-def test_the_dashboard_has_the_expected_panels_each_described():
-    dashboard = load()
+def test_the_dashboard_has_the_expected_panels_each_described(dashboard):
     titles = [p["title"] for p in panels(dashboard)]
     assert len(titles) == len(set(titles)) and set(titles) == EXPECTED_PANELS
     assert all(p.get("description") for p in panels(dashboard))
-    assert dashboard["uid"] == "steptrace-clickhouse" and "steptrace" in dashboard["tags"]
+    assert f"{dashboard['uid']}.json" in NAMES and "steptrace" in dashboard["tags"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert ids == list(range(1, len(ids) + 1))
     cells: set[tuple[int, int]] = set()
@@ -270,8 +281,7 @@ def test_the_dashboard_has_the_expected_panels_each_described():
         cells |= area
 
 
-def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin_or_another_panels_result():
-    dashboard = load()
+def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin_or_another_panels_result(dashboard):
     queries = 0
     for panel in panels(dashboard):
         (target,) = panel["targets"]
@@ -289,50 +299,52 @@ def test_every_query_is_a_raw_sql_query_of_the_clickhouse_plugin_or_another_pane
             # format as the plugin maps its query types (src/data/utils.ts): 0 time series, 1 table.
             assert (target["format"], target["queryType"]) in ((0, "timeseries"), (1, "table")), panel["title"]
             assert (target["format"] == 0) == (panel["type"] == "timeseries"), panel["title"]
-            assert "otel_traces" in target["rawSql"], panel["title"]
+            assert ("otel_traces" in target["rawSql"]) != (ch.TYPED_TABLE in target["rawSql"]), panel["title"]
     assert queries == 6, "each query joins the run's steps: add one only where no panel's result will do"
 
 
-def test_variables_are_a_clickhouse_datasource_a_run_and_k_never_all_ranks():
-    variables = {v["name"]: v for v in load()["templating"]["list"]}
+def test_variables_are_a_clickhouse_datasource_a_run_and_k_never_all_ranks(dashboard):
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert list(variables) == ["datasource", "run_id", "topk"]
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == PLUGIN
     run = variables["run_id"]
     assert run["type"] == "query" and run["datasource"] == DATASOURCE
-    assert run["query"]["queryType"] == "sql" and "otel_traces" in run["query"]["rawSql"]
+    assert run["query"]["queryType"] == "sql"
     assert not run.get("includeAll") and not run.get("multi")
     topk = variables["topk"]
     assert topk["type"] == "custom" and topk["current"]["value"] == "10" and not topk.get("includeAll")
     assert "rank" not in variables
 
 
-def test_rank_tables_list_the_top_k_ranks_not_every_rank():
+def test_rank_tables_list_the_top_k_ranks_not_every_rank(dashboard):
     for title in ("Top stragglers (time range)", "Slowest ranks (time range)", "Steps with missing ranks (latest)"):
-        assert panel_sql(title).rstrip().endswith("LIMIT $topk"), title
+        assert panel_sql(dashboard, title).rstrip().endswith("LIMIT $topk"), title
 
 
-def test_panels_wrap_the_analysis_modules_per_step_sql_not_a_copy():
+def test_panels_wrap_the_analysis_modules_per_step_sql_not_a_copy(dashboard):
     """The straggler, skew and missing-rank logic lives in steptrace/analysis/clickhouse.py only."""
-    per_step = ch.cluster_steps_sql(None, ch.DEFAULT_TABLE, None, where="X").split("WHERE SpanName")[0]
-    assert targets()
-    per_rank = ch.step_ranks_sql(None, ch.DEFAULT_TABLE, None, where="X").split("WHERE SpanName")[0]
-    for title, target in targets():
+    typed = ch.TYPED_TABLE if "typed" in dashboard["uid"] else None
+    # The SQL up to where the rows are read (the where= condition follows).
+    per_step = ch.cluster_steps_sql(None, ch.DEFAULT_TABLE, None, where="X", typed_table=typed).split("FROM (SELECT")[0]
+    per_rank = ch.step_ranks_sql(None, ch.DEFAULT_TABLE, None, where="X", typed_table=typed).split("FROM (SELECT")[0]
+    assert targets(dashboard)
+    for title, target in targets(dashboard):
         assert per_step in target["rawSql"] or per_rank in target["rawSql"], title
     assert ch.MAX_MISSING_LISTED == __import__("steptrace.collector._join", fromlist=["x"]).MAX_MISSING_LISTED
 
 
 # -- every query, run ----------------------------------------------------------------------------------
 
-def run(client, title: str, **kw) -> list[dict]:
+def run(client, dashboard: dict, title: str, **kw) -> list[dict]:
     """What panel ``title`` shows: its query (or the panel's whose result it shows), run, then transformed."""
-    p = panel(title)
-    return displayed(client.query(as_sent(source_of(p)["targets"][0]["rawSql"], **kw)), p)
+    p = panel(dashboard, title)
+    return displayed(client.query(as_sent(source_of(p, dashboard)["targets"][0]["rawSql"], **kw)), p)
 
 
-def test_every_panel_and_variable_query_runs_in_chdb_and_returns_rows(client):
-    for p in panels(load()):
-        assert run(client, p["title"]), f"{p['title']}: shows nothing"
-    for title, target in targets():
+def test_every_panel_and_variable_query_runs_in_chdb_and_returns_rows(client, dashboard):
+    for p in panels(dashboard):
+        assert run(client, dashboard, p["title"]), f"{p['title']}: shows nothing"
+    for title, target in targets(dashboard):
         rows = client.query(as_sent(target["rawSql"]))
         assert rows, f"{title}: no rows"
         if target["format"] == 0:
@@ -341,89 +353,89 @@ def test_every_panel_and_variable_query_runs_in_chdb_and_returns_rows(client):
             assert columns[0]["type"].startswith("DateTime"), (title, columns[0])
             times = [r[columns[0]["name"]] for r in rows]
             assert times == sorted(times), title
-    (variable,) = [v for v in load()["templating"]["list"] if v["name"] == "run_id"]
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "run_id"]
     runs = client.query(as_sent(variable["query"]["rawSql"]))
     assert [r["run_id"] for r in runs] == sorted([RUN, OTHER_RUN])
 
 
-def test_overview_shows_the_last_step_its_straggler_and_the_runs_goodput(client):
-    assert run(client, "Last step") == [{"last_step": STEPS - 1}]
-    assert run(client, "Ranks in the last step") == [{"ranks": WORLD}]
-    assert run(client, "Missing ranks, last step") == [{"missing": 0}]
-    assert run(client, "Straggler rank, last step") == [{"straggler": SLOW}]
-    (skew,) = run(client, "Cross-rank skew, last step")
+def test_overview_shows_the_last_step_its_straggler_and_the_runs_goodput(client, dashboard):
+    assert run(client, dashboard, "Last step") == [{"last_step": STEPS - 1}]
+    assert run(client, dashboard, "Ranks in the last step") == [{"ranks": WORLD}]
+    assert run(client, dashboard, "Missing ranks, last step") == [{"missing": 0}]
+    assert run(client, dashboard, "Straggler rank, last step") == [{"straggler": SLOW}]
+    (skew,) = run(client, dashboard, "Cross-rank skew, last step")
     assert skew["skew"] == pytest.approx(0.4)
-    (goodput,) = run(client, "Goodput (time range)")
+    (goodput,) = run(client, dashboard, "Goodput (time range)")
     compute = (STEPS * (3 * 0.5 + 0.9) - 0.5) / (STEPS * WORLD - 1)   # rank 3's step 7 is missing
     assert goodput["goodput"] == pytest.approx(compute / 1.0)
 
 
-def test_the_overview_of_a_last_step_with_a_missing_rank_names_no_straggler(client):
+def test_the_overview_of_a_last_step_with_a_missing_rank_names_no_straggler(client, dashboard):
     """A range ending at T0 + 23 shows steps that ended by T0 + 8: the last one is step 7, without rank 3."""
     end = T0 + 23
-    assert run(client, "Last step", end=end) == [{"last_step": ABSENT_STEP}]
-    assert run(client, "Ranks in the last step", end=end) == [{"ranks": WORLD - 1}]
-    assert run(client, "Missing ranks, last step", end=end) == [{"missing": 1}]
+    assert run(client, dashboard, "Last step", end=end) == [{"last_step": ABSENT_STEP}]
+    assert run(client, dashboard, "Ranks in the last step", end=end) == [{"ranks": WORLD - 1}]
+    assert run(client, dashboard, "Missing ranks, last step", end=end) == [{"missing": 1}]
     # Not step 6's straggler: the last step named none.
-    assert run(client, "Straggler rank, last step", end=end) == [{"straggler": None}]
+    assert run(client, dashboard, "Straggler rank, last step", end=end) == [{"straggler": None}]
 
 
-def test_the_straggler_panels_name_the_slowed_rank_and_its_cost(client):
-    points = run(client, "Straggler rank per step")
+def test_the_straggler_panels_name_the_slowed_rank_and_its_cost(client, dashboard):
+    points = run(client, dashboard, "Straggler rank per step")
     assert points and {p["straggler"] for p in points} == {SLOW}
-    for row in run(client, "What the straggler cost per step"):
+    for row in run(client, dashboard, "What the straggler cost per step"):
         assert row["worst"] == pytest.approx(0.4)
-    (top,) = run(client, "Top stragglers (time range)")
+    (top,) = run(client, dashboard, "Top stragglers (time range)")
     # Named on every complete step (step 7 lacks rank 3: no straggler is named on it).
     assert top == {"rank": str(SLOW), "cost": pytest.approx(0.4 * (STEPS - 1)), "steps": STEPS - 1}
-    slowest = run(client, "Slowest ranks (time range)", topk=2)
+    slowest = run(client, dashboard, "Slowest ranks (time range)", topk=2)
     assert [r["rank"] for r in slowest] == [SLOW, 0]
     assert slowest[0]["own_seconds"] == pytest.approx(0.95) and slowest[1]["own_seconds"] == pytest.approx(0.55)
 
 
-def test_the_spread_panels_show_min_median_max_and_skew(client):
-    for row in run(client, "Step compute across ranks (min, median, max)"):
+def test_the_spread_panels_show_min_median_max_and_skew(client, dashboard):
+    for row in run(client, dashboard, "Step compute across ranks (min, median, max)"):
         assert (row["min"], row["median"], row["max"]) == (pytest.approx(0.5), pytest.approx(0.5), pytest.approx(0.9))
-    for row in run(client, "Step interval across ranks (min, median, max)"):
+    for row in run(client, dashboard, "Step interval across ranks (min, median, max)"):
         assert (row["min"], row["max"]) == (pytest.approx(1.0), pytest.approx(1.0))
-    for row in run(client, "Cross-rank skew (max - min compute)"):
+    for row in run(client, dashboard, "Cross-rank skew (max - min compute)"):
         assert row["worst"] == pytest.approx(0.4)
-    for row in run(client, "Time on its own across ranks (min, median, max)"):
+    for row in run(client, dashboard, "Time on its own across ranks (min, median, max)"):
         assert (row["min"], row["max"]) == (pytest.approx(0.55), pytest.approx(0.95))
 
 
-def test_bubble_goodput_and_step_rate_per_bucket(client):
-    bubble = {(r["t"], r["stage"]): r["bubble"] for r in run(client, "Pipeline bubble per stage")}
+def test_bubble_goodput_and_step_rate_per_bucket(client, dashboard):
+    bubble = {(r["t"], r["stage"]): r["bubble"] for r in run(client, dashboard, "Pipeline bubble per stage")}
     assert {stage for _, stage in bubble} == {"0", "1"}
     assert all(v == pytest.approx(0.1 if stage == "0" else 0.3) for (_, stage), v in bubble.items())
     # Steps end at T0 + n + 0.5: two 5 s buckets of 5 steps each, one step a second.
-    rate = run(client, "Step rate", interval_s=5)
+    rate = run(client, dashboard, "Step rate", interval_s=5)
     assert [r["steps/s"] for r in rate] == [pytest.approx(1.0)] * 2
-    goodput = run(client, "Goodput per step", interval_s=5)
+    goodput = run(client, dashboard, "Goodput per step", interval_s=5)
     assert goodput[0]["goodput"] == pytest.approx((3 * 0.5 + 0.9) / 4)
 
 
-def test_a_rank_that_never_reports_a_step_shows_as_missing(client):
-    per_bucket = run(client, "Ranks reporting and missing per step", interval_s=5)
+def test_a_rank_that_never_reports_a_step_shows_as_missing(client, dashboard):
+    per_bucket = run(client, dashboard, "Ranks reporting and missing per step", interval_s=5)
     assert [(r["world size"], r["reporting"], r["missing"]) for r in per_bucket] == [(WORLD, WORLD, 0),
                                                                                       (WORLD, WORLD - 1, 1)]
-    assert run(client, "Steps with missing ranks (latest)") == [
+    assert run(client, dashboard, "Steps with missing ranks (latest)") == [
         {"step": ABSENT_STEP, "world_size": WORLD, "ranks_reporting": WORLD - 1, "missing_rank_count": 1,
          "missing_ranks": [ABSENT]}]
 
 
-def test_panels_read_only_the_chosen_run_and_time_range(client):
+def test_panels_read_only_the_chosen_run_and_time_range(client, dashboard):
     # The other run has no missing rank: its rank 2 is named on all 10 steps.
-    (other,) = run(client, "Top stragglers (time range)", run=OTHER_RUN)
+    (other,) = run(client, dashboard, "Top stragglers (time range)", run=OTHER_RUN)
     assert other["steps"] == STEPS
     # A range starting at T0 + 5 holds the spans of steps 6-9 (a step's span starts 1 s before it
     # ends): rank 2 is named on 6, 8 and 9 (step 7, without rank 3, names nobody).
-    assert run(client, "Top stragglers (time range)", start=T0 + 5)[0]["steps"] == 3
-    assert run(client, "Steps with missing ranks (latest)", start=T0 + 8) == []
+    assert run(client, dashboard, "Top stragglers (time range)", start=T0 + 5)[0]["steps"] == 3
+    assert run(client, dashboard, "Steps with missing ranks (latest)", start=T0 + 8) == []
     # A range ending at T0 + 20 shows only steps that ended 15 s before: steps 0-4.
-    assert run(client, "Last step", end=T0 + 20) == [{"last_step": 4}]
+    assert run(client, dashboard, "Last step", end=T0 + 20) == [{"last_step": 4}]
     # An unknown run: no rows, no error.
-    assert run(client, "Top stragglers (time range)", run="nobody") == []
+    assert run(client, dashboard, "Top stragglers (time range)", run="nobody") == []
 
 
 # -- provisioning -------------------------------------------------------------------------------------
@@ -441,9 +453,10 @@ def test_datasource_provisioning_names_the_plugin_and_the_exporters_database():
     assert otelcol["exporters"]["clickhouse"]["traces_table_name"] == ch.DEFAULT_TABLE
 
 
-def test_the_generator_writes_this_dashboard(tmp_path):
+def test_the_generator_writes_these_dashboards(tmp_path):
     pytest.importorskip("grafana_foundation_sdk", reason="pip install 'steptrace[dashboards]'")
     result = subprocess.run([sys.executable, str(DASHBOARDS / "generate.py"), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / NAME).read_bytes() == (DASHBOARDS / NAME).read_bytes()
+    for name in NAMES:
+        assert (tmp_path / name).read_bytes() == (DASHBOARDS / name).read_bytes(), name

@@ -17,6 +17,7 @@ every panel's query in chDB.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from grafana_foundation_sdk.builders import bargauge, common as common_b, dashboard as dash_b
@@ -27,7 +28,8 @@ from grafana_foundation_sdk.models import common, dashboard as dash_m
 from steptrace._schema import ATTR_RUN_ID
 from steptrace.analysis import clickhouse as ch
 
-__all__ = ["PLUGIN", "PLUGIN_VERSION", "SETTLE_SECONDS", "TOP_K_DEFAULT", "clickhouse"]
+__all__ = ["OTEL_TRACES", "PLUGIN", "PLUGIN_VERSION", "SETTLE_SECONDS", "SOURCES", "TOP_K_DEFAULT", "TYPED",
+           "Source", "clickhouse"]
 
 #: The Grafana plugin id of the official ClickHouse data source.
 PLUGIN = "grafana-clickhouse-datasource"
@@ -44,31 +46,58 @@ SETTLE_SECONDS = 15
 TOP_K_CHOICES = (5, 10, 20, 50)
 TOP_K_DEFAULT = 10
 
-# The run and time range, as conditions on the exporter's rows (inside the per-step SQL, so that
-# ClickHouse reads only the run's spans of the time range). ``singlequote`` quotes the run id and
-# escapes a quote in it with a backslash; a steptrace run id holds no backslash (steptrace/_ids.py).
-SPAN_FILTER = f"SpanAttributes['{ATTR_RUN_ID}'] = ${{run_id:singlequote}} AND $__timeFilter(Timestamp)"
 SETTLED = f"end_time <= toUnixTimestamp($__toTime) - {SETTLE_SECONDS}"
 
 
-def steps_sql() -> str:
-    """The run's per-step cross-rank rows in the time range (28c's ``cluster_steps_sql``), settled."""
-    inner = ch.cluster_steps_sql(None, ch.DEFAULT_TABLE, None, where=SPAN_FILTER)
-    return f"SELECT *, toDateTime64(end_time, 3) AS time FROM (\n{inner}\n) WHERE {SETTLED}"
+@dataclass(frozen=True)
+class Source:
+    """Where the dashboard reads the ranks' ``train.step`` spans, and how it keeps to the run and time range.
+
+    The condition sits inside the per-step SQL, so that ClickHouse reads only the run's spans of the
+    time range. ``singlequote`` quotes the run id and escapes a quote in it with a backslash; a
+    steptrace run id holds no backslash (steptrace/_ids.py).
+    """
+
+    file: str
+    uid: str
+    title: str
+    typed_table: str | None   # None: the exporter's otel_traces, its attribute maps parsed per query
+    where: str                # on the rows of otel_traces, or of the typed table
+    runs: str                 # the run variable's query
+
+    def steps_sql(self) -> str:
+        """The run's per-step cross-rank rows in the time range (``cluster_steps_sql``), settled."""
+        inner = ch.cluster_steps_sql(None, ch.DEFAULT_TABLE, None, typed_table=self.typed_table, where=self.where)
+        return f"SELECT *, toDateTime64(end_time, 3) AS time FROM (\n{inner}\n) WHERE {SETTLED}"
+
+    def ranks_sql(self) -> str:
+        """The run's rows per (step, rank) in the time range (``step_ranks_sql``), settled."""
+        inner = ch.step_ranks_sql(None, ch.DEFAULT_TABLE, None, typed_table=self.typed_table, where=self.where)
+        return f"SELECT * FROM (\n{inner}\n) WHERE {SETTLED}"
+
+    def from_steps(self, select: str, tail: str = "") -> str:
+        return f"{select}\nFROM (\n{self.steps_sql()}\n)" + (f"\n{tail}" if tail else "")
+
+    def from_ranks(self, select: str, tail: str = "") -> str:
+        return f"{select}\nFROM (\n{self.ranks_sql()}\n)" + (f"\n{tail}" if tail else "")
 
 
-def ranks_sql() -> str:
-    """The run's rows per (step, rank) in the time range (``step_ranks_sql``), settled."""
-    inner = ch.step_ranks_sql(None, ch.DEFAULT_TABLE, None, where=SPAN_FILTER)
-    return f"SELECT * FROM (\n{inner}\n) WHERE {SETTLED}"
-
-
-def from_steps(select: str, tail: str = "") -> str:
-    return f"{select}\nFROM (\n{steps_sql()}\n)" + (f"\n{tail}" if tail else "")
-
-
-def from_ranks(select: str, tail: str = "") -> str:
-    return f"{select}\nFROM (\n{ranks_sql()}\n)" + (f"\n{tail}" if tail else "")
+#: The exporter's table as it is: nothing to set up, every query parses the spans' attribute maps.
+OTEL_TRACES = Source(
+    "steptrace-clickhouse.json", "steptrace-clickhouse", "steptrace: cluster (ClickHouse)", None,
+    f"SpanAttributes['{ATTR_RUN_ID}'] = ${{run_id:singlequote}} AND $__timeFilter(Timestamp)",
+    f"SELECT DISTINCT SpanAttributes['{ATTR_RUN_ID}'] AS run_id FROM {ch.DEFAULT_TABLE} "
+    "WHERE SpanName = 'train.step' AND $__timeFilter(Timestamp) ORDER BY run_id")
+# The typed table has no Timestamp: a span starts at s_end - s_interval (a step span covers its interval).
+_TYPED_RANGE = ("s_end - s_interval >= toUnixTimestamp($__fromTime) "
+                "AND s_end - s_interval <= toUnixTimestamp($__toTime)")
+#: ``steptrace clickhouse views --typed``'s table, filled by a materialized view as spans arrive:
+#: numbers, ordered by run and step; the queries skip the map parsing (thousands of ranks).
+TYPED = Source(
+    "steptrace-clickhouse-typed.json", "steptrace-clickhouse-typed", "steptrace: cluster (ClickHouse, typed)",
+    ch.TYPED_TABLE, f"run_id = ${{run_id:singlequote}} AND {_TYPED_RANGE}",
+    f"SELECT DISTINCT run_id FROM {ch.TYPED_TABLE} WHERE {_TYPED_RANGE} ORDER BY run_id")
+SOURCES = (OTEL_TRACES, TYPED)
 
 
 # -- the plugin's query model ------------------------------------------------------------------------
@@ -207,35 +236,38 @@ def last(column: str) -> str:
     return f"argMax(tuple({column}), step).1"
 
 
-#: One row: the overview's stat panels each show one column.
-OVERVIEW_SQL = from_steps(
-    f"SELECT max(step) AS last_step, {last('ranks_reporting')} AS ranks, {last('missing_rank_count')} AS missing, "
-    f"{last('straggler_rank')} AS straggler, {last('skew_seconds')} AS skew, "
-    "sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput")
-
-#: One row per time bucket ($__timeInterval): every per-step time series panel shows some columns.
-#: Per bucket, the min of the steps' min, the median of their medians, the max of their max.
-BUCKETS_SQL = from_steps(
-    "SELECT $__timeInterval(time) AS t,\n"
-    + ",\n".join(f"min({c}_min_seconds) AS {c}_min, quantile(0.5)({c}_median_seconds) AS {c}_median, "
-                 f"max({c}_max_seconds) AS {c}_max" for c in ("interval", "compute", "own"))
-    + ",\navg(skew_seconds) AS skew_mean, max(skew_seconds) AS skew_worst,\n"
-    "argMaxIf(tuple(straggler_rank), straggler_excess_seconds, straggler_rank IS NOT NULL).1 AS straggler,\n"
-    "avg(coalesce(straggler_cost_seconds, 0)) AS cost_mean, max(coalesce(straggler_cost_seconds, 0)) AS cost_worst,\n"
-    "sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput,\n"
-    "count() / $__interval_s AS steps_per_second,\n"
-    "max(world_size) AS world, min(ranks_reporting) AS reporting, max(missing_rank_count) AS missing",
-    "GROUP BY t ORDER BY t")
+def overview_sql(src: Source) -> str:
+    """One row: the overview's stat panels each show one column."""
+    return src.from_steps(
+        f"SELECT max(step) AS last_step, {last('ranks_reporting')} AS ranks, {last('missing_rank_count')} AS missing, "
+        f"{last('straggler_rank')} AS straggler, {last('skew_seconds')} AS skew, "
+        "sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput")
 
 
-def variables() -> list[Any]:
+def buckets_sql(src: Source) -> str:
+    """One row per time bucket ($__timeInterval): every per-step time series panel shows some columns.
+    Per bucket, the min of the steps' min, the median of their medians, the max of their max."""
+    return src.from_steps(
+        "SELECT $__timeInterval(time) AS t,\n"
+        + ",\n".join(f"min({c}_min_seconds) AS {c}_min, quantile(0.5)({c}_median_seconds) AS {c}_median, "
+                     f"max({c}_max_seconds) AS {c}_max" for c in ("interval", "compute", "own"))
+        + ",\navg(skew_seconds) AS skew_mean, max(skew_seconds) AS skew_worst,\n"
+        "argMaxIf(tuple(straggler_rank), straggler_excess_seconds, straggler_rank IS NOT NULL).1 AS straggler,\n"
+        "avg(coalesce(straggler_cost_seconds, 0)) AS cost_mean, "
+        "max(coalesce(straggler_cost_seconds, 0)) AS cost_worst,\n"
+        "sum(compute_sum_seconds) / sum(interval_sum_seconds) AS goodput,\n"
+        "count() / $__interval_s AS steps_per_second,\n"
+        "max(world_size) AS world, min(ranks_reporting) AS reporting, max(missing_rank_count) AS missing",
+        "GROUP BY t ORDER BY t")
+
+
+def variables(src: Source) -> list[Any]:
     """Data source (ClickHouse), run (from otel_traces in the time range), k for the rank tables.
 
     No rank variable: at thousands of ranks a panel per rank (or an "All ranks" default) is what
     the Prometheus dashboards had to give up; the rank tables list the k worst instead.
     """
-    runs = (f"SELECT DISTINCT SpanAttributes['{ATTR_RUN_ID}'] AS run_id FROM {ch.DEFAULT_TABLE} "
-            "WHERE SpanName = 'train.step' AND $__timeFilter(Timestamp) ORDER BY run_id")
+    runs = src.runs
     k = [dash_m.VariableOption(selected=v == TOP_K_DEFAULT, text=str(v), value=str(v)) for v in TOP_K_CHOICES]
     return [
         dash_b.DatasourceVariable("datasource").label("Data source").type(PLUGIN),
@@ -248,23 +280,26 @@ def variables() -> list[Any]:
     ]
 
 
-def clickhouse() -> dash_b.Dashboard:
-    # Every refresh joins the time range's spans afresh (there is no pre-aggregated table): a
-    # 15-minute default reads 900 rows per rank at one step a second, per query, once a minute.
-    d = (dash_b.Dashboard("steptrace: cluster (ClickHouse)").uid("steptrace-clickhouse")
+def clickhouse(src: Source = OTEL_TRACES) -> dash_b.Dashboard:
+    # Every refresh joins the time range's spans afresh (no per-step table is kept): a 15-minute
+    # default reads 900 rows per rank at one step a second, per query, once a minute.
+    d = (dash_b.Dashboard(src.title).uid(src.uid)
          .description("A run across ranks from ClickHouse (otel_traces, written by the OpenTelemetry "
                       "Collector's clickhouse exporter): steptrace's per-step cross-rank join in SQL "
-                      "(steptrace/analysis/clickhouse.py), for jobs past one steptrace collector.")
+                      "(steptrace/analysis/clickhouse.py), for jobs past one steptrace collector. "
+                      + ("Reads otel_traces as the exporter writes it: nothing to set up." if src.typed_table is None
+                         else f"Reads {src.typed_table}, which `steptrace clickhouse views --typed` creates "
+                              "and a materialized view fills: the queries skip parsing the attribute maps."))
          .tags([TAG]).time("now-15m", "now").refresh("1m").timezone("browser")
          .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
          .link(dash_b.DashboardLink("steptrace").type(dash_m.DashboardLinkType.DASHBOARDS).tags([TAG])
                .as_dropdown(False).include_vars(True).keep_time(True)))
-    for v in variables():
+    for v in variables(src):
         d = d.with_variable(v)
 
     d = d.with_row(dash_b.Row("Overview"))
     overview = single("Last step", f"Highest step joined across ranks (steps that ended at least {SETTLE_SECONDS} s "
-                      "before the end of the time range).", sql(OVERVIEW_SQL, fmt=ClickHouseQueryBuilder.TABLE),
+                      "before the end of the time range).", sql(overview_sql(src), fmt=ClickHouseQueryBuilder.TABLE),
                       "last_step", decimals=0)
     shared = SharedQueryBuilder(overview)
     for panel in [
@@ -288,7 +323,7 @@ def clickhouse() -> dash_b.Dashboard:
     buckets = series(
         "Step interval across ranks (min, median, max)", "Per step, the fastest, median and slowest rank's "
         "interval; per time bucket the min of the steps' min, the median of their medians, the max of their max.",
-        sql(BUCKETS_SQL), {f"interval_{k}": v for k, v in spread.items()})
+        sql(buckets_sql(src)), {f"interval_{k}": v for k, v in spread.items()})
     shared = SharedQueryBuilder(buckets)
     d = d.with_panel(buckets)
     d = d.with_panel(series(
@@ -319,14 +354,14 @@ def clickhouse() -> dash_b.Dashboard:
         .datasource(DATASOURCE).span(8).height(8).unit("s")
         .orientation(common.VizOrientation.HORIZONTAL)
         .reduce_options(common_b.ReduceDataOptions().values(True).calcs([]).fields("/^cost$/"))
-        .with_target(sql(from_steps(
+        .with_target(sql(src.from_steps(
             "SELECT toString(straggler_rank) AS rank, sum(coalesce(straggler_cost_seconds, 0)) AS cost, "
             "count() AS steps", "WHERE straggler_rank IS NOT NULL GROUP BY straggler_rank "
             "ORDER BY cost DESC, steps DESC, straggler_rank LIMIT $topk"), fmt=ClickHouseQueryBuilder.TABLE)))
     d = d.with_panel(rank_table(
         "Slowest ranks (time range)", "The $topk ranks with the most time on their own per step "
         "(mean over the time range's steps), with their mean interval and compute: never every rank.",
-        from_ranks("SELECT rank, avg(own_seconds) AS own_seconds, avg(interval_seconds) AS interval_seconds, "
+        src.from_ranks("SELECT rank, avg(own_seconds) AS own_seconds, avg(interval_seconds) AS interval_seconds, "
                    "avg(compute_seconds) AS compute_seconds, count() AS steps",
                    "GROUP BY rank ORDER BY own_seconds DESC, rank LIMIT $topk"), w=24))
 
@@ -334,7 +369,7 @@ def clickhouse() -> dash_b.Dashboard:
     d = d.with_panel(series(
         "Pipeline bubble per stage", "1 - microbatch compute / pipeline window, per stage (mean over the "
         "stage's ranks and the bucket's steps).",
-        sql(from_steps("SELECT $__timeInterval(time) AS t, stage, avg(ratio) AS bubble",
+        sql(src.from_steps("SELECT $__timeInterval(time) AS t, stage, avg(ratio) AS bubble",
                        "ARRAY JOIN mapKeys(pipeline_bubble_ratio) AS stage, mapValues(pipeline_bubble_ratio) AS ratio "
                        "GROUP BY t, stage ORDER BY t, stage")),
         unit="percentunit", max_val=1, w=8))
@@ -352,6 +387,6 @@ def clickhouse() -> dash_b.Dashboard:
     d = d.with_panel(rank_table(
         "Steps with missing ranks (latest)", "The latest $topk steps in which ranks are missing, and "
         f"which (the lowest {ch.MAX_MISSING_LISTED}): a rank that never reports shows in every one.",
-        from_steps("SELECT step, world_size, ranks_reporting, missing_rank_count, missing_ranks",
+        src.from_steps("SELECT step, world_size, ranks_reporting, missing_rank_count, missing_ranks",
                    "WHERE missing_rank_count > 0 ORDER BY step DESC LIMIT $topk"), w=12))
     return d
