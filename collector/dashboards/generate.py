@@ -42,7 +42,10 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
         "collector/dashboards/generate.py needs grafana-foundation-sdk (the Grafana 11.6 build): "
         "pip install 'steptrace[dashboards]'") from _exc
 
-import clickhouse  # noqa: E402 - collector/dashboards/clickhouse.py, beside this script
+# collector/dashboards/clickhouse.py, beside this script; it wraps steptrace.analysis.clickhouse's
+# SQL, found in this checkout when steptrace is not installed.
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+import clickhouse  # noqa: E402
 
 __all__ = ["DASHBOARDS", "build_all", "render", "main"]
 
