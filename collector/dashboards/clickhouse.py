@@ -1,6 +1,9 @@
-"""``steptrace-clickhouse.json``: a run across ranks from ClickHouse, for jobs past one steptrace collector.
+"""``steptrace-clickhouse{,-typed}.json``: a run across ranks from ClickHouse, past one steptrace collector.
 
-Built by collector/dashboards/generate.py (this module only builds the dashboard). Every panel is
+Built by collector/dashboards/generate.py (this module only builds the dashboards), twice: over
+``otel_traces`` as the exporter writes it, and over the typed table of ``steptrace clickhouse views
+--typed`` (:class:`Source`). Panels reading the same rows share one query (Grafana's
+"-- Dashboard --" data source): 6 queries a refresh. Every query is
 SQL for the official Grafana ClickHouse plugin (``grafana-clickhouse-datasource``, v4) over the
 OpenTelemetry Collector ClickHouse exporter's ``otel_traces`` table (collector/otelcol-clickhouse.yaml
 writes it). The per-step cross-rank join is not written here: each panel wraps the SQL of
