@@ -26,13 +26,20 @@ FILES = {
     "grafana/provisioning/dashboards/steptrace.yaml": "dashboards/provisioning/dashboards.yaml",
     "grafana/dashboards/steptrace-training.json": "dashboards/steptrace-training.json",
     "grafana/dashboards/steptrace-cluster.json": "dashboards/steptrace-cluster.json",
+    "grafana/dashboards/steptrace-clickhouse.json": "dashboards/steptrace-clickhouse.json",
+    "grafana/dashboards/steptrace-clickhouse-typed.json": "dashboards/steptrace-clickhouse-typed.json",
+    # Not under grafana/provisioning/: it needs the ClickHouse plugin, so it is copied in by choice.
+    "grafana/clickhouse/datasources/steptrace-clickhouse.yaml": "dashboards/provisioning/datasources-clickhouse.yaml",
     "otelcol/otelcol.yaml": "otelcol.yaml",
+    "otelcol/otelcol-clickhouse.yaml": "otelcol-clickhouse.yaml",
 }
 
 DESCRIPTION = ("Write steptrace's monitoring files under DIR, ready to mount: prometheus/ (prometheus.yml, "
                "rules.yml, alerts.yml: promtool check config DIR/prometheus/prometheus.yml), alertmanager/, "
                "grafana/provisioning/ (mount at /etc/grafana/provisioning), grafana/dashboards/ (mount at "
-               "/var/lib/grafana/dashboards/steptrace) and otelcol/.")
+               "/var/lib/grafana/dashboards/steptrace), grafana/clickhouse/ (the ClickHouse data source, to add "
+               "to provisioning/datasources/ with the grafana-clickhouse-datasource plugin) and otelcol/ "
+               "(otelcol.yaml: to steptrace collectors; otelcol-clickhouse.yaml: to ClickHouse).")
 
 _RUNBOOK = re.compile(r'runbook_url: "docs/alerts\.md(#[a-z]+)"')
 

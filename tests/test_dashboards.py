@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "collector" / "dashboards"
 GENERATOR = DASHBOARDS / "generate.py"
 PROVISIONING = DASHBOARDS / "provisioning"
-FILES = ("steptrace-training.json", "steptrace-cluster.json")
+FILES = ("steptrace-training.json", "steptrace-cluster.json")   # the Prometheus dashboards
+# Every file generate.py writes: the ClickHouse one has its own tests (tests/test_dashboards_clickhouse.py).
+GENERATED = FILES + ("steptrace-clickhouse.json", "steptrace-clickhouse-typed.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 # What the rank exporter serves (docs/prometheus.md, steptrace/prometheus.py).
@@ -127,9 +129,9 @@ def run_generator(*args: str) -> subprocess.CompletedProcess:
 def test_committed_json_is_byte_equal_to_a_fresh_generation(tmp_path):
     result = run_generator("--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(FILES)
-    assert sorted(p.name for p in DASHBOARDS.glob("*.json")) == sorted(FILES)
-    for name in FILES:
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(GENERATED)
+    assert sorted(p.name for p in DASHBOARDS.glob("*.json")) == sorted(GENERATED)
+    for name in GENERATED:
         assert (tmp_path / name).read_bytes() == (DASHBOARDS / name).read_bytes(), (
             f"collector/dashboards/{name} differs from the generator's output: run "
             f"python collector/dashboards/generate.py and commit the result")

@@ -1,4 +1,4 @@
-"""The deployment configs: collector/prometheus.yml, collector/rules.yml, collector/otelcol.yaml.
+"""The deployment configs: collector/prometheus.yml, collector/rules.yml, collector/otelcol*.yaml.
 
 promtool checks the Prometheus config and the recording rules; a real Prometheus server then
 loads both (the shipped prometheus.yml with local targets), scrapes two real rank exporters fed
@@ -32,6 +32,7 @@ COLLECTOR = REPO / "collector"
 PROMETHEUS_YML = COLLECTOR / "prometheus.yml"
 RULES_YML = COLLECTOR / "rules.yml"
 OTELCOL_YAML = COLLECTOR / "otelcol.yaml"
+OTELCOL_CLICKHOUSE_YAML = COLLECTOR / "otelcol-clickhouse.yaml"
 
 RUN_ID = "r"
 
@@ -160,8 +161,9 @@ def test_otelcol_receives_otlp_over_grpc_and_http(otelcol):
     assert protocols["http"]["endpoint"].endswith(":4318")
 
 
-def test_otelcol_pipelines_use_only_defined_components_and_every_defined_one_is_used(otelcol):
-    service = otelcol["service"]
+def assert_pipelines_consistent(config: dict, types: dict[str, set[str]]) -> None:
+    """Pipelines use only defined components, every defined one is used, of a known type."""
+    service = config["service"]
     used = {kind: set() for kind in ("receivers", "processors", "exporters")}
     assert service["pipelines"], "no pipelines"
     for name, pipeline in service["pipelines"].items():
@@ -169,16 +171,20 @@ def test_otelcol_pipelines_use_only_defined_components_and_every_defined_one_is_
         assert pipeline["receivers"] and pipeline["exporters"], name
         for kind in used:
             for component in pipeline.get(kind, []):
-                assert component in otelcol[kind], f"pipeline {name} uses undefined {kind[:-1]} {component}"
+                assert component in config[kind], f"pipeline {name} uses undefined {kind[:-1]} {component}"
                 used[kind].add(component)
     for kind, names in used.items():
-        assert set(otelcol[kind]) == names, f"{kind} defined but not used: {set(otelcol[kind]) - names}"
+        assert set(config[kind]) == names, f"{kind} defined but not used: {set(config[kind]) - names}"
     for extension in service.get("extensions", []):
-        assert extension in otelcol["extensions"], extension
-    assert set(otelcol["extensions"]) == set(service.get("extensions", []))
-    for kind, types in OTELCOL_TYPES.items():
-        for component in otelcol[kind]:
-            assert component_type(component) in types, f"unexpected {kind[:-1]} type {component}"
+        assert extension in config["extensions"], extension
+    assert set(config["extensions"]) == set(service.get("extensions", []))
+    for kind, allowed in types.items():
+        for component in config[kind]:
+            assert component_type(component) in allowed, f"unexpected {kind[:-1]} type {component}"
+
+
+def test_otelcol_pipelines_use_only_defined_components_and_every_defined_one_is_used(otelcol):
+    assert_pipelines_consistent(otelcol, OTELCOL_TYPES)
 
 
 def test_otelcol_processors_limit_memory_first_then_batch(otelcol):
@@ -214,12 +220,104 @@ def test_otelcol_never_routes_metrics_by_trace_id(otelcol):
             assert config.get("routing_key") == "resource", exporter
 
 
-def test_otelcol_contrib_validates_the_config_when_installed():
+# -- otelcol-clickhouse.yaml --------------------------------------------------------------------------
+
+# The contrib ClickHouse exporter's documented options, written down from
+# open-telemetry/opentelemetry-collector-contrib exporter/clickhouseexporter/README.md at commit
+# 000d4c7c4b7769e2d7d1b00ee41d5868add14e06 ("Configuration options", "TLS", "Experimental JSON
+# support"), cross-checked with config.schema.yaml at fff7223ebcd897edbace6f83a72a776867a971f4.
+# A key outside these would be refused by `otelcol-contrib validate` (unknown mapstructure key).
+CLICKHOUSE_EXPORTER_KEYS = {
+    "endpoint", "username", "password", "database", "connection_params", "ttl", "create_schema",
+    "compress", "async_insert", "tls", "json",
+    "logs_table_name", "traces_table_name", "profiles_table_name", "metrics_tables",
+    "metrics_table_name",  # deprecated for metrics_tables, still accepted
+    "cluster_name", "table_engine",
+    "timeout", "sending_queue", "retry_on_failure",   # exporterhelper's, listed under "Processing"
+}
+CLICKHOUSE_SENDING_QUEUE_KEYS = {"enabled", "num_consumers", "queue_size", "sizer", "block_on_overflow",
+                                 "storage", "batch"}
+CLICKHOUSE_BATCH_KEYS = {"flush_timeout", "min_size", "max_size", "sizer"}
+CLICKHOUSE_RETRY_KEYS = {"enabled", "initial_interval", "max_interval", "max_elapsed_time"}
+CLICKHOUSE_COMPRESS = {"none", "zstd", "lz4", "gzip", "deflate", "br", "true"}
+# The endpoint schemes the README lists (clickhouse-go's DSN).
+CLICKHOUSE_SCHEMES = {"tcp", "http", "https", "clickhouse"}
+
+OTELCOL_CLICKHOUSE_TYPES = {
+    "receivers": {"otlp"},
+    "processors": {"memory_limiter", "batch"},
+    "exporters": {"clickhouse"},
+    "extensions": {"health_check"},
+}
+
+# A Go time.Duration as the collector's config parses it ("720h", "1m30s", "200ms").
+GO_DURATION = re.compile(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+")
+
+
+@pytest.fixture(scope="module")
+def otelcol_clickhouse():
+    return load_yaml(OTELCOL_CLICKHOUSE_YAML)
+
+
+def test_otelcol_clickhouse_pipelines_are_consistent(otelcol_clickhouse):
+    assert_pipelines_consistent(otelcol_clickhouse, OTELCOL_CLICKHOUSE_TYPES)
+    receivers = otelcol_clickhouse["receivers"]["otlp"]["protocols"]
+    assert receivers["grpc"]["endpoint"].endswith(":4317") and receivers["http"]["endpoint"].endswith(":4318")
+
+
+def test_otelcol_clickhouse_sends_every_span_to_the_clickhouse_exporter(otelcol_clickhouse):
+    """Spans (and the ranks' metrics, so the receiver does not refuse them) go to ClickHouse,
+    after the memory limiter; no trace-id routing: the join is SQL, any instance takes any span."""
+    pipelines = otelcol_clickhouse["service"]["pipelines"]
+    assert set(pipelines) == {"traces", "metrics"}
+    for name, pipeline in pipelines.items():
+        assert [component_type(e) for e in pipeline["exporters"]] == ["clickhouse"], name
+        assert component_type(pipeline["processors"][0]) == "memory_limiter", name
+    assert "loadbalancing" not in otelcol_clickhouse["exporters"]
+
+
+def test_otelcol_clickhouse_exporter_uses_only_documented_options(otelcol_clickhouse):
+    exporter = otelcol_clickhouse["exporters"]["clickhouse"]
+    assert set(exporter) <= CLICKHOUSE_EXPORTER_KEYS, set(exporter) - CLICKHOUSE_EXPORTER_KEYS
+    queue = exporter["sending_queue"]
+    assert set(queue) <= CLICKHOUSE_SENDING_QUEUE_KEYS, set(queue) - CLICKHOUSE_SENDING_QUEUE_KEYS
+    assert set(queue.get("batch") or {}) <= CLICKHOUSE_BATCH_KEYS
+    assert set(exporter["retry_on_failure"]) <= CLICKHOUSE_RETRY_KEYS
+    assert exporter["compress"] in CLICKHOUSE_COMPRESS
+    for key in ("ttl", "timeout"):
+        assert GO_DURATION.fullmatch(str(exporter[key])), (key, exporter[key])
+    for key in ("flush_timeout",):
+        assert GO_DURATION.fullmatch(str(queue["batch"][key])), key
+    for key in ("initial_interval", "max_interval", "max_elapsed_time"):
+        assert GO_DURATION.fullmatch(str(exporter["retry_on_failure"][key])), key
+    assert isinstance(exporter["create_schema"], bool) and isinstance(exporter["async_insert"], bool)
+
+
+def test_otelcol_clickhouse_writes_the_table_steptrace_reads(otelcol_clickhouse):
+    exporter = otelcol_clickhouse["exporters"]["clickhouse"]
+    scheme, _, rest = exporter["endpoint"].partition("://")
+    assert scheme in CLICKHOUSE_SCHEMES and rest, exporter["endpoint"]
+    assert exporter["traces_table_name"] == "otel_traces"
+    assert exporter["database"]
+    # The README: batch inside the exporter's queue, not with the batch processor as well.
+    assert exporter["sending_queue"]["enabled"] and exporter["sending_queue"]["batch"]["min_size"] >= 1000
+    for pipeline in otelcol_clickhouse["service"]["pipelines"].values():
+        assert not any(component_type(p) == "batch" for p in pipeline["processors"])
+
+
+def test_otelcol_clickhouse_cites_the_exporter_source_it_was_checked_against():
+    text = OTELCOL_CLICKHOUSE_YAML.read_text()
+    assert "exporter/clickhouseexporter/README.md" in text
+    assert "000d4c7c4b7769e2d7d1b00ee41d5868add14e06" in text
+
+
+@pytest.mark.parametrize("config", [OTELCOL_YAML, OTELCOL_CLICKHOUSE_YAML], ids=lambda p: p.name)
+def test_otelcol_contrib_validates_the_config_when_installed(config):
     binary = shutil.which("otelcol-contrib")
     if binary is None:
         pytest.skip("otelcol-contrib is not installed (no package registry here ships it); the real "
-                    "check is `otelcol-contrib validate --config collector/otelcol.yaml`")
-    result = subprocess.run([binary, "validate", f"--config={OTELCOL_YAML}"], capture_output=True, text=True,
+                    f"check is `otelcol-contrib validate --config collector/{config.name}`")
+    result = subprocess.run([binary, "validate", f"--config={config}"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 

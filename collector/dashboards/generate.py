@@ -4,7 +4,7 @@
     python collector/dashboards/generate.py --check    # exit 1 when a committed file differs
     python collector/dashboards/generate.py --out DIR  # write (or --check) DIR instead
 
-Two dashboards, linked to each other (keeping the time range and the variables):
+Four dashboards, linked to each other (keeping the time range and the variables):
 
 - ``steptrace-training.json``: a run as the ranks see it (their own /metrics): step compute vs
   interval, goodput and the idle breakdown, throughput, checkpoints, pipeline microbatches,
@@ -12,8 +12,12 @@ Two dashboards, linked to each other (keeping the time range and the variables):
 - ``steptrace-cluster.json``: a run across ranks, from the steptrace collectors (skew, the
   straggler rank, bubble per stage) next to the same signals computed from the ranks' metrics,
   and the collectors' own health.
+- ``steptrace-clickhouse.json``, ``steptrace-clickhouse-typed.json``: a run across ranks from
+  ClickHouse (the OpenTelemetry Collector's ``otel_traces``, or the typed table of
+  ``steptrace clickhouse views --typed``), for jobs past one steptrace collector: built by
+  ``clickhouse.py`` beside this script, SQL for the ClickHouse data source.
 
-Every query is PromQL against the Prometheus data source chosen by ``$datasource``. The
+In the first two every query is PromQL against the Prometheus data source chosen by ``$datasource``. The
 heavier ones (percentiles and means over all ranks) read the recording rules of
 ``collector/rules.yml``, which must be loaded. Edit this script, never the JSON: the test
 suite regenerates the JSON and fails when it differs from the committed files.
@@ -22,6 +26,7 @@ suite regenerates the JSON and fails when it differs from the committed files.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -36,6 +41,11 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
     raise SystemExit(
         "collector/dashboards/generate.py needs grafana-foundation-sdk (the Grafana 11.6 build): "
         "pip install 'steptrace[dashboards]'") from _exc
+
+# collector/dashboards/clickhouse.py, beside this script; it wraps steptrace.analysis.clickhouse's
+# SQL, found in this checkout when steptrace is not installed.
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+import clickhouse  # noqa: E402
 
 __all__ = ["DASHBOARDS", "build_all", "render", "main"]
 
@@ -540,6 +550,7 @@ def cluster() -> dash_b.Dashboard:
 DASHBOARDS = {
     "steptrace-training.json": training,
     "steptrace-cluster.json": cluster,
+    **{src.file: functools.partial(clickhouse.clickhouse, src) for src in clickhouse.SOURCES},
 }
 
 

@@ -518,13 +518,33 @@ def _number(value: float, what: str) -> str:
     return repr(float(value))
 
 
+#: ``missing_ranks`` lists at most this many ranks, as the collector's cluster records
+#: (collector/_join.py ``MAX_MISSING_LISTED``; tests/test_dashboards_clickhouse.py checks they agree).
+MAX_MISSING_LISTED = 64
+
 #: The view names :func:`views_sql` creates.
 STEP_RANKS_VIEW = "steptrace_step_ranks"
 CLUSTER_STEPS_VIEW = "steptrace_cluster_steps"
 
 
-def step_spans_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None) -> str:
+def _source(database: str | None, table: str) -> str:
+    """``database.table``; ``table`` alone when ``database`` is None (the connection's database)."""
+    name = _identifier(table, "table")
+    return name if database is None else f"{_identifier(database, 'database')}.{name}"
+
+
+def _and(conditions: Iterable[str | None]) -> str:
+    return "".join(f"\n      AND {c}" for c in conditions if c)
+
+
+def step_spans_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+                   where: str | None = None) -> str:
     """The ranks' ``train.step`` spans as typed columns, one row per stored span (retries included).
+
+    ``database`` None reads ``table`` in the connection's database (a Grafana data source's default
+    database). ``where``: an extra condition on the exporter's rows, AND-ed as given (SQL written
+    by steptrace, never user input: collector/dashboards/clickhouse.py passes the dashboard's run
+    and ``$__timeFilter(Timestamp)``, so ClickHouse reads only the time range's spans).
 
     Attribute values are strings in the exporter's map (see :func:`rows_from_otlp`): numbers are cast
     back with ``toFloat64OrNull``/``toInt64OrNull``, so an absent or unreadable one is NULL. What the
@@ -532,8 +552,9 @@ def step_spans_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id
     expensive part of every view (string maps read and parsed per row); :func:`typed_table_sql`
     stores its result once, at insert time.
     """
-    source = f"{_identifier(database, 'database')}.{_identifier(table, 'table')}"
-    where = f"\n      AND SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else ""
+    source = _source(database, table)
+    conditions = _and([f"SpanAttributes['train.run_id'] = {_literal(run_id)}" if run_id is not None else None,
+                       f"({where})" if where else None])
     # The columns are prefixed: ClickHouse lets an outer alias shadow a column of the same name.
     return f"""\
 SELECT run_id, attempt, step, rank, s_world, s_compute, s_interval, s_idle, s_wait, s_status, s_end, s_trace, s_bubble
@@ -558,15 +579,15 @@ FROM (
                  mapFilter((k, v) -> startsWith(k, {_literal(_BUBBLE)}) AND isFinite(toFloat64OrNull(v)) = 1,
                            SpanAttributes)) AS s_bubble
     FROM {source}
-    WHERE SpanName = 'train.step'{where}
+    WHERE SpanName = 'train.step'{conditions}
 )
 -- As the collector's decoder: a span without a usable step, rank, compute or interval is skipped.
 WHERE step >= 0 AND rank >= 0 AND s_compute >= 0 AND isFinite(s_compute) AND s_interval >= 0
       AND isFinite(s_interval)"""
 
 
-def step_ranks_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
-                   typed_table: str | None = None) -> str:
+def step_ranks_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+                   typed_table: str | None = None, where: str | None = None) -> str:
     """One row per (run, attempt, step, rank) from the ranks' ``train.step`` spans, typed.
 
     A span the exporter stored twice (an OTLP retry; ClickHouse keeps both rows) counts once; a rank
@@ -574,13 +595,16 @@ def step_ranks_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id
     :func:`cluster_steps_sql` leaves out and counts as missing, as the steptrace collector does.
     ``own_seconds`` follows the collector: interval − min(wait, interval) where the rank measured
     its wait in collectives, its compute otherwise. ``typed_table``: read the typed columns from
-    that table (:func:`typed_table_sql`) instead of parsing ``table``'s attribute maps.
+    that table (:func:`typed_table_sql`) instead of parsing ``table``'s attribute maps. ``database``
+    and ``where`` as for :func:`step_spans_sql`; with ``typed_table``, ``where`` is on its columns.
     """
     if typed_table is not None:
-        where = f" WHERE run_id = {_literal(run_id)}" if run_id is not None else ""
-        spans = f"SELECT * FROM {_identifier(database, 'database')}.{_identifier(typed_table, 'table')}{where}"
+        conditions = [c for c in (f"run_id = {_literal(run_id)}" if run_id is not None else None,
+                                  f"({where})" if where else None) if c]
+        spans = f"SELECT * FROM {_source(database, typed_table)}" + (
+            f" WHERE {' AND '.join(conditions)}" if conditions else "")
     else:
-        spans = step_spans_sql(database, table, run_id)
+        spans = step_spans_sql(database, table, run_id, where=where)
     return f"""\
 SELECT
     run_id, attempt, step, rank,
@@ -637,9 +661,10 @@ def _median_sql(sorted_array: str) -> str:
             f"({sorted_array}[intDiv({n}, 2)] + {sorted_array}[intDiv({n}, 2) + 1]) / 2))")
 
 
-def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
+def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
                       world_size: int | None = None, straggler_min_seconds: float | None = None,
-                      straggler_min_ratio: float | None = None, typed_table: str | None = None) -> str:
+                      straggler_min_ratio: float | None = None, typed_table: str | None = None,
+                      where: str | None = None) -> str:
     """One row per (run, attempt, step): the steptrace collector's ``cluster_step`` aggregates, in SQL.
 
     Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
@@ -656,7 +681,7 @@ def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run
     its wait); the cost is the other ranks' median wait less its own), ``compute_sum_seconds``,
     ``interval_sum_seconds``, ``goodput_ratio`` (Σcompute / Σinterval), ``pipeline_bubble_ratio``
     (per stage, the mean over the ranks that report it), ``status`` (ranks per status),
-    ``end_time``, ``trace_id``. ``typed_table``: see :func:`step_ranks_sql`.
+    ``end_time``, ``trace_id``. ``typed_table``, ``where``: see :func:`step_ranks_sql`.
     """
     from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
 
@@ -669,8 +694,8 @@ def cluster_steps_sql(database: str = "default", table: str = DEFAULT_TABLE, run
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world = f"toNullable(toInt64({world_size}))" if world_size is not None else "max(world_size)"
     in_world = str(world_size) if world_size is not None else "ifNull(world_size, rank + 1)"
-    ranks_sql = step_ranks_sql(database, table, run_id, typed_table=typed_table)
-    MAX_LISTED = 64  # noqa: N806 - collector/_join.py MAX_MISSING_LISTED
+    ranks_sql = step_ranks_sql(database, table, run_id, typed_table=typed_table, where=where)
+    MAX_LISTED = MAX_MISSING_LISTED  # noqa: N806
     step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
     threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
     # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
