@@ -296,36 +296,32 @@ _USED_SPANS = ("train.step", "train.stall", "train.stall_end")
 _NAME_FIELD = re.compile(b"|".join(re.escape(bytes([0x2A, len(name)]) + name.encode()) for name in _USED_SPANS))
 
 
+def _varint(blob: bytes, i: int) -> tuple[int, int]:
+    """The base-128 varint at ``blob[i]`` and the index after it (IndexError when cut short)."""
+    value, shift = 0, 0
+    while True:
+        byte = blob[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, i
+
+
 def _span_name(blob: bytes) -> bytes | None:
     """Field 5 (``name``) of an encoded span, read without decoding the rest; None if unreadable."""
     i, end = 0, len(blob)
     try:
         while i < end:
-            tag, shift = 0, 0
-            while True:
-                byte = blob[i]
-                i += 1
-                tag |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
+            tag, i = _varint(blob, i)
             wire = tag & 7
             if wire == 2:
-                size, shift = 0, 0
-                while True:
-                    byte = blob[i]
-                    i += 1
-                    size |= (byte & 0x7F) << shift
-                    shift += 7
-                    if not byte & 0x80:
-                        break
+                size, i = _varint(blob, i)
                 if tag >> 3 == 5:
                     return blob[i:i + size]
                 i += size
             elif wire == 0:
-                while blob[i] & 0x80:
-                    i += 1
-                i += 1
+                _, i = _varint(blob, i)
             elif wire == 1:
                 i += 8
             elif wire == 5:
