@@ -4,7 +4,7 @@
 #   make demo        the JAX demo: naive timing vs steptrace, then the steptrace report
 #   make test        lint, then pytest (extra arguments: make test PYTEST_ARGS='-k report -x')
 #   make lint        ruff on everything, mypy on the core (part of make test)
-#   make bench       every bench/bench_*.py, then bench/collector_scale.py
+#   make bench       every bench/bench_*.py, then bench/collector_scale.py and bench/scale.py --quick
 #   make clean       run directories, caches, build outputs
 #   make distclean   clean + the virtualenv
 #   make maxtext-env the Python 3.12 env (.venv-maxtext) the MaxText hook tests run in
@@ -60,7 +60,8 @@ bench: $(STAMP)
 		$(VENV_PYTHON) "$$script"; \
 	done; \
 	if [ "$$found" = 0 ]; then echo "no bench/bench_*.py scripts yet"; fi; \
-	if [ -f bench/collector_scale.py ]; then echo "== bench/collector_scale.py"; $(VENV_PYTHON) bench/collector_scale.py; fi
+	if [ -f bench/collector_scale.py ]; then echo "== bench/collector_scale.py"; $(VENV_PYTHON) bench/collector_scale.py; fi; \
+	echo "== bench/scale.py --quick"; $(VENV_PYTHON) bench/scale.py --quick
 
 clean:
 	rm -rf steptrace-runs build dist .pytest_cache .hypothesis
