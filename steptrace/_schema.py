@@ -82,6 +82,7 @@ ATTR_IDLE_SECONDS = "train.idle_seconds"
 ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
 ATTR_OWN_SECONDS = "train.own_seconds"
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
+ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
 
 
 def step_field_attribute(field: str) -> str:

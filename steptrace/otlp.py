@@ -151,6 +151,7 @@ from steptrace._buckets import CHECKPOINT_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import MAX_OTLP_BATCH_DELAY_S, OTLP_COMPRESSIONS, OTLP_PROTOCOLS, microbatch_span_every
 from steptrace._schema import (
     ATTR_ATTEMPT,
+    ATTR_BEFORE_STEP_PREFIX,
     ATTR_BUBBLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
     ATTR_RANK,
@@ -748,6 +749,11 @@ class OtlpSink:
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
             _put(attrs, f"train.idle.{reason}_seconds", seconds)
+        # A rank's first step carries the time from init() to it (startup, eval, ...): a reader of
+        # the spans alone (ClickHouse) needs it for the wall and goodput a JSONL report shows.
+        _put(attrs, step_field_attribute("before_step_seconds"), r.get("before_step_seconds"))
+        for reason, seconds in (r.get("before_step_breakdown") or {}).items():
+            _put(attrs, f"{ATTR_BEFORE_STEP_PREFIX}{reason}_seconds", seconds)
         for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():
             _put(attrs, f"{ATTR_BUBBLE_PREFIX}{stage}", ratio)
         for name, value in (r.get("scalars") or {}).items():

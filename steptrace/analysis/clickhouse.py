@@ -29,6 +29,8 @@ from urllib import error as urlerror
 from urllib import parse as urlparse
 from urllib import request as urlrequest
 
+from steptrace._schema import ATTR_BEFORE_STEP_PREFIX
+
 __all__ = [
     "OTEL_TRACES_DDL",
     "ClickHouseError",
@@ -825,6 +827,8 @@ class ClickHouseSource(str):
     """Where a run read from ClickHouse came from (``Run.path``): the URL without its password."""
 
     run_id: str = ""
+    #: Who joined the run's steps across ranks (the report's cluster view says it).
+    joined_by = "ClickHouse"
 
     @property
     def name(self) -> str:
@@ -845,7 +849,7 @@ _INT = re.compile(r"^-?\d+$")
 #: Step-record fields exported as ``train.<field>`` (steptrace/otlp.py ``_step_spans``) that are numbers.
 _STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens", "samples", "flops",
                  "model_flops", "hardware_flops", "peak_flops", "tokens_per_second", "samples_per_second",
-                 "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds")
+                 "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds", "before_step_seconds")
 _STEP_TEXTS = ("status", "error", "backend", "flops_source", "collective_wait_source")
 
 
@@ -877,22 +881,27 @@ def _step_record(attrs: Mapping[str, str], end_ns: int, trace_id: str, status_me
     if record["status"] == "error" and "error" not in record and status_message:
         record["error"] = status_message
     idle: dict[str, float] = {}
+    before: dict[str, float] = {}
     groups: dict[str, dict[str, Any]] = {"pipeline_bubble_ratio": {}, "scalars": {}, "device_memory": {},
                                          "attrs": {}}
     prefixes = (("train.pipeline.bubble_ratio.", "pipeline_bubble_ratio"), ("train.scalar.", "scalars"),
                 ("train.device_memory.", "device_memory"), ("train.attrs.", "attrs"))
     for key, text in attrs.items():
-        if key.startswith("train.idle.") and key.endswith("_seconds"):
-            value = _number_of(text)
-            if value is not None:
-                idle[key[len("train.idle."):-len("_seconds")]] = float(value)
-            continue
-        for prefix, field in prefixes:
-            if key.startswith(prefix):
-                # User attributes come back as the exporter's text: their types are not in otel_traces.
-                groups[field][key[len(prefix):]] = text if field == "attrs" else _number_of(text)
+        for prefix, seconds_by in (("train.idle.", idle), (ATTR_BEFORE_STEP_PREFIX, before)):
+            if key.startswith(prefix) and key.endswith("_seconds"):
+                value = _number_of(text)
+                if value is not None:
+                    seconds_by[key[len(prefix):-len("_seconds")]] = float(value)
                 break
+        else:
+            for prefix, field in prefixes:
+                if key.startswith(prefix):
+                    # User attributes come back as the exporter's text: their types are not in otel_traces.
+                    groups[field][key[len(prefix):]] = text if field == "attrs" else _number_of(text)
+                    break
     record["idle_breakdown"] = idle
+    if "before_step_seconds" in record:  # a rank's first step (the time from init() to it)
+        record["before_step_breakdown"] = before
     record["attrs"] = groups.pop("attrs")
     for field, values in groups.items():
         values = {k: v for k, v in values.items() if v is not None}
@@ -962,7 +971,7 @@ LIMIT 1 BY SpanId""")
                                     key=lambda r: (r["attempt"], r["end_time"]))
                        for rank in sorted(set(steps) | set(checkpoints))}
     cluster = [{"type": "cluster_step", **row} for row in cluster_steps(client, run_id, table=table)]
-    path = ClickHouseSource(f"{redacted(source)} {db} run {run_id}".strip())
+    path = ClickHouseSource(f"{redacted(source)} {db}".strip())
     path.run_id = run_id
     return Run(path=path, records_by_rank=records_by_rank, cluster_records=cluster)  # type: ignore[arg-type]
 

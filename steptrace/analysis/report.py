@@ -375,10 +375,10 @@ def _rank_table(run: Run):
     return table
 
 
-def _cluster_table(steps: list[dict], max_rows: int):
+def _cluster_table(steps: list[dict], max_rows: int, joined_by: str = "steptrace collector"):
     from rich.table import Table
 
-    table = Table(title="Cluster view: each step across ranks (steptrace collector)", title_justify="left")
+    table = Table(title=f"Cluster view: each step across ranks ({joined_by})", title_justify="left")
     for name in ("step", "ranks", "slowest rank", "skew s", "compute min s", "median s", "max s", "interval s"):
         table.add_column(name, justify="right")
     table.add_column("missing ranks")
@@ -506,7 +506,8 @@ def render_report(
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
     if cluster_steps:
-        _print_table(console, _cluster_table(cluster_steps, max_rows))
+        joined_by = str(getattr(run.path, "joined_by", "steptrace collector"))
+        _print_table(console, _cluster_table(cluster_steps, max_rows, joined_by))
         console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
     sentence = straggler_sentence(_stragglers(run)) if len(run.ranks) > 1 or cluster_steps else None
     if sentence is not None:
