@@ -154,7 +154,7 @@ def served_metric_names() -> set[str]:
     try:
         sink.attach_position(lambda: (1, True, 1.0, None))
         sink.export([{"type": "step", "step": 0, "status": "ok", "interval_seconds": 1.0, "compute_seconds": 0.5,
-                      "idle_breakdown": {"data": 0.5}},
+                      "idle_breakdown": {"data": 0.5}, "collective_wait_seconds": 0.2, "own_seconds": 0.8},
                      {"type": "checkpoint", "step": 0, "status": "ok", "blocking_seconds": 1.0}])
         with urllib.request.urlopen(sink.endpoint, timeout=5) as response:
             text = response.read().decode()

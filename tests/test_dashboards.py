@@ -39,6 +39,7 @@ RANK_METRICS = {
     "steptrace_tokens_total", "steptrace_tokens_per_second", "steptrace_tflops_per_second", "steptrace_mfu",
     "steptrace_goodput_ratio", "steptrace_pipeline_bubble_ratio", "steptrace_checkpoints_total",
     "steptrace_dropped_records_total", "steptrace_info",
+    "steptrace_step_collective_wait_seconds_total", "steptrace_step_own_seconds_total",
 } | {h + suffix for h in RANK_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 # What the steptrace collector serves (issue "Collector and dashboards", collector/_metrics.py).
 COLLECTOR_METRICS = {

@@ -508,6 +508,9 @@ class SyntheticRun:
             "tokens": 1000, "tokens_per_second": 1000 / t["interval"],
             "tflops_per_second": 100.0 * (rank + 1), "mfu": 100.0 * (rank + 1) / self.PEAK_TFLOPS,
             "pipeline_bubble_ratio": {stage: 0.1 * (rank + 1)},
+            # The wait in collectives, as torch.distributed ranks measure it: a fifth of the interval.
+            "collective_wait_seconds": t["interval"] / 5, "own_seconds": t["interval"] * 4 / 5,
+            "collective_wait_source": "process_group",
         }]
         for i in range(2):
             for kind in ("forward", "backward"):
