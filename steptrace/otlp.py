@@ -554,21 +554,27 @@ class OtlpSink:
             return
         with self._lock:
             spans: list[ReadableSpan] = []
-            # Records OTLP carries nothing of (metadata, attempt, run: their facts are the resource's)
-            # are not lost when the request fails; the batch delay puts them in one batch with steps.
             invalid_before = self.invalid_records
-            not_carried = sum(1 for record in records if record.get("type") not in _EXPORTED_TYPES)
+            not_carried = 0
             for record in records:
                 # A record that cannot be turned into spans (a custom sink's malformed dict, a
                 # value that will not convert) costs that record alone, counted by the
                 # SinkWorker as invalid:otlp; the rest of the batch goes out.
                 try:
+                    if record.get("type") not in _EXPORTED_TYPES:
+                        # Metadata, attempt, run: OTLP carries nothing of them (their facts are the
+                        # resource's), so a failed request does not lose them, though the batch
+                        # delay puts them in one batch with steps.
+                        not_carried += 1
+                        continue
                     spans += self._record_spans(record)
                 except Exception as exc:
                     self.invalid_records += 1
                     if self.invalid_records == 1:
                         log.warning("steptrace OTLP: cannot export a %r record (%s: %s); it is dropped and "
-                                    "counted as invalid:otlp", record.get("type"), type(exc).__name__, exc)
+                                    "counted as invalid:otlp",
+                                    record.get("type") if isinstance(record, Mapping) else type(record).__name__,
+                                    type(exc).__name__, exc)
             if spans:
                 try:
                     self._send(spans)
@@ -588,10 +594,8 @@ class OtlpSink:
             spans = [self._microbatch_span(record)] if every and record["step"] % every == 0 else []
         elif kind == "checkpoint":
             spans = [self._checkpoint_span(record)]
-        elif kind in ("stall", "stall_end"):
+        else:  # "stall", "stall_end": export() passes only _EXPORTED_TYPES
             spans = [self._stall_span(record)]
-        else:
-            spans = []
         # Metrics after the spans: a record that fails above leaves no half-recorded metrics.
         # (Microbatches reach the metrics through their step's summary.)
         if kind != "microbatch":

@@ -805,3 +805,16 @@ def test_span_exports_reuse_one_connection(receiver):
         assert receiver.connections == 1
     finally:
         sink.shutdown(5)
+
+
+def test_a_record_that_is_not_a_mapping_costs_itself_alone(receiver):
+    """A custom sink's stray value in a batch is one invalid record; the batch's step still goes out."""
+    sink = OtlpSink(receiver.url, run_id=RUN, metrics_interval_s=3600)
+    try:
+        sink.export(["not a record", {"type": "metadata"}, {
+            "type": "step", "step": 3, "status": "ok", "start_time": 1000.0, "end_time": 1000.5,
+            "interval_seconds": 1.0, "compute_seconds": 0.5}])
+        assert sink.invalid_records == 1
+        assert [s.attributes["train.step"] for s in receiver.spans() if s.name == "train.step"] == [3]
+    finally:
+        sink.shutdown(5)
