@@ -202,6 +202,7 @@ class SinkWorker:
         self._batch_delay_s = max(0.0, float(getattr(sink, "batch_delay_s", 0.0) or 0.0))
         self._oldest_queued = 0.0  # time.monotonic() when the queue last went from empty to not
         self._urgent = 0  # flushes waiting: export at once
+        self._urgent_lock = threading.Lock()  # flush() may run on several threads at once
         self._abandoned = False  # shutdown gave up on a hung export and counted its batch
         #: CPU seconds this sink's thread has used (it holds the GIL for nearly all of them).
         self.cpu_seconds = 0.0
@@ -279,7 +280,8 @@ class SinkWorker:
     def flush(self, deadline: float) -> bool:
         """Wait until everything offered so far is exported, then flush the sink."""
         target = self._offered
-        self._urgent += 1
+        with self._urgent_lock:
+            self._urgent += 1
         try:
             while self._done < target:
                 if time.monotonic() >= deadline or not self._thread.is_alive():
@@ -287,7 +289,8 @@ class SinkWorker:
                 self._wake.set()
                 time.sleep(0.001)
         finally:
-            self._urgent -= 1
+            with self._urgent_lock:
+                self._urgent -= 1
         try:
             return bool(self.sink.force_flush(max(0.0, deadline - time.monotonic())))
         except Exception:
