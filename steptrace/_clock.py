@@ -150,7 +150,8 @@ class DeviceClock:
     # -- samples -----------------------------------------------------------------------------
     def add_sample(self, g: float, lower: float, upper: float) -> None:
         """A marker at device time ``g`` was stamped between host times ``lower`` and ``upper``. Held
-        back until ``commit()`` (so one step's markers share one map), except for the very first."""
+        back until ``commit()`` (the resolver commits a step's unit markers before placing any of them,
+        its span markers after, so one step's markers share one map), except for the very first."""
         if upper < lower:
             return
         self._pending.append((g, lower, upper))

@@ -60,7 +60,8 @@ class TimedUnit:
     end_recorded_after = 0.0
     seen_complete = 0.0  # resolver: a host time at which all its markers were known complete
     seen_incomplete = 0.0  # resolver: a host time at which its end marker was still incomplete
-    end_g: float | None = None  # resolver: the end marker's time on its device's timeline
+    start_g: float | None = None  # resolver: the start marker's time on its device's timeline
+    end_g: float | None = None  # resolver: the end marker's time on its device's timeline (None: not located)
     placement_uncertainty: float | None = None  # resolver: how well its end is placed on the host clock
 
 

@@ -403,43 +403,35 @@ class Resolver:
             clock = self._clocks[id(device)] = DeviceClock(device)
         return clock
 
-    def _place_markers(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float] | None:
-        """Host times of a stream unit's start and end markers (None on failure).
+    def _locate_markers(self, unit: "TimedUnit", seen: float) -> None:
+        """Phase one of placing a stream unit: its markers' device times (``unit.start_g``/``end_g``),
+        each marker's bracket taken as a calibration sample (held back until ``commit``).
 
-        Their device times come from ``elapsed`` against the clock's base (the previous step's end
-        marker); all markers of one step are mapped to the host with the same map, so differences
-        between them (the durations) are the device's. The step's end marker becomes the next base
-        (``_prune_clocks``); every other marker goes back to the device's pool.
+        Device times come from ``elapsed`` against the clock's base (the previous step's end
+        marker). A marker is a sample too: not stamped before it was recorded, nor after it was seen
+        complete. The step's end marker becomes the next base (``_prune_clocks``); every other
+        marker goes back to the device's pool here. On failure ``end_g`` stays None.
         """
         device = unit.device
         clock = self._clock(device)
         start_event, end_event = unit.start_event, unit.end_event
         unit.start_event = unit.end_event = None
+        unit.start_g = unit.end_g = None
+        if end_event is None:
+            return
         keep = None
         try:
             end_g = clock.locate(end_event)
             start_g = clock.locate(start_event) if start_event is not None else None
-            # Each marker is a sample too: not stamped before it was recorded, nor after it was seen
-            # complete. Held back until the step is done, so the map stays one for all its markers.
             clock.add_sample(end_g, max(unit.end_recorded_after, unit.seen_incomplete), seen)
             if start_g is not None:
                 clock.add_sample(start_g, unit.start_recorded_after, seen)
-            mapping = clock.mapping()
-            if mapping is None:
-                raise LookupError("no calibration sample")
-            unit.end_g = end_g
-            unit.placement_uncertainty = clock.uncertainty(end_g)
+            unit.start_g, unit.end_g = start_g, end_g
             if isinstance(unit, StepHandle):
                 keep = end_event
                 self._new_bases.append((clock, end_event, end_g))
-            return (None if start_g is None else mapping.host(start_g)), mapping.host(end_g)
         except Exception as exc:
-            self._clock_failures += 1
-            self.count_drop(DROP_DEVICE_CLOCK_ERROR)
-            if self._clock_failures == 1:
-                log.warning("steptrace could not place a %s marker on the host clock (%r); such units are "
-                            "timed by when the resolver saw them complete", device.name, exc)
-            return None
+            self._clock_failure(device, exc)
         finally:
             for marker in (start_event, end_event):
                 if marker is not None and marker is not keep and not clock.owns(marker):
@@ -447,6 +439,51 @@ class Resolver:
                         device.release(marker)
                     except Exception:
                         pass
+
+    def _place_markers(self, unit: "TimedUnit", seen: float) -> tuple[float | None, float] | None:
+        """Host times of a stream unit's start and end markers (None on failure).
+
+        Phase two, after ``_locate_markers`` (done here if it was not). All markers of one step are
+        mapped to the host with the same map, taken after the step's own samples joined it
+        (``_locate_step_markers``), so differences between them (the durations) are the device's
+        and their placement uses what the step itself says (its start marker was not reached
+        before it was recorded).
+        """
+        if unit.end_event is not None:
+            self._locate_markers(unit, seen)
+        end_g, start_g = unit.end_g, unit.start_g
+        if end_g is None:
+            return None
+        clock = self._clock(unit.device)
+        try:
+            mapping = clock.mapping()
+            if mapping is None:
+                raise LookupError("no calibration sample")
+            unit.placement_uncertainty = clock.uncertainty(end_g)
+            return (None if start_g is None else mapping.host(start_g)), mapping.host(end_g)
+        except Exception as exc:
+            self._clock_failure(unit.device, exc)
+            return None
+
+    def _locate_step_markers(self, step: "StepHandle", units: Sequence["TimedUnit"], seen: float) -> None:
+        """Locate every stream marker of a step (its microbatches' and its own) and let their samples
+        join the map before any is placed: the step's start marker bounds its placement from below,
+        which matters while no tight anchor exists (the first steps; one hardware queue)."""
+        located = False
+        for unit in (*units, step):
+            if unit.device is not HOST and unit.device.uses_events and unit.end_event is not None:
+                self._locate_markers(unit, seen)
+                located = True
+        if located:
+            for clock in self._clocks.values():
+                clock.commit()
+
+    def _clock_failure(self, device: Any, exc: BaseException) -> None:
+        self._clock_failures += 1
+        self.count_drop(DROP_DEVICE_CLOCK_ERROR)
+        if self._clock_failures == 1:
+            log.warning("steptrace could not place a %s marker on the host clock (%r); such units are "
+                        "timed by when the resolver saw them complete", device.name, exc)
 
     def _await_host_exit(self, unit: "TimedUnit") -> None:
         # A value-device step is handed over at wait_for(); its host part may still be running.
@@ -457,10 +494,12 @@ class Resolver:
 
     def _resolve_step(self, step: "StepHandle") -> list[Mapping[str, Any]]:
         prev_end = attribution.previous_end(self._prev_end, step.host_start)
-        prev_end = self._remapped_prev_end(step, prev_end)
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
         waited = list(step.microbatches)
+        self._locate_step_markers(step, waited, seen)
+        # After the step's samples joined the map: the previous end placed with the map its markers use.
+        prev_end = self._remapped_prev_end(step, prev_end)
         mb_results = [self._unit_end(mb, seen) for mb in waited]
         device_start, end_seen, end_source = self._unit_end(step, seen)
         self._await_host_exit(step)
@@ -547,7 +586,8 @@ class Resolver:
 
     def _prune_clocks(self, step: "StepHandle") -> None:
         # The step is resolved: its end marker becomes its clock's base for the next step's markers,
-        # and its markers' samples join the map (from the next step on).
+        # and its span markers' samples join the map (from the next step on; its unit markers' did
+        # before they were placed: _locate_step_markers).
         bases, self._new_bases = self._new_bases, []
         for clock, marker, g in bases:
             clock.rebase(marker, g)
