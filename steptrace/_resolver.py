@@ -469,14 +469,11 @@ class Resolver:
         """Locate every stream marker of a step (its microbatches' and its own) and let their samples
         join the map before any is placed: the step's start marker bounds its placement from below,
         which matters while no tight anchor exists (the first steps; one hardware queue)."""
-        located = False
         for unit in (*units, step):
-            if unit.device is not HOST and unit.device.uses_events and unit.end_event is not None:
+            if unit.device.uses_events and unit.end_event is not None:
                 self._locate_markers(unit, seen)
-                located = True
-        if located:
-            for clock in self._clocks.values():
-                clock.commit()
+        for clock in self._clocks.values():
+            clock.commit()  # nothing pending: nothing to do
 
     def _clock_failure(self, device: Any, exc: BaseException) -> None:
         self._clock_failures += 1
