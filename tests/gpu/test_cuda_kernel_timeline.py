@@ -7,6 +7,7 @@ timeline, not timing thresholds on this machine's speed.
 """
 
 import random
+import threading
 import time
 
 import pytest
@@ -218,10 +219,32 @@ def test_cuda_scalars_and_device_memory_are_in_the_records():
         assert memory["peak_bytes"] >= 4096 * 4096 * 4  # at least the working matrix
 
 
-def test_a_global_mode_graph_capture_mid_run_is_not_invalidated():
+def _count_resolver_cuda_calls(monkeypatch):
+    """Every call the resolver thread makes into the GPU device (query, elapsed, drained, anchors), with its
+    host time: the global-capture test must show the resolver really touched CUDA during the capture."""
+    from steptrace.adapters.torch import TorchCudaGpu
+
+    calls: list[tuple[str, float]] = []
+    training = threading.get_ident()
+    for name in ("query", "elapsed", "drained", "clock_marker"):
+        original = getattr(TorchCudaGpu, name)
+
+        def wrapped(self, *args, _original=original, _name=name):
+            if threading.get_ident() != training:
+                calls.append((_name, time.perf_counter()))
+            return _original(self, *args)
+
+        monkeypatch.setattr(TorchCudaGpu, name, wrapped)
+    return calls
+
+
+def test_a_global_mode_graph_capture_mid_run_is_not_invalidated(monkeypatch):
     """torch.cuda.graph captures in "global" mode: a query/record/elapsed_time from another thread would
-    invalidate it (pytorch#104487). Steps 0-2 are still running through the capture, so the resolver
-    is polling them; its thread runs in thread-local capture mode."""
+    invalidate it (pytorch#104487). torch.cuda.graph synchronizes before it captures, so steps 0-2 are
+    complete when the capture begins and the resolver reads them (query, elapsed_time, an anchor) while
+    it lasts: its thread runs in thread-local capture mode. The test counts those calls, so it cannot
+    pass without the resolver touching CUDA during the capture."""
+    calls = _count_resolver_cuda_calls(monkeypatch)
     x = _square()
     static = torch.randn(2048, 2048, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -237,14 +260,58 @@ def test_a_global_mode_graph_capture_mid_run_is_not_invalidated():
                 x = _work(x, 12)  # ~50-100 ms of queued work per step on an H100
                 if n == 3:
                     with torch.cuda.graph(graph):  # capture_error_mode="global", the default
+                        capture_began = time.perf_counter()
                         out = _work(static, 4)
-                        time.sleep(0.1)  # the resolver polls meanwhile
+                        time.sleep(0.2)  # the resolver polls meanwhile (every 20 ms)
+                        capture_ended = time.perf_counter()
                 if n > 3:
                     graph.replay()
     assert out.shape == static.shape
+    during = [name for name, t in calls if capture_began <= t <= capture_ended]
+    assert len(during) >= 3, (during, len(calls))
     steps = by_step(sink)
     assert sorted(steps) == list(range(8))
     assert all(r["end_source"] == "device_clock" for r in steps.values())
+    (run,) = sink.of_type("run")
+    assert not run["dropped"], run["dropped"]
+
+
+def test_steps_that_compile_and_capture_cuda_graph_trees_with_backward(profiled):
+    """torch.compile(mode="reduce-overhead") on a training step (forward, backward, optimizer): cudagraph
+    trees compile, warm up and record (capture) their graphs during the first timed steps, under
+    steptrace.step, then replay. No marker of steptrace's lands in a graph or breaks a capture: every
+    step is recorded on the device clock, nothing is dropped, and the replayed steps match the kernel
+    timeline."""
+    pytest.importorskip("triton", reason="torch.compile needs triton")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    batch = torch.randn(4096, 2048, device="cuda")
+    losses = []
+
+    def train_step(n):
+        with steptrace.step(n):
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = compiled(batch).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+
+    with capture() as sink:
+        for n in range(4):  # compile, warm up and capture, all inside steps
+            train_step(n)
+        with profiled.run():
+            for n in range(4, 16):
+                train_step(n)
+    assert all(torch.isfinite(loss).item() for loss in losses)
+    steps = by_step(sink)
+    assert sorted(steps) == list(range(16))
+    assert all(r["end_source"] == "device_clock" and r["status"] == "ok" for r in steps.values()), steps
+    (run,) = sink.of_type("run")
+    assert not run["dropped"], run["dropped"]
+    _check_steps(sink, profiled.timeline, range(5, 16), median_max=0.02, p95_max=0.03)
 
 
 def test_a_second_gpu_is_timed_on_that_gpu(profiled):
@@ -288,7 +355,8 @@ x = torch.randn(4096, 4096, device="cuda")
 grad = torch.randn(64 * 2**20 // 4, device="cuda")
 sink = Arrivals()
 steptrace.init(sinks=[sink], jsonl=False, run_id="one-queue", backend="torch")
-ends = {}
+synced = {}  # step -> host time by which its device work had certainly ended (a sync returned)
+drained_s = 0.0
 start = time.perf_counter()
 n = 0
 while time.perf_counter() - start < float(sys.argv[1]):
@@ -296,22 +364,33 @@ while time.perf_counter() - start < float(sys.argv[1]):
         for _ in range(4):
             x = torch.tanh(x @ x) * 0.5
         dist.all_reduce(grad)
-    ends[n] = time.perf_counter()
+    if n % 10 == 9:
+        # A real loop syncs now and then (loss.item() for the log) and waits for data: the device
+        # runs dry, which is when a one-queue device can be anchored.
+        x.sum().item()
+        synced[n] = time.perf_counter()
+        time.sleep(0.03)
+        drained_s += 0.03
     n += 1
 training_end = time.perf_counter()
 steptrace.shutdown()
 dist.destroy_process_group()
-steps = [r for r in sink.records if r["type"] == "step"]
+steps = {r["step"]: r for r in sink.records if r["type"] == "step"}
 run = [r for r in sink.records if r["type"] == "run"][0]
-json.dump({"steps": len(steps), "late": sum(1 for r in steps if r["_arrived"] > training_end),
-           "lag": max(r["_arrived"] - ends[r["step"]] for r in steps if r["_arrived"] <= training_end),
-           "clock": run["device_clock"], "n": n}, sys.stdout)
+# Lag against the device: a synced step's device work ended before its sync returned.
+lags = sorted(steps[m]["_arrived"] - t for m, t in synced.items() if m in steps)
+json.dump({"steps": len(steps), "n": n, "synced": len(synced),
+           "late": sum(1 for r in steps.values() if r["_arrived"] > training_end),
+           "lag_p50": lags[len(lags) // 2], "lag_max": lags[-1],
+           "seconds": training_end - start, "clock": run["device_clock"]}, sys.stdout)
 """
 
 
 def test_one_hardware_queue_for_a_minute_with_an_all_reduce_every_step():
     """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting) for 60 s with an NCCL all-reduce every step
-    (one process, world size 1): records arrive while training runs, and anchors are placed."""
+    (one process, world size 1) and a sync plus a 30 ms data wait every 10 steps: records arrive while
+    training runs, within a bounded lag of the device's end (not of the host loop, which runs ahead),
+    and the anchors due while the device was drained were taken and placed."""
     import json
     import os
     import subprocess
@@ -319,12 +398,19 @@ def test_one_hardware_queue_for_a_minute_with_an_all_reduce_every_step():
 
     if not torch.distributed.is_nccl_available():
         pytest.skip("needs NCCL")
+    seconds = float(os.environ.get("STEPTRACE_GPU_MINUTE_S", "60"))
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
-    out = subprocess.run([sys.executable, "-c", _ONE_QUEUE_CHILD, "60"], env=env, capture_output=True,
-                         text=True, timeout=240, check=True)
+    out = subprocess.run([sys.executable, "-c", _ONE_QUEUE_CHILD, str(seconds)], env=env, capture_output=True,
+                         text=True, timeout=seconds + 180, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == result["n"] and result["n"] > 100, result
-    assert result["late"] <= 5, result  # only the last steps may be finalized at shutdown
-    assert result["lag"] <= 1.0, result
+    # At most the steps after the last sync may arrive after the loop (at most 10 in flight).
+    assert result["late"] <= 10, result
+    # The resolver looks every 20 ms and a sink delivers at once: 0.5 s is slack for a loaded host.
+    assert result["lag_max"] <= 0.5, result
     ((_, clock),) = result["clock"].items()
-    assert clock["anchors"] >= 1 and clock["anchors_unplaced"] <= max(1, clock["anchors"] // 20), clock
+    # An anchor is due every second while the device is drained (each drained period lasts 30 ms,
+    # and the resolver looks every 20 ms): at least half of the seconds got one, nearly all placed.
+    assert clock["anchors"] >= result["seconds"] / 2, (clock, result)
+    assert clock["anchors_unplaced"] <= max(1, clock["anchors"] // 20), clock
+    assert clock["max_uncertainty_seconds"] < 50e-6, clock
