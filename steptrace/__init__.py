@@ -112,7 +112,7 @@ def _install(runtime: Any) -> None:
         namespace[name] = getattr(runtime, name)
 _active_config: Config | None = None  # not `_config`: that name is the submodule
 _lock = threading.Lock()
-_atexit_registered = False
+_process_hooks_registered = False
 
 
 def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
@@ -133,7 +133,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
     shuts the previous run down first.
     """
-    global _active_config, _atexit_registered
+    global _active_config, _process_hooks_registered
     config = resolve_config(**settings)
     sinks = list(sinks)
     for sink in sinks:
@@ -172,10 +172,25 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             if callable(attach_position):
                 attach_position(runtime.position)
         _install(runtime)
-        if not _atexit_registered:
+        if not _process_hooks_registered:
             atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_after_fork_in_child)
+            _process_hooks_registered = True
     return config
+
+
+def _after_fork_in_child() -> None:
+    """In a child of ``os.fork()`` (``multiprocessing``'s fork start method, DataLoader workers):
+    steptrace is off. The run belongs to the parent; the child's copy of it is dropped without
+    finalizing (``Runtime.forked``), so the child neither waits at exit nor writes into the parent's
+    files. A child that records calls ``init()`` again, into a run of its own (docs/records.md)."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    runtime = _active
+    _install(_Disabled(warn_uninitialised=False))
+    if isinstance(runtime, Runtime):
+        runtime.forked()
 
 
 def _build_sinks(config: Config) -> list[Any]:

@@ -210,6 +210,18 @@ class Resolver:
             complete = worker.close(deadline) and complete
         return complete and not unresolved
 
+    def forked(self) -> None:
+        """In a forked child (see ``Runtime.forked``): take nothing more, drop the copied queues (the
+        parent finalizes and exports them), and give the locks a thread of the parent may have held at
+        the fork fresh copies, so nothing in the child can wait on them."""
+        self._stopping = True
+        self._abandon = True
+        self._drop_lock = threading.Lock()
+        self._emit_lock = threading.Lock()
+        self._queue.clear()
+        for worker in self.sinks:
+            worker.forked()
+
     # -- resolver thread ---------------------------------------------------------------
     def _run(self) -> None:
         queue = self._queue

@@ -9,6 +9,7 @@ into records on a background thread. Misuse is reported through
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -57,6 +58,8 @@ class Runtime:
         self._setup_done = False
         self._device_errors = 0
         self.active = True
+        #: The process this run belongs to: a forked child's copy never finalizes it (see forked()).
+        self.pid = os.getpid()
         #: flops="auto": what counts hardware FLOPs (set up at the first such step; see _devices)
         self.flop_counters: list[Any] | None = None
         self._auto_steps = 0
@@ -342,10 +345,31 @@ class Runtime:
         self.resolver.submit(RunStart(_perf(), dict(self.config.tags)))
 
     def flush(self, timeout_s: float | None) -> bool:
+        if os.getpid() != self.pid:
+            self.forked()  # a child forked without the at-fork hook: no resolver thread to wait for
+            return True
         closed = self.take_closed_spans()
         return self.resolver.flush(closed, timeout_s)
 
+    def forked(self) -> None:
+        """In a child made by ``os.fork()``: this copy of the parent's run records nothing and never
+        finalizes it. The child has the parent's memory but only the forking thread: no resolver, no
+        sink threads; its queues and open files are copies of the parent's. Finalizing it would wait
+        for those threads (the whole shutdown timeout) and write a second ``run`` record into the
+        parent's file while the parent still trains. Handles the child still holds (it forked inside
+        a step) close as no-ops, and anything they hand over is discarded."""
+        self.active = False
+        self.current = None
+        self.open_checkpoint = None
+        self.open_spans.clear()
+        self.closed_spans.clear()
+        self.pending_async.clear()
+        self.resolver.forked()
+
     def shutdown(self, timeout_s: float) -> bool:
+        if os.getpid() != self.pid:
+            self.forked()
+            return True
         self.active = False
         if self.stall_watch is not None:
             self.stall_watch.close()
