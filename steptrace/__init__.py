@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import warnings
+import weakref
 from typing import Any, Iterable
 
 from steptrace._config import Config, resolve_config
@@ -259,9 +261,21 @@ def steps(iterable: Iterable[Any], start: int = 0, *, data: str = "data", **step
             loss = train_step(batch)
             steptrace.wait_for(loss)          # optional: the step's device outputs
 
-    A step ends when the loop asks for the next item (or leaves: ``break``, an exception, the
-    end of the data). ``step_settings`` (``tokens=``, ``flops=``, ...) apply to every step.
+    A step ends when the loop asks for the next item, or when it is left: at once on ``break``,
+    ``return`` or an exception in the body (which makes it an error step, as in ``with step(n)``);
+    if a variable still holds the generator, at the next steptrace call or when the generator is
+    closed (docs/records.md). ``step_settings`` (``tokens=``, ``flops=``, ...) apply to every step.
     """
+    alive: list[Any] = []
+    generator = _steps(iterable, start, data, step_settings, alive)
+    # A collection clears weak references before it closes the generator; close() does not.
+    alive.append(weakref.ref(generator))
+    return generator
+
+
+def _steps(iterable: Iterable[Any], start: int, data: str, step_settings: dict[str, Any], alive: list[Any]) -> Any:
+    from steptrace import _loops
+
     iterator = iter(iterable)
     n = start
     while True:
@@ -270,16 +284,24 @@ def steps(iterable: Iterable[Any], start: int = 0, *, data: str = "data", **step
                 item = next(iterator)
             except StopIteration:
                 return
-        handle = begin_step(n, **step_settings)
+        handle: Any = begin_step(n, **step_settings)
+        if handle is not NULL_STEP:
+            # The frame running the loop (the one that resumed this generator) says later where it is.
+            # Only the open step holds it (never this generator: the loop's frame may hold the
+            # generator, and a cycle would keep the frame's variables until a full collection).
+            handle.loop = _loops.loop_of(sys._getframe().f_back)
         try:
             yield n, item
         except GeneratorExit:
-            # The loop was left with the step open (break, or an exception in its body).
-            if current_step() is handle:
-                end_step()
+            # The loop let go of the generator with the step open: break, return, an exception in
+            # its body, close(), or a collection. Which one, _loops reads from where the loop's frame is.
+            if handle is not NULL_STEP:
+                verdict = _loops.closed(handle.loop, sys._getframe().f_back, collected=alive[0]() is None)
+                if verdict is not None and isinstance(_active, Runtime):
+                    _active.end_loop_step(handle, verdict)  # if it is still the open step
             raise
-        if current_step() is handle:
-            end_step()
+        if isinstance(_active, Runtime) and handle is not NULL_STEP and _active.current is handle:
+            _active.end_step()
         n += 1
 
 
@@ -354,7 +376,7 @@ def current_step() -> Any:
     """The step open on the training thread now (its handle: ``.step`` is the number, ``.wait_for``
     and ``.status`` as inside ``with steptrace.step(n) as s``), or None: between steps, before
     ``init()``, or when disabled. Framework hooks use this instead of steptrace's internals."""
-    return _active.current if isinstance(_active, Runtime) else None
+    return _active.current_step() if isinstance(_active, Runtime) else None
 
 
 def last_step() -> int | None:
