@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import warnings
+import weakref
 from typing import Any, Iterable
 
 from steptrace._config import Config, resolve_config
@@ -112,7 +114,7 @@ def _install(runtime: Any) -> None:
         namespace[name] = getattr(runtime, name)
 _active_config: Config | None = None  # not `_config`: that name is the submodule
 _lock = threading.Lock()
-_atexit_registered = False
+_process_hooks_registered = False
 
 
 def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
@@ -133,7 +135,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
     shuts the previous run down first.
     """
-    global _active_config, _atexit_registered
+    global _active_config, _process_hooks_registered
     config = resolve_config(**settings)
     sinks = list(sinks)
     for sink in sinks:
@@ -172,10 +174,25 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             if callable(attach_position):
                 attach_position(runtime.position)
         _install(runtime)
-        if not _atexit_registered:
+        if not _process_hooks_registered:
             atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_after_fork_in_child)
+            _process_hooks_registered = True
     return config
+
+
+def _after_fork_in_child() -> None:
+    """In a child of ``os.fork()`` (``multiprocessing``'s fork start method, DataLoader workers):
+    steptrace is off. The run belongs to the parent; the child's copy of it is dropped without
+    finalizing (``Runtime.forked``), so the child neither waits at exit nor writes into the parent's
+    files. A child that records calls ``init()`` again, into a run of its own (docs/records.md)."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    runtime = _active
+    _install(_Disabled(warn_uninitialised=False))
+    if isinstance(runtime, Runtime):
+        runtime.forked()
 
 
 def _build_sinks(config: Config) -> list[Any]:
@@ -244,9 +261,21 @@ def steps(iterable: Iterable[Any], start: int = 0, *, data: str = "data", **step
             loss = train_step(batch)
             steptrace.wait_for(loss)          # optional: the step's device outputs
 
-    A step ends when the loop asks for the next item (or leaves: ``break``, an exception, the
-    end of the data). ``step_settings`` (``tokens=``, ``flops=``, ...) apply to every step.
+    A step ends when the loop asks for the next item, or when it is left: at once on ``break``,
+    ``return`` or an exception in the body (which makes it an error step, as in ``with step(n)``);
+    if a variable still holds the generator, at the next steptrace call or when the generator is
+    closed (docs/records.md). ``step_settings`` (``tokens=``, ``flops=``, ...) apply to every step.
     """
+    alive: list[Any] = []
+    generator = _steps(iterable, start, data, step_settings, alive)
+    # A collection clears weak references before it closes the generator; close() does not.
+    alive.append(weakref.ref(generator))
+    return generator
+
+
+def _steps(iterable: Iterable[Any], start: int, data: str, step_settings: dict[str, Any], alive: list[Any]) -> Any:
+    from steptrace import _loops
+
     iterator = iter(iterable)
     n = start
     while True:
@@ -255,16 +284,24 @@ def steps(iterable: Iterable[Any], start: int = 0, *, data: str = "data", **step
                 item = next(iterator)
             except StopIteration:
                 return
-        handle = begin_step(n, **step_settings)
+        handle: Any = begin_step(n, **step_settings)
+        if handle is not NULL_STEP:
+            # The frame running the loop (the one that resumed this generator) says later where it is.
+            # Only the open step holds it (never this generator: the loop's frame may hold the
+            # generator, and a cycle would keep the frame's variables until a full collection).
+            handle.loop = _loops.loop_of(sys._getframe().f_back)
         try:
             yield n, item
         except GeneratorExit:
-            # The loop was left with the step open (break, or an exception in its body).
-            if current_step() is handle:
-                end_step()
+            # The loop let go of the generator with the step open: break, return, an exception in
+            # its body, close(), or a collection. Which one, _loops reads from where the loop's frame is.
+            if handle is not NULL_STEP:
+                verdict = _loops.closed(handle.loop, sys._getframe().f_back, collected=alive[0]() is None)
+                if verdict is not None and isinstance(_active, Runtime):
+                    _active.end_loop_step(handle, verdict)  # if it is still the open step
             raise
-        if current_step() is handle:
-            end_step()
+        if isinstance(_active, Runtime) and handle is not NULL_STEP and _active.current is handle:
+            _active.end_step()
         n += 1
 
 
@@ -339,7 +376,7 @@ def current_step() -> Any:
     """The step open on the training thread now (its handle: ``.step`` is the number, ``.wait_for``
     and ``.status`` as inside ``with steptrace.step(n) as s``), or None: between steps, before
     ``init()``, or when disabled. Framework hooks use this instead of steptrace's internals."""
-    return _active.current if isinstance(_active, Runtime) else None
+    return _active.current_step() if isinstance(_active, Runtime) else None
 
 
 def last_step() -> int | None:

@@ -124,6 +124,10 @@ class StepHandle(TimedUnit):
     auto_flops = False
     hardware_flops: float | None = None
     flops_source: str | None = None
+    #: a step of a steptrace.steps() loop: the loop running it (a _loops.Loop), until the step ends
+    loop: Any = None
+    #: its body raised an exception not read yet: the resolver holds the record until it is (_loops)
+    error_pending = False
 
     def __init__(self, rt: "HandleRuntime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
         self._rt = rt

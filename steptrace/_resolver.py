@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from steptrace import _attribution as attribution
-from steptrace import _peaks
+from steptrace import _loops, _peaks
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
@@ -61,6 +61,10 @@ _IDLE_POLL_S = 0.02
 _STREAM_POLL_S = 0.02
 # Stream items confirmed complete in one look (one calibration anchor serves them all).
 _CONFIRM_BATCH = 256
+# How long the record of a steps() step whose body raised waits for the exception to be readable
+# (it ended the program, or a steptrace call in its handler) before it is written with the place the
+# body raised instead (_loops). The training thread settles it at once at its next steptrace call.
+ERROR_TEXT_WAIT_S = 30.0
 # end_source values: where a unit's end time came from.
 END_DEVICE_CLOCK = "device_clock"  # a stream marker's device timestamp, placed on the host clock
 END_DEVICE = "device"  # the device reported the completion time itself
@@ -210,6 +214,18 @@ class Resolver:
             complete = worker.close(deadline) and complete
         return complete and not unresolved
 
+    def forked(self) -> None:
+        """In a forked child (see ``Runtime.forked``): take nothing more, drop the copied queues (the
+        parent finalizes and exports them), and give the locks a thread of the parent may have held at
+        the fork fresh copies, so nothing in the child can wait on them."""
+        self._stopping = True
+        self._abandon = True
+        self._drop_lock = threading.Lock()
+        self._emit_lock = threading.Lock()
+        self._queue.clear()
+        for worker in self.sinks:
+            worker.forked()
+
     # -- resolver thread ---------------------------------------------------------------
     def _run(self) -> None:
         queue = self._queue
@@ -254,6 +270,9 @@ class Resolver:
         that are complete get one ``seen_complete`` time: one calibration anchor taken after it
         then serves every marker of the batch.
         """
+        if getattr(item, "error_pending", False) and not _loops.settle(
+                item, on_loop_thread=False, give_up=_perf() - (item.host_end or 0.0) > ERROR_TEXT_WAIT_S):
+            return False  # a steps() body raised: its record waits (bounded) for the exception's text
         if getattr(item, "microbatches", None) is None or item.seen_complete:
             return True  # checkpoints and flush markers; or confirmed with an earlier batch
         self._poll_clocks(item)

@@ -9,11 +9,14 @@ into records on a background thread. Misuse is reported through
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from typing import Any, Callable
 
 from steptrace import _attribution as attribution
+from steptrace import _loops as loops
 from steptrace._config import Config
 from steptrace._devices import HOST, Backends
 from steptrace._errors import misuse
@@ -34,6 +37,7 @@ from steptrace._resolver import Resolver, RunStart
 from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE
 
 _perf = time.perf_counter
+_get_ident = threading.get_ident
 
 
 class Runtime:
@@ -57,6 +61,10 @@ class Runtime:
         self._setup_done = False
         self._device_errors = 0
         self.active = True
+        #: The process this run belongs to: a forked child's copy never finalizes it (see forked()).
+        self.pid = os.getpid()
+        #: A steps() step whose body raised, its exception not read yet (see follow_loop()).
+        self.unsettled: StepHandle | None = None
         #: flops="auto": what counts hardware FLOPs (set up at the first such step; see _devices)
         self.flop_counters: list[Any] | None = None
         self._auto_steps = 0
@@ -140,6 +148,8 @@ class Runtime:
 
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
                    marker: tuple[Any, Any, float] | None = None) -> None:
+        if self.unsettled is not None:
+            self.follow_loop(depth=3)  # a span's exit during an exception's unwinding sees the exception
         current = self.current
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
                                             marker))
@@ -184,6 +194,63 @@ class Runtime:
         closed, self.closed_spans = self.closed_spans, []
         return closed
 
+    # -- steptrace.steps() loops (see _loops) ------------------------------------------
+    def follow_loop(self, new_step: bool = False, depth: int = 2) -> None:
+        """At a steptrace call: end the open ``steps()`` step if its loop was left (``break``, ``return``,
+        an exception) while a variable still holds the generator, which closes nothing, and read the
+        exception of a step whose body raised, if it can be read now. Only on the loop's thread: no
+        other thread can say where the loop is. ``new_step``: the call opens a step; ``depth``: how
+        many frames up the caller of steptrace is (2: the caller of the method that calls this)."""
+        here = _get_ident()
+        current = self.current
+        loop = None if current is None else current.loop
+        if current is not None and loop is not None and loop.thread == here:
+            start: Any
+            try:
+                start = sys._getframe(depth)
+            except ValueError:
+                start = sys._getframe()
+            # The common case first, inline (spans inside the body cost this on every call): the
+            # loop's frame is up the caller's stack, inside the body.
+            consumer, frame = loop.frame, start
+            while frame is not None and frame is not consumer:
+                frame = frame.f_back
+            if frame is None or consumer.f_lasti not in loop.body:
+                verdict = loops.position(loop, start, new_step=new_step)
+                if verdict != loops.RUNNING:
+                    self.end_loop_step(current, verdict)
+        unsettled = self.unsettled
+        if unsettled is not None and (unsettled.loop is None or unsettled.loop.thread == here):
+            self.unsettled = None
+            loops.settle(unsettled, on_loop_thread=True, give_up=True)
+
+    def end_loop_step(self, step: StepHandle, verdict: str) -> None:
+        """End ``step`` of a ``steps()`` loop that was left (``verdict``: ``LEFT`` or ``RAISED``), now,
+        on the loop's thread. An exception that left the body makes it an error step, as in
+        ``with step()``; one that cannot be read yet leaves its text to be read (``unsettled``)."""
+        if self.current is not step:
+            return
+        loop = step.loop
+        exc = loops.exception_of(loop, on_loop_thread=True) if loop is not None else None
+        if exc is not None:
+            step.loop = None
+            step.__exit__(type(exc), exc, exc.__traceback__)
+        elif verdict == loops.RAISED and loop is not None:
+            step.status, step.error, step.error_pending = "error", loops.unread_error(loop), True
+            self.unsettled = step
+            step.__exit__(None, None, None)
+        else:
+            step.loop = None
+            step.__exit__(None, None, None)
+
+    def _settle_now(self) -> None:
+        """flush() and shutdown(): a pending error text is read now or never (records must go out)."""
+        unsettled, self.unsettled = self.unsettled, None
+        if unsettled is not None:
+            loop = unsettled.loop
+            loops.settle(unsettled, on_loop_thread=loop is not None and loop.thread == threading.get_ident(),
+                         give_up=True)
+
     # -- public API ------------------------------------------------------------------
     def step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
         """Time training step ``n`` (a context manager; see :func:`steptrace.step`)."""
@@ -191,6 +258,9 @@ class Runtime:
             return NULL_STEP  # a reference kept across shutdown() records nothing
         if not self._setup_done:
             self._first_step_setup()
+        current = self.current
+        if (current is not None and current.loop is not None) or self.unsettled is not None:
+            self.follow_loop(new_step=True)  # a steps() loop left while a variable holds its generator ends here
         if self.current is not None:
             self.misuse(f"step({n}) called inside step({self.current.step}): steps cannot nest. "
                         "Use steptrace.span() or steptrace.microbatch() for work inside a step")
@@ -238,6 +308,9 @@ class Runtime:
         """Time a host span (see :func:`steptrace.span`)."""
         if not self.active:
             return NULL_SPAN
+        current = self.current
+        if (current is not None and current.loop is not None) or self.unsettled is not None:
+            self.follow_loop()
         if not isinstance(name, str) or not name:
             self.misuse(f"span name must be a non-empty string, got {name!r}")
             return NULL_SPAN
@@ -247,6 +320,9 @@ class Runtime:
         """Time a checkpoint save (see :func:`steptrace.checkpoint`)."""
         if not self.active:
             return NULL_CHECKPOINT
+        current = self.current
+        if (current is not None and current.loop is not None) or self.unsettled is not None:
+            self.follow_loop()
         if isinstance(step, bool) or not hasattr(step, "__index__"):
             self.misuse(f"checkpoint step must be an int, got {step!r}: pass the step being saved")
             return NULL_CHECKPOINT
@@ -260,6 +336,9 @@ class Runtime:
             self.misuse(f"microbatch kind={kind!r} is unknown; use 'forward' or 'backward'")
             return NULL_MICROBATCH
         current = self.current
+        if (current is not None and current.loop is not None) or self.unsettled is not None:
+            self.follow_loop()
+            current = self.current
         if current is None:
             self.misuse("microbatch() called outside a step: open `with steptrace.step(n):` around "
                         "the pipeline schedule")
@@ -269,6 +348,9 @@ class Runtime:
     def begin_step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None,
                    **attrs: Any) -> Any:
         """Open step ``n`` without a ``with`` block (see :func:`steptrace.begin_step`)."""
+        current = self.current
+        if current is not None and current.loop is not None and self.active:
+            self.follow_loop(new_step=True)
         if self.current is not None:
             self.misuse(f"begin_step({n}) while step({self.current.step}) is open: call "
                         "steptrace.end_step() first (steps cannot nest)")
@@ -290,13 +372,19 @@ class Runtime:
             return
         if wait_for is not None:
             current.wait_for(wait_for)
+        current.loop = None  # a steps() step: its loop's frame is not kept past the step
         if error is None:
             current.__exit__(None, None, None)
         else:
             current.__exit__(type(error), error, error.__traceback__)
 
     def current_step(self) -> StepHandle | None:
-        return self.current
+        """The open step (after a ``steps()`` loop left with its generator held has ended its step)."""
+        current = self.current
+        if (current is not None and current.loop is not None) or self.unsettled is not None:
+            self.follow_loop()
+            current = self.current
+        return current
 
     def position(self) -> tuple[int, bool, float, str | None] | None:
         """Where the training thread is now, read from another thread (a ``/metrics`` scrape).
@@ -342,10 +430,39 @@ class Runtime:
         self.resolver.submit(RunStart(_perf(), dict(self.config.tags)))
 
     def flush(self, timeout_s: float | None) -> bool:
+        if os.getpid() != self.pid:
+            self.forked()  # a child forked without the at-fork hook: no resolver thread to wait for
+            return True
+        current = self.current
+        if current is not None and current.loop is not None:
+            self.follow_loop()
+        self._settle_now()
         closed = self.take_closed_spans()
         return self.resolver.flush(closed, timeout_s)
 
+    def forked(self) -> None:
+        """In a child made by ``os.fork()``: this copy of the parent's run records nothing and never
+        finalizes it. The child has the parent's memory but only the forking thread: no resolver, no
+        sink threads; its queues and open files are copies of the parent's. Finalizing it would wait
+        for those threads (the whole shutdown timeout) and write a second ``run`` record into the
+        parent's file while the parent still trains. Handles the child still holds (it forked inside
+        a step) close as no-ops, and anything they hand over is discarded."""
+        self.active = False
+        self.current = None
+        self.open_checkpoint = None
+        self.open_spans.clear()
+        self.closed_spans.clear()
+        self.pending_async.clear()
+        self.resolver.forked()
+
     def shutdown(self, timeout_s: float) -> bool:
+        if os.getpid() != self.pid:
+            self.forked()
+            return True
+        current = self.current
+        if current is not None and current.loop is not None:
+            self.follow_loop()  # the program ended after leaving a loop whose generator a variable holds
+        self._settle_now()
         self.active = False
         if self.stall_watch is not None:
             self.stall_watch.close()

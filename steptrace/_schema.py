@@ -221,6 +221,7 @@ class StallRecord(_Common):
     threshold_seconds: float
     threads: list[dict[str, Any]]  # name, training, frames [[file, line, function], ...], frames_left_out
     collectives: list[dict[str, Any]] | None  # NCCL flight recorder entries, where available
+    steptrace_paths: list[str]  # folders of steptrace's own code in the writing process: its frames
 
 
 class StallEndRecord(_Common):
@@ -391,11 +392,13 @@ class RecordBuilder:
                 "attempt_source": source, "pid": pid, "hostname": hostname}
 
     def stall(self, *, step: int, in_step: bool, span: str | None, open_seconds: float, threshold_seconds: float,
-              start: float, threads: list[dict[str, Any]], collectives: list[dict[str, Any]] | None) -> StallRecord:
+              start: float, threads: list[dict[str, Any]], collectives: list[dict[str, Any]] | None,
+              steptrace_paths: list[str]) -> StallRecord:
         """``start`` is unix seconds already (the watch converts)."""
         return {"type": "stall", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
                 "in_step": in_step, "span": span, "start_time": start, "open_seconds": open_seconds,
-                "threshold_seconds": threshold_seconds, "threads": threads, "collectives": collectives}
+                "threshold_seconds": threshold_seconds, "threads": threads, "collectives": collectives,
+                "steptrace_paths": steptrace_paths}
 
     def stall_end(self, *, step: int, in_step: bool, span: str | None, start: float,
                   lasted_seconds: float) -> StallEndRecord:

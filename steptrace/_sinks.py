@@ -297,6 +297,12 @@ class SinkWorker:
             log.exception("steptrace sink %s failed to flush", self.name)
             return False
 
+    def forked(self) -> None:
+        """In a forked child: offer nothing more and drop the copied queue (the parent exports it)."""
+        self._stopping = True
+        self._urgent_lock = threading.Lock()
+        self._queue.clear()
+
     def begin_stop(self) -> None:
         """Let the thread export what is queued and exit (every sink at once: one hung export must
         not use up the others' time)."""

@@ -9,7 +9,8 @@ from the run's own pace::
 
 Past it, once per stall, it writes a ``stall`` record: the step, whether it is inside it, the open
 span, seconds open, the Python stack of every thread (``sys._current_frames()``: file, line and
-function, innermost 64 frames, at most 32 threads, the training thread first) and, where
+function, innermost 64 frames, at most 32 threads, the training thread first), the folders of
+steptrace's own code (``steptrace_paths``: readers skip those frames) and, where
 ``torch.distributed`` runs NCCL with its flight recorder on, the collectives in flight. When the
 rank moves again a ``stall_end`` record says how long the stall lasted. Nothing is sent to another
 rank and nothing waits: the job's view (who is the cause, who waits) is put together afterwards
@@ -37,6 +38,37 @@ MAX_TEXT = 200
 MIN_STEPS_FOR_MEDIAN = 3
 #: In-flight collectives kept from the NCCL flight recorder.
 MAX_COLLECTIVES = 64
+
+
+def own_code_dirs() -> tuple[str, ...]:
+    """The directories steptrace's own code runs from in this process (``steptrace``, its
+    ``adapters`` and ``collector`` subpackages, which a source checkout keeps in folders of their
+    own), as imported and resolved, each ending in a separator. A frame is steptrace's own when its
+    file is in one of them: where it lives, not what its folders are called (user code in
+    ``.../steptrace/train.py`` is the user's). Finding a subpackage's folder does not import it."""
+    global _OWN_CODE_DIRS
+    if _OWN_CODE_DIRS is None:
+        import importlib.util
+
+        folders = [os.path.dirname(os.path.abspath(__file__))]
+        for name in ("steptrace.adapters", "steptrace.collector"):
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None and spec.submodule_search_locations:
+                folders.extend(spec.submodule_search_locations)
+        dirs: list[str] = []
+        for folder in folders:
+            for form in (os.path.abspath(folder), os.path.realpath(folder)):
+                form = os.path.join(form, "")
+                if form not in dirs:
+                    dirs.append(form)
+        _OWN_CODE_DIRS = tuple(dirs)
+    return _OWN_CODE_DIRS
+
+
+_OWN_CODE_DIRS: tuple[str, ...] | None = None
 
 
 class StallWatch:
@@ -110,7 +142,7 @@ class StallWatch:
         self._emit([self._build.stall(step=step, in_step=in_step, span=span, open_seconds=seconds,
                                       threshold_seconds=threshold, start=since + self._unix_offset,
                                       threads=thread_stacks(self._train_thread()),
-                                      collectives=nccl_in_flight())])
+                                      collectives=nccl_in_flight(), steptrace_paths=list(own_code_dirs()))])
 
     def close(self) -> None:
         """Stop watching; a stall that ended since the last look still gets its ``stall_end``."""

@@ -908,7 +908,11 @@ class OtlpSink:
             _put(attrs, "train.stall.threshold_seconds", r.get("threshold_seconds"))
             train = next((t for t in r.get("threads") or () if t.get("training")), None)
             if train is not None:
-                lines = [f"{path}:{line} in {function}" for path, line, function in train.get("frames", [])[-24:]]
+                # steptrace's own frames (its hooks around a framework's call) are left out: the
+                # collector names where the rank is from this text and cannot tell them apart.
+                own = tuple(r.get("steptrace_paths") or ())
+                frames = [f for f in train.get("frames", []) if not (own and str(f[0]).startswith(own))]
+                lines = [f"{path}:{line} in {function}" for path, line, function in frames[-24:]]
                 _put(attrs, "train.stall.stack", "\n".join(lines)[-_STACK_ATTR_CHARS:])
             name, role = "train.stall", f"stall/{round(start * 1e6)}"
         else:

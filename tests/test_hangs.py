@@ -310,3 +310,92 @@ def test_the_flight_recorders_sequence_numbers_name_the_rank_that_never_joined()
     view = view_of({0: stall("loss_read", [4, 5, 6]), 1: stall("get_batch", [3, 4, 5]),
                     2: stall("optimizer", [4, 5, 6])})  # every rank somewhere else: only the numbers tell
     assert view["cause_ranks"] == [1] and "#5, the others #6" in view["reason"]
+
+
+_USER_CODE = '''import time
+
+
+def fetch_batch(seconds):
+    time.sleep(seconds)
+
+
+def wait_device(work):
+    work.block_until_ready()
+'''
+
+
+@pytest.mark.parametrize("folder", ["steptrace", "adapters"])
+def test_user_code_in_a_folder_named_like_steptraces_own_is_the_stall_location(tmp_path, folder, device):
+    """Issue 32 #6: the user's code lives in `.../steptrace/train.py` (or `.../adapters/`); it is still
+    the user's. steptrace's own frames (here `steptrace/testing.py` sleeping for the simulated device)
+    are told apart by where steptrace is installed, and skipped."""
+    import importlib.util
+
+    from steptrace.analysis.hangs import location
+
+    (tmp_path / folder).mkdir()
+    path = tmp_path / folder / "train.py"
+    path.write_text(_USER_CODE)
+    spec = importlib.util.spec_from_file_location(f"user_train_{folder}", path)
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    with capture(**FAST) as sink:
+        for n in range(8):
+            with steptrace.step(n):
+                time.sleep(0.01)
+                if n == 4:
+                    train.fetch_batch(1.5)  # 3x the 0.5 s threshold
+                if n == 6:
+                    train.wait_device(device.run(1.5))
+    first, second = sink.of_type("stall")
+    assert (first["step"], second["step"]) == (4, 6)
+    assert location(first) == "train.py:5 in fetch_batch"
+    assert location(second) == "train.py:9 in wait_device"
+    from steptrace.analysis.hangs import view_of
+
+    assert view_of({0: first})["where"] == {0: "train.py:5 in fetch_batch"}
+
+
+def test_the_otlp_stack_leaves_steptraces_frames_out_so_the_collector_names_the_users():
+    """The collector reads where a rank is from `train.stall.stack` text, with no way to tell
+    steptrace's frames (a hook around a framework's call) from the user's: the rank leaves its own
+    out, by where they are installed, and keeps a user's `.../steptrace/train.py`."""
+    pytest.importorskip("opentelemetry.sdk", reason="the OTLP sink needs opentelemetry")
+    from steptrace._stall import own_code_dirs
+    from steptrace.analysis.hangs import view_of
+    from steptrace.collector._decode import _stall_span
+    from steptrace.otlp import OtlpSink
+
+    hook = own_code_dirs()[0] + "adapters_hook.py"  # a frame of steptrace's own, innermost
+    record = {"type": "stall", "run_id": "r", "rank": 0, "attempt": 0, "step": 3, "in_step": True, "span": None,
+              "start_time": 1.0e9, "open_seconds": 9.0, "threshold_seconds": 5.0, "collectives": None,
+              "steptrace_paths": list(own_code_dirs()),
+              "threads": [{"name": "MainThread", "training": True, "frames_left_out": 0,
+                           "frames": [["/job/run.py", 10, "<module>"], ["/job/steptrace/train.py", 7, "fetch_batch"],
+                                      [hook, 20, "wrapped"]]}]}
+    sink = OtlpSink("http://127.0.0.1:9", run_id="r")
+    try:
+        span = sink._stall_span(record)
+    finally:
+        sink.shutdown(0.5)
+    assert span.attributes["train.stall.stack"].splitlines() == [
+        "/job/run.py:10 in <module>", "/job/steptrace/train.py:7 in fetch_batch"]
+
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    def any_value(value):
+        if isinstance(value, bool):
+            return AnyValue(bool_value=value)
+        if isinstance(value, int):
+            return AnyValue(int_value=value)
+        if isinstance(value, float):
+            return AnyValue(double_value=value)
+        return AnyValue(string_value=str(value))
+
+    class Received:  # the span as the collector receives it
+        name = "train.stall"
+        attributes = [KeyValue(key=k, value=any_value(v)) for k, v in span.attributes.items()]
+
+    stall = _stall_span(Received(), rank_limit=8, max_step=100)
+    assert stall is not None and view_of({0: stall})["where"] == {0: "train.py:7 in fetch_batch"}

@@ -4,9 +4,9 @@ One rank's records (every attempt in its run file) are accounted from the first 
 start to the last record, and each second lands in exactly one place (``docs/goodput.md``)::
 
     total       = last record's end - first attempt's process start
-    productive  = Σ compute of the steps that were kept
+    productive  = Σ compute of the steps that were kept (not failed, not thrown away)
     badput      = startup + compile + data + checkpoint + restore + eval + custom + other
-                  + wasted (every second of steps a later attempt threw away)
+                  + wasted (every second of steps a later attempt threw away, or that failed)
                   + downtime (end of attempt k's last record -> start of attempt k+1)
     productive + Σ badput = total, to float rounding (checked by the tests)
 
@@ -73,7 +73,10 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
     """
     records = list(records)
     kept, wasted = kept_and_wasted(records)
-    wasted_ids = {id(s) for s in wasted}
+    # A step that failed (an exception in it: status "error") made no progress either: its time is
+    # wasted progress, never productive, however the loop was written (with step(), steps()).
+    failed = [s for s in kept if s.get("status") == "error"]
+    wasted_ids = {id(s) for s in wasted} | {id(s) for s in failed}
     badput = {bucket: [] for bucket in BUCKETS}  # lists of pieces, summed with fsum at the end
     custom: dict[str, float] = {}
     productive: list[float] = []
@@ -162,6 +165,6 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
         "badput": {bucket: math.fsum(pieces) for bucket, pieces in badput.items()},
         "custom": custom,
         "attempts": attempts,
-        "kept_steps": len(kept),
-        "wasted_steps": len(wasted),
+        "kept_steps": len(kept) - len(failed),
+        "wasted_steps": len(wasted) + len(failed),
     }

@@ -20,8 +20,6 @@ from typing import Any
 
 from steptrace.analysis.runs import Run
 
-#: Frames of steptrace itself are skipped when naming where a thread is.
-_OWN = ("/steptrace/", "/adapters/")
 #: Paths where a thread waits on the other ranks (a collective, or a device blocked behind one).
 _WAITING_IN = ("torch/distributed/", "torch/nn/parallel/distributed", "torch/autograd/", "torch/_tensor.py",
                "jax/_src/array.py", "jax/_src/api.py", "jax/_src/dispatch.py", "jax/_src/interpreters/pxla.py")
@@ -32,15 +30,30 @@ def _library(path: str) -> bool:
     return "site-packages" in path or "dist-packages" in path or "/lib/python3" in path or path.startswith("<")
 
 
+def own_code_dirs(record: dict) -> tuple[str, ...]:
+    """The folders of steptrace's own code where ``record`` was written (its ``steptrace_paths``); for
+    records that do not say (older ones, the collector's from OTLP spans, whose stacks leave those
+    frames out already), the folders of the steptrace reading it."""
+    paths = record.get("steptrace_paths")
+    if isinstance(paths, list) and paths and all(isinstance(p, str) and p for p in paths):
+        return tuple(paths)
+    from steptrace._stall import own_code_dirs as here
+
+    return here()
+
+
 def training_frame(record: dict, *, user: bool = False) -> list | None:
     """The training thread's innermost frame outside steptrace (``user``: also outside the standard
-    library and installed packages, i.e. the program's own code): ``[file, line, function]``."""
+    library and installed packages, i.e. the program's own code): ``[file, line, function]``.
+    steptrace's frames are told by where its code is installed, never by a folder's name: a user's
+    ``.../steptrace/train.py`` is the user's."""
     threads = record.get("threads") or []
     train = next((t for t in threads if isinstance(t, dict) and t.get("training")), None)
     if train is None:
         return None
+    own = own_code_dirs(record)
     for frame in reversed(train.get("frames") or []):
-        if not (isinstance(frame, list) and len(frame) == 3) or any(part in str(frame[0]) for part in _OWN):
+        if not (isinstance(frame, list) and len(frame) == 3) or str(frame[0]).startswith(own):
             continue
         if user and _library(str(frame[0])):
             continue
