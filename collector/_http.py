@@ -207,12 +207,6 @@ class BoundedServer(ThreadingHTTPServer):
             sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return sock, address
 
-    @property
-    def open_connections(self) -> int:
-        """Connections holding a slot (those taken back count until their thread closed them)."""
-        with self._cond:
-            return len(self._slots)
-
     def process_request(self, request: Any, client_address: Any) -> None:
         peer = client_address[0] if isinstance(client_address, tuple) else ""
         refused = self._admit(request, peer)
@@ -288,7 +282,7 @@ class BoundedServer(ThreadingHTTPServer):
             return self._slots.get(id(request))
 
     def hold(self, slot: Slot) -> bool:
-        """Mark ``slot``'s request as being answered (never taken back); False when it already was."""
+        """Mark ``slot``'s request as being answered (never taken back); False when it was taken back already."""
         with self._cond:
             if slot.evicted:
                 return False
@@ -402,8 +396,11 @@ class DeadlineHandler(BaseHTTPRequestHandler):
         self.replied = False
         try:
             super().handle_one_request()
-        except ConnectionEvicted:
-            pass
+        except OSError:
+            # Taken back: a plain socket reads an end of stream (ConnectionEvicted), a TLS one may
+            # raise its own error for the shut-down transport instead.
+            if self.slot is None or not self.slot.evicted:
+                raise
         if self.slot is not None and self.slot.evicted:
             self.close_connection = True
             if self.request_bytes and not self.replied:  # between requests, closing refuses nothing
