@@ -14,12 +14,19 @@ scoped to ``evil-*``, one to ``amp-*`` and nothing else) on 127.0.0.1. Against i
 * **honest ranks** (this process): 8 threads, one per rank, each posting its ``train.step`` span
   of step ``k`` (OTLP/HTTP protobuf, its own keep-alive connection, the honest token) at
   ``--rate`` steps/s (10). Each request's latency and answer are recorded; a connection error
-  is a failure, and the rank reconnects.
+  is a failure, and the rank reconnects. They start once the slow-loris holds its sockets.
+* **a newcomer** (this process): every 0.5 s a fresh connection posts one step of its own run
+  (``honest-fresh``, world size 1), so every answer it gets went through admission while the
+  collector was full: "is a new honest request served during the attack".
 * **hostile peers** (a child process, threads), each from its own loopback address, so the
   per-peer connection cap applies to them and not to the honest ranks (127.0.0.1):
 
-  - *slow-loris* (127.0.0.2): keeps ``--loris`` (300) sockets open, each trickling one header
-    byte per second, reopening each one the collector closes;
+  - *distributed slow-loris* (``--loris-peers`` (9) peers, 127.0.1.2 and up, Linux routes all of
+    127/8 on lo): each keeps ``--loris`` (120) sockets open, under the per-peer cap (128), 1,080 in
+    all for the collector's 736 OTLP/HTTP slots at ``ulimit -n 1024``. A third trickle one header
+    byte per second, a third send complete headers (with the forger's token) and then one body
+    byte per second, a third complete one request (200, the forger's token, no spans) and then sit
+    idle on the keep-alive connection; each one the collector closes is reopened the next second;
   - *huge* (127.0.0.3): in a loop, a 15 MiB body of garbage (under ``--max-body-bytes``, so
     it is read and decoded: 400), a 64 MiB ``Content-Length`` (413), and a request of 100,000
     ``train.step`` spans (413 too_many_spans): the 100k-span request that once stalled
@@ -46,7 +53,9 @@ scoped to ``evil-*``, one to ``amp-*`` and nothing else) on 127.0.0.1. Against i
 
 What is printed
 ---------------
-The honest senders' success rate (HTTP 200 / requests) and latency p50/p99/max; the
+The honest senders' success rate (HTTP 200 / requests), 503s, and latency p50/p99/max, the same
+for the newcomer; acknowledged vs stored (every (step, rank) answered 200 must be in
+``cluster.jsonl``, as a reporting rank or a late record, or in ``conflicts.jsonl``); the
 share of honest steps written complete with no conflicting ranks and no rank-0 straggler
 named from a forged span; honest steps written twice (must be 0); the collector's RSS
 (sampled from ``/proc``, start and peak); how many requests each hostile peer got answered; the collector's
@@ -127,7 +136,7 @@ def rss_kib(pid: int) -> int:
 # -- honest ranks ---------------------------------------------------------------------------------
 
 
-def honest_rank(port: int, rank: int, rate: float, go: float, stop: float, out: list[tuple[float, int]]) -> None:
+def honest_rank(port: int, rank: int, rate: float, go: float, stop: float, out: list[tuple[float, int, int]]) -> None:
     headers = {**PROTOBUF, "Authorization": f"Bearer {HONEST_TOKEN}"}
     conn = None
     step = 0
@@ -153,10 +162,37 @@ def honest_rank(port: int, rank: int, rate: float, go: float, stop: float, out: 
             if conn is not None:
                 conn.close()
             conn = None
-        out.append((time.monotonic() - started, status))
+        out.append((time.monotonic() - started, status, step))
         step += 1
     if conn is not None:
         conn.close()
+
+
+def newcomer(port: int, interval_s: float, stop: float, out: list[tuple[float, int, int]]) -> None:
+    """Every ``interval_s`` a fresh connection posts one step of ``honest-fresh``: (latency, status, step)."""
+    headers = {**PROTOBUF, "Authorization": f"Bearer {HONEST_TOKEN}", "Connection": "close"}
+    step = 0
+    go = time.monotonic()
+    while True:
+        due = go + step * interval_s
+        if due >= stop:
+            break
+        time.sleep(max(0.0, due - time.monotonic()))
+        data = body(step_span("honest-fresh", step, 0, 0.05, world_size=1))
+        started = time.monotonic()
+        status = 0
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("POST", "/v1/traces", body=data, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            status = response.status
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        out.append((time.monotonic() - started, status, step))
+        step += 1
 
 
 # -- hostile peers ----------------------------------------------------------------------------------
@@ -190,25 +226,77 @@ def _post(port: int, source: str, data: bytes, token: str | None = None, length:
     return _exchange(port, source, head + data)
 
 
-def loris(port: int, count: int, stop: float, tally: dict[str, int]) -> None:
-    socks: list[socket.socket | None] = [None] * count
+LORIS_MODES = ("headers", "body", "keepalive")
+
+
+def _loris_open(port: int, source: str, mode: str, tally: dict[str, int]) -> socket.socket | None:
+    """One slow-loris socket in ``mode`` (its first bytes sent); None when it could not connect."""
+    try:
+        s = _connect(port, source, 2.0)
+    except OSError:
+        tally["connect_failed"] = tally.get("connect_failed", 0) + 1
+        return None
+    try:
+        if mode == "headers":
+            s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        elif mode == "body":
+            s.sendall(f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                      f"Authorization: Bearer {EVIL_TOKEN}\r\nContent-Length: 100000\r\n\r\n".encode())
+        else:  # one complete request (answered 200), then idle on the keep-alive connection
+            s.sendall(f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                      f"Authorization: Bearer {EVIL_TOKEN}\r\nContent-Length: 0\r\n\r\n".encode())
+    except OSError:
+        s.close()
+        tally["connect_failed"] = tally.get("connect_failed", 0) + 1
+        return None
+    s.setblocking(False)
+    tally[f"{mode}:opened"] = tally.get(f"{mode}:opened", 0) + 1
+    return s
+
+
+def distributed_loris(port: int, peers: list[str], per_peer: int, stop: float, tally: dict[str, int],
+                      ready: Any) -> None:
+    """``per_peer`` sockets from each of ``peers``, in the three modes in turn, reopened once closed.
+
+    Headers and body sockets send one byte a second; a keep-alive socket reads its one 200 and then
+    sends nothing. A socket that reads a 503, or the end of the stream, was closed by the collector.
+    """
+    slots = [(peer, LORIS_MODES[i % len(LORIS_MODES)]) for i in range(per_peer) for peer in peers]
+    socks: list[socket.socket | None] = [None] * len(slots)
+    answered = [False] * len(slots)  # a keep-alive socket got its 200
+    first = True
     while time.monotonic() < stop:
-        for i in range(count):
+        for i, (peer, mode) in enumerate(slots):
             s = socks[i]
+            if s is None:
+                socks[i] = _loris_open(port, peer, mode, tally)
+                answered[i] = False
+                continue
             try:
-                if s is None:
-                    s = socks[i] = _connect(port, "127.0.0.2", 2.0)
-                    s.setblocking(False)
-                    tally["opened"] = tally.get("opened", 0) + 1
-                    s.send(b"POST /v1/traces HTTP/1.1\r\nX: ")
-                else:
-                    s.send(b"a")
+                seen = s.recv(65536)
+            except BlockingIOError:
+                seen = None
             except OSError:
-                if s is not None:
-                    s.close()
+                seen = b""
+            if seen and mode == "keepalive" and not answered[i] and seen.startswith(b"HTTP/1.1 200"):
+                answered[i] = True  # its request is done: from now on it only holds the connection
+                tally["keepalive:answered_200"] = tally.get("keepalive:answered_200", 0) + 1
+                continue
+            if seen is not None:
+                key = "answered_503" if seen.startswith(b"HTTP/1.1 503") else "closed"
+                tally[f"{mode}:{key}"] = tally.get(f"{mode}:{key}", 0) + 1
+                s.close()
                 socks[i] = None
-                tally["closed_by_collector"] = tally.get("closed_by_collector", 0) + 1
-        time.sleep(1.0)
+                continue
+            if mode != "keepalive":
+                try:
+                    s.send(b"a")
+                except OSError:
+                    pass  # seen as closed next round
+        if first:
+            ready.set()
+            first = False
+        time.sleep(max(0.0, min(1.0, stop - time.monotonic())))
     for s in socks:
         if s is not None:
             s.close()
@@ -353,13 +441,26 @@ def idle(port: int, count: int, stop: float, tally: dict[str, int]) -> None:
             s.close()
 
 
+def _raise_files_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 16, hard))
+
+
 def hostile_main(port: int, seconds: float, loris_count: int, rate: float, result: Any, half_count: int = 32,
-                 idle_count: int = 400, skip: tuple[str, ...] = ()) -> None:
+                 idle_count: int = 400, skip: tuple[str, ...] = (), loris_peers: int = 9, ready: Any = None) -> None:
+    _raise_files_limit()  # the slow-loris alone holds 1,080 sockets
     go = time.monotonic()
     stop = go + seconds
     tallies: dict[str, dict[str, int]] = {"slow_loris": {}, "huge": {}, "forger": {}, "garbage": {}, "amplifier": {},
                                           "half_bodies": {}, "idle": {}}
-    threads = [threading.Thread(target=loris, args=(port, loris_count, stop, tallies["slow_loris"])),
+    peers = [f"127.0.1.{2 + i}" for i in range(loris_peers)]
+    if "slow_loris" in skip:
+        ready.set()
+    threads = [threading.Thread(target=distributed_loris, args=(port, peers, loris_count, stop,
+                                                                tallies["slow_loris"], ready)),
                threading.Thread(target=huge, args=(port, stop, tallies["huge"])),
                threading.Thread(target=forger, args=(port, stop, tallies["forger"], rate, go)),
                threading.Thread(target=garbage, args=(port, stop, tallies["garbage"])),
@@ -385,6 +486,20 @@ def _limit_files(nofile: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile, hard) if hard > 0 else nofile, hard))
 
 
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -408,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="soak duration (default: 30)")
     parser.add_argument("--rate", type=float, default=10.0, help="honest steps/s per rank (default: 10)")
-    parser.add_argument("--loris", type=int, default=300, help="slow-loris sockets (default: 300)")
+    parser.add_argument("--loris", type=int, default=120,
+                        help="slow-loris sockets per peer, under the per-peer cap of 128 (default: 120)")
+    parser.add_argument("--loris-peers", type=int, default=9, help="slow-loris peer addresses (default: 9)")
     parser.add_argument("--half-bodies", type=int, default=32, help="half-sent 15 MiB bodies held (default: 32)")
     parser.add_argument("--idle", type=int, default=400, help="idle connections held (default: 400)")
     parser.add_argument("--nofile", type=int, default=1024, help="the collector's ulimit -n (default: 1024)")
@@ -434,17 +551,22 @@ def main(argv: list[str] | None = None) -> int:
         port = int(line.split("otlp_http=127.0.0.1:")[1].split()[0])
         metrics_port = int(line.split("metrics=127.0.0.1:")[1].split()[0])
         rss_start = rss_kib(proc.pid)
-        result: Any = mp.get_context("spawn").Queue()
-        hostile = mp.get_context("spawn").Process(target=hostile_main,
-                                                  args=(port, args.seconds, args.loris, args.rate, result,
-                                                        args.half_bodies, args.idle, tuple(args.skip)))
+        spawn = mp.get_context("spawn")
+        result: Any = spawn.Queue()
+        ready: Any = spawn.Event()
+        hostile = spawn.Process(target=hostile_main,
+                                args=(port, args.seconds, args.loris, args.rate, result, args.half_bodies, args.idle,
+                                      tuple(args.skip), args.loris_peers, ready))
         hostile.start()
         time.sleep(1.0)  # the hostile peers get going first
+        loris_ready = ready.wait(30)  # ... and the slow-loris holds its sockets
         go = time.monotonic()
         stop = go + args.seconds - 1.0
-        samples: list[list[tuple[float, int]]] = [[] for _ in range(WORLD)]
+        samples: list[list[tuple[float, int, int]]] = [[] for _ in range(WORLD)]
+        fresh: list[tuple[float, int, int]] = []
         ranks = [threading.Thread(target=honest_rank, args=(port, r, args.rate, go, stop, samples[r]))
                  for r in range(WORLD)]
+        ranks.append(threading.Thread(target=newcomer, args=(port, 0.5, stop, fresh)))
         for t in ranks:
             t.start()
         rss_peak = rss_start
@@ -466,15 +588,23 @@ def main(argv: list[str] | None = None) -> int:
         proc.stderr.close()
 
     answers = [s for rank in samples for s in rank]
-    ok = [lat for lat, status in answers if status == 200]
-    records = []
-    with open(os.path.join(run_dir, "honest-run", "cluster.jsonl")) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
+    ok = [lat for lat, status, _ in answers if status == 200]
+    fresh_ok = [lat for lat, status, _ in fresh if status == 200]
+    records = read_jsonl(os.path.join(run_dir, "honest-run", "cluster.jsonl"))
     steps = [r for r in records if r["type"] == "cluster_step"]
+    # Acknowledged vs stored: every (step, rank) answered 200 is in a record (a reporting rank, a late
+    # record) or in conflicts.jsonl (a rank left out as conflicting: both versions are kept there).
+    acknowledged = {(step, rank) for rank, rank_samples in enumerate(samples)
+                    for _, status, step in rank_samples if status == 200}
+    stored: set[tuple[int, int]] = set()
+    for r in steps:
+        stored |= {(r["step"], rank) for rank in range(r["world_size"]) if rank not in r["missing_ranks"]}
+    stored |= {(r["step"], r["rank"]) for r in records if r["type"] == "late"}
+    stored |= {(r["step"], r["rank"])
+               for r in read_jsonl(os.path.join(run_dir, "honest-run", "conflicts.jsonl"))}
+    fresh_acknowledged = {step for _, status, step in fresh if status == 200}
+    fresh_stored = {r["step"] for r in read_jsonl(os.path.join(run_dir, "honest-fresh", "cluster.jsonl"))
+                    if r["type"] == "cluster_step" and r["ranks_reporting"] == 1}
     sent_steps = len(answers) // WORLD
     clean = [r for r in steps if r["complete"] and not r.get("conflicting_ranks")]
     conflicted = [r for r in steps if r.get("conflicting_ranks")]
@@ -483,9 +613,19 @@ def main(argv: list[str] | None = None) -> int:
     forged_straggler = [r for r in steps if r["complete"] and r["compute_max_seconds"] > 1]
     written_twice = len(steps) - len({r["step"] for r in steps})
     figures = {
-        "seconds": args.seconds, "honest_requests": len(answers), "honest_success_rate": len(ok) / max(1, len(answers)),
+        "seconds": args.seconds, "loris_sockets": args.loris * args.loris_peers, "loris_ready": loris_ready,
+        "honest_requests": len(answers), "honest_success_rate": len(ok) / max(1, len(answers)),
+        "honest_503": sum(1 for _, status, _ in answers if status == 503),
+        "honest_failed": sum(1 for _, status, _ in answers if status not in (200, 503)),
         "latency_p50_ms": percentile(ok, 0.5) * 1e3, "latency_p99_ms": percentile(ok, 0.99) * 1e3,
         "latency_max_ms": max(ok) * 1e3 if ok else float("nan"),
+        "newcomer_requests": len(fresh), "newcomer_200": len(fresh_ok),
+        "newcomer_503": sum(1 for _, status, _ in fresh if status == 503),
+        "newcomer_failed": sum(1 for _, status, _ in fresh if status not in (200, 503)),
+        "newcomer_latency_p50_ms": percentile(fresh_ok, 0.5) * 1e3,
+        "newcomer_latency_max_ms": max(fresh_ok) * 1e3 if fresh_ok else float("nan"),
+        "acknowledged": len(acknowledged) + len(fresh_acknowledged),
+        "acknowledged_lost": len(acknowledged - stored) + len(fresh_acknowledged - fresh_stored),
         "honest_steps_sent": sent_steps, "steps_written": len(steps), "steps_complete_clean": len(clean),
         "steps_with_conflicting_rank0": len(conflicted), "steps_with_forged_value_joined": len(forged_straggler),
         "steps_written_twice": written_twice,
@@ -493,11 +633,21 @@ def main(argv: list[str] | None = None) -> int:
         "collector_stderr_lines": stderr_lines, "collector_log": stderr_text.splitlines(),
         "hostile": tallies, "collector_counters": counters,
     }
+    attack = [f"{args.loris_peers} x {args.loris} slow-loris sockets"] if "slow_loris" not in args.skip else []
+    attack += [name for name in ("huge", "forger", "garbage", "amplifier", "half_bodies", "idle")
+               if name not in args.skip]
     print(f"collector soak: {args.seconds:g} s, {WORLD} honest ranks at {args.rate:g} steps/s, "
-          f"{args.loris} slow-loris sockets, huge requests, forged spans, garbage")
+          f"against {', '.join(attack) or 'nothing'}"
+          + ("" if loris_ready else " (the slow-loris was not ready in 30 s)"))
     print(f"honest senders:  {len(ok)}/{len(answers)} answered 200 ({100 * figures['honest_success_rate']:.2f} %), "
+          f"{figures['honest_503']} 503, {figures['honest_failed']} failed; "
           f"latency p50 {figures['latency_p50_ms']:.1f} ms, p99 {figures['latency_p99_ms']:.1f} ms, "
           f"max {figures['latency_max_ms']:.1f} ms")
+    print(f"newcomer:        {len(fresh_ok)}/{len(fresh)} fresh connections answered 200, "
+          f"{figures['newcomer_503']} 503, {figures['newcomer_failed']} failed; latency p50 "
+          f"{figures['newcomer_latency_p50_ms']:.1f} ms, max {figures['newcomer_latency_max_ms']:.1f} ms")
+    print(f"acknowledged:    {figures['acknowledged']} rank-steps answered 200; "
+          f"{figures['acknowledged_lost']} of them missing from cluster.jsonl/conflicts.jsonl")
     print(f"honest steps:    {len(steps)} written; {len(clean)} complete without conflict; {len(conflicted)} with "
           f"rank 0 conflicting (the insider's forgery, left out); {len(forged_straggler)} complete with a forged "
           f"value; {written_twice} written twice")

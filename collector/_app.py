@@ -539,14 +539,19 @@ def _metrics_server(address: tuple[str, int], collector: Collector) -> Any:
         protocol_version = "HTTP/1.0"  # one scrape per connection, as prometheus_client serves it
 
         def do_GET(self) -> None:
-            if tokens is not None and tokens.check(self.headers.get("Authorization")) is None:
-                count_refusal(collector, "unauthorized", "/metrics without a valid token", self.client_address)
-                self.send_response(401)
-                self.send_header("WWW-Authenticate", 'Bearer realm="steptrace-collector-metrics"')
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            MetricsHandler.do_GET(self)  # type: ignore[arg-type]
+            self._hold()  # a scrape being answered is never taken back for a new connection
+            try:
+                if tokens is not None and tokens.check(self.headers.get("Authorization")) is None:
+                    count_refusal(collector, "unauthorized", "/metrics without a valid token", self.client_address)
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Bearer realm="steptrace-collector-metrics"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                MetricsHandler.do_GET(self)  # type: ignore[arg-type]
+                self._progressed()
+            finally:
+                self._unhold()
 
         def _refused(self, reason: str, detail: str) -> None:
             count_refusal(collector, reason, f"/metrics: {detail}", self.client_address)

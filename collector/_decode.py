@@ -89,7 +89,7 @@ REJECTION_REASONS = ("malformed", "too_large", "too_many_spans", "unsupported_me
                      "unauthorized", "forbidden", "not_found", "method_not_allowed", "length_required",
                      "uri_too_long", "headers_too_large", "unsupported_version", "tls", "timeout", "overloaded",
                      "peer_overloaded", "shutting_down", "internal", "journal_failed", "journal_full",
-                     "memory_limited")
+                     "memory_limited", "evicted")
 
 #: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
 INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range", "step_out_of_range",

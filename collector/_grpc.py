@@ -84,8 +84,11 @@ def start_grpc_server(collector: Collector, host: str, port: int, max_body_bytes
     """Start the gRPC server; returns (server, bound port). Raises ``OSError`` when the port is taken.
 
     ``tls`` is (private key PEM, certificate chain PEM). At most ``max_connections``
-    connections are accepted (``grpc.max_allowed_incoming_connections``) and one idle for
-    ``idle_s`` is closed.
+    connections are accepted (``grpc.max_allowed_incoming_connections``; gRPC closes the
+    next ones at once), one that has not finished its HTTP/2 (and TLS) handshake within
+    ``idle_s`` is closed (``grpc.server_handshake_timeout_ms``; gRPC's own default is
+    minutes), and so is one idle for ``idle_s``. gRPC has no per-peer cap and takes no
+    connection back when full (OTLP/HTTP does): docs/collector.md, *Limits*.
     """
     handlers = []
     for signal, service in _SERVICES.items():
@@ -99,6 +102,7 @@ def start_grpc_server(collector: Collector, host: str, port: int, max_body_bytes
                                   ("grpc.so_reuseport", 0),
                                   ("grpc.max_allowed_incoming_connections", max_connections),
                                   ("grpc.max_connection_idle_ms", int(idle_s * 1000)),
+                                  ("grpc.server_handshake_timeout_ms", int(idle_s * 1000)),
                                   ("grpc.max_concurrent_streams", MAX_CONCURRENT_RPCS)])
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

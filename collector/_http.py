@@ -3,9 +3,23 @@
 A ``ThreadingHTTPServer`` with bounds, so that no client can stop the others:
 
 * at most ``max_connections`` connections are served at once, and at most
-  ``max_connections_per_peer`` from one IP address; the next one gets ``503``
-  (retryable for OTLP exporters) and is closed, so a few slow peers cannot
-  take every slot;
+  ``max_connections_per_peer`` from one IP address (beyond it: ``503``,
+  retryable for OTLP exporters, and closed), so a few slow peers cannot take
+  every slot;
+* when the server is full (fewer than a sixteenth of its slots free, as nginx
+  reuses connections in advance), each new connection takes back one held by a
+  connection that has gone longest without completing a request: those that
+  never completed one first, oldest first, then those that did, least recently
+  first. So many peers each under their cap (a distributed slow-loris: header
+  or body bytes trickled, idle keep-alive connections) cannot keep a new
+  honest request out. A connection whose request is being made durable and
+  answered is never taken back. One taken back is shut down at once (reads
+  and writes alike, so its thread lets go of it within milliseconds whatever
+  it was blocked in) and closed; a half-sent request on it is counted as
+  ``evicted`` (the OTLP exporters retry a closed connection), an idle
+  keep-alive connection is no refusal (HTTP/1.1 clients retry on a fresh
+  one). Only when every slot is answering a request is a new connection
+  refused (``overloaded``);
 * a whole request, request line and headers included, must arrive within
   ``request_timeout_s`` of the connection starting to wait for it (every
   socket read is given only what is left of that deadline, and at most
@@ -81,6 +95,9 @@ _DRAIN_SMALL = 1 << 20  # a refused body this small is read before answering, an
 _DRAIN_LIMIT = 64 << 20  # a larger one is read (after answering) up to this, then the connection closed
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
          b"Connection: close\r\n\r\n")
+#: How long a new connection waits for connections taken back to let go of their slots (their threads
+#: close them, usually within a millisecond) when none is free; then it is refused.
+_TAKE_BACK_WAIT_S = 1.0
 # Statuses the standard library's request parsing answers with, and their reasons.
 _STDLIB_REASONS = {400: "malformed", 408: "timeout", 414: "uri_too_long", 431: "headers_too_large",
                    501: "method_not_allowed", 505: "unsupported_version"}
@@ -126,8 +143,29 @@ class ByteBudget:
                 self._by_peer.pop(peer, None)
 
 
+class ConnectionEvicted(ConnectionAbortedError):
+    """The server took this connection back to serve a new one (see :class:`BoundedServer`)."""
+
+
+class Slot:
+    """One admitted connection: what the server needs to choose which one to take back."""
+
+    __slots__ = ("busy", "evicted", "peer", "request")
+
+    def __init__(self, request: Any, peer: str):
+        self.request = request
+        self.peer = peer
+        self.busy = False  # its request is being made durable and answered: never taken back
+        self.evicted = False  # taken back: its thread closes it and gives the slot up
+
+
 class BoundedServer(ThreadingHTTPServer):
-    """A threading HTTP server with a cap on connections, overall and per peer address, and optional TLS."""
+    """A threading HTTP server with a cap on connections, overall and per peer address, and optional TLS.
+
+    Full, it takes back the connection that has gone longest without completing a request
+    (see the module's docstring); the handler marks the request it is answering
+    (:meth:`hold`) and the requests it completed (:meth:`progressed`).
+    """
 
     daemon_threads = True
     block_on_close = False
@@ -135,10 +173,20 @@ class BoundedServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: Any, *, max_connections: int,
                  max_connections_per_peer: int, tls: ssl.SSLContext | None, on_refuse: Any):
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        # Taken back before the server is quite full, so that a burst of new connections finds free
+        # slots while the connections taken back close (nginx keeps 1/16 of worker_connections free
+        # the same way: "Core: reusing connections in advance", 1.19.2).
+        self._reserve = max_connections // 16
         self._per_peer = max_connections_per_peer
+        self._slots: dict[int, Slot] = {}  # id(request) -> its slot, until its thread closed it
+        # The order to take connections back in: those that never completed a request by age, then
+        # those that did by their last one. Insertion-ordered; busy ones are skipped.
+        self._fresh: dict[int, Slot] = {}
+        self._served: dict[int, Slot] = {}
+        self._leaving = 0  # taken back, their descriptors not yet closed
         self._peers: dict[str, int] = {}
-        self._peers_lock = threading.Lock()
+        self._cond = threading.Condition()
         self.tls = tls
         self._on_refuse = on_refuse
         if ":" in address[0]:
@@ -161,14 +209,9 @@ class BoundedServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         peer = client_address[0] if isinstance(client_address, tuple) else ""
-        with self._peers_lock:
-            peer_full = self._peers.get(peer, 0) >= self._per_peer
-            if not peer_full:
-                self._peers[peer] = self._peers.get(peer, 0) + 1
-        if peer_full or not self._slots.acquire(blocking=False):
-            if not peer_full:
-                self._release_peer(peer)
-            self._on_refuse("peer_overloaded" if peer_full else "overloaded", client_address)
+        refused = self._admit(request, peer)
+        if refused:
+            self._on_refuse(refused, client_address)
             if self.tls is None:  # under TLS the client would read our bytes as a broken handshake
                 try:
                     request.setblocking(False)
@@ -180,24 +223,102 @@ class BoundedServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
-            self._release_peer(peer)
+            self._release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            super().process_request_thread(request, client_address)  # closes the socket
         finally:
-            self._slots.release()
-            self._release_peer(client_address[0] if isinstance(client_address, tuple) else "")
+            self._release(request)
 
-    def _release_peer(self, peer: str) -> None:
-        with self._peers_lock:
-            left = self._peers.get(peer, 1) - 1
+    def _admit(self, request: Any, peer: str) -> str:
+        """Give ``request`` a slot, taking one back if need be; the refusal reason, or "" when admitted."""
+        with self._cond:
+            if self._peers.get(peer, 0) >= self._per_peer:
+                return "peer_overloaded"
+            deadline = None
+            while True:
+                free = self.max_connections - len(self._slots)
+                if free <= self._reserve:
+                    self._take_back_one()
+                if free > 0:
+                    break
+                if not self._leaving:
+                    return "overloaded"  # every slot is answering a request: nothing to take back
+                if deadline is None:
+                    deadline = time.monotonic() + _TAKE_BACK_WAIT_S
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "overloaded"
+                self._cond.wait(left)
+            slot = Slot(request, peer)
+            self._slots[id(request)] = self._fresh[id(request)] = slot
+            self._peers[peer] = self._peers.get(peer, 0) + 1
+            return ""
+
+    def _take_back_one(self) -> bool:
+        """Take back the connection that has gone longest without completing a request (lock held)."""
+        for order in (self._fresh, self._served):
+            for key, slot in order.items():
+                if slot.busy:
+                    continue
+                del order[key]
+                slot.evicted = True
+                self._leaving += 1
+                try:
+                    # Wakes its thread out of a read (end of stream) or a write (EPIPE) to a peer that
+                    # does not read; the thread then closes it (closing it here could hand its
+                    # descriptor number to the next accept while that thread still uses it). Not
+                    # SSLSocket.shutdown: that drops the TLS state the thread is using.
+                    socket.socket.shutdown(slot.request, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return True
+        return False
+
+    def slot_of(self, request: Any) -> Slot | None:
+        with self._cond:
+            return self._slots.get(id(request))
+
+    def hold(self, slot: Slot) -> bool:
+        """Mark ``slot``'s request as being answered (never taken back); False when it was taken back already."""
+        with self._cond:
+            if slot.evicted:
+                return False
+            slot.busy = True
+            return True
+
+    def unhold(self, slot: Slot) -> None:
+        with self._cond:
+            slot.busy = False
+
+    def progressed(self, slot: Slot) -> None:
+        """``slot`` completed a request: it goes to the end of the order, after every connection that has not."""
+        with self._cond:
+            key = id(slot.request)
+            if slot.evicted or key not in self._slots:
+                return
+            self._fresh.pop(key, None)
+            self._served.pop(key, None)
+            self._served[key] = slot
+
+    def _release(self, request: Any) -> None:
+        with self._cond:
+            key = id(request)
+            slot = self._slots.pop(key, None)
+            if slot is None:
+                return
+            self._fresh.pop(key, None)
+            self._served.pop(key, None)
+            if slot.evicted:
+                self._leaving -= 1
+            left = self._peers.get(slot.peer, 1) - 1
             if left > 0:
-                self._peers[peer] = left
+                self._peers[slot.peer] = left
             else:
-                self._peers.pop(peer, None)
+                self._peers.pop(slot.peer, None)
+            self._cond.notify_all()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that vanished mid-request is routine; anything else is worth a log line.
@@ -226,21 +347,32 @@ class _DeadlineReader(io.RawIOBase):
         except TimeoutError:
             h.timed_out = True
             raise
+        if not n and h.slot is not None and h.slot.evicted:
+            raise ConnectionEvicted("the server took this connection back")
         h.request_bytes += n
         return n
 
 
 class DeadlineHandler(BaseHTTPRequestHandler):
-    """A request handler whose every request (line, headers, body) must arrive within ``request_timeout_s``."""
+    """A request handler whose every request (line, headers, body) must arrive within ``request_timeout_s``.
 
+    A subclass calls :meth:`_hold` once a request is complete and about to be answered (the
+    server then never takes the connection back) and :meth:`_progressed` once it took one.
+    """
+
+    server: BoundedServer
     protocol_version = "HTTP/1.1"
     request_timeout_s = 30.0
     deadline = 0.0
     timed_out = False
     request_bytes = 0
+    replied = False  # a response to the current request was started
+    slot: Slot | None = None
+    _held = False
 
     def setup(self) -> None:
         super().setup()
+        self.slot = self.server.slot_of(self.request)
         self.deadline = time.monotonic() + self.request_timeout_s
         tls = getattr(self.server, "tls", None)
         if tls is not None:
@@ -248,7 +380,10 @@ class DeadlineHandler(BaseHTTPRequestHandler):
                 self.connection.settimeout(max(0.01, self.deadline - time.monotonic()))
                 self.connection.do_handshake()
             except (OSError, ssl.SSLError) as exc:
-                self._refused("tls", f"TLS handshake failed: {exc}")
+                if self.slot is not None and self.slot.evicted:
+                    self._refused("evicted", "taken back during its TLS handshake: the collector was full")
+                else:
+                    self._refused("tls", f"TLS handshake failed: {exc}")
                 self.close_connection = True
                 self.rfile = io.BytesIO()  # handle() then sees no request and returns
                 return
@@ -258,11 +393,44 @@ class DeadlineHandler(BaseHTTPRequestHandler):
         self.deadline = time.monotonic() + self.request_timeout_s
         self.timed_out = False
         self.request_bytes = 0
-        super().handle_one_request()
+        self.replied = False
+        try:
+            super().handle_one_request()
+        except OSError:
+            # Taken back: a plain socket reads an end of stream (ConnectionEvicted), a TLS one may
+            # raise its own error for the shut-down transport instead.
+            if self.slot is None or not self.slot.evicted:
+                raise
+        if self.slot is not None and self.slot.evicted:
+            self.close_connection = True
+            if self.request_bytes and not self.replied:  # between requests, closing refuses nothing
+                self._refused("evicted", "the collector was full and this connection had gone longest without "
+                                         "completing a request; closed, retry")
+            return
         if self.timed_out:
             self.close_connection = True
             if self.request_bytes:  # an idle keep-alive connection timing out is no refusal
                 self._refused("timeout", f"request not received within {self.request_timeout_s:g} s")
+
+    def _hold(self) -> None:
+        """The request is complete: from here until :meth:`_unhold` the server does not take the connection back."""
+        if self.slot is not None:
+            if not self.server.hold(self.slot):
+                raise ConnectionEvicted("taken back before its request was answered")
+            self._held = True
+
+    def _unhold(self) -> None:
+        if self._held and self.slot is not None:
+            self.server.unhold(self.slot)
+        self._held = False
+
+    def _progressed(self) -> None:
+        if self.slot is not None:
+            self.server.progressed(self.slot)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.replied = True
+        super().send_response(code, message)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         # Only the standard library's parsing calls this (our answers go through _reply).
@@ -339,6 +507,7 @@ class _Handler(DeadlineHandler):
         try:
             self._serve_one(post)
         finally:
+            self._unhold()
             if self._reserved:
                 self.server.budget.release(self._peer(), self._reserved)
                 self._reserved = 0
@@ -370,12 +539,14 @@ class _Handler(DeadlineHandler):
             self._reserve(length)
             body = self._read_body(length)
             body_read = True
+            self._hold()  # from here the request is answered: the connection is not taken back
             data = decompress(body, self.headers.get("Content-Encoding"), server.max_body_bytes)
             if data is not body:
                 self._reserve(len(data))
             del body
             message = parse_request(signal, data, media)
             rejected, note = server.collector.accept(signal, message, "http", grant)
+            self._progressed()  # before the answer: a client that read its 200 finds it recorded
             self._reply(200, encode_response(signal, media, rejected, note), media)
         except Rejected as exc:
             self._refused(exc.reason, f"{exc.status} {exc.message}")

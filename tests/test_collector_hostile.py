@@ -227,6 +227,257 @@ def test_the_request_deadline_covers_the_headers(make_collector):
     assert wait_for(lambda: rejected(c, "timeout") == 1, 5)
 
 
+# -- a distributed slow-loris: the server is full, honest peers are still served -------------------------
+
+#: Nine "peers": Linux routes all of 127.0.0.0/8 on lo, so each source address is its own peer.
+LORIS_PEERS = [f"127.0.0.{i}" for i in range(2, 11)]
+
+
+def loris_socket(port: int, source: str, mode: str) -> socket.socket:
+    """A connection that holds a slot without ever completing a request (``mode``), or, for
+    ``keepalive``, after completing one (answered 200) and then sending nothing more."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    if mode == "headers":  # the request line and half a header, then nothing
+        s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+    elif mode == "body":  # complete headers, 3 of 1000 body bytes
+        s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                  b"Content-Length: 1000\r\n\r\nabc")
+    elif mode == "keepalive":
+        s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                  b"Content-Length: 0\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(4096)
+            if not chunk:
+                return s  # refused and closed (a full collector that takes nothing back)
+            answer += chunk
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(rest) < length:
+            rest += s.recv(4096)
+    elif mode == "metrics":  # half a scrape request to /metrics
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+    else:
+        raise ValueError(mode)
+    return s
+
+
+def is_open(s: socket.socket) -> bool:
+    """True when the collector neither answered nor closed ``s`` (nothing to read yet)."""
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.setblocking(True)
+    return False
+
+
+def answer_of(s: socket.socket, timeout_s: float = 10.0) -> bytes:
+    """What the collector sent on ``s`` before closing it (b"" for a close without an answer)."""
+    s.settimeout(timeout_s)
+    chunks = []
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def answered_within(call, deadline_s: float = 30.0):
+    """``call()``'s first answer that is not a 503 or a connection error, retried until ``deadline_s``.
+
+    The generous deadline is for "answered at all": while slow-loris sockets held every slot the
+    answer was 503 for the whole attack (and past any deadline).
+    """
+    deadline = time.monotonic() + deadline_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = call()
+        except (OSError, urllib.error.URLError) as exc:
+            last = exc
+            if isinstance(exc, urllib.error.HTTPError) and exc.code != 503:
+                return exc.code
+        else:
+            if last != 503:
+                return last
+        time.sleep(0.2)
+    return last
+
+
+@pytest.mark.parametrize("mode", ["headers", "body", "keepalive"])
+def test_a_distributed_slow_loris_does_not_keep_honest_peers_out(make_collector, mode):
+    """Nine peers, each under its per-peer cap, once held every slot: honest ranks got 503 for the whole attack.
+
+    Full, the collector takes back the connection that has gone longest without completing a
+    request (those that never completed one first), oldest first, and closes it; a half-sent
+    request on it is counted as ``evicted``, an idle keep-alive connection is no refusal.
+    """
+    c = make_collector(world_size=1, max_connections=12, max_connections_per_peer=3, request_timeout_s=120.0,
+                       read_timeout_s=120.0)  # the sockets below stay quiet: no timeout frees a slot
+    held = [loris_socket(c.port, peer, mode) for _ in range(2) for peer in LORIS_PEERS]  # 18 for 12 slots
+    try:
+        status = answered_within(lambda: send(c, step_span(world_size=1)))
+        assert status == 200
+        # The 6 sockets beyond the cap and the honest request each took back the oldest one.
+        assert [answer_of(s) for s in held[:7]] == [b""] * 7  # closed (a retry goes to a fresh connection)
+        assert wait_for(lambda: rejected(c, "evicted") == (0 if mode == "keepalive" else 7))
+        assert [is_open(s) for s in held[7:]] == [True] * 11
+        assert not rejected(c, "overloaded")
+    finally:
+        for s in held:
+            s.close()
+    # What was acknowledged is stored.
+    [record] = read_records(cluster(c))
+    assert (record["step"], record["ranks_reporting"]) == (0, 1)
+
+
+def test_a_stalled_tls_handshake_is_taken_back_for_an_honest_https_request(make_collector, tmp_path):
+    """Under TLS the handshake runs in the connection's thread: a stalled one is taken back like a stalled request."""
+    made = self_signed_cert(tmp_path)
+    if made is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = made
+    c = make_collector(world_size=1, max_connections=2, max_connections_per_peer=2, tls_cert=str(cert),
+                       tls_key=str(key), request_timeout_s=120.0, read_timeout_s=120.0)
+    held = [socket.create_connection(("127.0.0.1", c.port), timeout=10, source_address=(peer, 0))
+            for peer in LORIS_PEERS[:2]]
+    try:
+        held[0].sendall(b"\x16\x03\x01")  # the start of a TLS record, then nothing
+        context = ssl.create_default_context(cafile=str(cert))
+
+        def honest() -> int:
+            req = urllib.request.Request(f"{c.endpoint}{TRACES}", data=body(step_span(world_size=1)),
+                                         headers={"Content-Type": PROTOBUF}, method="POST")
+            with urllib.request.urlopen(req, timeout=10, context=context) as response:
+                return response.status
+
+        assert answered_within(honest) == 200
+        assert answer_of(held[0]) == b""  # the oldest was taken back
+        assert is_open(held[1])
+
+        def count(reason: str) -> float | None:
+            return value(scrape_tls(c, context), "steptrace_collector_rejected_requests_total", reason=reason)
+
+        # Before held[1] closes (a failed handshake then, counted as tls).
+        assert wait_for(lambda: count("evicted") == 1)
+        assert count("tls") == 0
+    finally:
+        for s in held:
+            s.close()
+    assert len(read_records(cluster(c))) == 1
+
+
+def scrape_tls(c: Collector, context: ssl.SSLContext) -> str:
+    with urllib.request.urlopen(c.metrics_url, timeout=10, context=context) as response:
+        return response.read().decode()
+
+
+def test_a_connection_that_completed_requests_outlives_slow_loris_sockets(make_collector):
+    """Connections that never completed a request are taken back before one that did (an honest keep-alive)."""
+    import http.client
+
+    c = make_collector(world_size=1, max_connections=12, max_connections_per_peer=3, request_timeout_s=120.0,
+                       read_timeout_s=120.0)  # the sockets below stay quiet: no timeout frees a slot
+    honest = http.client.HTTPConnection("127.0.0.1", c.port, timeout=10)
+    held: list[socket.socket] = []
+    try:
+        honest.request("POST", TRACES, body=body(step_span(step=0, world_size=1)), headers={"Content-Type": PROTOBUF})
+        assert honest.getresponse().read() is not None
+        local = honest.sock.getsockname()
+        held = [loris_socket(c.port, peer, "headers") for _ in range(2) for peer in LORIS_PEERS]
+        assert wait_for(lambda: rejected(c, "evicted") == 7, 30)  # 18 + 1 for 12 slots
+        # The honest connection, the oldest of all, is still there: same socket, answered 200.
+        honest.request("POST", TRACES, body=body(step_span(step=1, world_size=1)), headers={"Content-Type": PROTOBUF})
+        response = honest.getresponse()
+        assert (response.status, honest.sock.getsockname()) == (200, local)
+        response.read()
+    finally:
+        honest.close()
+        for s in held:
+            s.close()
+    assert [r["step"] for r in read_records(cluster(c))] == [0, 1]
+
+
+def test_a_request_being_answered_is_never_taken_back(make_collector):
+    """A connection whose request is being made durable and answered keeps its slot: a newcomer gets 503 instead."""
+    import threading
+
+    c = make_collector(world_size=1, max_connections=2, max_connections_per_peer=2)
+    inside = threading.Semaphore(0)
+    release = threading.Event()
+    accept = c.accept
+
+    def slow_accept(*args, **kwargs):
+        inside.release()
+        release.wait(30)
+        return accept(*args, **kwargs)
+
+    c.accept = slow_accept  # type: ignore[method-assign]
+    statuses: list[int] = []
+    senders = [threading.Thread(target=lambda step=step: statuses.append(send(c, step_span(step=step, world_size=1))))
+               for step in range(2)]
+    for t in senders:
+        t.start()
+    try:
+        for _ in senders:
+            assert inside.acquire(timeout=30)
+        # Both slots are busy answering: nothing may be taken back, the newcomer is refused.
+        newcomer = raw_exchange(c.port, b"POST /v1/traces HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+                                source="127.0.0.2")
+        assert newcomer.startswith(b"HTTP/1.1 503"), newcomer
+    finally:
+        release.set()
+        for t in senders:
+            t.join(30)
+    assert statuses == [200, 200]
+    assert sorted(r["step"] for r in read_records(cluster(c))) == [0, 1]
+    assert rejected(c, "overloaded") == 1 and not rejected(c, "evicted")
+
+
+def test_metrics_scrapes_are_served_under_a_distributed_slow_loris(make_collector):
+    """/metrics has the same bounded server: half-sent scrapes from nine peers once kept Prometheus out."""
+    c = make_collector(world_size=1, request_timeout_s=120.0,
+                       read_timeout_s=120.0)  # the sockets below stay quiet: no timeout frees a slot
+    slots = c.limits.metrics
+    per_peer = -(-(slots + 2) // len(LORIS_PEERS))  # enough to fill every slot, under the per-peer cap
+    assert per_peer < max(1, min(16, slots // 2))
+    held = [loris_socket(c.metrics_port, peer, "metrics") for _ in range(per_peer) for peer in LORIS_PEERS]
+    try:
+        def scrape_status() -> int:
+            with urllib.request.urlopen(c.metrics_url, timeout=10) as response:
+                return response.status
+
+        assert answered_within(scrape_status) == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_grpc_connections_are_bounded_in_number_and_time(make_collector):
+    """gRPC has no per-peer cap or eviction (see docs/collector.md), but every slot is held for a bounded time."""
+    pytest.importorskip("grpc", reason="OTLP/gRPC needs grpcio")
+    c = make_collector(world_size=1, grpc_port=0, request_timeout_s=1.0)
+    s = socket.create_connection(("127.0.0.1", c.grpc_port), timeout=30)
+    try:
+        s.sendall(b"PRI * HTTP/2.0\r\n")  # half a connection preface, then nothing
+        started = time.monotonic()
+        while s.recv(65536):  # the server's SETTINGS, then the close
+            pass
+        # Closed by the server's handshake/idle bound (--request-timeout-s); 30 s is only "closed at all".
+        assert time.monotonic() - started < 30
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("client", ["urllib", "requests"])
 def test_an_oversized_body_gets_its_413_through_standard_clients(make_collector, client):
     """The server once closed while the client was still sending: a broken pipe instead of the 413."""
