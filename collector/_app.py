@@ -204,6 +204,7 @@ class Collector:
                              max_runs=config.max_runs, run_idle_s=config.run_idle_s, history=self._history,
                              straggler_min_seconds=config.straggler_min_seconds,
                              straggler_min_ratio=config.straggler_min_ratio,
+                             straggler_noise_window_steps=config.straggler_window_steps,
                              per_rank=config.cluster_per_rank,
                              max_runs_per_owner=config.max_runs_per_token if config.max_runs_per_token is not None
                              else max(1, config.max_runs // 4))

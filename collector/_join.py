@@ -51,21 +51,25 @@ with ends an hour on then wrote a second record that stood.)
 Without ``--world-size`` a run's world size is the one its first accepted
 span carried; a span claiming another is refused (``world_size_mismatch``).
 
-The straggler is the rank with the most time on its own (``own_seconds`` =
-interval minus the rank's wait in collectives, where it measures that wait;
-its compute otherwise), the lowest such rank on a tie, and only when it stands
-out: its time on its own exceeds the median of the other ranks' by at least
-``max(straggler_min_seconds, straggler_min_ratio × the step's median
-interval)`` (median compute where the waits are not measured;
-``steptrace._attribution.find_straggler``). In synchronous
+The straggler's candidate is the rank with the most time on its own
+(``own_seconds`` = interval minus the rank's wait in collectives, where it
+measures that wait; its compute otherwise), the lowest such rank on a tie. It
+is named only when it stands out: its time on its own exceeds the median of
+the other ranks' by at least ``max(straggler_min_seconds, straggler_min_ratio
+× the step's median interval, the run's noise floor)`` (median compute where
+the waits are not measured) and the others waited for it. The noise floor is
+the run's own: how far the slowest of the *other* ranks stood out over the
+run's last complete steps (``steptrace._attribution.StragglerRule``, one per
+admitted run, fed the complete steps as they are emitted). In synchronous
 training every rank's step is as long as the slowest's; only the time on
 its own tells the rank that is slow from the ranks that wait for it. What it
 cost the job (``straggler_cost_seconds``) is the median of the other ranks'
 wait less its own (the collectives' own duration, which every rank pays). A
 straggler is named only for complete steps: when a rank is missing, it may
 well be the slowest one, so an incomplete step names none
-(``straggler_rank: null``) and its min/median/max/skew cover the ranks that
-reported. Not thread-safe: the collector calls it under its lock.
+(``straggler_rank: null``), its min/median/max/skew cover the ranks that
+reported, and it does not enter the noise floor. Not thread-safe: the
+collector calls it under its lock.
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from steptrace._attribution import (STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, find_straggler,
-                                     straggler_step_seconds, straggler_threshold)
+from steptrace._attribution import (STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, STRAGGLER_NOISE_WINDOW,
+                                     StragglerRule, straggler_step_seconds)
 from steptrace._ids import trace_id_hex
 from steptrace.collector._decode import StepSpan, span_fingerprint
 
@@ -178,10 +182,12 @@ class _Emitted:
 
 
 class _Run:
-    __slots__ = ("emitted", "last_active", "open", "owner", "world_size")
+    __slots__ = ("emitted", "last_active", "open", "owner", "stragglers", "world_size")
 
-    def __init__(self, now: float, owner: str):
+    def __init__(self, now: float, owner: str, stragglers: StragglerRule):
         self.world_size: int | None = None  # established by the run's first span that carries one
+        #: the run's straggler rule: its noise floor over the last complete steps emitted
+        self.stragglers = stragglers
         #: (attempt, step) -> the ranks it was written with
         self.emitted: collections.OrderedDict[tuple[int, int], _Emitted] = collections.OrderedDict()
         self.open = 0
@@ -220,8 +226,10 @@ class Joiner:
                  history: Callable[[str], Iterable[HistoryEntry]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
-                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = False):
+                 straggler_min_ratio: float = STRAGGLER_MIN_RATIO,
+                 straggler_noise_window_steps: int = STRAGGLER_NOISE_WINDOW, per_rank: bool = False):
         self.world_size = world_size
+        self.straggler_noise_window_steps = straggler_noise_window_steps
         #: keep the per-rank maps in records (``--cluster-per-rank``); otherwise aggregates only
         self.per_rank = per_rank
         self.straggler_min_seconds = straggler_min_seconds
@@ -384,7 +392,9 @@ class Joiner:
             if old.open or now - old.last_active < self.run_idle_s:
                 return None
             self._drop(old_id)
-        run = self._runs[run_id] = _Run(now, owner)
+        run = self._runs[run_id] = _Run(now, owner, StragglerRule(
+            self.straggler_noise_window_steps, min_seconds=self.straggler_min_seconds,
+            min_ratio=self.straggler_min_ratio))
         if owner:
             self._owned[owner] = self._owned.get(owner, 0) + 1
         self._seed(run_id, run)
@@ -433,7 +443,8 @@ class Joiner:
                               joined_time=self._wall(), join_seconds=max(0.0, self._clock() - open_step.first_seen),
                               conflicting_ranks=sorted(open_step.conflicted),
                               straggler_min_seconds=self.straggler_min_seconds,
-                              straggler_min_ratio=self.straggler_min_ratio, per_rank=self.per_rank)
+                              straggler_min_ratio=self.straggler_min_ratio, per_rank=self.per_rank,
+                              stragglers=run.stragglers if run is not None else None)
 
     def _late(self, span: StepSpan) -> dict[str, Any]:
         return {
@@ -462,10 +473,13 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
                    conflicting_ranks: list[int] | None = None, attempt: int = 0,
                    straggler_min_seconds: float = STRAGGLER_MIN_SECONDS,
-                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = True) -> dict[str, Any]:
+                   straggler_min_ratio: float = STRAGGLER_MIN_RATIO, per_rank: bool = True,
+                   stragglers: StragglerRule | None = None) -> dict[str, Any]:
     """The ``cluster_step`` record of one step from its ranks' spans (the schema is in docs/collector.md).
 
     ``spans`` are the trusted ones; ``conflicting_ranks`` sent two different spans and count as missing.
+    ``stragglers``: the run's rule, which judges the step if it is complete (and takes it into its
+    noise floor); without one, a rule with no history (the fixed bounds only) judges it.
     Without ``per_rank`` the record holds no per-rank map (``rank_*_seconds``): its size does not
     grow with the ranks but for ``slowest_ranks`` (at most :data:`SLOWEST_LISTED`); the ranks'
     time on their own is then under ``"_own"``, for the collector's scores, never written.
@@ -499,10 +513,12 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     measured = bool(spans) and all(s.collective_wait_seconds is not None for s in spans)
     step_seconds = straggler_step_seconds(i_median, c_median, measured)
     o_min, o_median, o_max = _stats(list(own.values()))
-    found = None
+    verdict = None
     if complete:
-        found = find_straggler({s.rank: (own[s.rank], s.collective_wait_seconds) for s in spans}, step_seconds,
-                               min_seconds=straggler_min_seconds, min_ratio=straggler_min_ratio)
+        rule = stragglers if stragglers is not None else StragglerRule(min_seconds=straggler_min_seconds,
+                                                                       min_ratio=straggler_min_ratio)
+        verdict = rule.judge({s.rank: (own[s.rank], s.collective_wait_seconds) for s in spans}, step_seconds)
+    found = None if verdict is None else verdict.straggler
     by_stage: dict[str, list[float]] = {}
     for s in spans:
         for stage, ratio in s.bubble.items():
@@ -547,9 +563,8 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "straggler_rank": None if found is None else found.rank,
         "straggler_cost_seconds": None if found is None else found.cost_seconds,
         "straggler_excess_seconds": None if found is None else found.excess_seconds,
-        "straggler_threshold_seconds": (None if not complete else
-                                        straggler_threshold(step_seconds, straggler_min_seconds,
-                                                            straggler_min_ratio)),
+        "straggler_threshold_seconds": None if verdict is None else verdict.threshold_seconds,
+        "straggler_noise_seconds": None if verdict is None else verdict.noise_seconds,
         "compute_sum_seconds": sum(compute),
         "interval_sum_seconds": sum(interval),
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},

@@ -27,6 +27,15 @@ so far (a step completed out of order does not move them back):
   complete steps, for the ``straggler_score_ranks`` (10) lowest scores of each kind only
   (``relative``: median rank's mean time on its own / this rank's; ``individual``: this rank's
   best windowed mean / its current one; 1 is typical, lower is slower).
+  ``steptrace_cluster_step_straggler_threshold_seconds``: the excess the last complete step's
+  candidate had to reach (fixed bounds and the run's noise floor).
+* The run's straggler, a verdict (``steptrace._attribution.StragglerPersistence``): the rank named
+  in at least half of the last ``straggler_window_steps`` complete steps, if any, has
+  ``steptrace_cluster_persistent_straggler_steps_ratio{rank}`` (that share),
+  ``..._cost_seconds{rank}`` (its median cost over them, where the ranks measure their wait) and
+  ``..._own_ratio{rank}`` (its mean time on its own over the median rank's, the window's): at most
+  one rank per run, its series gone when it stops being one. The alert reads these
+  (collector/alerts.yml ``SteptraceStraggler``), not a rule of its own.
 
 A run's series are removed when more than ``max_runs`` runs have been seen
 since (least recently active first), so a stream of run ids cannot grow the
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import statistics
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -47,7 +57,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
-from steptrace._attribution import GoodputWindow, StragglerScores
+from steptrace._attribution import GoodputWindow, Straggler, StragglerPersistence, StragglerScores
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
@@ -66,11 +76,14 @@ DEFAULT_SCORE_RANKS = 10
 
 
 class _RunState:
-    __slots__ = ("last_complete", "last_step", "scored", "scores", "stages", "straggler_ranks", "window")
+    __slots__ = ("last_complete", "last_step", "persistence", "persistent", "scored", "scores", "stages",
+                 "straggler_ranks", "window")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = GoodputWindow(window_steps)
         self.scores = StragglerScores(straggler_window_steps)
+        self.persistence = StragglerPersistence(straggler_window_steps)
+        self.persistent: str | None = None  # the rank with persistent-straggler series
         self.last_step = -1
         self.last_complete = -1
         self.stages: set[str] = set()
@@ -123,6 +136,21 @@ class ClusterMetrics:
                                             "Seconds this rank cost the job as the straggler (the other ranks' "
                                             "median wait less its own), summed over the steps it was named.",
                                             run + ("rank",))
+        self.straggler_threshold = gauge("steptrace_cluster_step_straggler_threshold_seconds",
+                                         "The excess of time on its own the last complete step's candidate "
+                                         "needed to be named the straggler: the largest of the fixed bounds "
+                                         "and the run's noise floor.")
+        window = straggler_window_steps
+        self.persistent_share = gauge("steptrace_cluster_persistent_straggler_steps_ratio",
+                                      f"The run's straggler: the rank named the straggler in at least half of "
+                                      f"the last {window} complete steps (only that rank has a series), and "
+                                      f"that share.", ("rank",))
+        self.persistent_cost = gauge("steptrace_cluster_persistent_straggler_cost_seconds",
+                                     f"The run's straggler's median cost to the job per step it was named, over "
+                                     f"the last {window} complete steps.", ("rank",))
+        self.persistent_own = gauge("steptrace_cluster_persistent_straggler_own_ratio",
+                                    f"The run's straggler's mean time on its own over the median rank's, over "
+                                    f"the last {window} complete steps.", ("rank",))
         self.straggler_score = gauge("steptrace_cluster_straggler_score",
                                      "Per-rank straggler score over the last straggler_window_steps complete "
                                      "steps: relative (median rank's mean time on its own / this rank's) and "
@@ -271,6 +299,9 @@ class ClusterMetrics:
         if own is None:
             own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
         state.scores.add(own)
+        state.persistence.add(None if named is None else Straggler(
+            named, r.get("straggler_excess_seconds") or 0.0, cost, r.get("straggler_threshold_seconds") or 0.0))
+        self._persistent(run_id, state)
         # Only the lowest scores of each kind get a series (a bounded top-k, not one per rank); a
         # rank that leaves them loses its series.
         scores = state.scores.scores()
@@ -297,6 +328,8 @@ class ClusterMetrics:
                 self.own.labels(run_id, stat).set(r[f"own_{stat}_seconds"])
         self.skew.labels(run_id).set(r["skew_seconds"])
         self.straggler.labels(run_id).set(-1 if named is None else named)
+        if r.get("straggler_threshold_seconds") is not None:
+            self.straggler_threshold.labels(run_id).set(r["straggler_threshold_seconds"])
         self.straggler_cost.labels(run_id).set(cost or 0.0)
         # The last complete step's stages only, and at most MAX_STAGES_PER_RUN: a stage the
         # run no longer reports leaves the exposition (stage names once piled up without end).
@@ -311,6 +344,28 @@ class ClusterMetrics:
         state.stages = set(stages)
         for stage, ratio in stages.items():
             self.bubble.labels(run_id, stage).set(ratio)
+
+    def _persistent(self, run_id: str, state: _RunState) -> None:
+        """The run's straggler series: the persistent rank's, no other (at most three series a run)."""
+        found = state.persistence.persistent()
+        rank = None if found is None else str(found.rank)
+        if state.persistent is not None and state.persistent != rank:
+            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
+                try:
+                    metric.remove(run_id, state.persistent)
+                except KeyError:
+                    pass
+        state.persistent = rank
+        if found is None or rank is None:
+            return
+        self.persistent_share.labels(run_id, rank).set(found.share_of_steps)
+        if found.cost_median_seconds is not None:
+            self.persistent_cost.labels(run_id, rank).set(found.cost_median_seconds)
+        means = state.scores.means()
+        if found.rank in means:
+            middle = statistics.median(means.values())
+            if middle > 0:
+                self.persistent_own.labels(run_id, rank).set(means[found.rank] / middle)
 
     # -- the bound on runs ---------------------------------------------------------------------
 
@@ -336,7 +391,11 @@ class ClusterMetrics:
             except KeyError:
                 pass
 
-        for metric in (self.skew, self.straggler, self.straggler_cost, self.ranks_reporting, self.world_size,
+        if state.persistent is not None:
+            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
+                remove(metric, state.persistent)
+        for metric in (self.skew, self.straggler, self.straggler_cost, self.straggler_threshold,
+                       self.ranks_reporting, self.world_size,
                        self.goodput, self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
                        self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)

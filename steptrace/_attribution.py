@@ -335,19 +335,41 @@ class GoodputWindow:
 # In synchronous training a collective makes every rank's step as long as the slowest, so per-rank
 # compute cannot name the culprit. Each rank measures the time it spent waiting in collectives
 # (arrival -> completion); the rest of its step (its interval: device compute and host work such as
-# loading data alike) is its time on its own. The rank with the most
-# time on its own is the straggler, and the other ranks' median wait is what it cost the job (less
-# the straggler's own wait: the collectives' own duration, which every rank pays).
+# loading data alike) is its time on its own. The rank with the most time on its own is the step's
+# candidate; what it cost the job is the other ranks' median wait (less the candidate's own wait: the
+# collectives' own duration, which every rank pays).
+#
+# A step is a fact, a verdict is a claim (DESIGN.md §2): a candidate is named the straggler of a step
+# only when it stands out by more than the run's own noise (StragglerRule), and a rank is the run's
+# straggler only when it was named persistently (straggler_evidence). On a loaded machine every rank is
+# now and then preempted for as long as a real straggler costs (issue 33: a healthy 2-rank job had a
+# straggler named in 28 of 50 steps under a fixed fifth-of-a-step threshold, and one "cost the job
+# 25 ms per step").
 
-#: A rank stands out when its time on its own exceeds the median of the other ranks' by at least
-#: this many seconds ...
+#: A rank stands out when its time on its own exceeds the median of the other ranks' by at least this
+#: many seconds ...
 STRAGGLER_MIN_SECONDS = 0.005
-#: ... and by at least this fraction of the step's median length (whichever is larger): its interval
-#: where the ranks measure their wait, else its compute (what the time on its own falls back to). Below a
-#: fifth of a step, one step's excess is indistinguishable from scheduling noise (measured: 4 gloo
-#: ranks on 2 loaded cores, no rank slowed, reach 16 %); a rank that is persistently a little slower
-#: shows in the windowed scores (StragglerScores) instead.
-STRAGGLER_MIN_RATIO = 0.20
+#: ... and this fraction of the step's median length: its interval where the ranks measure their wait,
+#: else its compute (what the time on its own falls back to) ...
+STRAGGLER_MIN_RATIO = 0.05
+#: ... and the run's noise floor: the median plus this many robust standard deviations (1.4826 x the
+#: median absolute deviation) of how far the slowest of the *other* ranks stood out in the window's
+#: steps (:func:`noise_floor`). Three, Hampel's outlier rule. Measured on 4 gloo ranks on 2 cores at
+#: load 6-15 (docs/collector.md): 2 named a healthy rank in up to 27 % of the steps (it was slower
+#: in stretches, on a busier core), 3 in up to 18 %; a rank slowed by 25 ms of compute stays named
+#: in >= 95 % of them either way.
+STRAGGLER_NOISE_K = 3.0
+#: Complete steps of the window the noise floor is estimated over (the last ones before the step).
+STRAGGLER_NOISE_WINDOW = 100
+#: The noise floor needs this many samples; with fewer (a run's first steps) only the two fixed bounds apply.
+STRAGGLER_NOISE_MIN_SAMPLES = 5
+#: A rank is the run's straggler (chronic, not one-off) when it was named in at least this share of the
+#: complete steps considered (the run's, or the collector's last window) ...
+STRAGGLER_PERSISTENT_SHARE = 0.5
+#: ... and in at least this many of them.
+STRAGGLER_PERSISTENT_MIN_STEPS = 3
+#: Robust standard deviation from the median absolute deviation (normal consistency constant).
+MAD_TO_SIGMA = 1.4826
 
 
 def own_seconds(interval_seconds: float, collective_wait_seconds: float | None) -> float:
@@ -368,23 +390,77 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated linearly (numpy's default, ``inclusive``)."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 class Straggler(NamedTuple):
     """The rank that slowed a step: ``rank``; ``excess_seconds``: its time on its own minus the
     median of the other ranks'; ``cost_seconds``: what it cost the job, the other ranks' median wait
     in collectives minus its own wait (the collectives' own duration, which every rank pays; None
-    when a rank did not measure its wait); ``threshold_seconds``: the excess it had to reach."""
+    when a rank did not measure its wait); ``threshold_seconds``: the excess it had to reach;
+    ``noise_seconds``: the run's noise floor in that threshold (None while unknown)."""
 
     rank: int
     excess_seconds: float
     cost_seconds: float | None
     threshold_seconds: float
+    noise_seconds: float | None = None
+
+
+class Candidate(NamedTuple):
+    """A step's straggler candidate: the rank with the most time on its own (the lowest on a tie), its
+    ``excess_seconds`` over the median of the others', and ``runner_up_seconds``: the same excess one
+    rank down (the second most time on its own over the median of the ranks below it; None with two
+    ranks), how far the slowest of the *other* ranks stood out."""
+
+    rank: int
+    excess_seconds: float
+    runner_up_seconds: float | None
+
+
+def step_candidate(own: dict[int, float]) -> Candidate | None:
+    """The candidate of a step from its ranks' time on their own, or None with fewer than two ranks."""
+    if len(own) < 2:
+        return None
+    rank = max(own, key=lambda r: (own[r], -r))
+    ordered = sorted(own.values())
+    excess = ordered[-1] - _median(ordered[:-1])
+    runner_up = ordered[-2] - _median(ordered[:-2]) if len(ordered) >= 3 else None
+    return Candidate(rank, excess, runner_up)
+
+
+def noise_floor(history: Iterable[Candidate], rank: int, *, k: float = STRAGGLER_NOISE_K,
+                min_samples: int = STRAGGLER_NOISE_MIN_SAMPLES) -> float | None:
+    """The excess ``rank`` must beat to stand out from the run's noise, from earlier steps' candidates.
+
+    The noise is what the *other* ranks do without it: per step of ``history``, how far the slowest
+    rank other than ``rank`` stood out (the candidate's excess when the candidate was another rank, the
+    runner-up's when it was ``rank``; with two ranks, steps ``rank`` led give no sample). The floor is
+    the median of those samples plus ``k`` robust standard deviations (1.4826 x their median absolute
+    deviation): a rank that is slow every step does not raise its own bar, a one-off spike moves a
+    median by one sample, and the spread of the slowest of many ranks is measured, not assumed.
+    None with fewer than ``min_samples`` samples.
+    """
+    samples = [c.excess_seconds if c.rank != rank else c.runner_up_seconds for c in history]
+    values = [s for s in samples if s is not None]
+    if len(values) < max(1, min_samples):
+        return None
+    middle = _median(values)
+    spread = _median([abs(v - middle) for v in values])
+    return middle + k * MAD_TO_SIGMA * spread
 
 
 def straggler_threshold(step_seconds: float, min_seconds: float = STRAGGLER_MIN_SECONDS,
-                        min_ratio: float = STRAGGLER_MIN_RATIO) -> float:
+                        min_ratio: float = STRAGGLER_MIN_RATIO, noise_seconds: float | None = None) -> float:
     """The excess of time on its own a rank needs to be named the straggler of a step whose median
-    length is ``step_seconds`` (see :func:`straggler_step_seconds`)."""
-    return max(min_seconds, min_ratio * max(0.0, step_seconds))
+    length is ``step_seconds`` (see :func:`straggler_step_seconds`): the largest of ``min_seconds``,
+    ``min_ratio`` of the step and the run's noise floor (:func:`noise_floor`, when known)."""
+    return max(min_seconds, min_ratio * max(0.0, step_seconds), noise_seconds or 0.0)
 
 
 def straggler_step_seconds(interval_median: float | None, compute_median: float | None, measured: bool) -> float:
@@ -396,29 +472,158 @@ def straggler_step_seconds(interval_median: float | None, compute_median: float 
 
 
 def find_straggler(ranks: dict[int, tuple[float, float | None]], step_seconds: float, *,
+                   noise_seconds: float | None = None,
                    min_seconds: float = STRAGGLER_MIN_SECONDS,
                    min_ratio: float = STRAGGLER_MIN_RATIO) -> Straggler | None:
     """The straggler of one step, or None when no rank stands out.
 
     ``ranks``: rank -> (own seconds, collective wait seconds or None); ``step_seconds``: see
-    :func:`straggler_step_seconds`. The candidate is the rank with the most time on its own (the
-    lowest rank on a tie); it is named only when its excess over the median of the other ranks' time
-    on its own reaches :func:`straggler_threshold`. One rank alone is never a straggler.
+    :func:`straggler_step_seconds`; ``noise_seconds``: the run's noise floor for this step's
+    candidate (:class:`StragglerRule` keeps it). The candidate (:func:`step_candidate`) is named only
+    when its excess reaches :func:`straggler_threshold` and, where the ranks measured their wait,
+    the others waited for it (a cost above 0). One rank alone is never a straggler.
     """
-    if len(ranks) < 2:
+    candidate = step_candidate({rank: own for rank, (own, _) in ranks.items()})
+    if candidate is None:
         return None
-    rank = max(ranks, key=lambda r: (ranks[r][0], -r))
-    others = [ranks[r] for r in ranks if r != rank]
-    excess = ranks[rank][0] - _median([own for own, _ in others])
-    threshold = straggler_threshold(step_seconds, min_seconds, min_ratio)
-    if excess < threshold:
+    threshold = straggler_threshold(step_seconds, min_seconds, min_ratio, noise_seconds)
+    if candidate.excess_seconds < threshold:
         return None
-    waits = [wait for _, wait in others]
-    own_wait = ranks[rank][1]
+    waits = [wait for rank, (_, wait) in ranks.items() if rank != candidate.rank]
+    own_wait = ranks[candidate.rank][1]
     cost = None
     if own_wait is not None and all(w is not None for w in waits):
-        cost = max(0.0, _median([w for w in waits if w is not None]) - own_wait)
-    return Straggler(rank, excess, cost, threshold)
+        cost = _median([w for w in waits if w is not None]) - own_wait
+        if cost <= 0:
+            # It stood out, yet the others did not wait for it: not what held this step up.
+            return None
+    return Straggler(candidate.rank, candidate.excess_seconds, cost, threshold, noise_seconds)
+
+
+class StragglerVerdict(NamedTuple):
+    """One complete step judged by :class:`StragglerRule`: ``straggler`` (None when no rank stood
+    out), the ``threshold_seconds`` its candidate had to reach and the ``noise_seconds`` in it."""
+
+    straggler: Straggler | None
+    threshold_seconds: float
+    noise_seconds: float | None
+
+
+class StragglerRule:
+    """The straggler of each complete step of one run, judged against the run's own noise.
+
+    Feed the run's complete steps in order (:meth:`judge`); the noise floor of each comes from the
+    candidates of the last ``window_steps`` steps before it (:func:`noise_floor`). Memory is the
+    window, three numbers a step, whatever the ranks. One instance per run: the collector keeps one
+    per run it joins, ``steptrace report`` one while it joins the rank files (in step order), and the
+    ClickHouse view computes the same over the run's rows (``steptrace.analysis.clickhouse``).
+    """
+
+    __slots__ = ("_history", "k", "min_ratio", "min_samples", "min_seconds")
+
+    def __init__(self, window_steps: int = STRAGGLER_NOISE_WINDOW, *, min_seconds: float = STRAGGLER_MIN_SECONDS,
+                 min_ratio: float = STRAGGLER_MIN_RATIO, k: float = STRAGGLER_NOISE_K,
+                 min_samples: int = STRAGGLER_NOISE_MIN_SAMPLES):
+        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
+            raise ValueError(f"straggler noise window must be an integer >= 1, got {window_steps!r}")
+        self._history: collections.deque[Candidate] = collections.deque(maxlen=window_steps)
+        self.min_seconds = min_seconds
+        self.min_ratio = min_ratio
+        self.k = k
+        self.min_samples = min_samples
+
+    def judge(self, ranks: dict[int, tuple[float, float | None]], step_seconds: float) -> StragglerVerdict:
+        """The verdict on one complete step (``ranks`` and ``step_seconds`` as for :func:`find_straggler`),
+        which then joins the window."""
+        candidate = step_candidate({rank: own for rank, (own, _) in ranks.items()})
+        noise = None if candidate is None else noise_floor(self._history, candidate.rank, k=self.k,
+                                                           min_samples=self.min_samples)
+        found = find_straggler(ranks, step_seconds, noise_seconds=noise, min_seconds=self.min_seconds,
+                               min_ratio=self.min_ratio)
+        if candidate is not None:
+            self._history.append(candidate)
+        return StragglerVerdict(found, straggler_threshold(step_seconds, self.min_seconds, self.min_ratio, noise),
+                                noise)
+
+
+class StragglerEvidence(NamedTuple):
+    """What a rank's straggler verdict rests on, over ``complete_steps`` complete steps: ``steps`` it was
+    named in and their ``share_of_steps``; the median and quartiles of its cost (None when the ranks do
+    not measure their wait), the median excess, and ``threshold_median_seconds``: the bar (fixed
+    bounds and noise floor) it cleared, median over its steps. ``persistent``: the run's straggler."""
+
+    rank: int
+    steps: int
+    complete_steps: int
+    share_of_steps: float
+    cost_median_seconds: float | None
+    cost_q1_seconds: float | None
+    cost_q3_seconds: float | None
+    excess_median_seconds: float | None
+    threshold_median_seconds: float | None
+    persistent: bool
+
+    @property
+    def kind(self) -> str:
+        """``chronic`` (the run's straggler), ``intermittent`` or ``one-off``."""
+        return "chronic" if self.persistent else "one-off" if self.steps == 1 else "intermittent"
+
+
+def straggler_evidence(named: Iterable[tuple[int, float | None, float | None, float | None]], complete_steps: int, *,
+                       share: float = STRAGGLER_PERSISTENT_SHARE,
+                       min_steps: int = STRAGGLER_PERSISTENT_MIN_STEPS) -> dict[int, StragglerEvidence]:
+    """Per rank named, its evidence (:class:`StragglerEvidence`), the most often named first (the lower
+    rank on a tie).
+
+    ``named``: one ``(rank, cost, excess, threshold)`` per step a straggler was named in, out of
+    ``complete_steps`` complete steps (every one judged). A rank is persistent, the run's straggler,
+    when it was named in at least ``share`` of the complete steps and at least ``min_steps`` of them:
+    at most one rank can be, and a job whose noise names each rank now and then has none.
+    """
+    by_rank: dict[int, list[tuple[float | None, float | None, float | None]]] = {}
+    for rank, step_cost, step_excess, step_threshold in named:
+        by_rank.setdefault(rank, []).append((step_cost, step_excess, step_threshold))
+    out: dict[int, StragglerEvidence] = {}
+    for rank, rows in sorted(by_rank.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        costs = sorted(c for c, _, _ in rows if c is not None)
+        excess = [e for _, e, _ in rows if e is not None]
+        thresholds = [t for _, _, t in rows if t is not None]
+        ratio = len(rows) / complete_steps if complete_steps else 0.0
+        out[rank] = StragglerEvidence(
+            rank=rank, steps=len(rows), complete_steps=complete_steps, share_of_steps=ratio,
+            cost_median_seconds=_median(costs) if costs else None,
+            cost_q1_seconds=_quantile(costs, 0.25) if costs else None,
+            cost_q3_seconds=_quantile(costs, 0.75) if costs else None,
+            excess_median_seconds=_median(excess) if excess else None,
+            threshold_median_seconds=_median(thresholds) if thresholds else None,
+            persistent=ratio >= share and len(rows) >= min_steps)
+    return out
+
+
+class StragglerPersistence:
+    """The collector's run verdict: :func:`straggler_evidence` over the last ``window_steps`` complete
+    steps of a run, kept as they are joined (O(window) memory, whatever the ranks)."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, window_steps: int):
+        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
+            raise ValueError(f"straggler window must be an integer >= 1, got {window_steps!r}")
+        self._steps: collections.deque[tuple[int, float | None, float | None, float | None] | None] = \
+            collections.deque(maxlen=window_steps)
+
+    def add(self, straggler: Straggler | None) -> None:
+        """One complete step's straggler (None when no rank stood out)."""
+        self._steps.append(None if straggler is None else
+                           (straggler.rank, straggler.cost_seconds, straggler.excess_seconds,
+                            straggler.threshold_seconds))
+
+    def evidence(self) -> dict[int, StragglerEvidence]:
+        return straggler_evidence((s for s in self._steps if s is not None), len(self._steps))
+
+    def persistent(self) -> StragglerEvidence | None:
+        """The run's straggler over the window, or None."""
+        return next((e for e in self.evidence().values() if e.persistent), None)
 
 
 class _Window:

@@ -149,6 +149,7 @@ AGGREGATES = ("world_size", "ranks_reporting", "missing_rank_count", "missing_ra
               "interval_min_seconds", "interval_median_seconds", "interval_max_seconds", "skew_seconds",
               "own_min_seconds", "own_median_seconds", "own_max_seconds",
               "straggler_rank", "straggler_cost_seconds", "straggler_excess_seconds", "straggler_threshold_seconds",
+              "straggler_noise_seconds",
               "compute_sum_seconds", "interval_sum_seconds", "pipeline_bubble_ratio", "status", "end_time")
 
 
@@ -536,7 +537,8 @@ def steps_of_a_run(draw):
     world = draw(st.integers(1, 6))
     measured = draw(st.sampled_from(["all", "none", "some"]))
     spans = []
-    for step in range(draw(st.integers(1, 3))):
+    # Up to 8 steps: from the sixth complete step on, the run's noise floor is in the threshold.
+    for step in range(draw(st.integers(1, 8))):
         for rank in range(world + 1):  # rank == world: beyond the world size
             if not draw(st.booleans() if rank == world else st.sampled_from([True, True, True, False])):
                 continue
@@ -572,6 +574,34 @@ def _step_request(run_id: str, spans) -> ExportTraceServiceRequest:
     return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
         resource=Resource(attributes=[_kv("service.name", AnyValue(string_value="steptrace"))]),
         scope_spans=[ScopeSpans(scope={"name": "steptrace"}, spans=out)])])
+
+
+def test_the_noise_floor_of_a_noisy_run_is_the_collectors(shared_client):
+    """Issue 33: 4 ranks, 40 steps, every rank's time on its own noisy (seeded), rank 1 slowed by 25 ms
+    from step 20. The SQL view's noise floor, thresholds and stragglers equal the collector's step by
+    step, and the floor does its work: steps the fixed bounds alone would name are left unnamed."""
+    import random
+
+    rng = random.Random(33)
+    spans = []
+    excess = []
+    for step in range(40):
+        own = [0.005 + rng.expovariate(200.0) + (0.025 if rank == 1 and step >= 20 else 0.0) for rank in range(4)]
+        interval = max(own) + 0.002
+        spans += [(step, rank, 4, interval, interval, interval - own[rank], {}, "ok") for rank in range(4)]
+        ordered = sorted(own)
+        excess.append(ordered[-1] - ordered[1])  # over the median of the other three
+    request = _step_request("noisy", spans)
+    load(shared_client, [request])
+    records = collector_join([request])
+    rows = ch.cluster_steps(shared_client, "noisy")
+    assert_same_steps(rows, records)
+    assert all(r["straggler_noise_seconds"] is None for r in rows[:5])
+    assert all(r["straggler_noise_seconds"] > 0 for r in rows[6:])
+    held = [r["step"] for r in rows[6:20] if r["straggler_rank"] is None
+            and excess[r["step"]] >= max(0.005, 0.05 * r["interval_median_seconds"])]
+    assert held, "the noise floor never held back a step the fixed bounds would name"
+    assert [r["straggler_rank"] for r in rows[20:]].count(1) >= 18
 
 
 @pytest.fixture(scope="module")

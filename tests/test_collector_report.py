@@ -162,3 +162,36 @@ def test_empty_dir_error_still_names_rank_files(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RunDirError, match=r"no rank-\*\.jsonl files"):
         find_run(tmp_path / "empty")
+
+
+def _cluster_rows(text: str) -> list[int]:
+    table = text[text.index("Cluster view"):text.index("Cluster summary")]
+    return [int(line.split("│")[1]) for line in table.splitlines() if line.startswith("│")]
+
+
+def test_cluster_table_rows_are_the_first_failed_incomplete_largest_skew_and_slowest_steps(tmp_path):
+    """Issue 33: a cluster_step's ``status`` counts ranks per status ({"ok": 3}); compared with "ok" as a
+    step's status, every step read as failed and the rows were the first ones by position. 60 complete
+    steps, skew and interval rising with the step but for the planted ones: the rows kept are the first,
+    the step a rank failed, the incomplete ones, the largest skews and the slowest, as docs/report.md says."""
+    records = []
+    for step in range(60):
+        computes = {0: 0.5, 1: 0.5, 2: 0.5 + step / 1000}
+        records.append(cluster_step(step, computes, interval=1.0 + step / 10000))
+    for step in (7, 8):  # a rank missing: incomplete
+        records[step] = cluster_step(step, {0: 0.5, 2: 0.5})
+    records[12]["status"] = {"ok": 2, "error": 1}  # a rank's step failed
+    records[20] = cluster_step(20, {0: 0.5, 1: 0.5, 2: 0.9})  # the largest skew (0.4)
+    records[30] = cluster_step(30, {0: 0.5, 1: 0.5, 2: 0.5}, interval=5.0)  # the slowest step, no skew
+    write_jsonl(tmp_path / "r1" / "cluster.jsonl", records)
+    text = render(load_run(tmp_path / "r1"), max_rows=12)
+    shown = _cluster_rows(text)
+    assert shown == sorted(shown) and len(shown) == 12
+    assert {0, 12, 7, 8, 20, 30} <= set(shown), shown
+    assert {59, 58, 57, 56} <= set(shown), shown  # the next largest skews (they grow with the step)
+    note = text[text.index("of 60 steps shown"):].splitlines()[0]
+    assert "(first 1, failed 1, incomplete 2, largest skew 5, slowest" in note, note
+    # No step failed: none is called failed.
+    clean = [cluster_step(step, {0: 0.5, 1: 0.5, 2: 0.5}) for step in range(50)]
+    write_jsonl(tmp_path / "r2" / "cluster.jsonl", clean)
+    assert "failed" not in render(load_run(tmp_path / "r2"), max_rows=6)

@@ -52,7 +52,8 @@ COLLECTOR_METRICS = {
     "steptrace_collector_received_spans_total", "steptrace_collector_rejected_requests_total",
     "steptrace_collector_late_spans_total", "steptrace_cluster_step_own_seconds",
     "steptrace_cluster_step_straggler_cost_seconds", "steptrace_cluster_straggler_cost_seconds_total",
-    "steptrace_cluster_straggler_score",
+    "steptrace_cluster_straggler_score", "steptrace_cluster_step_straggler_threshold_seconds",
+    "steptrace_cluster_persistent_straggler_steps_ratio",
 }
 PROMETHEUS_BUILTIN = {"up"}
 
@@ -170,7 +171,8 @@ EXPECTED_PANELS = {
         "Goodput (joined steps)", "Late spans",
         "Step compute across ranks (min, median, max)", "Step interval across ranks (min, median, max)",
         "Cross-rank skew (max - min compute)", "Compute relative to the median rank (5m)",
-        "Straggler rank over time", "Steps each rank was the straggler", "Top stragglers, time range",
+        "The run's straggler", "Straggler rank over time", "Steps each rank was the straggler",
+        "Top stragglers, time range",
         "Time on its own across ranks (min, median, max)", "What the straggler cost the job per step",
         "Cost to the job by rank", "Straggler score per rank, relative", "Straggler score per rank, individual",
         "Pipeline bubble per stage (joined steps)", "Goodput: collectors vs ranks",
@@ -240,7 +242,8 @@ def rank_labelled() -> set[str]:
     """Series names that carry a `rank` label: the ranks' own, the per-rank rules, the collector's per-rank."""
     rules = {n for n in recorded_names() if "rank" in n.split(":")[0].split("_")}
     return RANK_METRICS | rules | {"steptrace_cluster_straggler_steps_total", "steptrace_cluster_straggler_score",
-                                   "steptrace_cluster_straggler_cost_seconds_total"}
+                                   "steptrace_cluster_straggler_cost_seconds_total",
+                                   "steptrace_cluster_persistent_straggler_steps_ratio"}
 
 
 def _split_top(expr: str) -> list[str]:

@@ -416,6 +416,11 @@ class StandInCollector:
         self.cost = Gauge("steptrace_cluster_step_straggler_cost_seconds", "", run, registry=reg)
         self.cost_total = Counter("steptrace_cluster_straggler_cost_seconds", "", run + ("rank",), registry=reg)
         self.score = Gauge("steptrace_cluster_straggler_score", "", run + ("rank", "kind"), registry=reg)
+        self.threshold = Gauge("steptrace_cluster_step_straggler_threshold_seconds", "", run, registry=reg)
+        self.persistent = Gauge("steptrace_cluster_persistent_straggler_steps_ratio", "", run + ("rank",),
+                                registry=reg)
+        self.persistent_own = Gauge("steptrace_cluster_persistent_straggler_own_ratio", "", run + ("rank",),
+                                    registry=reg)
         self._server, self._thread = start_http_server(0, "127.0.0.1", registry=reg)
         self.target = f"127.0.0.1:{self._server.server_port}"
 
@@ -441,6 +446,10 @@ class StandInCollector:
         for stat, value in zip(("min", "median", "max"), values):
             self.own.labels(r, stat).set(value * 0.5)
         self.cost.labels(r).set(values[2] - values[1])
+        self.threshold.labels(r).set((values[2] - values[1]) / 2)
+        # The run's straggler, as each instance sees it over its own window of steps.
+        self.persistent.labels(r, straggler).set(0.9)
+        self.persistent_own.labels(r, straggler).set(2.0)
         self.cost_total.labels(r, straggler).inc(values[2] - values[1])
         for rank in ("0", "1"):
             self.score.labels(r, rank, "relative").set(1.0 if rank == "0" else 0.5)

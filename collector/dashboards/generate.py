@@ -441,12 +441,20 @@ def cluster() -> dash_b.Dashboard:
         unit="percentunit", min_val=None, table_legend=True))
 
     d = d.with_row(dash_b.Row("Stragglers"))
+    d = d.with_panel(single(
+        "The run's straggler",
+        "The verdict, not a step: the rank a collector named the straggler in at least half of its last "
+        "--straggler-window-steps complete steps (each time above the run's noise), with that share; no "
+        "value when no rank is (a job whose noise names each rank now and then has none). The same "
+        "series SteptraceStraggler reads.",
+        f"topk(3, max by (rank) (steptrace_cluster_persistent_straggler_steps_ratio{{{RUN}}}))",
+        unit="percentunit", w=4, legend="rank {{rank}}"))
     d = d.with_panel(series(
         "Straggler rank over time",
-        "The rank that slowed the latest complete step (-1: none stood out). A rank that keeps "
-        "coming back is a straggler; one that moves around is noise.",
+        "The rank that slowed the latest complete step (-1: none stood out above the run's noise). A "
+        "rank that keeps coming back is a straggler; one that moves around is noise.",
         [(latest("steptrace_cluster_straggler_rank"), "straggler rank")],
-        unit="none", decimals=0, points=True, w=12))
+        unit="none", decimals=0, points=True, w=8))
     d = d.with_panel(series(
         "Steps each rank was the straggler",
         "Complete steps in which each rank was named the straggler (summed over collectors), the 10 "
@@ -468,14 +476,17 @@ def cluster() -> dash_b.Dashboard:
         "Time on its own across ranks (min, median, max)",
         "Per complete step, each rank's interval minus its wait in collectives (its compute where "
         "the wait is not measured): in synchronous training every rank's step is as long as the "
-        "slowest's, this is not. The max rank is "
-        "the straggler when it stands out (collector --straggler-min-seconds / -ratio).",
+        "slowest's, this is not. The max rank is the straggler when it stands out by more than the "
+        "run's noise (docs/collector.md).",
         [(latest("steptrace_cluster_step_own_seconds", "stat"), "{{stat}}")], w=8))
     d = d.with_panel(series(
         "What the straggler cost the job per step",
         "The other ranks' median wait in collectives less the straggler's own wait, in the latest "
-        "complete step (0 when no rank stood out or the ranks do not measure their wait).",
-        [(latest("steptrace_cluster_step_straggler_cost_seconds"), "cost per step")], w=8))
+        "complete step (0 when no rank stood out or the ranks do not measure their wait), and the "
+        "excess of time on its own a rank had to reach to be named: the run's noise floor or the "
+        "fixed minimum, whichever is larger.",
+        [(latest("steptrace_cluster_step_straggler_cost_seconds"), "cost per step"),
+         (latest("steptrace_cluster_step_straggler_threshold_seconds"), "threshold (noise floor)")], w=8))
     d = d.with_panel(series(
         "Cost to the job by rank",
         "Seconds each rank cost the job as the straggler (the others' wait for it), per interval, "

@@ -666,7 +666,7 @@ def _median_sql(sorted_array: str) -> str:
 def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TABLE, run_id: str | None = None, *,
                       world_size: int | None = None, straggler_min_seconds: float | None = None,
                       straggler_min_ratio: float | None = None, typed_table: str | None = None,
-                      where: str | None = None) -> str:
+                      where: str | None = None, noise_window_steps: int | None = None) -> str:
     """One row per (run, attempt, step): the steptrace collector's ``cluster_step`` aggregates, in SQL.
 
     Columns, each as ``collector/_join.py`` ``cluster_record`` computes it: ``world_size`` (the
@@ -676,21 +676,30 @@ def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TAB
     that sent no usable span, or two different ones), ``complete``, ``compute_*`` and
     ``interval_*`` min/median/max (exact medians, as ``statistics.median``), ``skew_seconds`` (max −
     min compute), ``own_*``, ``straggler_rank``/``straggler_cost_seconds``/
-    ``straggler_excess_seconds``/``straggler_threshold_seconds`` (``steptrace._attribution.
-    find_straggler``: the rank with most time on its own, the lowest on a tie, named only on a
-    complete step of two ranks or more whose excess over the other ranks' median reaches
-    max(min_seconds, min_ratio × the median interval, or median compute where a rank did not measure
-    its wait); the cost is the other ranks' median wait less its own), ``compute_sum_seconds``,
+    ``straggler_excess_seconds``/``straggler_threshold_seconds``/``straggler_noise_seconds``
+    (``steptrace._attribution.StragglerRule``: the candidate is the rank with most time on its own,
+    the lowest on a tie, named only on a complete step of two ranks or more whose excess over the
+    other ranks' median reaches max(min_seconds, min_ratio × the median interval, or median compute
+    where a rank did not measure its wait, the run's noise floor) and, where the waits are measured,
+    whose cost, the other ranks' median wait less its own, is above 0; the noise floor comes from the
+    run's previous ``noise_window_steps`` such steps in (attempt, step) order, as the collector's
+    from the steps it joined before), ``compute_sum_seconds``,
     ``interval_sum_seconds``, ``goodput_ratio`` (Σcompute / Σinterval), ``pipeline_bubble_ratio``
     (per stage, the mean over the ranks that report it), ``status`` (ranks per status),
     ``end_time``, ``trace_id``. ``typed_table``, ``where``: see :func:`step_ranks_sql`.
     """
-    from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
+    from steptrace._attribution import (MAD_TO_SIGMA, STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, STRAGGLER_NOISE_K,
+                                        STRAGGLER_NOISE_MIN_SAMPLES, STRAGGLER_NOISE_WINDOW)
 
     min_s = _number(STRAGGLER_MIN_SECONDS if straggler_min_seconds is None else straggler_min_seconds,
                     "straggler_min_seconds")
     ratio = _number(STRAGGLER_MIN_RATIO if straggler_min_ratio is None else straggler_min_ratio,
                     "straggler_min_ratio")
+    window = STRAGGLER_NOISE_WINDOW if noise_window_steps is None else noise_window_steps
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"noise_window_steps must be an integer >= 1, got {window!r}")
+    noise_k = _number(STRAGGLER_NOISE_K, "noise k")
+    mad_to_sigma = _number(MAD_TO_SIGMA, "mad to sigma")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -699,11 +708,44 @@ def cluster_steps_sql(database: str | None = "default", table: str = DEFAULT_TAB
     ranks_sql = step_ranks_sql(database, table, run_id, typed_table=typed_table, where=where)
     MAX_LISTED = MAX_MISSING_LISTED  # noqa: N806
     step_seconds = "coalesce(if(measured, interval_median_seconds, compute_median_seconds), 0.)"
-    threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}))"
+    threshold = f"greatest({min_s}, {ratio} * greatest(0., {step_seconds}), ifNull(noise_floor, 0.))"
     # The middle query's aggregates are prefixed m_ (an alias may not shadow a column it aggregates).
+    # The straggler rule needs the run's earlier steps (steptrace._attribution.StragglerRule): a window
+    # over the judged steps (complete, two ranks or more) of each run, in (attempt, step) order, holds
+    # each one's candidate, excess and runner-up excess; the noise floor of a step's candidate is the
+    # median + k x 1.4826 x MAD of the other ranks' excess in them (noise_floor).
     return f"""\
 SELECT * EXCEPT (gaps, named, candidate_excess_seconds, candidate_threshold_seconds, stages, names, others_own,
-                 others_waits, candidate_rank, candidate_wait)
+                 others_waits, candidate_rank, candidate_wait, candidate_runner_up_seconds, below_runner_up,
+                 judged, history, noise_samples, noise_sorted, noise_middle, noise_deviations, noise_floor,
+                 candidate_cost, measured)
+FROM (
+SELECT
+    *,
+    -- The other ranks' excess in the window's steps: the candidate's where another rank led, the
+    -- runner-up's where this one did (none with two ranks).
+    arrayFilter(x -> x IS NOT NULL,
+                arrayMap(t -> if(t.1 != candidate_rank, toNullable(t.2), t.3), history)) AS noise_samples,
+    arraySort(noise_samples) AS noise_sorted,
+    {_median_sql('noise_sorted')} AS noise_middle,
+    arraySort(arrayMap(x -> abs(x - noise_middle), noise_samples)) AS noise_deviations,
+    if(judged AND length(noise_samples) >= {STRAGGLER_NOISE_MIN_SAMPLES},
+       noise_middle + {noise_k} * {mad_to_sigma} * {_median_sql('noise_deviations')}, NULL) AS noise_floor,
+    {threshold} AS candidate_threshold_seconds,
+    if(judged AND measured,
+       {_median_sql('others_waits')} - candidate_wait, NULL) AS candidate_cost,
+    judged AND candidate_excess_seconds >= candidate_threshold_seconds
+        AND (NOT measured OR candidate_cost > 0) AS named,
+    if(named, candidate_rank, NULL) AS straggler_rank,
+    if(named, candidate_excess_seconds, NULL) AS straggler_excess_seconds,
+    if(named AND measured, candidate_cost, NULL) AS straggler_cost_seconds,
+    if(complete, candidate_threshold_seconds, NULL) AS straggler_threshold_seconds,
+    if(complete, noise_floor, NULL) AS straggler_noise_seconds
+FROM (
+SELECT
+    *,
+    groupArray(tuple(candidate_rank, candidate_excess_seconds, candidate_runner_up_seconds)) OVER (
+        PARTITION BY run_id, judged ORDER BY attempt, step ROWS BETWEEN {window} PRECEDING AND 1 PRECEDING) AS history
 FROM (
 SELECT
     run_id, attempt, step,
@@ -738,16 +780,12 @@ SELECT
     -- Named once (an alias), so the median's five uses do not copy or sort the array five times.
     arrayPopBack(own_sorted) AS others_own,
     own_sorted[-1] - {_median_sql('others_own')} AS candidate_excess_seconds,
-    {threshold} AS candidate_threshold_seconds,
-    complete AND ranks_reporting >= 2 AND candidate_excess_seconds >= candidate_threshold_seconds AS named,
-    if(named, candidate_rank, NULL) AS straggler_rank,
-    if(named, candidate_excess_seconds, NULL) AS straggler_excess_seconds,
-    if(named AND measured, arraySort(arrayFilter((w, r) -> r != candidate_rank, waits, ranks)), [])
+    arrayPopBack(others_own) AS below_runner_up,
+    if(ranks_reporting >= 3, own_sorted[-2] - {_median_sql('below_runner_up')}, NULL) AS candidate_runner_up_seconds,
+    complete AND ranks_reporting >= 2 AS judged,
+    measured,
+    if(judged AND measured, arraySort(arrayFilter((w, r) -> r != candidate_rank, waits, ranks)), [])
         AS others_waits,
-    if(named AND measured,
-       greatest(0., {_median_sql('others_waits')}
-                    - candidate_wait), NULL) AS straggler_cost_seconds,
-    if(complete, candidate_threshold_seconds, NULL) AS straggler_threshold_seconds,
     compute_sum_seconds, interval_sum_seconds,
     if(interval_sum_seconds > 0, compute_sum_seconds / interval_sum_seconds, NULL) AS goodput_ratio,
     -- per stage, the mean over the ranks that report it; ranks per status
@@ -788,6 +826,8 @@ FROM (
     )
 )
 )
+)
+)
 ORDER BY run_id, attempt, step"""
 
 
@@ -811,11 +851,13 @@ def views_sql(database: str = "default", table: str = DEFAULT_TABLE, *, typed: b
 
 def cluster_steps(client: Client, run_id: str | None = None, *, table: str = DEFAULT_TABLE,
                   world_size: int | None = None, straggler_min_seconds: float | None = None,
-                  straggler_min_ratio: float | None = None, typed_table: str | None = None) -> list[dict[str, Any]]:
+                  straggler_min_ratio: float | None = None, typed_table: str | None = None,
+                  noise_window_steps: int | None = None) -> list[dict[str, Any]]:
     """The per-step cross-rank rows of ``run_id`` (all runs when None), as dicts (see :func:`cluster_steps_sql`)."""
     rows = client.query(cluster_steps_sql(client.database, table, run_id, world_size=world_size,
                                           straggler_min_seconds=straggler_min_seconds,
-                                          straggler_min_ratio=straggler_min_ratio, typed_table=typed_table))
+                                          straggler_min_ratio=straggler_min_ratio, typed_table=typed_table,
+                                          noise_window_steps=noise_window_steps))
     for row in rows:
         row["complete"] = bool(row.get("complete"))
     return rows

@@ -61,14 +61,22 @@ SLOWEST_KEPT = 5
 UNWRAPPED_WIDTH = 1000
 
 
-def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None,
-                 slow_key: str = "interval_seconds") -> tuple[list[dict], dict[str, int]]:
+def _failed_step(item: dict) -> bool:
+    return item.get("status") not in ("ok", None)
+
+
+def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None, why_label: str = "checkpoint/eval/compile",
+                 failed: "Any" = _failed_step,
+                 largest: Sequence[tuple[str, str]] = (("interval_seconds", "slowest"),),
+                 ) -> tuple[list[dict], dict[str, int]]:
     """The rows to show when *max_rows* (``> 0``) is less than ``len(items)``, in their order.
 
-    Kept first, in this priority: the first step, failed ones, those with notable work (*why*:
-    a step → whether it is notable; by default compile, checkpoint or eval idle), the
-    ``SLOWEST_KEPT`` slowest by *slow_key*, then steps spaced evenly through the rest of the run
-    (typical ones). Returns the rows and how many were kept for each reason.
+    Kept first, in this priority: the first step, failed ones (*failed*: a step → whether it
+    failed; by default a status other than ``ok``), those with notable work (*why*: a step →
+    whether it is notable, counted as *why_label*; by default compile, checkpoint or eval idle),
+    for each ``(key, label)`` of *largest* the ``SLOWEST_KEPT`` steps with the largest *key*, then
+    steps spaced evenly through the rest of the run (typical ones). Returns the rows and how many
+    were kept for each reason.
     """
     if max_rows <= 0 or len(items) <= max_rows:
         return list(items), {}
@@ -85,11 +93,12 @@ def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None,
             chosen.setdefault(index, reason)
 
     keep([0], "first")
-    keep([i for i, item in enumerate(items) if item.get("status") not in ("ok", None)], "failed")
-    keep([i for i, item in enumerate(items) if why(item)], "checkpoint/eval/compile")
-    by_time = sorted((i for i, item in enumerate(items) if as_number(item.get(slow_key)) is not None),
-                     key=lambda i: -(as_number(items[i].get(slow_key)) or 0.0))
-    keep([i for i in by_time if i not in chosen][:SLOWEST_KEPT], "slowest")
+    keep([i for i, item in enumerate(items) if failed(item)], "failed")
+    keep([i for i, item in enumerate(items) if why(item)], why_label)
+    for key, label in largest:
+        ranked = sorted((i for i, item in enumerate(items) if as_number(item.get(key)) is not None),
+                        key=lambda i, key=key: -(as_number(items[i].get(key)) or 0.0))
+        keep([i for i in ranked if i not in chosen][:SLOWEST_KEPT], label)
     rest = [i for i in range(len(items)) if i not in chosen]
     room = max_rows - len(chosen)
     if room > 0 and rest:
@@ -101,12 +110,11 @@ def notable_rows(items: list[dict], max_rows: int, *, why: "Any" = None,
     return [items[i] for i in sorted(chosen)], counts
 
 
-def _add_rows(table, items: list[dict], max_rows: int, add, *, why: "Any" = None,
-              slow_key: str = "interval_seconds", noun: str = "steps") -> None:
+def _add_rows(table, items: list[dict], max_rows: int, add, *, noun: str = "steps", **choose: Any) -> None:
     """Add a row per item; beyond *max_rows* (``<= 0``: all) only the notable ones
-    (:func:`notable_rows`), and a note (``table.steptrace_note``) saying how many were left out
-    and which were kept."""
-    shown, counts = notable_rows(items, max_rows, why=why, slow_key=slow_key)
+    (:func:`notable_rows`, given *choose*), and a note (``table.steptrace_note``) saying how many
+    were left out and which were kept."""
+    shown, counts = notable_rows(items, max_rows, **choose)
     for item in shown:
         add(item)
     if len(shown) < len(items):
@@ -401,9 +409,20 @@ def _cluster_table(steps: list[dict], max_rows: int, joined_by: str = "steptrace
             f"[yellow]{_rank_list(missing, total=step.get('missing_rank_count'))}[/]" if missing else "",
         )
 
-    # Kept when rows are limited: incomplete steps, then the largest skew.
-    _add_rows(table, steps, max_rows, add, why=lambda step: not step.get("complete"), slow_key="skew_seconds")
+    # Kept when rows are limited (docs/report.md): the first step, steps a rank failed, incomplete
+    # steps, the largest skews, the slowest. A cluster_step's ``status`` counts ranks per status.
+    _add_rows(table, steps, max_rows, add, failed=_cluster_step_failed, why=lambda step: not step.get("complete"),
+              why_label="incomplete", largest=(("skew_seconds", "largest skew"),
+                                               ("interval_median_seconds", "slowest")))
     return table
+
+
+def _cluster_step_failed(step: dict) -> bool:
+    """Whether a rank's step failed: the collector's ``status`` is ranks per status, e.g. ``{"ok": 3}``."""
+    status = step.get("status")
+    if not isinstance(status, dict):
+        return False
+    return any(name != "ok" and isinstance(count, int) and count > 0 for name, count in status.items())
 
 
 def _rank_list(ranks: list, limit: int = 8, total: object = None) -> str:
