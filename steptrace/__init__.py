@@ -278,6 +278,7 @@ def _steps(iterable: Iterable[Any], start: int, data: str, step_settings: dict[s
 
     iterator = iter(iterable)
     n = start
+    loop = None  # the last step's loop, reused while the same frame runs the same for loop
     while True:
         with span(data):
             try:
@@ -285,11 +286,16 @@ def _steps(iterable: Iterable[Any], start: int, data: str, step_settings: dict[s
             except StopIteration:
                 return
         handle: Any = begin_step(n, **step_settings)
-        if handle is not NULL_STEP:
-            # The frame running the loop (the one that resumed this generator) says later where it is.
-            # Only the open step holds it (never this generator: the loop's frame may hold the
-            # generator, and a cycle would keep the frame's variables until a full collection).
-            handle.loop = _loops.loop_of(sys._getframe().f_back)
+        if handle is NULL_STEP:
+            loop = None
+        else:
+            # The frame running the loop (the one that resumed this generator) says later where it
+            # is. A step that ends other than by the loop asking for more clears the loop's frame
+            # (Runtime.end_loop_step): held here, it would make a cycle with a frame holding this
+            # generator, and keep that frame's variables until a full collection.
+            if loop is None or not _loops.same_loop(loop, sys._getframe().f_back):
+                loop = _loops.loop_of(sys._getframe().f_back)
+            handle.loop = loop
         try:
             yield n, item
         except GeneratorExit:
@@ -308,14 +314,16 @@ def _steps(iterable: Iterable[Any], start: int, data: str, step_settings: dict[s
 def wait_for(*values: Any) -> None:
     """``wait_for`` on the open step (the form for :func:`begin_step` and :func:`steps` loops);
     nothing when no step is open or steptrace is off."""
-    handle = current_step()
+    runtime = _active
+    handle = runtime.current_step(2) if isinstance(runtime, Runtime) else None
     if handle is not None:
         handle.wait_for(*values)
 
 
 def log(**scalars: Any) -> None:
     """``log`` on the open step (see ``s.log``); nothing when no step is open or steptrace is off."""
-    handle = current_step()
+    runtime = _active
+    handle = runtime.current_step(2) if isinstance(runtime, Runtime) else None
     if handle is not None:
         handle.log(**scalars)
 
@@ -376,7 +384,7 @@ def current_step() -> Any:
     """The step open on the training thread now (its handle: ``.step`` is the number, ``.wait_for``
     and ``.status`` as inside ``with steptrace.step(n) as s``), or None: between steps, before
     ``init()``, or when disabled. Framework hooks use this instead of steptrace's internals."""
-    return _active.current_step() if isinstance(_active, Runtime) else None
+    return _active.current_step(2) if isinstance(_active, Runtime) else None
 
 
 def last_step() -> int | None:

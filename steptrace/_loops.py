@@ -89,6 +89,18 @@ def loop_of(consumer: Any) -> Loop | None:
     return None if body is None else Loop(consumer, lasti, body, threading.get_ident())
 
 
+def same_loop(loop: Loop, consumer: Any) -> bool:
+    """Whether ``consumer`` resumed the generator from ``loop`` (the same frame at the same ``for``)."""
+    return consumer is not None and loop.frame is consumer and consumer.f_lasti == loop.lasti
+
+
+def release(loop: Loop | None) -> None:
+    """A step that did not end by its loop asking for more lets go of the loop's frame (and of every
+    variable the frame holds); a generator resumed later finds a new one."""
+    if loop is not None:
+        loop.frame = None
+
+
 def _body_offsets(code: Any, lasti: int) -> frozenset[int] | None:
     import dis
 
@@ -211,6 +223,7 @@ def settle(step: Any, *, on_loop_thread: bool, give_up: bool) -> bool:
         if step.error_pending:
             if exc is not None:
                 step.error = error_text(exc)
-            step.loop = None  # the frame (and its locals) are not kept past the step
+            release(step.loop)  # the frame (and its variables) are not kept past the step
+            step.loop = None
             step.error_pending = False
     return True

@@ -40,6 +40,12 @@ _perf = time.perf_counter
 _get_ident = threading.get_ident
 
 
+def _in_body(loop: Any, caller: Any) -> bool:
+    """The fast answer for a call made straight from a ``steps()`` loop's body (a span, ``wait_for``
+    in it): the caller is the loop's frame, inside the body. False means: ask ``follow_loop``."""
+    return caller is loop.frame and caller.f_lasti in loop.body
+
+
 class Runtime:
     """One initialised steptrace: configuration, the training-thread state and the background threads."""
 
@@ -195,21 +201,22 @@ class Runtime:
         return closed
 
     # -- steptrace.steps() loops (see _loops) ------------------------------------------
-    def follow_loop(self, new_step: bool = False, depth: int = 2) -> None:
+    def follow_loop(self, new_step: bool = False, depth: int = 2, start: Any = None) -> None:
         """At a steptrace call: end the open ``steps()`` step if its loop was left (``break``, ``return``,
         an exception) while a variable still holds the generator, which closes nothing, and read the
         exception of a step whose body raised, if it can be read now. Only on the loop's thread: no
-        other thread can say where the loop is. ``new_step``: the call opens a step; ``depth``: how
-        many frames up the caller of steptrace is (2: the caller of the method that calls this)."""
+        other thread can say where the loop is. ``new_step``: the call opens a step; ``start`` the
+        frame of steptrace's caller, else ``depth``: how many frames up it is (2: the caller of the
+        method that calls this)."""
         here = _get_ident()
         current = self.current
         loop = None if current is None else current.loop
         if current is not None and loop is not None and loop.thread == here:
-            start: Any
-            try:
-                start = sys._getframe(depth)
-            except ValueError:
-                start = sys._getframe()
+            if start is None:
+                try:
+                    start = sys._getframe(depth)
+                except ValueError:
+                    start = sys._getframe()
             # The common case first, inline (spans inside the body cost this on every call): the
             # loop's frame is up the caller's stack, inside the body.
             consumer, frame = loop.frame, start
@@ -233,13 +240,15 @@ class Runtime:
         loop = step.loop
         exc = loops.exception_of(loop, on_loop_thread=True) if loop is not None else None
         if exc is not None:
+            loops.release(loop)
             step.loop = None
             step.__exit__(type(exc), exc, exc.__traceback__)
         elif verdict == loops.RAISED and loop is not None:
             step.status, step.error, step.error_pending = "error", loops.unread_error(loop), True
-            self.unsettled = step
+            self.unsettled = step  # its loop is released once the exception's text is settled
             step.__exit__(None, None, None)
         else:
+            loops.release(loop)
             step.loop = None
             step.__exit__(None, None, None)
 
@@ -309,7 +318,9 @@ class Runtime:
         if not self.active:
             return NULL_SPAN
         current = self.current
-        if (current is not None and current.loop is not None) or self.unsettled is not None:
+        if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):
+            self.follow_loop()
+        if self.unsettled is not None:
             self.follow_loop()
         if not isinstance(name, str) or not name:
             self.misuse(f"span name must be a non-empty string, got {name!r}")
@@ -321,7 +332,9 @@ class Runtime:
         if not self.active:
             return NULL_CHECKPOINT
         current = self.current
-        if (current is not None and current.loop is not None) or self.unsettled is not None:
+        if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):
+            self.follow_loop()
+        if self.unsettled is not None:
             self.follow_loop()
         if isinstance(step, bool) or not hasattr(step, "__index__"):
             self.misuse(f"checkpoint step must be an int, got {step!r}: pass the step being saved")
@@ -336,9 +349,11 @@ class Runtime:
             self.misuse(f"microbatch kind={kind!r} is unknown; use 'forward' or 'backward'")
             return NULL_MICROBATCH
         current = self.current
-        if (current is not None and current.loop is not None) or self.unsettled is not None:
+        if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):
             self.follow_loop()
             current = self.current
+        if self.unsettled is not None:
+            self.follow_loop()
         if current is None:
             self.misuse("microbatch() called outside a step: open `with steptrace.step(n):` around "
                         "the pipeline schedule")
@@ -378,10 +393,19 @@ class Runtime:
         else:
             current.__exit__(type(error), error, error.__traceback__)
 
-    def current_step(self) -> StepHandle | None:
-        """The open step (after a ``steps()`` loop left with its generator held has ended its step)."""
+    def current_step(self, depth: int = 1) -> StepHandle | None:
+        """The open step (after a ``steps()`` loop left with its generator held has ended its step);
+        ``depth``: how many frames up steptrace's caller is (1: this method's caller)."""
         current = self.current
-        if (current is not None and current.loop is not None) or self.unsettled is not None:
+        if current is not None and current.loop is not None:
+            try:
+                caller = sys._getframe(depth)
+            except ValueError:
+                caller = sys._getframe()
+            if not _in_body(current.loop, caller):
+                self.follow_loop(start=caller)
+                current = self.current
+        if self.unsettled is not None:
             self.follow_loop()
             current = self.current
         return current
@@ -470,6 +494,8 @@ class Runtime:
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
             step = self.current
+            loops.release(step.loop)
+            step.loop = None
             step.__exit__(RuntimeError, RuntimeError("steptrace.shutdown() inside the step"), None)
         for ckpt in list(self.pending_async):
             ckpt.status = "incomplete"
