@@ -86,9 +86,11 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="a rank is named the straggler of a step when its time on its own exceeds the other "
                              "ranks' median by at least this much (default: %(default)s) ...")
     parser.add_argument("--straggler-min-ratio", type=_non_negative_seconds, default=STRAGGLER_MIN_RATIO,
-                        help="... and by at least this fraction of the step's median interval (default: %(default)s)")
+                        help="... and by at least this fraction of the step's median interval, and by more than the "
+                             "run's noise floor (default: %(default)s)")
     parser.add_argument("--straggler-window-steps", type=_positive_int, default=100,
-                        help="steps in the per-rank straggler scores' window (default: 100)")
+                        help="complete steps of a run in its straggler noise floor, its persistent-straggler verdict "
+                             "and the per-rank straggler scores (default: 100)")
     parser.add_argument("--straggler-score-ranks", type=_positive_int, default=10,
                         help="ranks per run and kind with a straggler score series on /metrics: the lowest "
                              "scores (default: 10)")
