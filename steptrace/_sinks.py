@@ -201,6 +201,10 @@ class SinkWorker:
         # steps, and the request, not the records, is most of an export's CPU.
         self._batch_delay_s = max(0.0, float(getattr(sink, "batch_delay_s", 0.0) or 0.0))
         self._oldest_queued = 0.0  # time.monotonic() when the queue last went from empty to not
+        # Record types after which the batch goes out at once, without the delay (OTLP: a
+        # checkpoint, a stall): what a process killed there would otherwise lose is what waited.
+        self._flush_at = frozenset(getattr(sink, "flush_at", ()) or ()) if self._batch_delay_s else frozenset()
+        self._flush_through = 0  # records offered up to the last such one: exported without waiting
         self._urgent = 0  # flushes waiting: export at once
         self._urgent_lock = threading.Lock()  # flush() may run on several threads at once
         self._abandoned = False  # shutdown gave up on a hung export and counted its batch
@@ -217,6 +221,8 @@ class SinkWorker:
             self._oldest_queued = time.monotonic()
         self._queue.extend(records)
         self._offered += len(records)
+        if self._flush_at and any(r.get("type") in self._flush_at for r in records):
+            self._flush_through = self._offered
         self._wake.set()
 
     def _run(self) -> None:
@@ -241,7 +247,8 @@ class SinkWorker:
 
     def _gather_for(self) -> float:
         """Seconds the queued records should still wait for others (0: export now)."""
-        if not self._batch_delay_s or self._stopping or self._urgent or len(self._queue) >= _BATCH_RECORDS:
+        if not self._batch_delay_s or self._stopping or self._urgent or len(self._queue) >= _BATCH_RECORDS \
+                or self._done < self._flush_through:
             return 0.0
         return self._oldest_queued + self._batch_delay_s - time.monotonic()
 

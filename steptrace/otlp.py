@@ -431,6 +431,11 @@ class OtlpSink:
     """
 
     name = "otlp"
+    #: Record types after which the SinkWorker sends the batch at once instead of waiting out
+    #: ``batch_delay_s``: a checkpoint (where a job is often stopped or preempted, and the progress a
+    #: restart keeps) and a stall (the rank may be killed as hung). A hard exit there loses only what
+    #: is still in flight (docs/otlp.md, "What a hard exit loses").
+    flush_at = frozenset(("checkpoint", "stall"))
 
     def __init__(self, endpoint: str, *, run_id: str, rank: int = 0, world_size: int = 1,
                  protocol: str = "http/protobuf", headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),

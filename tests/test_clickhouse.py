@@ -522,6 +522,181 @@ def test_compare_reads_two_runs_from_clickhouse(sdk_run, tmp_path):
     assert missing.returncode == 2 and "no train.step spans of run 'no_such_run'" in missing.stderr
 
 
+# --- hostile rows: what one row may cost report/compare --clickhouse ------------------------------
+
+HOSTILE_T0 = 1_700_000_000.0
+HOSTILE_STEPS = 20  # per rank, 2 ranks: 0.1 s compute in a 0.12 s interval
+
+
+def _any(value) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    return AnyValue(string_value=value)
+
+
+def _hostile_span(run_id: str, rank: int, step: int, compute: float, interval: float, end: float, *,
+                  span: int | None = None, **attrs) -> Span:
+    """A train.step span as steptrace/otlp.py writes it; ``attrs`` replace or add attributes."""
+    from steptrace._ids import span_id, trace_id
+
+    values = {"train.run_id": run_id, "train.rank": rank, "train.step": step, "train.world_size": 2,
+              "train.attempt": 0, "train.compute_seconds": compute, "train.interval_seconds": interval,
+              "train.idle_seconds": interval - compute, "train.tokens": 1024}
+    values.update({k.replace("__", "."): v for k, v in attrs.items()})
+    end_ns = round(end * 1e9)
+    return Span(trace_id=trace_id(run_id, step, 0).to_bytes(16, "big"),
+                span_id=(span_id(run_id, step, rank, "step", 0) if span is None else span).to_bytes(8, "big"),
+                name="train.step", kind=Span.SPAN_KIND_INTERNAL,
+                start_time_unix_nano=end_ns - round(interval * 1e9), end_time_unix_nano=end_ns,
+                attributes=[_kv(k, _any(v)) for k, v in values.items()])
+
+
+def _hostile_run(run_id: str, *extra: Span) -> ExportTraceServiceRequest:
+    """Two ranks' 20 real steps, then the extra spans."""
+    spans = [_hostile_span(run_id, rank, n, 0.1, 0.12, HOSTILE_T0 + 0.12 * (n + 1))
+             for rank in (0, 1) for n in range(HOSTILE_STEPS)]
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource=Resource(attributes=[_kv("service.name", AnyValue(string_value="steptrace"))]),
+        scope_spans=[ScopeSpans(scope={"name": "steptrace"}, spans=spans + list(extra))])])
+
+
+def _report_json(client: ch.ChdbClient, run_id: str, capsys, *more: str) -> dict:
+    from steptrace.analysis import report
+
+    capsys.readouterr()
+    code = report.main(["--clickhouse", f"chdb://?database={client.database}", "--run", run_id, "--json", *more])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return {**json.loads(out.out), "stderr": out.err}
+
+
+def _compare_json(client: ch.ChdbClient, run_a: str, run_b: str, capsys) -> dict:
+    from steptrace.analysis import compare
+
+    capsys.readouterr()
+    code = compare.main(["--clickhouse", f"chdb://?database={client.database}", run_a, run_b, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+@pytest.mark.parametrize("attempt", ["1e400", "nan", "inf", "-1", "abc", "99999999999999999999", "1.5", " 3"])
+def test_an_unreadable_attempt_costs_its_row_alone_in_report_and_compare(attempt, capsys):
+    """issue 32 #1: ``train.attempt`` of "1e400" made report/compare --clickhouse exit 1 (OverflowError), "nan"
+    exit 2 for the whole run. The views read such an attempt as 0 (toUInt32OrZero); so does the report, and
+    says so. The row here is rank 0's step 3 sent again under another span id: read as attempt 0 it is the
+    same step, counted once, as in the cluster view."""
+    client = fresh_client()
+    copy = _hostile_span("hr", 0, 3, 0.1, 0.12, HOSTILE_T0 + 0.12 * 4, span=999, train__attempt=attempt)
+    odd_step = _hostile_span("hr", 1, 25, 0.1, 0.12, HOSTILE_T0 + 0.12 * 26, span=998, train__attempt=attempt)
+    load(client, [_hostile_run("hr", copy, odd_step)])
+    load(client, [_hostile_run("hr_b")])
+    got = _report_json(client, "hr", capsys)
+    assert (got["steps"], got["compute_seconds"], got["goodput"]) == \
+        (HOSTILE_STEPS, pytest.approx(2.0), pytest.approx(0.1 / 0.12))
+    assert "unreadable train.attempt reads as 0" in got["stderr"] and "train.attempt x2" in got["stderr"]
+    rank1 = _report_json(client, "hr", capsys, "--rank", "1")
+    assert rank1["steps"] == HOSTILE_STEPS + 1  # its step 25, as attempt 0
+    # The per-step view reads the same rows the same way: the run's steps, attempt 0 only.
+    rows = ch.cluster_steps(client, "hr")
+    assert {r["attempt"] for r in rows} == {0} and [r["step"] for r in rows] == [*range(HOSTILE_STEPS), 25]
+    assert rows[3]["ranks_reporting"] == 2 and rows[3]["conflicting_rank_count"] == 0
+    compared = _compare_json(client, "hr", "hr_b", capsys)
+    assert {r["metric"] for r in compared["rows"]} >= {"goodput"}
+
+
+@pytest.mark.parametrize("field, text", [
+    ("train__compute_seconds", "nan"), ("train__compute_seconds", "1e400"), ("train__interval_seconds", "-0.5"),
+    ("train__interval_seconds", "abc"), ("train__step", "1e400"), ("train__step", "-3"), ("train__rank", "nan"),
+    ("train__rank", "99999999999999999999"),
+])
+def test_a_span_the_views_cannot_read_is_left_out_of_the_report_too(field, text, capsys):
+    """A step span whose step, rank, compute or interval is unreadable is skipped by the views (as by the
+    collector's decoder): the report leaves out that span alone, and says it did."""
+    client = fresh_client()
+    bad = _hostile_span("hs", 0, 25, 0.1, 0.12, HOSTILE_T0 + 0.12 * 26, span=997, **{field: text})
+    load(client, [_hostile_run("hs", bad)])
+    got = _report_json(client, "hs", capsys)
+    assert (got["steps"], got["compute_seconds"]) == (HOSTILE_STEPS, pytest.approx(2.0))
+    assert "1 span(s) of run 'hs' left out" in got["stderr"]
+    assert [r["step"] for r in ch.cluster_steps(client, "hs")] == list(range(HOSTILE_STEPS))
+
+
+def test_unreadable_values_cost_only_themselves(capsys):
+    """tokens, MFU, scalars, idle reasons, memory that are not finite numbers: each value is left out, its step kept."""
+    client = fresh_client()
+    odd = _hostile_span("hv", 0, 25, 0.1, 0.12, HOSTILE_T0 + 0.12 * 26, span=996, train__tokens="1e400",
+                        train__mfu="nan", train__scalar__loss="inf", train__idle__data_seconds="-inf",
+                        train__device_memory__peak_bytes="x", train__world_size="nan",
+                        **{"train__pipeline__bubble_ratio__0": "NaN"})
+    load(client, [_hostile_run("hv", odd)])
+    got = _report_json(client, "hv", capsys)
+    assert got["steps"] == HOSTILE_STEPS + 1
+    assert got["tokens_per_second"] == pytest.approx(1024 * HOSTILE_STEPS / (0.12 * HOSTILE_STEPS))
+    assert "7 attribute value(s) of run 'hv' are not finite numbers" in got["stderr"], got["stderr"]
+    run = ch.load_clickhouse_run(client, "hv")
+    step = run.steps(0)[-1]
+    assert step["step"] == 25 and "tokens" not in step and "mfu" not in step and "scalars" not in step
+    assert step["idle_breakdown"] == {} and step["world_size"] is None
+
+
+def test_report_applies_the_views_conflict_rule_to_a_forged_span(capsys):
+    """issue 32 #2: a forged 50 s span for rank 0 step 3 made rank 0 show 21 steps, 52.0 s compute, 98.3 %
+    goodput while the cluster view called rank 0 missing at step 3. A rank-step with two different spans is
+    a conflict in every table: in no rank's steps, missing in the cluster view, said in a warning."""
+    client = fresh_client()
+    forged = _hostile_span("hf", 0, 3, 50.0, 50.5, HOSTILE_T0 + 100, span=12345)
+    load(client, [_hostile_run("hf", forged)])
+    got = _report_json(client, "hf", capsys)
+    assert (got["steps"], got["compute_seconds"], got["goodput"]) == \
+        (HOSTILE_STEPS - 1, pytest.approx(1.9), pytest.approx(0.1 / 0.12))
+    assert "rank 0 step 3" in got["stderr"] and "conflicts" in got["stderr"]
+    run = ch.load_clickhouse_run(client, "hf")
+    assert 3 not in [s["step"] for s in run.steps(0)] and 3 in [s["step"] for s in run.steps(1)]
+    assert got["cluster"]["missing_rank_steps"] == {"0": 1}
+    view = ch.cluster_steps(client, "hf")[3]
+    assert (view["conflicting_rank_count"], view["missing_ranks"]) == (1, [0])
+    # The per-rank table and the cluster view agree step by step: a rank is in a step's row exactly when the
+    # step is in its table.
+    for row in ch.cluster_steps(client, "hf"):
+        for rank in (0, 1):
+            in_table = row["step"] in [s["step"] for s in run.steps(rank)]
+            assert in_table == (rank not in row["missing_ranks"]), (row["step"], rank)
+
+
+def test_reusing_the_real_span_id_with_an_earlier_start_replaces_nothing(capsys):
+    """The real span id is derivable from the run id: a copy with an earlier start used to win the
+    ``LIMIT 1 BY SpanId`` and stand in for the real step. Now both versions are seen: a conflict."""
+    client = fresh_client()
+    forged = _hostile_span("hi", 0, 3, 50.0, 50.5, HOSTILE_T0 - 100)  # the real step's span id
+    load(client, [_hostile_run("hi", forged)])
+    run = ch.load_clickhouse_run(client, "hi")
+    steps = run.steps(0)
+    assert all(s["compute_seconds"] == pytest.approx(0.1) for s in steps)
+    assert [s["step"] for s in steps] == [n for n in range(HOSTILE_STEPS) if n != 3]
+    got = _report_json(client, "hi", capsys)
+    assert got["compute_seconds"] == pytest.approx(1.9) and got["cluster"]["missing_rank_steps"] == {"0": 1}
+
+
+def test_an_exporter_retry_and_an_agreeing_copy_count_once_in_the_report(capsys):
+    """ClickHouse keeps a retried row twice; a copy under another span id that says the same (compute,
+    interval) is the same step for the views (``versions`` 1): once in the report too, at the latest end."""
+    client = fresh_client()
+    request = _hostile_run("hd", _hostile_span("hd", 1, 4, 0.1, 0.12, HOSTILE_T0 + 0.12 * 5 + 0.001, span=55))
+    load(client, [request])
+    load(client, [request])
+    got = _report_json(client, "hd", capsys)
+    assert got["steps"] == HOSTILE_STEPS and "left out" not in got["stderr"]
+    run = ch.load_clickhouse_run(client, "hd")
+    step4 = next(s for s in run.steps(1) if s["step"] == 4)
+    assert step4["end_time"] == pytest.approx(HOSTILE_T0 + 0.12 * 5 + 0.001)
+    assert step4["end_time"] == pytest.approx(ch.cluster_steps(client, "hd")[4]["end_time"])
+
+
 # --- the rule, case by case: generated steps through both joins -------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")

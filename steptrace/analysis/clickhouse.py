@@ -886,7 +886,104 @@ def redacted(url: str) -> str:
     return urlparse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-_INT = re.compile(r"^-?\d+$")
+# --- one rule for the numbers in a row -------------------------------------------------------------
+#
+# The exporter stores every attribute as text (pcommon ``AsString``: an int as its decimal digits, a
+# double as Go's number text), and anyone holding a token may send any text. The views parse it with
+# ClickHouse's functions; the rows read back here are parsed by the same rules, so a value either reads
+# as the same number in both or costs the same row in both, and never an exception:
+#
+# * an integer (``train.step``, ``train.rank``, ``train.world_size``) is ``toInt64OrNull``: an optional
+#   sign and decimal digits, within Int64; anything else is unreadable;
+# * a number is ``toFloat64OrNull`` then ``isFinite``: decimal text (an exponent allowed), finite;
+#   ``nan``, ``inf``, ``1e400`` and words are unreadable (integers stay ints);
+# * ``train.attempt`` is ``toUInt32OrZero``: an integer in [0, 2^32), else 0 (the first attempt).
+#
+# A span whose step, rank, compute or interval is unreadable (or negative) is left out, as the views
+# leave it out; any other unreadable number leaves out that value alone. Both are counted and said.
+
+_INTEGER_TEXT = re.compile(r"^[+-]?[0-9]{1,19}$")
+_DECIMAL_TEXT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$")
+_INT64 = 1 << 63
+_UINT32 = 1 << 32
+
+
+def _integer(text: Any) -> int | None:
+    """``toInt64OrNull``: the text as an Int64, or None."""
+    if not isinstance(text, str) or not _INTEGER_TEXT.match(text):
+        return None
+    value = int(text)
+    return value if -_INT64 <= value < _INT64 else None
+
+
+def _number_of(text: Any) -> int | float | None:
+    """An attribute's text back as the finite number the SDK sent (ints stay ints), or None."""
+    value = _integer(text)
+    if value is not None:
+        return value
+    if not isinstance(text, str) or not _DECIMAL_TEXT.match(text):
+        return None
+    number = float(text)  # the pattern leaves nothing float() refuses; past the range it is inf
+    return number if math.isfinite(number) else None
+
+
+def _attempt_of(text: Any) -> int:
+    """``toUInt32OrZero``: the attempt, 0 when absent or unreadable."""
+    value = _integer(text)
+    return value if value is not None and 0 <= value < _UINT32 else 0
+
+
+def _unit_of(attrs: Mapping[str, str], skipped: "_Skipped") -> tuple[int, int, int] | None:
+    """(attempt, step, rank) of a span, None when its step or rank is unreadable or negative."""
+    step, rank = _integer(attrs.get("train.step")), _integer(attrs.get("train.rank"))
+    if step is None or rank is None or step < 0 or rank < 0:
+        return None
+    text = attrs.get("train.attempt")
+    attempt = _attempt_of(text)
+    if attempt == 0 and text not in (None, "") and _integer(text) != 0:
+        skipped.value("train.attempt", text)
+    return attempt, step, rank
+
+
+class _Skipped:
+    """What reading a run's rows left out, by reason, for the run's warnings."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, int] = {}
+        self.values: dict[str, int] = {}
+        self.conflicts: list[tuple[int, int, int]] = []
+        self.child_conflicts = 0
+
+    def span(self, reason: str) -> None:
+        self.spans[reason] = self.spans.get(reason, 0) + 1
+
+    def value(self, key: str, text: Any) -> None:
+        if text not in (None, ""):
+            # Keyed by the attribute, not by user-chosen suffixes beyond it: the warning stays short.
+            name = key if not key.startswith(("train.attrs.", "train.scalar.")) else key.split(".", 2)[1]
+            self.values[name] = self.values.get(name, 0) + 1
+
+    def warnings(self, run_id: str) -> list[str]:
+        out = []
+        if self.spans:
+            out.append(f"ClickHouse: {sum(self.spans.values())} span(s) of run {run_id!r} left out, as the views "
+                       "leave them out: " + ", ".join(f"{n} {why}" for why, n in sorted(self.spans.items())))
+        if self.conflicts:
+            listed = ", ".join(f"rank {r} step {s}" + (f" (attempt {a})" if a else "")
+                               for a, s, r in sorted(self.conflicts)[:10])
+            more = f" and {len(self.conflicts) - 10} more" if len(self.conflicts) > 10 else ""
+            out.append(f"ClickHouse: {len(self.conflicts)} rank-step(s) of run {run_id!r} have two different "
+                       f"train.step spans: left out of every table as conflicts (the cluster view counts them "
+                       f"missing; docs/clickhouse.md): {listed}{more}")
+        if self.child_conflicts:
+            out.append(f"ClickHouse: {self.child_conflicts} train.compute/train.idle/train.checkpoint span(s) of run "
+                       f"{run_id!r} sent with two different contents under one span id: left out")
+        if self.values:
+            out.append(f"ClickHouse: {sum(self.values.values())} attribute value(s) of run {run_id!r} are not "
+                       "finite numbers: each left out alone, its span kept (an unreadable train.attempt reads as 0, "
+                       "as in the views): " + ", ".join(f"{key} x{n}" for key, n in sorted(self.values.items())))
+        return out
+
 
 #: Step-record fields exported as ``train.<field>`` (steptrace/otlp.py ``_step_spans``) that are numbers.
 _STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens", "samples", "flops",
@@ -895,27 +992,22 @@ _STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens"
 _STEP_TEXTS = ("status", "error", "backend", "flops_source", "collective_wait_source")
 
 
-def _number_of(text: Any) -> int | float | None:
-    """An attribute's text back as the number the SDK sent (ints stay ints)."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return int(text) if _INT.match(text) else float(text)
-    except ValueError:
-        return None
-
-
-def _step_record(attrs: Mapping[str, str], end_ns: int, trace_id: str, status_message: str) -> dict[str, Any]:
-    record: dict[str, Any] = {"type": "step", "run_id": attrs.get("train.run_id"),
-                              "rank": _number_of(attrs.get("train.rank")),
-                              "attempt": _number_of(attrs.get("train.attempt")) or 0,
-                              "step": _number_of(attrs.get("train.step")),
-                              "world_size": _number_of(attrs.get("train.world_size")),
+def _step_record(attrs: Mapping[str, str], unit: tuple[int, int, int], end_ns: int, trace_id: str,
+                 status_message: str, skipped: _Skipped) -> dict[str, Any]:
+    attempt, step, rank = unit
+    world_size = _integer(attrs.get("train.world_size"))
+    if world_size is None or world_size < 1:
+        skipped.value("train.world_size", attrs.get("train.world_size"))
+    record: dict[str, Any] = {"type": "step", "run_id": attrs.get("train.run_id"), "rank": rank,
+                              "attempt": attempt, "step": step,
+                              "world_size": world_size if world_size is not None and world_size >= 1 else None,
                               "trace_id": trace_id, "end_time": end_ns / 1e9}
     for key in _STEP_NUMBERS:
         value = _number_of(attrs.get("train." + key))
         if value is not None:
             record[key] = value
+        else:
+            skipped.value("train." + key, attrs.get("train." + key))
     for key in _STEP_TEXTS:
         if attrs.get("train." + key):
             record[key] = attrs["train." + key]
@@ -934,12 +1026,20 @@ def _step_record(attrs: Mapping[str, str], end_ns: int, trace_id: str, status_me
                 value = _number_of(text)
                 if value is not None:
                     seconds_by[key[len(prefix):-len("_seconds")]] = float(value)
+                else:
+                    skipped.value(prefix + "*", text)
                 break
         else:
             for prefix, field in prefixes:
                 if key.startswith(prefix):
                     # User attributes come back as the exporter's text: their types are not in otel_traces.
-                    groups[field][key[len(prefix):]] = text if field == "attrs" else _number_of(text)
+                    if field == "attrs":
+                        groups[field][key[len(prefix):]] = text
+                    else:
+                        value = _number_of(text)
+                        if value is None:
+                            skipped.value(key if field != "pipeline_bubble_ratio" else prefix + "*", text)
+                        groups[field][key[len(prefix):]] = value
                     break
     record["idle_breakdown"] = idle
     if "before_step_seconds" in record:  # a rank's first step (the time from init() to it)
@@ -954,68 +1054,116 @@ def _step_record(attrs: Mapping[str, str], end_ns: int, trace_id: str, status_me
     return record
 
 
+def _one_version(rows: list[dict[str, Any]], skipped: _Skipped) -> dict[str, Any] | None:
+    """The row of a child span (compute, idle, checkpoint) sent once or retried as it was; None (and
+    counted) when one span id came with two different contents."""
+    contents = {(r["start_ns"], r["ns"], json.dumps(r["attrs"], sort_keys=True)) for r in rows}
+    if len(contents) > 1:
+        skipped.child_conflicts += 1
+        return None
+    return rows[0]
+
+
 def load_clickhouse_run(client: Client, run_id: str, *, table: str = DEFAULT_TABLE, source: str = "") -> Any:
     """The run ``run_id`` rebuilt from the ranks' spans in ``table``, as :func:`steptrace.analysis.runs.load_run`
     gives a run directory: a :class:`~steptrace.analysis.runs.Run` whose step and checkpoint records
     come from the ``train.step``, ``train.compute``, ``train.idle`` and ``train.checkpoint`` spans, and
     whose ``cluster_records`` are :func:`cluster_steps` (the per-step view). What the spans do not
     carry is missing (docs/clickhouse.md lists it). Raises ``RunDirError`` when the run has no spans.
+
+    The rows follow the views' rules (the module's number rules above, and :func:`step_ranks_sql`'s
+    conflict rule): a rank that sent two different ``train.step`` spans for one step (a forgery, or
+    two processes claiming one rank) has that step in no table, its spans counted as a conflict, as
+    the cluster view counts the rank missing there; an exporter retry counts once. What was left out
+    is in the run's ``warnings``.
     """
     from steptrace.analysis.runs import Run, RunDirError
 
     db = f"{_identifier(client.database, 'database')}.{_identifier(table, 'table')}"
+    # DISTINCT: an exporter retry stores the same row twice; different rows under one span id stay.
     rows = client.query(f"""\
-SELECT SpanName AS name, SpanAttributes AS attrs, toUnixTimestamp64Nano(Timestamp) AS start_ns, Duration AS ns,
-       StatusMessage AS message, TraceId AS trace_id
+SELECT DISTINCT SpanName AS name, SpanAttributes AS attrs, toUnixTimestamp64Nano(Timestamp) AS start_ns,
+       Duration AS ns, StatusMessage AS message, TraceId AS trace_id, SpanId AS span_id
 FROM {db}
 WHERE SpanAttributes['train.run_id'] = {_literal(run_id)}
   AND SpanName IN ('train.step', 'train.compute', 'train.idle', 'train.checkpoint')
-ORDER BY start_ns, SpanId
-LIMIT 1 BY SpanId""")
+ORDER BY start_ns, span_id, ns""")
     if not any(r["name"] == "train.step" for r in rows):
         raise RunDirError(f"{redacted(source) or 'ClickHouse'}: no train.step spans of run {run_id!r} in {db}")
-    # Per (attempt, step, rank): the compute span's start, the idle segments.
-    compute_start: dict[tuple[int, int, int], float] = {}
-    segments: dict[tuple[int, int, int], list[list[Any]]] = {}
-    checkpoints: dict[int, list[dict[str, Any]]] = {}
-    steps: dict[int, list[dict[str, Any]]] = {}
+    skipped = _Skipped()
+    step_rows: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    # Per (attempt, step, rank), then per span id: the child spans.
+    children: dict[str, dict[tuple[int, int, int], dict[str, list[dict[str, Any]]]]] = {
+        "train.compute": {}, "train.idle": {}, "train.checkpoint": {}}
     for row in rows:
         attrs = row["attrs"]
-        rank, step = _number_of(attrs.get("train.rank")), _number_of(attrs.get("train.step"))
-        if not isinstance(rank, int) or not isinstance(step, int):
+        unit = _unit_of(attrs, skipped)
+        if unit is None:
+            skipped.span(f"{row['name']} without a usable train.step and train.rank")
             continue
-        attempt = _number_of(attrs.get("train.attempt")) or 0
-        key = (int(attempt), step, rank)
-        start, end = row["start_ns"] / 1e9, (row["start_ns"] + row["ns"]) / 1e9
-        if row["name"] == "train.compute":
-            compute_start[key] = start
-        elif row["name"] == "train.idle":
-            segments.setdefault(key, []).append([attrs.get("train.idle.reason", ""), start, end])
-        elif row["name"] == "train.checkpoint":
+        if row["name"] == "train.step":
+            # As step_spans_sql: a span without a usable compute or interval is skipped.
+            compute, interval = (_number_of(attrs.get("train.compute_seconds")),
+                                 _number_of(attrs.get("train.interval_seconds")))
+            if compute is None or interval is None or compute < 0 or interval < 0:
+                skipped.span("train.step without a usable train.compute_seconds and train.interval_seconds")
+                continue
+            row["_versions"] = (float(compute), float(interval))
+            step_rows.setdefault(unit, []).append(row)
+        else:
+            children[row["name"]].setdefault(unit, {}).setdefault(row["span_id"], []).append(row)
+    steps: dict[int, list[dict[str, Any]]] = {}
+    checkpoints: dict[int, list[dict[str, Any]]] = {}
+    for unit, versions in step_rows.items():
+        attempt, step, rank = unit
+        # step_ranks_sql's ``versions``: two different computes or intervals are a conflict, and the
+        # rank-step is in no table (whichever came first: ClickHouse has no arrival order).
+        if len({v["_versions"][0] for v in versions}) > 1 or len({v["_versions"][1] for v in versions}) > 1:
+            skipped.conflicts.append(unit)
+            continue
+        # One version (retries, or copies that agree): the latest end, as the views' max(end_time).
+        row = max(versions, key=lambda r: r["start_ns"] + r["ns"])
+        record = _step_record(row["attrs"], unit, row["start_ns"] + row["ns"], row["trace_id"], row["message"],
+                              skipped)
+        compute_rows = [r for span_rows in children["train.compute"].get(unit, {}).values()
+                        if (r := _one_version(span_rows, skipped)) is not None]
+        if len({r["start_ns"] for r in compute_rows}) == 1:
+            record["start_time"] = compute_rows[0]["start_ns"] / 1e9
+        segments = []
+        for span_rows in children["train.idle"].get(unit, {}).values():
+            idle_row = _one_version(span_rows, skipped)
+            if idle_row is not None:
+                start_ns = idle_row["start_ns"]
+                segments.append([idle_row["attrs"].get("train.idle.reason", ""), start_ns / 1e9,
+                                 (start_ns + idle_row["ns"]) / 1e9])
+        record["idle_segments"] = sorted(segments, key=lambda s: s[1])
+        steps.setdefault(rank, []).append(record)
+    for unit, by_span in children["train.checkpoint"].items():
+        attempt, step, rank = unit
+        for span_rows in by_span.values():
+            ckpt = _one_version(span_rows, skipped)
+            if ckpt is None:
+                continue
+            attrs = ckpt["attrs"]
             record: dict[str, Any] = {"type": "checkpoint", "run_id": run_id, "rank": rank, "attempt": attempt,
                                       "step": step, "status": attrs.get("train.status") or "ok",
-                                      "start_time": start, "end_time": end}
+                                      "start_time": ckpt["start_ns"] / 1e9,
+                                      "end_time": (ckpt["start_ns"] + ckpt["ns"]) / 1e9}
             if attrs.get("train.error"):
                 record["error"] = attrs["train.error"]
             for field in ("host_seconds", "blocking_seconds", "async_seconds"):
                 record[field] = _number_of(attrs.get(f"train.checkpoint.{field}"))
+                if record[field] is None:
+                    skipped.value(f"train.checkpoint.{field}", attrs.get(f"train.checkpoint.{field}"))
             checkpoints.setdefault(rank, []).append(record)
-        else:
-            record = _step_record(attrs, row["start_ns"] + row["ns"], row["trace_id"], row["message"])
-            steps.setdefault(rank, []).append(record)
-    for rank, records in steps.items():
-        for record in records:
-            key = (record["attempt"], record["step"], rank)
-            if key in compute_start:
-                record["start_time"] = compute_start[key]
-            record["idle_segments"] = sorted(segments.get(key, []), key=lambda s: s[1])
     records_by_rank = {rank: sorted(steps.get(rank, []) + checkpoints.get(rank, []),
                                     key=lambda r: (r["attempt"], r["end_time"]))
                        for rank in sorted(set(steps) | set(checkpoints))}
     cluster = [{"type": "cluster_step", **row} for row in cluster_steps(client, run_id, table=table)]
     path = ClickHouseSource(f"{redacted(source)} {db}".strip())
     path.run_id = run_id
-    return Run(path=path, records_by_rank=records_by_rank, cluster_records=cluster)  # type: ignore[arg-type]
+    return Run(path=path, records_by_rank=records_by_rank, cluster_records=cluster,  # type: ignore[arg-type]
+               warnings=skipped.warnings(run_id))
 
 
 def open_run(url: str, run_id: str, *, table: str = DEFAULT_TABLE, timeout_s: float = 60.0) -> Any:
