@@ -62,6 +62,12 @@ _runtime: list[Any] = [None]
 _patched: list[tuple[Any, str, Any]] = []
 #: Seconds waited in collectives while no step was open: they belong to the next step's interval.
 _pending = [0.0]
+#: ... and when (``(start, end)`` on ``perf_counter``), so the resolver can say whether each wait fell
+#: in the step's compute or in one of its idle windows (``collective_wait_idle_breakdown``).
+_pending_windows: list[tuple[float, float]] = []
+#: Wait windows kept per step. Past this (thousands of collectives a step), a new window is merged
+#: into the last one: the wait's total stays exact, only where it fell becomes coarser.
+MAX_WAIT_WINDOWS = 1024
 #: True while a wrapped synchronous collective runs: it waits on its Work inside, timed already.
 _inside = [False]
 
@@ -88,17 +94,41 @@ def _patch(owner: Any, attribute: str, make: Callable[[Any], Any], rebind_in: tu
             _patched.append((module, attribute, original))
 
 
-def _add_wait(step: Any, seconds: float, source: str) -> None:
+def _add_window(step: Any, start: float, end: float) -> None:
+    windows = step.collective_windows
+    if not windows:
+        windows = step.collective_windows = []
+    if len(windows) < MAX_WAIT_WINDOWS:
+        windows.append((start, end))
+    else:
+        windows[-1] = (windows[-1][0], end)
+
+
+def _add_wait(step: Any, start: float, end: float, source: str) -> None:
     # Runs on the thread that waited: the training thread (synchronous calls, Work.wait), or the
     # autograd engine's at the end of a DDP backward (the calling thread, for CPU tensors).
-    if _pending[0]:
+    seconds = max(0.0, end - start)
+    if _pending[0] or _pending_windows:
         seconds += _pending[0]
         _pending[0] = 0.0
+        for lo, hi in _pending_windows:
+            _add_window(step, lo, hi)
+        _pending_windows.clear()
     step.collective_wait += seconds
+    _add_window(step, start, end)
     if step.collective_source is None:
         step.collective_source = source
     elif source not in step.collective_source.split("+"):
         step.collective_source = "+".join(sorted({*step.collective_source.split("+"), source}))
+
+
+def _wait_outside_step(start: float, end: float) -> None:
+    """A wait while no step is open: the next step's interval holds it."""
+    _pending[0] += end - start
+    if len(_pending_windows) < MAX_WAIT_WINDOWS:
+        _pending_windows.append((start, end))
+    else:
+        _pending_windows[-1] = (_pending_windows[-1][0], end)
 
 
 def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -111,11 +141,12 @@ def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(self, *args, **kwargs)
         finally:
+            end = _perf()
             step = _current_step()
             if step is None:
-                _pending[0] += _perf() - start
+                _wait_outside_step(start, end)
             else:
-                _add_wait(step, _perf() - start, SOURCE_TORCH)
+                _add_wait(step, start, end, SOURCE_TORCH)
 
     return wait
 
@@ -133,13 +164,16 @@ def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
         if work is not None and hasattr(work, "wait"):  # async_op=True: the wait is in Work.wait()
             return work
         # Synchronous: it returned when the collective completed.
+        end = _perf()
         step = _current_step()
         if step is None:
-            _pending[0] += _perf() - start
-        elif step.collective_source == SOURCE_TORCH and not _pending[0]:
-            step.collective_wait += _perf() - start  # the common case, kept short
+            _wait_outside_step(start, end)
+        elif step.collective_source == SOURCE_TORCH and not _pending[0] \
+                and len(step.collective_windows) < MAX_WAIT_WINDOWS:
+            step.collective_wait += end - start  # the common case, kept short
+            step.collective_windows.append((start, end))
         else:
-            _add_wait(step, _perf() - start, SOURCE_TORCH)
+            _add_wait(step, start, end, SOURCE_TORCH)
         return work
 
     return collective
@@ -229,7 +263,8 @@ class _DdpBackward:
         self.queued = False
         step = _current_step()
         if step is not None:
-            _add_wait(step, max(0.0, _perf() - self.arrival), SOURCE_DDP)
+            end = _perf()
+            _add_wait(step, min(self.arrival, end), end, SOURCE_DDP)
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:
@@ -292,6 +327,7 @@ def mark_runtime(runtime: Any) -> None:
         pass
     _runtime[0] = runtime
     _pending[0] = 0.0  # waits before this run's first step are not its steps'
+    _pending_windows.clear()
     if _patched and _default_backend() in HOST_SYNCHRONOUS_BACKENDS:
         # Every step is measured now: one without a collective waited 0 (steps whose waits were
         # measured say so themselves, e.g. "ddp+torch.distributed"). Wrappers left installed by an

@@ -81,7 +81,7 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--max-open-steps", type=_positive_int, default=4096,
                         help="steps waiting for ranks at once; beyond, the oldest is emitted early (default: 4096)")
     parser.add_argument("--goodput-window-steps", type=_positive_int, default=100,
-                        help="steps in steptrace_cluster_goodput_ratio's sliding window (default: 100)")
+                        help="steps in steptrace_cluster_compute_share_ratio's sliding window (default: 100)")
     parser.add_argument("--straggler-min-seconds", type=_non_negative_seconds, default=STRAGGLER_MIN_SECONDS,
                         help="a rank is named the straggler of a step when its time on its own exceeds the other "
                              "ranks' median by at least this much (default: %(default)s) ...")

@@ -52,6 +52,7 @@ from steptrace._schema import (
     ATTR_COMPUTE_SECONDS,
     ATTR_IDLE_SECONDS,
     ATTR_INTERVAL_SECONDS,
+    ATTR_OWN_COMPUTE_SECONDS,
     ATTR_PREFIX,
     ATTR_RANK,
     ATTR_RUN_ID,
@@ -388,6 +389,8 @@ class StepSpan:
     #: journals written before they existed lack them
     collective_wait_seconds: float | None = None
     own_seconds: float | None = None
+    #: compute less the wait in collectives inside it (the rank's own compute); last, for the journals
+    own_compute_seconds: float | None = None
 
 
 @dataclass
@@ -460,7 +463,8 @@ def span_fingerprint(compute_seconds: float, interval_seconds: float) -> int:
 #: The step span's attributes the join reads (and ``train.pipeline.bubble_ratio.*``); the others
 #: (FLOPs, scalars, microbatch summaries, ...) are not decoded.
 _STEP_ATTRS = frozenset((ATTR_RUN_ID, ATTR_STEP, ATTR_RANK, ATTR_ATTEMPT, ATTR_WORLD_SIZE, ATTR_COMPUTE_SECONDS,
-                         ATTR_INTERVAL_SECONDS, ATTR_IDLE_SECONDS, ATTR_COLLECTIVE_WAIT_SECONDS, ATTR_STATUS))
+                         ATTR_INTERVAL_SECONDS, ATTR_IDLE_SECONDS, ATTR_COLLECTIVE_WAIT_SECONDS, ATTR_STATUS,
+                         ATTR_OWN_COMPUTE_SECONDS))
 
 
 def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
@@ -491,6 +495,10 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     wait = _seconds(attrs, ATTR_COLLECTIVE_WAIT_SECONDS, required=False)
     if wait is not None:
         wait = min(wait, interval)
+    # The rank's own compute (waiting in collectives taken out): never more than its compute.
+    own_compute = _seconds(attrs, ATTR_OWN_COMPUTE_SECONDS, required=False) if wait is not None else None
+    if own_compute is not None:
+        own_compute = min(own_compute, compute)
     status = attrs.get(ATTR_STATUS, "ok")
     if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
         status = "unknown"
@@ -509,7 +517,8 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
                     end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt,
-                    collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait))
+                    collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait),
+                    own_compute_seconds=own_compute)
 
 
 #: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).

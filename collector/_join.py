@@ -567,6 +567,12 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "straggler_noise_seconds": None if verdict is None else verdict.noise_seconds,
         "compute_sum_seconds": sum(compute),
         "interval_sum_seconds": sum(interval),
+        # Waiting shown as waiting: the ranks' own compute (the wait in collectives inside their
+        # compute taken out, where they measure it) and their wait, min / median / max over ranks.
+        "own_compute_sum_seconds": sum(s.compute_seconds if s.own_compute_seconds is None else s.own_compute_seconds
+                                       for s in spans),
+        **dict(zip(("collective_wait_min_seconds", "collective_wait_median_seconds", "collective_wait_max_seconds"),
+                   _stats([s.collective_wait_seconds for s in spans if s.collective_wait_seconds is not None]))),
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},
         "status": status,
         "conflicting_ranks": list(conflicting_ranks or []),

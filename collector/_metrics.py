@@ -14,8 +14,12 @@ so far (a step completed out of order does not move them back):
   ``steptrace_cluster_last_complete_step`` says which one.
 * ``steptrace_cluster_ranks_reporting``, ``steptrace_cluster_world_size``,
   ``steptrace_cluster_last_step``: the last step emitted, complete or not.
-* ``steptrace_cluster_goodput_ratio``: Σcompute / Σinterval over all reporting
-  ranks of the last ``goodput_window_steps`` steps emitted.
+* ``steptrace_cluster_compute_share_ratio``: Σ own compute / Σ interval over all reporting
+  ranks of the last ``goodput_window_steps`` steps emitted (own compute: compute less the wait in
+  collectives, where the ranks measure it). Not goodput: the collector sees no process start and
+  no time outside steps (goodput is the ranks' ``steptrace_goodput_ratio``, docs/goodput.md).
+* ``steptrace_cluster_step_collective_wait_seconds{stat}``: the ranks' wait in collectives in the
+  last complete step (min, median, max over ranks; where they measure it).
 * Stragglers (complete steps): ``steptrace_cluster_step_own_seconds{stat}`` (each rank's time on
   its own: interval minus its wait in collectives, compute where the wait is not measured),
   ``steptrace_cluster_step_straggler_cost_seconds``
@@ -57,7 +61,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
-from steptrace._attribution import GoodputWindow, Straggler, StragglerPersistence, StragglerScores
+from steptrace._attribution import ComputeShareWindow, Straggler, StragglerPersistence, StragglerScores
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
@@ -80,7 +84,7 @@ class _RunState:
                  "straggler_ranks", "window")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
-        self.window = GoodputWindow(window_steps)
+        self.window = ComputeShareWindow(window_steps)
         self.scores = StragglerScores(straggler_window_steps)
         self.persistence = StragglerPersistence(straggler_window_steps)
         self.persistent: str | None = None  # the rank with persistent-straggler series
@@ -126,6 +130,9 @@ class ClusterMetrics:
         self.straggler_steps = counter("steptrace_cluster_straggler_steps",
                                        "Complete steps in which this rank was named the straggler.",
                                        run + ("rank",))
+        self.collective_wait = gauge("steptrace_cluster_step_collective_wait_seconds",
+                                     "Time waiting for other ranks in collectives in the last complete step "
+                                     "(exposed communication): min, median and max over ranks.", ("stat",))
         self.own = gauge("steptrace_cluster_step_own_seconds",
                          "Time on its own (interval minus wait in collectives) of the last complete step: min, "
                          "median and max over ranks.", ("stat",))
@@ -162,9 +169,10 @@ class ClusterMetrics:
         self.bubble = gauge("steptrace_cluster_pipeline_bubble_ratio",
                             "Pipeline bubble ratio per stage in the last complete step (mean over the stage's "
                             "ranks).", ("stage",))
-        self.goodput = gauge("steptrace_cluster_goodput_ratio",
-                             f"Sum of compute over sum of interval, all reporting ranks, over the last "
-                             f"{goodput_window_steps} joined steps.")
+        self.compute_share = gauge("steptrace_cluster_compute_share_ratio",
+                                   f"Sum of own compute (compute less the wait in collectives) over sum of "
+                                   f"interval, all reporting ranks, over the last {goodput_window_steps} joined "
+                                   f"steps. Not goodput: no process start, no time outside steps.")
         self.last_step = gauge("steptrace_cluster_last_step", "Highest step number joined.")
         self.last_complete = gauge("steptrace_cluster_last_complete_step",
                                    "Highest step number joined with all ranks: the step the compute, interval, "
@@ -272,10 +280,10 @@ class ClusterMetrics:
             self.incomplete.labels(run_id).inc()
         if r["reason"] == "evicted":
             self.evicted.labels(run_id).inc()
-        state.window.add(r["compute_sum_seconds"], r["interval_sum_seconds"])
-        goodput = state.window.ratio()
-        if goodput is not None:
-            self.goodput.labels(run_id).set(goodput)
+        state.window.add(r.get("own_compute_sum_seconds", r["compute_sum_seconds"]), r["interval_sum_seconds"])
+        share = state.window.ratio()
+        if share is not None:
+            self.compute_share.labels(run_id).set(share)
         if step >= state.last_step:
             state.last_step = step
             self.last_step.labels(run_id).set(step)
@@ -326,6 +334,8 @@ class ClusterMetrics:
             self.interval.labels(run_id, stat).set(r[f"interval_{stat}_seconds"])
             if r.get(f"own_{stat}_seconds") is not None:
                 self.own.labels(run_id, stat).set(r[f"own_{stat}_seconds"])
+            if r.get(f"collective_wait_{stat}_seconds") is not None:
+                self.collective_wait.labels(run_id, stat).set(r[f"collective_wait_{stat}_seconds"])
         self.skew.labels(run_id).set(r["skew_seconds"])
         self.straggler.labels(run_id).set(-1 if named is None else named)
         if r.get("straggler_threshold_seconds") is not None:
@@ -396,13 +406,14 @@ class ClusterMetrics:
                 remove(metric, state.persistent)
         for metric in (self.skew, self.straggler, self.straggler_cost, self.straggler_threshold,
                        self.ranks_reporting, self.world_size,
-                       self.goodput, self.last_step, self.last_complete, self.joined, self.incomplete, self.join_lag,
-                       self.received, self.late, self.duplicates, self.evicted, self.conflicts):
+                       self.compute_share, self.last_step, self.last_complete, self.joined, self.incomplete,
+                       self.join_lag, self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)
         for stat in _STATS:
             remove(self.compute, stat)
             remove(self.interval, stat)
             remove(self.own, stat)
+            remove(self.collective_wait, stat)
         for stage in state.stages:
             remove(self.bubble, stage)
         for rank in state.straggler_ranks:

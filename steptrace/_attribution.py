@@ -287,12 +287,174 @@ def optimizer_seconds(step_start: float, step_end: float, microbatches: Iterable
     return max(0.0, step_end - max(last, step_start))
 
 
-class GoodputWindow:
-    """Goodput over the last ``steps`` steps: Σ compute / Σ interval, in [0, 1].
+# -- waiting shown as waiting (DESIGN.md §2, "Across ranks") ----------------------------------
+#
+# Where a rank measures its wait in collectives (exposed communication, in HolisticTraceAnalysis's
+# sense: communication the rank could not overlap with compute of its own), its step splits into
+#
+#     own compute + collective wait + host idle by reason = interval
+#
+# The timing model's compute and idle stay as they are (device busy, device waiting on the host);
+# the wait is taken out of whichever of them it fell in: on CPU (gloo) the host is the device, so
+# a collective inside the step outside any span is compute time, one inside a span or between steps
+# is that window's idle time.
 
-    The one implementation every exporter uses (each rank's Prometheus and OTLP metrics, and
-    the collector across ranks, which adds each joined step's sums over ranks). O(1) per step:
-    running sums, re-added exactly once per window so float error cannot accumulate.
+
+def merged_windows(windows: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``windows`` sorted and merged where they overlap or touch."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted((lo, hi) for lo, hi in windows if hi > lo):
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def collective_wait_placement(wait_seconds: float, compute_seconds: float,
+                              windows: Iterable[tuple[float, float]],
+                              segments: Iterable[Interval]) -> tuple[float, dict[str, float]]:
+    """Where a step's wait in collectives fell: ``(in_compute, in_idle)``, ``in_idle`` by the reason of
+    the idle segment it overlapped (``segments``: the step's idle segments, tiling its idle windows).
+
+    ``wait_seconds`` is the measured total (at most the interval), ``windows`` when it waited (same
+    clock as the segments). What no idle segment holds was inside the step's compute, up to all of
+    it. ``in_compute + sum(in_idle)`` is the wait placed; it equals ``wait_seconds`` unless the
+    windows disagree with it (merged past the adapter's bound, or outside the step's interval).
+    """
+    wait_seconds = max(0.0, wait_seconds)
+    merged = merged_windows(windows)
+    in_idle: dict[str, float] = {}
+    if merged:
+        for segment in segments:
+            overlap = 0.0
+            for lo, hi in merged:
+                if hi <= segment.start:
+                    continue
+                if lo >= segment.end:
+                    break
+                overlap += min(hi, segment.end) - max(lo, segment.start)
+            if overlap > 0:
+                in_idle[segment.name] = in_idle.get(segment.name, 0.0) + overlap
+    placed = math.fsum(in_idle.values())
+    if placed > wait_seconds:
+        scale = wait_seconds / placed
+        in_idle = {reason: seconds * scale for reason, seconds in in_idle.items()}
+        placed = wait_seconds
+    in_compute = min(max(0.0, compute_seconds), max(0.0, wait_seconds - placed))
+    rest = wait_seconds - placed - in_compute
+    if rest > 0:
+        # More wait than its windows and the compute hold (windows merged past the adapter's bound):
+        # the rest in the idle time its windows left free, `other` first.
+        free: dict[str, float] = {}
+        for segment in segments:
+            free[segment.name] = free.get(segment.name, 0.0) + (segment.end - segment.start)
+        for reason in sorted(free, key=lambda r: r != OTHER):
+            taken = min(rest, free[reason] - in_idle.get(reason, 0.0))
+            if taken > 0:
+                in_idle[reason] = in_idle.get(reason, 0.0) + taken
+                rest -= taken
+    return in_compute, in_idle
+
+
+class StepSplit(NamedTuple):
+    """One step as ``own_compute_seconds + collective_wait_seconds + sum(idle_breakdown) = interval``:
+    ``idle_breakdown`` is the host idle by reason less the wait in collectives that fell in it."""
+
+    own_compute_seconds: float
+    collective_wait_seconds: float
+    idle_breakdown: dict[str, float]
+
+
+def split_step(compute_seconds: float, idle_breakdown: dict[str, float], collective_wait_seconds: float | None = None,
+               own_compute_seconds: float | None = None,
+               collective_wait_idle_breakdown: dict[str, float] | None = None) -> StepSplit:
+    """A step record's own compute, wait in collectives and host idle by reason (see :class:`StepSplit`).
+
+    A step that did not measure its wait (``collective_wait_seconds`` None) is all its own. A record
+    written before ``own_compute_seconds`` existed had its wait inside its compute as far as that
+    holds it, the rest in its idle time (``other`` first).
+    """
+    if not collective_wait_seconds or collective_wait_seconds <= 0:
+        return StepSplit(compute_seconds, 0.0, dict(idle_breakdown))
+    idle = dict(idle_breakdown)
+    if own_compute_seconds is None:
+        in_idle = {r: s for r, s in (collective_wait_idle_breakdown or {}).items() if s > 0}
+        in_compute = min(compute_seconds, max(0.0, collective_wait_seconds - math.fsum(in_idle.values())))
+        own_compute_seconds = compute_seconds - in_compute
+        if collective_wait_idle_breakdown is None:
+            rest = collective_wait_seconds - in_compute
+            for reason in sorted(idle, key=lambda r: (r != OTHER, -idle[r])):
+                if rest <= 0:
+                    break
+                taken = min(rest, idle[reason])
+                in_idle[reason] = taken
+                rest -= taken
+    else:
+        in_idle = {r: s for r, s in (collective_wait_idle_breakdown or {}).items() if s > 0}
+    for reason, seconds in in_idle.items():
+        if reason in idle:
+            idle[reason] = max(0.0, idle[reason] - seconds)
+    return StepSplit(own_compute_seconds, collective_wait_seconds, idle)
+
+
+class GoodputTotals:
+    """This process's goodput as its records arrive, for the exporters (Prometheus, OTLP): productive
+    seconds (own compute of its steps) over its wall (its process start to its latest record's end).
+
+    The same definition as ``steptrace report``'s goodput (docs/goodput.md) for one attempt: a
+    process cannot know which of its steps a later attempt will throw away, nor the downtime before
+    it. O(1) per record; ``wall_seconds`` only grows.
+    """
+
+    __slots__ = ("process_start", "last_end", "productive_seconds", "wall_seconds")
+
+    def __init__(self) -> None:
+        self.process_start: float | None = None
+        self.last_end: float | None = None
+        self.productive_seconds = 0.0
+        self.wall_seconds = 0.0
+
+    def started(self, process_start: float) -> None:
+        """The process start (unix seconds, the ``attempt`` record's ``start_time``)."""
+        if self.process_start is None and math.isfinite(process_start):
+            self.process_start = process_start
+            if self.last_end is not None:
+                self.wall_seconds = max(0.0, self.last_end - process_start)
+
+    def step(self, own_compute_seconds: float, first_entry: float | None = None) -> None:
+        """A step's own compute; ``first_entry`` (its host start less the time before it) stands in
+        for the process start when no ``attempt`` record came first."""
+        self.productive_seconds += max(0.0, own_compute_seconds)
+        if self.process_start is None and first_entry is not None:
+            self.started(first_entry)
+
+    def ended(self, end_time: float) -> float:
+        """A record ended at ``end_time``: returns how much the wall grew."""
+        if not math.isfinite(end_time) or (self.last_end is not None and end_time <= self.last_end):
+            return 0.0
+        self.last_end = end_time
+        if self.process_start is None:
+            return 0.0
+        wall = max(self.wall_seconds, end_time - self.process_start)
+        grown, self.wall_seconds = wall - self.wall_seconds, wall
+        return grown
+
+    def ratio(self) -> float | None:
+        """The goodput now, or None before the wall is known."""
+        if self.wall_seconds <= 0:
+            return None
+        return min(1.0, max(0.0, self.productive_seconds / self.wall_seconds))
+
+
+class ComputeShareWindow:
+    """The compute share of the last ``steps`` steps: Σ compute / Σ interval, in [0, 1].
+
+    Not goodput (that is productive time over the wall from the process start, docs/goodput.md):
+    the collector's share of the steps it joined, which adds each joined step's sums over ranks
+    (the ranks' own compute where they measure their wait in collectives). O(1) per step: running
+    sums, re-added exactly once per window so float error cannot accumulate.
     """
 
     __slots__ = ("_window", "_compute", "_interval", "_added")

@@ -119,6 +119,8 @@ class StepHandle(TimedUnit):
     #: e.g. steptrace.adapters.torch_distributed; None: not measured in this step)
     collective_wait = 0.0
     collective_source: str | None = None
+    #: when it waited: ``(start, end)`` on ``perf_counter`` per wait (the adapter makes the list)
+    collective_windows: "list[tuple[float, float]] | tuple" = ()
     _annotation: Any = None
     #: flops="auto": the runtime's FLOP counters look at this step (hardware FLOPs, with their source)
     auto_flops = False

@@ -15,9 +15,10 @@ places them in records. A leaf module: it imports nothing from steptrace but ``_
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, NotRequired, Sequence, TypedDict
 
-from steptrace._attribution import own_seconds
+from steptrace._attribution import collective_wait_placement, own_seconds
 from steptrace._ids import trace_id_hex
 
 
@@ -81,8 +82,11 @@ ATTR_COMPUTE_SECONDS = "train.compute_seconds"
 ATTR_IDLE_SECONDS = "train.idle_seconds"
 ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
 ATTR_OWN_SECONDS = "train.own_seconds"
+ATTR_OWN_COMPUTE_SECONDS = "train.own_compute_seconds"
+ATTR_COLLECTIVE_WAIT_IDLE_PREFIX = "train.collective_wait_idle."  # + reason + "_seconds"
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
+ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step
 
 
 def step_field_attribute(field: str) -> str:
@@ -146,8 +150,13 @@ class StepRecord(_Common):
     # Where the run measures its wait in collectives (steptrace.adapters.torch_distributed): the
     # seconds of the step this rank spent waiting for other ranks, the rest (interval - wait), and
     # how the wait was measured ("torch.distributed", "ddp", joined by "+").
+    # The wait splits the step: own_compute_seconds (compute less the wait inside it) +
+    # collective_wait_seconds + (idle_breakdown less collective_wait_idle_breakdown, the wait that
+    # fell in each idle reason's windows) = interval_seconds.
     collective_wait_seconds: NotRequired[float]
     own_seconds: NotRequired[float]
+    own_compute_seconds: NotRequired[float]
+    collective_wait_idle_breakdown: NotRequired[dict[str, float]]
     collective_wait_source: NotRequired[str]
 
 
@@ -281,7 +290,8 @@ class RecordBuilder:
              scalars: dict[str, float] | None = None,
              device_memory: dict[str, float] | None = None, hardware_flops: float | None = None,
              flops_source: str | None = None, placement_uncertainty: float | None = None,
-             collective_wait: float = 0.0, collective_source: str | None = None) -> StepRecord:
+             collective_wait: float = 0.0, collective_source: str | None = None,
+             collective_windows: Sequence[tuple[float, float]] = ()) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         model_flops = flops
@@ -326,10 +336,15 @@ class RecordBuilder:
             record["placement_uncertainty_seconds"] = placement_uncertainty
         if collective_source is not None:
             # The wait happened within the step's interval (during its compute, or in a host span
-            # or between steps: idle time); it cannot be longer.
-            wait = min(max(0.0, collective_wait), interval)
+            # or between steps: idle time); it cannot be longer. Where it fell splits the step into
+            # own compute + wait + host idle by reason (waiting shown as waiting).
+            in_compute, in_idle = collective_wait_placement(min(max(0.0, collective_wait), interval), compute,
+                                                            collective_windows, segments)
+            wait = in_compute + math.fsum(in_idle.values())
             record["collective_wait_seconds"] = wait
             record["own_seconds"] = own_seconds(interval, wait)
+            record["own_compute_seconds"] = compute - in_compute
+            record["collective_wait_idle_breakdown"] = in_idle
             record["collective_wait_source"] = collective_source
         return record
 

@@ -53,8 +53,12 @@ a bounded queue). Per rank and step ``n``::
   ``train.tokens``, ``train.samples``, ``train.flops``, ``train.model_flops``,
   ``train.hardware_flops``, ``train.flops_source``, ``train.peak_flops``, ``train.tokens_per_second``,
   ``train.samples_per_second``, ``train.tflops_per_second``, ``train.mfu``, ``train.hfu``,
-  ``train.collective_wait_seconds``, ``train.own_seconds``, ``train.collective_wait_source``
-  (where the run measures its wait in collectives; the collector names the straggler from them),
+  ``train.collective_wait_seconds``, ``train.own_seconds``, ``train.own_compute_seconds``,
+  ``train.collective_wait_idle.<reason>_seconds``, ``train.collective_wait_source``
+  (where the run measures its wait in collectives; the collector names the straggler from them and
+  sums the ranks' own compute),
+  on an attempt's first step ``train.before_step_seconds``, ``train.before_step.<reason>_seconds``
+  and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
   attributes). ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
@@ -82,13 +86,15 @@ Every point carries ``train.run_id`` and ``train.rank``. Histograms with explici
 ``steptrace.microbatches`` (``train.stage``, ``train.kind``), ``steptrace.steps``
 (``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
 ``steptrace.tokens``, ``steptrace.step.collective_wait`` and ``steptrace.step.own`` (seconds,
-where the wait in collectives is measured), ``steptrace.dropped_records`` (``train.drop.reason``,
-observed from the run's drop counters). Gauges (last step):
+where the wait in collectives is measured), ``steptrace.productive`` and ``steptrace.wall`` (seconds:
+own compute of the steps; process start to the latest record), ``steptrace.dropped_records``
+(``train.drop.reason``, observed from the run's drop counters). Gauges (last step):
 ``steptrace.tokens_per_second``, ``steptrace.tflops_per_second``,
 ``steptrace.mfu`` and ``steptrace.hfu`` with their parts (``steptrace.model_flops``,
-``steptrace.hardware_flops``, ``steptrace.peak_flops``), ``steptrace.goodput_ratio`` (Σcompute / Σinterval over the
-last ``goodput_window_steps`` steps), ``steptrace.pipeline.bubble_ratio``
-(``train.stage``).
+``steptrace.hardware_flops``, ``steptrace.peak_flops``), ``steptrace.goodput_ratio`` (goodput:
+productive / wall, since the process start), ``steptrace.pipeline.bubble_ratio``
+(``train.stage``). The step idle counter holds host idle less the wait in collectives that fell in
+it, so own compute + wait + idle add up to the intervals.
 
 Configuration
 -------------
@@ -145,7 +151,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     ) from exc
 
 from steptrace._version import __version__
-from steptrace._attribution import GoodputWindow
+from steptrace._attribution import GoodputTotals, split_step
 from steptrace._ratelimit import limit_otel_exporter_logs
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import MAX_OTLP_BATCH_DELAY_S, OTLP_COMPRESSIONS, OTLP_PROTOCOLS, microbatch_span_every
@@ -153,7 +159,9 @@ from steptrace._schema import (
     ATTR_ATTEMPT,
     ATTR_BEFORE_STEP_PREFIX,
     ATTR_BUBBLE_PREFIX,
+    ATTR_COLLECTIVE_WAIT_IDLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
+    ATTR_PROCESS_START_TIME,
     ATTR_RANK,
     ATTR_RUN_ID,
     ATTR_STEP,
@@ -286,7 +294,7 @@ class _Metrics:
     runs on the sink thread, which shares the GIL with the training thread.
     """
 
-    def __init__(self, provider: MeterProvider, base: dict[str, Any], goodput_window_steps: int):
+    def __init__(self, provider: MeterProvider, base: dict[str, Any]):
         self._base = base
         self._meter = meter = provider.get_meter("steptrace", __version__)
         self._lock = threading.Lock()
@@ -305,7 +313,8 @@ class _Metrics:
         self._tokens: int | float | None = None
         self._last: dict[str, float] = {}
         self._bubble: dict[str, float] = {}
-        self._window = GoodputWindow(goodput_window_steps)
+        #: Goodput as docs/goodput.md defines it, for this process: own compute / wall from its start.
+        self._goodput_totals = GoodputTotals()
 
         def observe(read: Callable[[], Iterable[tuple[Any, dict[str, Any]]]]) -> Callable[[Any], list[Observation]]:
             def callback(_options: Any) -> list[Observation]:
@@ -325,6 +334,13 @@ class _Metrics:
                 f"steptrace.step.{name}", unit="s", description=description,
                 callbacks=[observe(lambda name=name: [] if name not in self._collective
                                    else [(self._collective[name], base)])])
+        for name, description in (
+                ("productive", "Own compute of the steps: compute less the wait in collectives (goodput's numerator)"),
+                ("wall", "Wall time from the process start to the latest record's end (goodput's denominator)")):
+            meter.create_observable_counter(
+                f"steptrace.{name}", unit="s", description=description,
+                callbacks=[observe(lambda name=name: [] if self._goodput_totals.process_start is None else [
+                    (getattr(self._goodput_totals, f"{name}_seconds"), base)])])
         meter.create_observable_counter(
             "steptrace.tokens", unit="{token}", description="Tokens processed",
             callbacks=[observe(lambda: [] if self._tokens is None else [(self._tokens, base)])])
@@ -336,7 +352,8 @@ class _Metrics:
                 ("peak_flops", "{FLOP}/s", "The device's dense bf16 peak MFU and HFU divide by"),
                 ("mfu", "1", "Model FLOPs utilisation, last step: model FLOPs / compute / peak"),
                 ("hfu", "1", "Hardware FLOPs utilisation, last step: hardware FLOPs / compute / peak"),
-                ("goodput_ratio", "1", "Σcompute / Σinterval over the last goodput_window_steps steps")):
+                ("goodput_ratio", "1", "Goodput: own compute of the steps (waiting in collectives excluded) / "
+                                       "wall from the process start to the latest record")):
             meter.create_observable_gauge(
                 f"steptrace.{name}", unit=unit, description=description,
                 callbacks=[observe(lambda name=name: [] if name not in self._last else [(self._last[name], base)])])
@@ -377,9 +394,16 @@ class _Metrics:
             with self._lock:
                 status = str(r.get("status"))
                 self._steps[status] = self._steps.get(status, 0) + 1
-                for reason, seconds in (r.get("idle_breakdown") or {}).items():
+                # Waiting shown as waiting: own compute + wait + host idle by reason = interval.
+                split = split_step(compute or 0.0, dict(r.get("idle_breakdown") or {}),
+                                   r.get("collective_wait_seconds"), r.get("own_compute_seconds"),
+                                   r.get("collective_wait_idle_breakdown"))
+                for reason, seconds in split.idle_breakdown.items():
                     if seconds > 0:
                         self._idle[reason] = self._idle.get(reason, 0.0) + seconds
+                host_start = r.get("host_start_time")
+                self._goodput_totals.step(split.own_compute_seconds, None if host_start is None
+                                          else host_start - (r.get("before_step_seconds") or 0.0))
                 tokens = r.get("tokens")
                 if tokens is not None:
                     self._tokens = tokens if self._tokens is None else self._tokens + tokens
@@ -391,13 +415,18 @@ class _Metrics:
                               "peak_flops", "mfu", "hfu"):
                     if r.get(field) is not None:
                         self._last[field] = r[field]
-                if interval is not None and compute is not None:
-                    self._goodput(compute, interval)
                 for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():
                     self._bubble[str(stage)] = ratio
         elif kind == "checkpoint":
             if r.get("blocking_seconds") is not None:
                 self.blocking.record(r["blocking_seconds"], base)
+        end = r.get("end_time")
+        if isinstance(end, (int, float)) and not isinstance(end, bool):
+            with self._lock:
+                self._goodput_totals.ended(float(end))
+                goodput = self._goodput_totals.ratio()
+                if goodput is not None:
+                    self._last["goodput_ratio"] = goodput
 
     def add_microbatches(self, summary: Mapping[tuple[Any, Any, Any], list[float]]) -> None:
         """Count one step's summarised microbatches (``(stage, chunk, kind) -> [count, Σcompute, ...]``).
@@ -415,11 +444,12 @@ class _Metrics:
                     totals[0] += entry[0]
                     totals[1] += entry[1]
 
-    def _goodput(self, compute: float, interval: float) -> None:
-        self._window.add(compute, interval)
-        goodput = self._window.ratio()
-        if goodput is not None:
-            self._last["goodput_ratio"] = goodput
+    def attempt(self, r: Mapping[str, Any]) -> None:
+        """The process start, from the ``attempt`` record: goodput's wall begins there."""
+        start = r.get("start_time")
+        if isinstance(start, (int, float)) and not isinstance(start, bool):
+            with self._lock:
+                self._goodput_totals.started(float(start))
 
 
 class OtlpSink:
@@ -440,7 +470,7 @@ class OtlpSink:
     def __init__(self, endpoint: str, *, run_id: str, rank: int = 0, world_size: int = 1,
                  protocol: str = "http/protobuf", headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
                  compression: str = "gzip", timeout_s: float = 10.0, metrics_interval_s: float = 10.0,
-                 service_name: str | None = None, goodput_window_steps: int = 100, attempt: int = 0,
+                 service_name: str | None = None, attempt: int = 0,
                  microbatch_spans: str = "none", batch_delay_s: float = 0.5):
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"otlp_endpoint must start with http:// or https://, got {endpoint!r}")
@@ -461,13 +491,15 @@ class OtlpSink:
         self.batch_delay_s = float(batch_delay_s)
         #: Every how many steps full ``train.microbatch`` spans go out (0: never; 1: every step).
         self.microbatch_span_every = microbatch_span_every(microbatch_spans)
-        GoodputWindow(goodput_window_steps)  # a bad size fails here, before any export thread starts
         header_pairs = tuple((str(k), str(v)) for k, v in (headers.items() if isinstance(headers, Mapping)
                                                            else headers))
         self.run_id = str(run_id)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.attempt = int(attempt)
+        #: This process's start (unix seconds, from the ``attempt`` record): on the attempt's first step
+        #: span, so a reader of the spans alone (ClickHouse) has goodput's wall from the process start.
+        self._process_start: float | None = None
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
         traces_url, metrics_url = signal_endpoints(endpoint, protocol)
@@ -503,7 +535,7 @@ class OtlpSink:
         # steptrace.shutdown() (also registered with atexit) shuts this provider down within its timeout.
         self._provider = MeterProvider(metric_readers=[self._reader], resource=self.resource, views=views,
                                        shutdown_on_exit=False)
-        self._metrics = _Metrics(self._provider, base, goodput_window_steps)
+        self._metrics = _Metrics(self._provider, base)
         # The exporters log a line per failed batch: at most one a minute per kind, with a count.
         limit_otel_exporter_logs()
 
@@ -539,7 +571,6 @@ class OtlpSink:
             timeout_s=config.otlp_timeout_s,
             metrics_interval_s=config.otlp_metrics_interval_s,
             service_name=config.service_name,
-            goodput_window_steps=config.goodput_window_steps,
             attempt=config.attempt,
             microbatch_spans=config.otlp_microbatch_spans,
             batch_delay_s=config.otlp_batch_delay_s,
@@ -566,6 +597,11 @@ class OtlpSink:
                 # value that will not convert) costs that record alone, counted by the
                 # SinkWorker as invalid:otlp; the rest of the batch goes out.
                 try:
+                    if record.get("type") == "attempt":
+                        self._metrics.attempt(record)
+                        start = record.get("start_time")
+                        if isinstance(start, (int, float)) and not isinstance(start, bool):
+                            self._process_start = float(start)
                     if record.get("type") not in _EXPORTED_TYPES:
                         # Metadata, attempt, run: OTLP carries nothing of them (their facts are the
                         # resource's), so a failed request does not lose them, though the batch
@@ -754,13 +790,17 @@ class OtlpSink:
         for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
                     "samples", "flops", "model_flops", "hardware_flops", "flops_source", "peak_flops",
                     "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu",
-                    "collective_wait_seconds", "own_seconds", "collective_wait_source"):
+                    "collective_wait_seconds", "own_seconds", "own_compute_seconds", "collective_wait_source"):
             _put(attrs, step_field_attribute(key), r.get(key))
+        for reason, seconds in (r.get("collective_wait_idle_breakdown") or {}).items():
+            _put(attrs, f"{ATTR_COLLECTIVE_WAIT_IDLE_PREFIX}{reason}_seconds", seconds)
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
             _put(attrs, f"train.idle.{reason}_seconds", seconds)
         # A rank's first step carries the time from init() to it (startup, eval, ...): a reader of
         # the spans alone (ClickHouse) needs it for the wall and goodput a JSONL report shows.
         _put(attrs, step_field_attribute("before_step_seconds"), r.get("before_step_seconds"))
+        if "before_step_seconds" in r:
+            _put(attrs, ATTR_PROCESS_START_TIME, self._process_start)
         for reason, seconds in (r.get("before_step_breakdown") or {}).items():
             _put(attrs, f"{ATTR_BEFORE_STEP_PREFIX}{reason}_seconds", seconds)
         for stage, ratio in (r.get("pipeline_bubble_ratio") or {}).items():

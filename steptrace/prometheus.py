@@ -25,9 +25,11 @@ name                                                   type       extra labels
 =====================================================  =========  ======================
 ``steptrace_step_interval_seconds``                    summary
 ``steptrace_step_compute_seconds``                     summary
-``steptrace_step_idle_seconds_total``                  counter    ``reason``
+``steptrace_step_idle_seconds_total``                  counter    ``reason`` (less the wait in collectives in it)
 ``steptrace_step_collective_wait_seconds_total``       counter    (where the wait in collectives is measured)
 ``steptrace_step_own_seconds_total``                   counter    (interval - collective wait, the same steps)
+``steptrace_productive_seconds_total``                 counter    (own compute: compute - wait in it)
+``steptrace_wall_seconds_total``                       counter    (process start -> latest record's end)
 ``steptrace_steps_total``                              counter    ``status``
 ``steptrace_last_step``                                gauge
 ``steptrace_tokens_total``                             counter
@@ -37,7 +39,6 @@ name                                                   type       extra labels
 ``steptrace_peak_flops``                               gauge      (FLOP/s per device, with a known peak)
 ``steptrace_mfu``                                      gauge      (with a peak: configured or the table's)
 ``steptrace_hfu``                                      gauge      (with a peak and hardware FLOPs)
-``steptrace_goodput_ratio``                            gauge      (last ``goodput_window_steps`` steps)
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
 ``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
@@ -53,6 +54,11 @@ name                                                   type       extra labels
 ``steptrace_stall_seconds``                            gauge      ``span`` (0 unless a stall is open)
 ``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
 =====================================================  =========  ======================
+
+Goodput (docs/goodput.md) is ``steptrace_productive_seconds_total / steptrace_wall_seconds_total``:
+a rank's since its process start, the job's with both summed over ranks, a window's with ``rate()``
+of both (``collector/rules.yml``). Two counters rather than a ratio gauge: a ratio cannot be summed
+over ranks or windowed, and every series counts against a rank's budget.
 
 ``steptrace_current_step`` and ``steptrace_open_seconds`` say where the training
 thread is at the moment of the scrape (:meth:`PrometheusSink.attach_position`):
@@ -98,7 +104,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
     ) from _exc
 
 from steptrace._version import __version__
-from steptrace._attribution import GoodputWindow
+from steptrace._attribution import GoodputTotals, split_step
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
 from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
@@ -155,7 +161,13 @@ class PrometheusSink:
         self._run_id = str(run_id)
         self._rank = str(rank)
         self._labels = (self._run_id, self._rank)
-        self._window = GoodputWindow(goodput_window_steps)  # raises ValueError for a bad size
+        if isinstance(goodput_window_steps, bool) or not isinstance(goodput_window_steps, int) \
+                or goodput_window_steps < 1:
+            raise ValueError(f"goodput_window_steps must be an integer >= 1, got {goodput_window_steps!r}")
+        self._window_steps = goodput_window_steps
+        #: Goodput as docs/goodput.md defines it, for this process: own compute / wall from its start.
+        self._goodput_totals = GoodputTotals()
+        self._wall_exported = 0.0
         self._drop_counter: Callable[[], dict[str, int]] | None = None
         #: Drop reasons exported at 0 before any drop (see _dropped_family).
         self._usual_drops: dict[str, int] = dict.fromkeys(usual_drop_reasons((self.name,)), 0)
@@ -220,7 +232,8 @@ class PrometheusSink:
                                    "Wall time per step: device end of the previous step to device end of this one.")
         self._compute = histogram("steptrace_step_compute_seconds", "Device busy time per step.")
         self._idle = Counter("steptrace_step_idle_seconds", "Device idle time within steps, by the host "
-                             "activity that covered it (checkpoint, data, compile, eval, other, user spans).",
+                             "activity that covered it (checkpoint, data, compile, eval, other, user spans), "
+                             "less the time waiting for other ranks in collectives in it.",
                              run + ("reason",), registry=reg)
         self._collective_wait = Counter("steptrace_step_collective_wait_seconds", "Step time spent waiting "
                                         "for other ranks in collectives (steps that measure it).", run, registry=reg)
@@ -250,8 +263,11 @@ class PrometheusSink:
                           "seconds / peak FLOP/s.", run, registry=reg)
         self._hfu = Gauge("steptrace_hfu", "Hardware FLOPs utilization in the last step: hardware FLOPs / "
                           "compute seconds / peak FLOP/s.", run, registry=reg)
-        self._goodput = Gauge("steptrace_goodput_ratio", "Sum of compute over sum of interval in the last "
-                              f"{self._window.steps} steps.", run, registry=reg)
+        self._productive = Counter("steptrace_productive_seconds", "Own compute of this process's steps: "
+                                   "compute less the time waiting for other ranks in collectives (goodput's "
+                                   "numerator).", run, registry=reg)
+        self._wall = Counter("steptrace_wall_seconds", "Wall time of this process from its start to its latest "
+                             "record's end (goodput's denominator).", run, registry=reg)
         self._bubble = Gauge("steptrace_pipeline_bubble_ratio", "1 - microbatch compute / pipeline window per "
                              "pipeline stage, in the last step with microbatches.", run + ("stage",), registry=reg)
         self._microbatch = histogram("steptrace_microbatch_seconds", "Device compute time per pipeline "
@@ -273,7 +289,7 @@ class PrometheusSink:
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
         self._interval_median = Gauge("steptrace_step_interval_median_seconds", "Median interval of the last "
-                                      f"{self._window.steps} steps: the run's pace, which the stall alert "
+                                      f"{self._window_steps} steps: the run's pace, which the stall alert "
                                       "scales.", run, registry=reg)
 
         # Series that exist from the start read as 0 instead of missing, so rate() and sum() work
@@ -285,6 +301,8 @@ class PrometheusSink:
             self._checkpoints.labels(*labels, status)
         self._interval.labels(*labels)
         self._compute.labels(*labels)
+        self._productive.labels(*labels)
+        self._wall.labels(*labels)
         self._set_info("")
 
     def _set_info(self, backend: str) -> None:
@@ -332,10 +350,14 @@ class PrometheusSink:
                                 "counted in steptrace_dropped_records_total{reason=\"invalid_record\"}", kind, exc)
                 continue
             steps = steps or kind == "step"
-        goodput = self._window.ratio() if steps else None
-        if goodput is not None:
-            # Once per batch, not per step: only the value at scrape time matters.
-            self._goodput.labels(*self._labels).set(goodput)
+            end = record.get("end_time") if kind in ("step", "checkpoint", "span", "microbatch") else None
+            if isinstance(end, (int, float)) and not isinstance(end, bool):
+                self._goodput_totals.ended(float(end))
+        # Once per batch, not per record: only the value at scrape time matters.
+        totals = self._goodput_totals
+        if totals.wall_seconds > self._wall_exported:
+            self._wall.labels(*self._labels).inc(totals.wall_seconds - self._wall_exported)
+            self._wall_exported = totals.wall_seconds
         if steps and self._intervals:
             self._interval_median.labels(*self._labels).set(statistics.median(self._intervals))
 
@@ -348,6 +370,13 @@ class PrometheusSink:
         idle = {str(k): _seconds(v) for k, v in (r.get("idle_breakdown") or {}).items()}
         wait = _optional(r.get("collective_wait_seconds"), nonnegative=True)
         own = _optional(r.get("own_seconds"), nonnegative=True)
+        wait_idle = {str(k): _seconds(v) for k, v in (r.get("collective_wait_idle_breakdown") or {}).items()}
+        # Waiting shown as waiting: own compute + wait + host idle by reason = interval.
+        split = split_step(compute, idle, wait if own is not None else None,
+                           _optional(r.get("own_compute_seconds"), nonnegative=True),
+                           wait_idle if "collective_wait_idle_breakdown" in r else None)
+        host_start = _optional(r.get("host_start_time"))
+        first_entry = None if host_start is None else host_start - (_optional(r.get("before_step_seconds")) or 0.0)
         tokens = _optional(r.get("tokens"), nonnegative=True)
         tokens_per_second = _optional(r.get("tokens_per_second"))
         tflops = _optional(r.get("tflops_per_second"))
@@ -377,8 +406,10 @@ class PrometheusSink:
         labels = self._labels
         _observe(self._interval.labels(*labels), interval, exemplar)
         _observe(self._compute.labels(*labels), compute, exemplar)
-        for reason, seconds in idle.items():
+        for reason, seconds in split.idle_breakdown.items():
             self._idle.labels(*labels, reason).inc(seconds)
+        self._productive.labels(*labels).inc(split.own_compute_seconds)
+        self._goodput_totals.step(split.own_compute_seconds, first_entry)
         if wait is not None and own is not None:
             self._collective_wait.labels(*labels).inc(wait)
             self._own.labels(*labels).inc(own)
@@ -411,7 +442,6 @@ class PrometheusSink:
             self._memory.labels(*labels, kind).set(value)
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
-        self._window.add(compute, interval)
         self._intervals.append(interval)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
@@ -443,9 +473,12 @@ class PrometheusSink:
         if self._stalled == (record["step"], bool(record["in_step"])):
             self._stalled = None
 
+    def _attempt_record(self, record: dict[str, Any]) -> None:
+        self._goodput_totals.started(_seconds(record["start_time"]))
+
     _HANDLERS: dict[Any, Callable[["PrometheusSink", dict[str, Any]], None]] = {
         "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch, "stall": _stall,
-        "stall_end": _stall_end,
+        "stall_end": _stall_end, "attempt": _attempt_record,
     }
 
     # -- scrape (the HTTP server's threads) --------------------------------------------------------

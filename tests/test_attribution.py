@@ -123,10 +123,10 @@ def test_the_rest_of_the_timing_model_lives_beside_unit_timing():
     assert a.spans_after(spans, 2.0) == [spans[1]]
 
 
-def test_goodput_window_is_the_one_formula_every_exporter_uses():
-    from steptrace._attribution import GoodputWindow
+def test_the_collectors_compute_share_window_sums_its_last_steps_exactly():
+    from steptrace._attribution import ComputeShareWindow
 
-    window = GoodputWindow(2)
+    window = ComputeShareWindow(2)
     assert window.ratio() is None
     window.add(0.5, 1.0)
     window.add(1.0, 1.0)
@@ -137,7 +137,7 @@ def test_goodput_window_is_the_one_formula_every_exporter_uses():
         window.add(0.1, 0.3)
     assert window.ratio() == pytest.approx(1.0 / 3.0, rel=1e-12)
     with pytest.raises(ValueError, match="goodput_window_steps"):
-        GoodputWindow(0)
+        ComputeShareWindow(0)
 
 
 def test_a_span_is_idle_only_after_the_device_drained_and_nested_spans_count_once():

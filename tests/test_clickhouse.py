@@ -486,8 +486,11 @@ def test_report_from_clickhouse_shows_the_step_figures_of_the_jsonl_report(sdk_r
     # The time before the first step travels on the first step's span (train.before_step_seconds and
     # its breakdown): wall, goodput and idle by reason equal the JSONL report's.
     assert from_jsonl["before_steps_seconds"] > 0
-    for key in ("before_steps_seconds", "wall_seconds"):
-        assert from_clickhouse[key] == pytest.approx(from_jsonl[key], rel=1e-12), key
+    # ... and so does each attempt's process start (train.process_start_time): the wall and the goodput
+    # start there.
+    assert from_clickhouse["before_steps_seconds"] == pytest.approx(from_jsonl["before_steps_seconds"], rel=1e-12)
+    for key in ("wall_seconds", "productive_seconds", "goodput"):  # differences of unix times: to a microsecond
+        assert from_clickhouse[key] == pytest.approx(from_jsonl[key], abs=1e-6), key
     assert from_clickhouse["idle_breakdown_totals"] == pytest.approx(from_jsonl["idle_breakdown_totals"], rel=1e-12)
     assert "startup" in from_clickhouse["idle_breakdown_totals"]
     assert set(from_clickhouse["cluster"]["straggler_steps"]) <= {"2"}

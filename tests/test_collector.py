@@ -431,8 +431,10 @@ def test_metrics_and_cluster_records_after_joined_steps(make_collector):
     assert value(text, "steptrace_cluster_last_step", **run) == 3
     assert value(text, "steptrace_cluster_ranks_reporting", **run) == 2
     assert value(text, "steptrace_cluster_world_size", **run) == 3
-    # Goodput over the last 2 steps: (0.2 + 0.3 + 0.5 + 0.2 + 0.2) / 5 intervals of 1 s.
-    assert value(text, "steptrace_cluster_goodput_ratio", **run) == pytest.approx(1.4 / 5)
+    # The compute share of the last 2 steps (not goodput: no process start, no time outside steps):
+    # (0.2 + 0.3 + 0.5 + 0.2 + 0.2) / 5 intervals of 1 s.
+    assert value(text, "steptrace_cluster_compute_share_ratio", **run) == pytest.approx(1.4 / 5)
+    assert not [line for line in text.splitlines() if "goodput" in line and not line.startswith("#")]
     assert value(text, "steptrace_cluster_steps_joined_total", **run) == 4
     assert value(text, "steptrace_cluster_incomplete_steps_total", **run) == 1
     assert value(text, "steptrace_cluster_join_lag_seconds_count", **run) == 4

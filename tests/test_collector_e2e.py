@@ -150,7 +150,7 @@ def test_ranks_through_steptrace_exporter_are_joined_and_the_slow_rank_is_the_st
     assert value(text, "steptrace_cluster_step_skew_seconds", **run) == pytest.approx(last["skew_seconds"])
     assert value(text, "steptrace_cluster_step_compute_seconds", stat="max", **run) == pytest.approx(
         last["compute_max_seconds"])
-    assert 0 < value(text, "steptrace_cluster_goodput_ratio", **run) < 1
+    assert 0 < value(text, "steptrace_cluster_compute_share_ratio", **run) < 1
 
     # The report shows the cluster view next to the per-rank one.
     report = subprocess.run([sys.executable, "-m", "steptrace", "report", str(run_dir), "--json"],

@@ -96,8 +96,9 @@ def test_summarize_cluster_values(joined_run):
     assert s["skew_p50"] == pytest.approx(0.5)
     assert s["skew_max"] == pytest.approx(0.625)
     assert s["skew_p90"] == pytest.approx(0.6)
-    # Σcompute 1.5 + 1.625 + 2.0 + 1.0 over Σinterval 3 + 3 + 3 + 2
-    assert s["goodput"] == pytest.approx(6.125 / 11)
+    # Σcompute 1.5 + 1.625 + 2.0 + 1.0 over Σinterval 3 + 3 + 3 + 2 (no waits measured: own compute is
+    # compute); not goodput, under its own name
+    assert s["compute_share_of_steps"] == pytest.approx(6.125 / 11) and "goodput" not in s
     assert summarize_cluster([])["skew_p50"] is None
 
 

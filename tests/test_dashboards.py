@@ -37,9 +37,10 @@ RANK_HISTOGRAMS = {
 RANK_METRICS = {
     "steptrace_step_idle_seconds_total", "steptrace_steps_total", "steptrace_last_step",
     "steptrace_tokens_total", "steptrace_tokens_per_second", "steptrace_tflops_per_second", "steptrace_mfu",
-    "steptrace_goodput_ratio", "steptrace_pipeline_bubble_ratio", "steptrace_checkpoints_total",
+    "steptrace_pipeline_bubble_ratio", "steptrace_checkpoints_total",
     "steptrace_dropped_records_total", "steptrace_info",
     "steptrace_step_collective_wait_seconds_total", "steptrace_step_own_seconds_total",
+    "steptrace_productive_seconds_total", "steptrace_wall_seconds_total",
 } | {h + suffix for h in RANK_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 # What the steptrace collector serves (issue "Collector and dashboards", collector/_metrics.py).
 COLLECTOR_METRICS = {
@@ -48,12 +49,12 @@ COLLECTOR_METRICS = {
     "steptrace_cluster_step_compute_seconds", "steptrace_cluster_step_interval_seconds",
     "steptrace_cluster_step_skew_seconds", "steptrace_cluster_straggler_rank",
     "steptrace_cluster_straggler_steps_total", "steptrace_cluster_ranks_reporting",
-    "steptrace_cluster_pipeline_bubble_ratio", "steptrace_cluster_goodput_ratio", "steptrace_cluster_last_step",
+    "steptrace_cluster_pipeline_bubble_ratio", "steptrace_cluster_compute_share_ratio", "steptrace_cluster_last_step",
     "steptrace_collector_received_spans_total", "steptrace_collector_rejected_requests_total",
     "steptrace_collector_late_spans_total", "steptrace_cluster_step_own_seconds",
     "steptrace_cluster_step_straggler_cost_seconds", "steptrace_cluster_straggler_cost_seconds_total",
     "steptrace_cluster_straggler_score", "steptrace_cluster_step_straggler_threshold_seconds",
-    "steptrace_cluster_persistent_straggler_steps_ratio",
+    "steptrace_cluster_persistent_straggler_steps_ratio", "steptrace_cluster_step_collective_wait_seconds",
 }
 PROMETHEUS_BUILTIN = {"up"}
 
@@ -159,7 +160,7 @@ EXPECTED_PANELS = {
         "Ranks reporting", "Stalled ranks", "Failed steps",
         "Step compute vs interval, all ranks (p50, p90)", "Step interval, slowest and fastest ranks (5m)",
         "Mean compute per step, per rank (5m)", "Mean interval per step, pinned ranks vs the run (5m)",
-        "Goodput and idle time by reason (all ranks, 5m)", "Goodput per rank",
+        "Goodput, waiting and idle time by reason (all ranks, 5m)", "Goodput per rank",
         "Tokens/s, all ranks (5m)", "Tokens/s per rank (last step)", "TFLOP/s per device", "MFU",
         "Checkpoint blocking time per save", "Checkpoint saves by status", "Blocked by checkpoints, per rank",
         "Pipeline bubble per stage", "Microbatch compute by stage and chunk, mean (5m)",
@@ -168,14 +169,15 @@ EXPECTED_PANELS = {
     },
     "steptrace-cluster.json": {
         "Last joined step", "Ranks in the last joined step", "Straggler rank", "Cross-rank skew",
-        "Goodput (joined steps)", "Late spans",
+        "Own compute share (joined steps)", "Late spans",
         "Step compute across ranks (min, median, max)", "Step interval across ranks (min, median, max)",
         "Cross-rank skew (max - min compute)", "Compute relative to the median rank (5m)",
         "The run's straggler", "Straggler rank over time", "Steps each rank was the straggler",
         "Top stragglers, time range",
         "Time on its own across ranks (min, median, max)", "What the straggler cost the job per step",
         "Cost to the job by rank", "Straggler score per rank, relative", "Straggler score per rank, individual",
-        "Pipeline bubble per stage (joined steps)", "Goodput: collectors vs ranks",
+        "Pipeline bubble per stage (joined steps)", "Own compute share (collectors) and goodput (ranks)",
+        "Waiting in collectives across ranks (min, median, max)",
         "Spans received per second, by collector", "Join lag (p50, p90)",
         "Incomplete steps and late spans per second", "Rejected requests by reason", "Scrape targets down",
     },
@@ -531,9 +533,11 @@ def test_cluster_gauges_come_from_the_collector_that_joined_the_latest_step(live
 
 def test_training_panels_show_the_run_as_recorded(live):
     t = "steptrace-training.json"
-    stacked = live.vector(panel_query(t, "Goodput and idle time by reason (all ranks, 5m)", "A")) + \
-        live.vector(panel_query(t, "Goodput and idle time by reason (all ranks, 5m)", "B"))
-    assert sum(v for _, v in stacked) == pytest.approx(1.0)
+    # Own compute (goodput), waiting in collectives and idle by reason fill the wall time.
+    stacked = [live.vector(panel_query(t, "Goodput, waiting and idle time by reason (all ranks, 5m)", ref))
+               for ref in "ABC"]
+    assert [v for _, v in stacked[0]] == [pytest.approx(0.6)] and [v for _, v in stacked[1]] == [pytest.approx(0.2)]
+    assert sum(v for part in stacked for _, v in part) == pytest.approx(1.0)
     assert live.vector(panel_query(t, "MFU, mean"))[0][1] == pytest.approx((100 + 200) / 2 / 400)
     assert live.vector(panel_query(t, "Ranks reporting"))[0][1] == 2
     assert live.vector(panel_query(t, "Stalled ranks"))[0][1] == 0

@@ -524,9 +524,15 @@ def test_metrics_values_and_second_buckets(receiver, device):
     assert gauge("steptrace.tflops_per_second") == pytest.approx(last["tflops_per_second"])
     assert gauge("steptrace.mfu") == pytest.approx(last["mfu"])
     assert gauge("steptrace.peak_flops") == pytest.approx(last["peak_flops"])
-    window = steps[-2:]  # goodput_window_steps=2
-    assert gauge("steptrace.goodput_ratio") == pytest.approx(
-        sum(r["compute_seconds"] for r in window) / sum(r["interval_seconds"] for r in window))
+    # Goodput (docs/goodput.md): the report's own figure for this process, and its two parts.
+    from steptrace.analysis.goodput import job_accounting
+
+    job = job_accounting(memory.records)
+    assert gauge("steptrace.goodput_ratio") == pytest.approx(job["goodput"], rel=1e-9)
+    (productive,) = receiver.last_metric("steptrace.productive").sum.data_points
+    (wall,) = receiver.last_metric("steptrace.wall").sum.data_points
+    assert productive.as_double == pytest.approx(job["productive_seconds"], rel=1e-9)
+    assert wall.as_double == pytest.approx(job["total_seconds"], rel=1e-9)
     (bubble,) = receiver.last_metric("steptrace.pipeline.bubble_ratio").gauge.data_points
     assert point_attrs(bubble)["train.stage"] == "0"
     assert bubble.as_double == pytest.approx(last["pipeline_bubble_ratio"]["0"])

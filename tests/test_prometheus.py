@@ -166,17 +166,33 @@ def test_tokens_and_throughput_follow_the_records(sink):
     assert value(text, "steptrace_tflops_per_second") == pytest.approx(10.0)
 
 
-def test_goodput_is_compute_over_interval_in_the_last_window_steps(sink):
-    # Window of 4 steps; 10 steps in two batches, with different efficiencies early and late.
-    computes = [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.9, 0.5, 0.2, 0.8]
-    intervals = [1.0] * 6 + [1.0, 1.0, 0.4, 2.0]
-    records = [step_record(n, i, c) for n, (i, c) in enumerate(zip(intervals, computes))]
-    sink.export(records[:3])
-    assert value(scrape(sink.endpoint), "steptrace_goodput_ratio") == pytest.approx(0.1)
-    sink.export(records[3:])
-    expected = sum(computes[-4:]) / sum(intervals[-4:])
-    assert value(scrape(sink.endpoint), "steptrace_goodput_ratio") == pytest.approx(expected)
-    assert expected != pytest.approx(sum(computes) / sum(intervals))  # the window matters
+def test_goodput_is_own_compute_over_the_wall_from_the_process_start(sink):
+    """docs/goodput.md's goodput for this process is productive (own compute) over the wall from the
+    process start (the attempt record) to the latest record, two counters; the wall runs on after
+    the last step (a checkpoint save)."""
+    def timed(n, compute, **extra):
+        return {**step_record(n, 1.0, compute), "host_start_time": 102.0 + n, "end_time": 103.0 + n, **extra}
+
+    attempt = {"type": "attempt", "run_id": "r", "rank": 0, "attempt": 0, "start_time": 100.0, "init_time": 101.0}
+    sink.export([attempt, timed(0, 0.5, before_step_seconds=1.0), timed(1, 0.5)])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_productive_seconds_total") == pytest.approx(1.0)
+    assert value(text, "steptrace_wall_seconds_total") == pytest.approx(4.0)  # 100 -> 104
+    # Waiting for other ranks in collectives is not productive: 0.2 s of step 2's 0.9 s compute.
+    sink.export([timed(2, 0.9, collective_wait_seconds=0.2, own_seconds=0.8, own_compute_seconds=0.7,
+                       collective_wait_idle_breakdown={}, collective_wait_source="ddp"),
+                 timed(3, 0.5), {**checkpoint_record(3, 0.5), "start_time": 106.0, "end_time": 106.5}])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_productive_seconds_total") == pytest.approx(2.7)
+    assert value(text, "steptrace_wall_seconds_total") == pytest.approx(6.5)
+    assert "steptrace_goodput_ratio" not in text  # two counters, not a ratio (docs/prometheus.md)
+
+
+def test_without_an_attempt_record_the_wall_starts_at_the_first_steps_init(sink):
+    sink.export([{**step_record(0, 1.0, 0.5), "host_start_time": 11.0, "end_time": 12.0, "before_step_seconds": 1.0}])
+    text = scrape(sink.endpoint)
+    assert value(text, "steptrace_wall_seconds_total") == pytest.approx(2.0)
+    assert value(text, "steptrace_productive_seconds_total") == pytest.approx(0.5)
 
 
 def test_mfu_and_hfu_are_exported_with_their_parts(sink):
@@ -708,9 +724,10 @@ def rank_series(device, *, pipeline, **settings):
     return samples(text)
 
 
-@pytest.mark.parametrize("pipeline, budget", [(False, 40), (True, 60)], ids=["plain", "pipeline"])
+@pytest.mark.parametrize("pipeline, budget", [(False, 41), (True, 60)], ids=["plain", "pipeline"])
 def test_a_rank_serves_at_most_its_series_budget_by_default(device, pipeline, budget):
-    """<= 40 series on a plain rank, <= 60 on a pipeline rank: _sum/_count instead of ~20 buckets each."""
+    """<= 41 series on a plain rank, <= 60 on a pipeline rank: _sum/_count instead of ~20 buckets each.
+    (Goodput's two counters, productive and wall, replaced the old ratio gauge: one series more.)"""
     series = rank_series(device, pipeline=pipeline)
     assert not [s for s in series if s.name.endswith("_bucket")]
     names = {s.name for s in series}

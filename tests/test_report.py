@@ -26,10 +26,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def step_record(step, interval, compute, idle=None, *, rank=0, world_size=1,
-                tokens=1000, flops=1e12, mfu=None, status="ok", **extra):
-    """A step record shaped like the SDK writes it; idle defaults to 'other'."""
+                tokens=1000, flops=1e12, mfu=None, status="ok", start=None, **extra):
+    """A step record shaped like the SDK writes it; idle defaults to 'other'. ``start``: seconds
+    after the run's origin the step starts (default ``10 * step``)."""
     idle = dict(idle) if idle is not None else {"other": interval - compute}
-    start = 1_700_000_000.0 + step * 10
+    start = 1_700_000_000.0 + (step * 10 if start is None else start)
     record = {
         "type": "step", "run_id": "r1", "rank": rank, "world_size": world_size,
         "step": step, "status": status, "backend": "cpu",
@@ -70,11 +71,12 @@ def write_rank(run_dir: Path, rank: int, records, *, tail: str = "") -> Path:
 
 
 def three_steps():
-    """Three steps with hand-checkable totals (see test_summarize_values)."""
+    """Three steps with hand-checkable totals (see test_summarize_values), back to back from the run's
+    origin (the checkpoint's start): the wall is 7 s."""
     return [
-        step_record(1, 1.0, 0.8, {"data": 0.2}, mfu=0.1),
-        step_record(2, 2.0, 1.0, {"checkpoint": 0.9, "other": 0.1}, mfu=0.2),
-        step_record(3, 4.0, 3.0, {"data": 0.5, "eval": 0.5}, status="error"),
+        step_record(1, 1.0, 0.8, {"data": 0.2}, mfu=0.1, start=0.0),
+        step_record(2, 2.0, 1.0, {"checkpoint": 0.9, "other": 0.1}, mfu=0.2, start=1.0),
+        step_record(3, 4.0, 3.0, {"data": 0.5, "eval": 0.5}, status="error", start=3.0),
     ]
 
 
@@ -115,9 +117,10 @@ def test_summarize_values(small_run):
     s = summarize(run.steps(), run.checkpoints())
     assert s["steps"] == 3
     assert s["error_steps"] == 1
-    assert s["wall_seconds"] == pytest.approx(7.0)
+    assert s["interval_seconds"] == pytest.approx(7.0)
     assert s["compute_seconds"] == pytest.approx(4.8)
-    assert s["goodput"] == pytest.approx(4.8 / 7.0)
+    # Not goodput (no process start here): Σ own compute / Σ interval, under its own name.
+    assert s["compute_share_of_steps"] == pytest.approx(4.8 / 7.0) and "goodput" not in s
     assert s["compute_p50"] == pytest.approx(1.0)
     # sorted computes [0.8, 1.0, 3.0]: position 0.9 * 2 = 1.8 -> 1.0 + 0.8 * 2.0
     assert s["compute_p90"] == pytest.approx(2.6)
@@ -139,11 +142,11 @@ def test_summarize_without_optional_fields():
     assert s["tokens_per_second"] is None
     assert s["tflops_per_second"] is None
     assert s["mfu"] is None
-    assert s["goodput"] == pytest.approx(0.5)
+    assert s["compute_share_of_steps"] == pytest.approx(0.5)
 
     empty = summarize([], [])
     assert empty["steps"] == 0
-    assert empty["goodput"] is None
+    assert empty["compute_share_of_steps"] is None
     assert empty["compute_p50"] is None
     assert empty["idle_breakdown_totals"] == {}
 
@@ -175,7 +178,7 @@ def test_unknown_types_and_fields_are_ignored(tmp_path):
     ])
     run = load_run(run_dir)
     assert len(run.steps()) == 1
-    assert summarize(run.steps(), run.checkpoints())["goodput"] == pytest.approx(0.75)
+    assert summarize(run.steps(), run.checkpoints())["compute_share_of_steps"] == pytest.approx(0.75)
     assert len(run.records("span")) == 1
 
 
@@ -392,7 +395,7 @@ def test_multi_rank_report(tmp_path):
     run_dir = tmp_path / "r1"
     for rank, compute in ((0, 0.5), (1, 0.25)):
         write_rank(run_dir, rank, [
-            step_record(s, 1.0, compute, rank=rank, world_size=2) for s in range(3)
+            step_record(s, 1.0, compute, rank=rank, world_size=2, start=float(s)) for s in range(3)
         ] + [{"type": "run", "run_id": "r1", "rank": rank, "world_size": 2,
               "dropped": {"queue_full": 2 + rank}, "steps": 3}])
     run = load_run(run_dir)
@@ -521,9 +524,10 @@ def test_report_shows_logged_scalars_and_peak_memory(tmp_path):
     assert summary["scalars"]["loss"] == {"last": 1.0, "mean": 2.0}
     assert (summary["memory_peak_bytes"], summary["memory_peak_percent"]) == (3 * 2**30, 30.0)
     console = Console(file=io.StringIO(), width=200)
+    from steptrace.analysis.goodput import job_accounting
     from steptrace.analysis.report import _summary_panel
 
-    console.print(_summary_panel(summary, "r"))
+    console.print(_summary_panel(summary, job_accounting(steps), "r"))
     text = console.file.getvalue()
     assert "loss" in text and "3.00 GiB" in text and "30.0% of the device's limit" in text
     assert summarize(steps[:0])["memory_peak_bytes"] is None

@@ -277,9 +277,17 @@ def test_step_record_carries_wait_own_and_source_only_where_the_wait_is_measured
     assert record["collective_wait_source"] == "ddp"
     # Measured but no collective in this step: 0, not absent.
     assert _step(builder, collective_source="torch.distributed")["collective_wait_seconds"] == 0.0
-    # A wait longer than the step's interval cannot be: capped at it.
-    capped = _step(builder, collective_wait=0.2, collective_source="torch.distributed")
+    # A wait longer than the step's interval cannot be: capped at what the step holds, its compute and
+    # its idle time (waiting shown as waiting: test_waiting.py).
+    from steptrace._attribution import HostSpan
+
+    capped = builder.step(step=0, status="ok", error=None, backend="host", end_source="host", host_start=1.0,
+                          host_end=1.05, dispatch=1.0, timing=_Timing, segments=[HostSpan("other", 0.99, 1.0)],
+                          breakdown={"other": 0.01}, tokens=None, samples=None, flops=None, attrs={}, bubble=None,
+                          collective_wait=0.2, collective_source="torch.distributed")
     assert capped["collective_wait_seconds"] == pytest.approx(0.06) and capped["own_seconds"] == 0.0
+    assert capped["own_compute_seconds"] == 0.0 and capped["collective_wait_idle_breakdown"] == {
+        "other": pytest.approx(0.01)}
 
 
 def test_a_step_handle_waits_reach_the_record_through_the_resolver():

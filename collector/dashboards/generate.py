@@ -223,7 +223,9 @@ def training() -> dash_b.Dashboard:
     for panel in [
         single("Last step", "Highest finalized step number over the ranks.",
                f"max(steptrace_last_step{{{RUN}}})", decimals=0),
-        single("Goodput (5m)", "Sum of compute over sum of interval, all ranks, last 5 minutes.",
+        single("Goodput (5m)", "Goodput (docs/goodput.md): own compute of the steps (waiting for other "
+               "ranks in collectives excluded) / wall time from each process start, all ranks, last 5 "
+               "minutes. The same definition as steptrace report's goodput.",
                f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", unit="percentunit",
                thresholds=GOODPUT_THRESHOLDS),
         single("Tokens/s (5m)", "Tokens per second of wall time, summed over ranks.",
@@ -282,17 +284,21 @@ def training() -> dash_b.Dashboard:
 
     d = d.with_row(dash_b.Row("Where the wall time goes"))
     d = d.with_panel(series(
-        "Goodput and idle time by reason (all ranks, 5m)",
-        "Fractions of wall time, stacked: compute (goodput) plus the idle time of each reason "
-        "(data, checkpoint, compile, eval, your span names, other) add up to 100%.",
-        [(f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", "compute (goodput)"),
+        "Goodput, waiting and idle time by reason (all ranks, 5m)",
+        "Fractions of wall time, stacked: own compute (goodput), time waiting for other ranks in "
+        "collectives (exposed communication, where the ranks measure it) and the idle time of each "
+        "reason (data, checkpoint, compile, eval, your span names, other) add up to 100% in steady "
+        "training.",
+        [(f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", "own compute (goodput)"),
+         (f"run_id:steptrace_step_collective_wait:ratio_rate5m{{{RUN}}}", "waiting in collectives"),
          (f"run_id_reason:steptrace_step_idle:ratio_rate5m{{{RUN}}}", "idle: {{reason}}")],
         unit="percentunit", stacked=True, max_val=1, w=16))
     d = d.with_panel(series(
         "Goodput per rank",
-        "Each rank's own goodput over its last goodput_window_steps steps: the 5 highest, the 5 "
-        "lowest and the pinned ranks.",
-        ranked(lambda sel: f"steptrace_goodput_ratio{{{sel}}}"),
+        "Each rank's goodput since its process start (own compute / wall; a rank waiting for "
+        "others in collectives is not productive meanwhile): the 5 highest, the 5 lowest and the "
+        "pinned ranks.",
+        ranked(lambda sel: f"(steptrace_productive_seconds_total{{{sel}}} / steptrace_wall_seconds_total{{{sel}}})"),
         unit="percentunit", max_val=1, w=8, table_legend=True))
 
     d = d.with_row(dash_b.Row("Throughput"))
@@ -407,8 +413,10 @@ def cluster() -> dash_b.Dashboard:
                latest("steptrace_cluster_straggler_rank"), w=4, decimals=0),
         single("Cross-rank skew", "Max - min compute over ranks in the latest complete step.",
                latest("steptrace_cluster_step_skew_seconds"), unit="s", w=4),
-        single("Goodput (joined steps)", "The collectors' goodput over the steps they joined "
-               "(mean over collectors).", f"avg(steptrace_cluster_goodput_ratio{{{RUN}}})",
+        single("Own compute share (joined steps)", "Σ own compute / Σ interval over the ranks of the "
+               "steps the collectors joined (mean over collectors). Not goodput: no process start, no "
+               "time outside steps (the training dashboard has goodput).",
+               f"avg(steptrace_cluster_compute_share_ratio{{{RUN}}})",
                unit="percentunit", w=4, thresholds=GOODPUT_THRESHOLDS),
         single("Late spans", "Spans that arrived after their step was joined (counted, not "
                "lost), over the time range.",
@@ -513,12 +521,19 @@ def cluster() -> dash_b.Dashboard:
         [(latest("steptrace_cluster_pipeline_bubble_ratio", "stage"), "stage {{stage}}")],
         unit="percentunit", max_val=1))
     d = d.with_panel(series(
-        "Goodput: collectors vs ranks",
-        "Two computations of sum(compute) / sum(interval): the collectors' over the steps they "
-        "joined, and Prometheus's over every rank's histograms. They should agree.",
-        [(f"avg(steptrace_cluster_goodput_ratio{{{RUN}}})", "joined steps (collectors)"),
-         (f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", "all ranks, 5m (recording rule)")],
+        "Own compute share (collectors) and goodput (ranks)",
+        "The collectors' Σ own compute / Σ interval over the steps they joined, and the ranks' "
+        "goodput over 5 minutes (own compute / wall from the process start). The share is above "
+        "goodput by the time outside steps (start-up, work between steps).",
+        [(f"avg(steptrace_cluster_compute_share_ratio{{{RUN}}})", "own compute share, joined steps (collectors)"),
+         (f"run_id:steptrace_goodput:ratio_rate5m{{{RUN}}}", "goodput, all ranks, 5m (recording rule)")],
         unit="percentunit", max_val=1))
+    d = d.with_panel(series(
+        "Waiting in collectives across ranks (min, median, max)",
+        "Per complete step, each rank's time waiting for other ranks in collectives (exposed "
+        "communication), where the ranks measure it: the ranks that wait for a slow one show it "
+        "here, not as their own compute.",
+        [(latest("steptrace_cluster_step_collective_wait_seconds", "stat"), "{{stat}}")], unit="s"))
 
     d = d.with_row(dash_b.Row("Collectors"))
     d = d.with_panel(series(

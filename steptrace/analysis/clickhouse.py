@@ -29,7 +29,7 @@ from urllib import error as urlerror
 from urllib import parse as urlparse
 from urllib import request as urlrequest
 
-from steptrace._schema import ATTR_BEFORE_STEP_PREFIX
+from steptrace._schema import ATTR_BEFORE_STEP_PREFIX, ATTR_COLLECTIVE_WAIT_IDLE_PREFIX, ATTR_PROCESS_START_TIME
 
 __all__ = [
     "OTEL_TRACES_DDL",
@@ -988,7 +988,8 @@ class _Skipped:
 #: Step-record fields exported as ``train.<field>`` (steptrace/otlp.py ``_step_spans``) that are numbers.
 _STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens", "samples", "flops",
                  "model_flops", "hardware_flops", "peak_flops", "tokens_per_second", "samples_per_second",
-                 "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds", "before_step_seconds")
+                 "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds", "own_compute_seconds",
+                 "before_step_seconds")
 _STEP_TEXTS = ("status", "error", "backend", "flops_source", "collective_wait_source")
 
 
@@ -1016,12 +1017,14 @@ def _step_record(attrs: Mapping[str, str], unit: tuple[int, int, int], end_ns: i
         record["error"] = status_message
     idle: dict[str, float] = {}
     before: dict[str, float] = {}
+    wait_idle: dict[str, float] = {}
     groups: dict[str, dict[str, Any]] = {"pipeline_bubble_ratio": {}, "scalars": {}, "device_memory": {},
                                          "attrs": {}}
     prefixes = (("train.pipeline.bubble_ratio.", "pipeline_bubble_ratio"), ("train.scalar.", "scalars"),
                 ("train.device_memory.", "device_memory"), ("train.attrs.", "attrs"))
     for key, text in attrs.items():
-        for prefix, seconds_by in (("train.idle.", idle), (ATTR_BEFORE_STEP_PREFIX, before)):
+        for prefix, seconds_by in (("train.idle.", idle), (ATTR_BEFORE_STEP_PREFIX, before),
+                                   (ATTR_COLLECTIVE_WAIT_IDLE_PREFIX, wait_idle)):
             if key.startswith(prefix) and key.endswith("_seconds"):
                 value = _number_of(text)
                 if value is not None:
@@ -1042,8 +1045,13 @@ def _step_record(attrs: Mapping[str, str], unit: tuple[int, int, int], end_ns: i
                         groups[field][key[len(prefix):]] = value
                     break
     record["idle_breakdown"] = idle
+    if "own_compute_seconds" in record:  # where the wait in collectives fell (records.md)
+        record["collective_wait_idle_breakdown"] = wait_idle
     if "before_step_seconds" in record:  # a rank's first step (the time from init() to it)
         record["before_step_breakdown"] = before
+        process_start = _number_of(attrs.get(ATTR_PROCESS_START_TIME))
+        if process_start is not None:
+            record["_process_start"] = float(process_start)  # becomes an attempt record (load_clickhouse_run)
     record["attrs"] = groups.pop("attrs")
     for field, values in groups.items():
         values = {k: v for k, v in values.items() if v is not None}
@@ -1159,6 +1167,15 @@ ORDER BY start_ns, span_id, ns""")
     records_by_rank = {rank: sorted(steps.get(rank, []) + checkpoints.get(rank, []),
                                     key=lambda r: (r["attempt"], r["end_time"]))
                        for rank in sorted(set(steps) | set(checkpoints))}
+    for rank, records in records_by_rank.items():
+        # An attempt's first step carries its process start: the attempt record goodput's wall begins at.
+        started = [(r["attempt"], r.pop("_process_start"), r) for r in records if "_process_start" in r]
+        for attempt, process_start, first in reversed(started):
+            init = first["end_time"] - float(first.get("interval_seconds") or 0.0) - float(
+                first.get("before_step_seconds") or 0.0)
+            records.insert(records.index(first), {"type": "attempt", "run_id": run_id, "rank": rank,
+                                                  "attempt": attempt, "start_time": min(process_start, init),
+                                                  "init_time": init})
     cluster = [{"type": "cluster_step", **row} for row in cluster_steps(client, run_id, table=table)]
     path = ClickHouseSource(f"{redacted(source)} {db}".strip())
     path.run_id = run_id

@@ -23,9 +23,11 @@ relative difference, and a verdict:
 Steady state, by construction: a step counts when its status is ``ok``, it is not the rank's
 first step (which carries compilation and warm-up), and no compile, checkpoint or eval time fell
 in its idle window. Intervals, compute, tokens/s, TFLOP/s and MFU rows use steady-state steps of
-the default rank (rank 0 when present); run-wide totals (goodput, idle by reason, compile,
-checkpoints) use every step. Cross-rank skew comes from the collector's ``cluster.jsonl`` when
-both runs have one.
+the default rank (rank 0 when present); run-wide totals (idle by reason, compile, checkpoints) use
+every step. Goodput is the run's one goodput (:func:`steptrace.analysis.goodput.job_goodput`: every
+rank's own compute of the kept steps over its wall from the process start, across attempts), the
+figure ``steptrace report`` prints. Cross-rank skew comes from the collector's ``cluster.jsonl``
+when both runs have one.
 
 The rows where the runs' ``metadata`` differ (versions, devices, git commit, tags) follow the
 table: a difference there is often the explanation.
@@ -44,8 +46,8 @@ from typing import Any, Callable, Sequence
 
 from steptrace.analysis._text import code_span, literal_text, visible
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
-from steptrace.analysis.goodput import job_accounting
-from steptrace.analysis.summary import as_number, present_values, percentile
+from steptrace.analysis.goodput import job_goodput
+from steptrace.analysis.summary import as_number, present_values, percentile, step_split
 
 __all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "paired_block_test_p",
            "runs_test_p", "steady_steps", "t_test_p", "add_compare_arguments", "run_compare", "main"]
@@ -534,13 +536,14 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
                lambda side, read=read: _median(_per_step(side.steady, read)), lower=None)
     single("peak_flops", "peak FLOP/s (MFU's divisor)", lambda side: _last(side.steps, "peak_flops"), lower=None)
 
-    def goodput(side: _Side) -> float | None:
-        # The wall holds the time before the first step too (start-up, an eval before step 0).
-        wall = sum(present_values(side.steps, "interval_seconds")) + sum(
-            present_values(side.steps, "before_step_seconds"))
-        return sum(present_values(side.steps, "compute_seconds")) / wall if wall > 0 else None
-
-    single("goodput", "goodput (all steps and the time before them)", goodput, lower=False)
+    # The one goodput (docs/goodput.md): every rank's own compute of the kept steps over its wall from
+    # the process start, across attempts; the same number `steptrace report` prints.
+    jobs = {id(side): job_goodput(side.run.records_by_rank) if side.run.ranks else None for side in As + Bs}
+    single("goodput", "goodput (own compute / wall from process start)",
+           lambda side: (jobs[id(side)] or {}).get("goodput"), lower=False)
+    # Waiting for other ranks in collectives (exposed communication), where the ranks measure it.
+    tested("collective_wait_mean", "waiting in collectives, mean",
+           lambda s: as_number(s.get("collective_wait_seconds")), _mean, "s", True)
     def before_steps(side: _Side) -> float | None:
         seconds = present_values(side.steps, "before_step_seconds")
         return sum(seconds) if seconds else None
@@ -553,15 +556,12 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
             reasons.update((step.get("before_step_breakdown") or {}).keys())
     for reason in sorted(reasons):
         def idle_total(side: _Side, reason: str = reason) -> float:
-            return sum(as_number((s.get(field) or {}).get(reason)) or 0.0 for s in side.steps
-                       for field in ("idle_breakdown", "before_step_breakdown"))
+            # Host idle less the wait in collectives that fell in it (waiting shown as waiting).
+            return sum(step_split(s).idle_breakdown.get(reason, 0.0)
+                       + (as_number((s.get("before_step_breakdown") or {}).get(reason)) or 0.0) for s in side.steps)
         single(f"idle_{reason}", f"idle: {reason} (total)", idle_total, "s")
-    jobs = {id(side): job_accounting(side.run.records_by_rank[side.rank]) if side.rank is not None else None
-            for side in As + Bs}
-    if any(job is not None and len(job["attempts"]) > 1 for job in jobs.values()):
-        # A job that restarted: its goodput across attempts, and what the restarts cost (docs/goodput.md).
-        single("job_goodput", "job goodput (across attempts)",
-               lambda side: (jobs[id(side)] or {}).get("goodput"), lower=False)
+    if any(job is not None and any(len(a["attempts"]) > 1 for a in job["ranks"].values()) for job in jobs.values()):
+        # A job that restarted: what the restarts cost (docs/goodput.md); its goodput is the row above.
         for bucket in ("wasted", "downtime", "startup", "restore"):
             single(f"job_{bucket}", f"job badput: {bucket}",
                    lambda side, bucket=bucket: ((jobs[id(side)] or {}).get("badput") or {}).get(bucket), "s")

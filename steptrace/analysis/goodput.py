@@ -1,35 +1,51 @@
-"""Job goodput across attempts: where every second of a job that restarted went.
+"""Goodput: where every second of a job went, from the first process start, across attempts and ranks.
+
+**Goodput** (the one figure steptrace calls goodput; ``docs/goodput.md``)::
+
+    goodput = productive / wall
+    productive = Σ own compute of the steps that were kept: compute_seconds less the time the rank
+                 waited for other ranks in collectives (collective_wait_seconds, where it is measured)
+    wall       = last record's end - first attempt's process start, per rank
+
+For one rank that is the rank's goodput; for the job, both sums run over every rank (rank-seconds),
+so a rank that waits for a slow one never looks more productive than it.
 
 One rank's records (every attempt in its run file) are accounted from the first attempt's process
-start to the last record, and each second lands in exactly one place (``docs/goodput.md``)::
+start to the last record, and each second lands in exactly one place::
 
     total       = last record's end - first attempt's process start
-    productive  = Σ compute of the steps that were kept (not failed, not thrown away)
+    productive  = Σ own compute of the steps that were kept (not failed, not thrown away)
     badput      = startup + compile + data + checkpoint + restore + eval + custom + other
+                  + collective_wait (waiting for other ranks in collectives: exposed communication)
                   + wasted (every second of steps a later attempt threw away, or that failed)
                   + downtime (end of attempt k's last record -> start of attempt k+1)
     productive + Σ badput = total, to float rounding (checked by the tests)
 
 Within an attempt: process start -> init() is startup; init() -> the first step is the first step's
 ``before_step_breakdown`` (``startup`` for what no span covers, ``restore``, ``eval``, ...); each kept
-step's interval is its compute (productive) and its ``idle_breakdown`` by reason; a wasted step's
-whole interval is wasted progress; after the attempt's last step, checkpoints and spans by name and
-``other`` for the rest. Reasons map to buckets by name; span names of your own are ``custom``.
+step's interval is its own compute (productive), its wait in collectives and its ``idle_breakdown``
+by reason less the wait that fell in it; a wasted step's whole interval is wasted progress; after
+the attempt's last step, checkpoints and spans by name and ``other`` for the rest. Reasons map to
+buckets by name; span names of your own are ``custom``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from steptrace._attribution import HostSpan, breakdown, idle_segments
 from steptrace.analysis.runs import kept_and_wasted, split_attempts
-from steptrace.analysis.summary import as_number
+from steptrace.analysis.summary import as_number, step_split
 
 #: The badput buckets, in the order reports list them.
-BUCKETS = ("startup", "compile", "data", "checkpoint", "restore", "eval", "custom", "other", "wasted", "downtime")
+BUCKETS = ("startup", "compile", "data", "checkpoint", "restore", "eval", "custom", "other", "collective_wait",
+           "wasted", "downtime")
 _BUCKET_OF_REASON = {"startup": "startup", "compile": "compile", "data": "data", "checkpoint": "checkpoint",
                      "restore": "restore", "eval": "eval", "other": "other"}
+#: What the headline goodput divides, in words (printed beside it).
+GOODPUT_DEFINITION = ("productive = own compute of the kept steps (not time waiting for other ranks in "
+                      "collectives); wall = process start to last record, every attempt")
 
 
 def bucket_of(reason: str) -> str:
@@ -41,6 +57,15 @@ def _time(record: dict, field: str) -> float | None:
     return as_number(record.get(field))
 
 
+def _host_start(step: dict) -> float | None:
+    """A step's host start; a record read back from spans (ClickHouse) has none, but its interval
+    ends at its end: for a rank's first step, whose interval starts at its host start, that is it."""
+    host_start = _time(step, "host_start_time")
+    if host_start is None and _time(step, "end_time") is not None and _time(step, "interval_seconds") is not None:
+        host_start = _time(step, "end_time") - _time(step, "interval_seconds")  # type: ignore[operator]
+    return host_start
+
+
 def _attempt_start(records: list[dict]) -> float | None:
     """When an attempt's process started: its ``attempt`` record, else the earliest time it wrote."""
     for record in records:
@@ -49,7 +74,7 @@ def _attempt_start(records: list[dict]) -> float | None:
     starts = []
     for record in records:
         if record.get("type") == "step":
-            host_start = _time(record, "host_start_time")
+            host_start = _host_start(record)
             if host_start is not None:
                 starts.append(host_start - (_time(record, "before_step_seconds") or 0.0))
         elif record.get("type") in ("span", "checkpoint", "metadata"):
@@ -66,7 +91,7 @@ def _attempt_end(records: list[dict]) -> float | None:
 def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
     """The job's accounting from one rank's records (all attempts, in file order).
 
-    Returns ``total_seconds``, ``productive_seconds``, ``goodput`` (productive / total),
+    Returns ``total_seconds``, ``productive_seconds``, ``goodput`` (productive / total: the rank's),
     ``badput`` (bucket -> seconds, every bucket present), ``custom`` (span name -> seconds of the
     ``custom`` bucket) and ``attempts`` (one dict per attempt: number, start/end, status, steps,
     first/last step, wasted steps, its seconds by bucket).
@@ -111,7 +136,7 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
         if steps:
             first = steps[0]
             before = as_number(first.get("before_step_seconds")) or 0.0
-            first_entry = (_time(first, "host_start_time") or start) - before
+            first_entry = (_host_start(first) or start) - before
         else:
             first_entry = end
         # Process start -> init() (or -> the first thing recorded): start-up.
@@ -129,10 +154,12 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
             if id(step) in wasted_ids:
                 mine["wasted"].append(interval)
                 continue
-            own_productive.append(as_number(step.get("compute_seconds")) or 0.0)
-            for reason, seconds in (step.get("idle_breakdown") or {}).items():
-                if as_number(seconds) is not None:
-                    charge(str(reason), float(seconds), mine)
+            split = step_split(step)
+            own_productive.append(split.own_compute_seconds)
+            if split.collective_wait_seconds:
+                mine["collective_wait"].append(split.collective_wait_seconds)
+            for reason, seconds in split.idle_breakdown.items():
+                charge(reason, seconds, mine)
         # After the last step: checkpoints and spans by name, the rest `other`.
         last_end = _time(steps[-1], "end_time") if steps else None
         if last_end is not None and end > last_end:
@@ -167,4 +194,30 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
         "attempts": attempts,
         "kept_steps": len(kept) - len(failed),
         "wasted_steps": len(wasted) + len(failed),
+    }
+
+
+def job_goodput(records_by_rank: Mapping[Any, Sequence[dict]]) -> dict[str, Any]:
+    """The job's goodput: every rank's accounting (:func:`job_accounting`) summed.
+
+    ``goodput`` = Σ productive / Σ total over the ranks (rank-seconds); ``badput`` and ``custom``
+    are summed the same way, so ``productive_seconds + Σ badput = total_seconds`` still holds.
+    ``ranks`` maps each rank to its own accounting (``goodput`` there is that rank's goodput).
+    """
+    per_rank = {rank: job_accounting(records) for rank, records in records_by_rank.items()}
+    per_rank = {rank: job for rank, job in per_rank.items() if job["attempts"]}
+    productive = math.fsum(job["productive_seconds"] for job in per_rank.values())
+    total = math.fsum(job["total_seconds"] for job in per_rank.values())
+    custom: dict[str, float] = {}
+    for job in per_rank.values():
+        for name, seconds in job["custom"].items():
+            custom[name] = custom.get(name, 0.0) + seconds
+    return {
+        "goodput": productive / total if total > 0 else None,
+        "definition": GOODPUT_DEFINITION + ("" if len(per_rank) < 2 else f"; both summed over {len(per_rank)} ranks"),
+        "productive_seconds": productive,
+        "total_seconds": total,
+        "badput": {bucket: math.fsum(job["badput"][bucket] for job in per_rank.values()) for bucket in BUCKETS},
+        "custom": custom,
+        "ranks": per_rank,
     }

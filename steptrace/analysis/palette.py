@@ -18,6 +18,8 @@ REASON_COLOURS = {
     "other": "#7f7f7f",
     "startup": "#c7c7c7",  # before the first step: what no span covers
     "restore": "#8c564b",
+    # Not an idle reason: a rank's time waiting for other ranks in collectives (report --plot).
+    "collective_wait": "#e7ba52",
 }
 _KNOWN_REASON_ORDER = ["checkpoint", "data", "compile", "eval"]
 _USER_PALETTE = [

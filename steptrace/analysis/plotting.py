@@ -35,16 +35,22 @@ from steptrace.analysis.palette import (
     reason_order,
 )
 from steptrace.analysis.runs import Run
-from steptrace.analysis.summary import as_number, percent_text, summarize
+from steptrace.analysis.goodput import job_goodput
+from steptrace.analysis.summary import as_number, percent_text, step_split, summarize
 
 _MAX_BARS = 500
 
 
-def _before_first_step_bar(ax, first: dict, x: float, width: float, labelled: set[str], span: float) -> None:
+def _before_first_step_bar(ax, first: dict, x: float, width: float, labelled: set[str], span: float,
+                           before_init: float = 0.0) -> None:
     """The time before the first step (start-up, an eval before step 0, ...) as a hatched bar left
-    of it, stacked by reason: wall time of the run that no step's interval holds."""
+    of it, stacked by reason: wall time of the run that no step's interval holds. ``before_init``:
+    the process start to ``init()`` (start-up too: goodput's wall starts at the process start)."""
     before = first.get("before_step_breakdown")
-    if not isinstance(before, dict) or not before:
+    before = dict(before) if isinstance(before, dict) else {}
+    if before_init > 0:
+        before["startup"] = (as_number(before.get("startup")) or 0.0) + before_init
+    if not before:
         return
     bottom = 0.0
     for reason in reason_order(before):
@@ -88,9 +94,9 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
     # sub-pixel anyway, so long runs are drawn as filled step bands instead.
     as_bars = len(steps) <= _MAX_BARS
 
-    def stack(label: str, heights: list[float]) -> None:
+    def stack(label: str, heights: list[float], colour: str | None = None) -> None:
         tops = [b + h for b, h in zip(bottoms, heights)]
-        colour = reason_colour(label)
+        colour = colour or reason_colour(label)
         if as_bars:
             ax.bar(xs, heights, width=width, bottom=bottoms, label=label,
                    color=colour, linewidth=0)
@@ -100,23 +106,26 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
         bottoms[:] = tops
 
     if steps:
-        stack("compute", [as_number(s.get("compute_seconds")) or 0.0 for s in steps])
-        reasons = {
-            reason
-            for s in steps
-            if isinstance(s.get("idle_breakdown"), dict)
-            for reason in s["idle_breakdown"]
-        }
+        # Waiting shown as waiting: own compute, the wait in collectives, host idle by reason (less
+        # the wait that fell in it); the three add up to each step's interval.
+        splits = [step_split(s) for s in steps]
+        waited = summary["collective_wait_seconds"] is not None
+        stack("own compute" if waited else "compute", [p.own_compute_seconds for p in splits],
+              REASON_COLOURS["compute"])
+        if waited:
+            stack("waiting in collectives", [p.collective_wait_seconds for p in splits],
+                  REASON_COLOURS["collective_wait"])
+        reasons = {reason for p in splits for reason in p.idle_breakdown}
         for reason in reason_order(reasons):
-            stack(reason, [
-                (as_number(s["idle_breakdown"].get(reason)) or 0.0)
-                if isinstance(s.get("idle_breakdown"), dict) else 0.0
-                for s in steps
-            ])
+            stack(reason, [p.idle_breakdown.get(reason, 0.0) for p in splits])
 
         top = {x: b for x, b in zip(xs, bottoms)}
         span = max(bottoms) if bottoms else 1.0
-        _before_first_step_bar(ax, steps[0], xs[0] - (min(gaps) if gaps else 1.0), width, reasons, span)
+        attempt = next((r for r in run.records_by_rank.get(rank, []) if r.get("type") == "attempt"
+                        and r.get("attempt") == steps[0].get("attempt")), {})
+        start, init = as_number(attempt.get("start_time")), as_number(attempt.get("init_time"))
+        _before_first_step_bar(ax, steps[0], xs[0] - (min(gaps) if gaps else 1.0), width, reasons, span,
+                               before_init=init - start if start is not None and init is not None else 0.0)
         ckpt_steps = [as_number(c.get("step")) for c in checkpoints]
         ckpt_xs = [x for x in ckpt_steps if x in top]
         if ckpt_xs:
@@ -140,7 +149,11 @@ def plot_timeline(run: Run, out_png: str | Path, *, rank: int | None = None) -> 
 
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
-    ax.set_title(f"{run.run_id} (rank {rank}): goodput {percent_text(summary['goodput'])}")
+    job = job_goodput(run.records_by_rank)
+    title = f"{run.run_id} (rank {rank}): goodput {percent_text(job['goodput'])}"
+    if len(job["ranks"]) > 1 and rank in job["ranks"]:
+        title += f" (the job's; rank {rank}'s own {percent_text(job['ranks'][rank]['goodput'])})"
+    ax.set_title(title)
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, format="png", dpi=100)

@@ -20,12 +20,12 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from steptrace.analysis._text import markup, visible
-from steptrace.analysis.goodput import BUCKETS, job_accounting
+from steptrace.analysis.goodput import job_accounting, job_goodput
 from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
-from steptrace.analysis.summary import as_number, percent_text, percentile, summarize, summarize_cluster
+from steptrace.analysis.summary import as_number, percent_text, percentile, step_split, summarize, summarize_cluster
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -171,10 +171,26 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
     columns: list[tuple[str, Any]] = [
         ("step", lambda step: markup(step.get("step", "?"))),
         ("interval s", lambda step: _fmt(step.get("interval_seconds"))),
-        ("compute s", lambda step: _fmt(step.get("compute_seconds"))),
-        ("idle s", lambda step: _fmt(step.get("idle_seconds"))),
-        ("top idle reasons", lambda step: _top_reasons(step.get("idle_breakdown"))),
     ]
+    if _has(steps, "collective_wait_seconds"):
+        # Waiting shown as waiting: own compute + wait + idle (by reason, less the wait) = interval.
+        def idle_less_wait(step: dict) -> dict:
+            return step_split(step).idle_breakdown
+
+        columns += [
+            ("own compute s", lambda step: _fmt(step_split(step).own_compute_seconds)
+             if as_number(step.get("compute_seconds")) is not None else "—"),
+            ("wait s", lambda step: _fmt(step.get("collective_wait_seconds"))),
+            ("idle s", lambda step: _fmt(sum(idle_less_wait(step).values()))
+             if as_number(step.get("idle_seconds")) is not None else "—"),
+            ("top idle reasons", lambda step: _top_reasons(idle_less_wait(step))),
+        ]
+    else:
+        columns += [
+            ("compute s", lambda step: _fmt(step.get("compute_seconds"))),
+            ("idle s", lambda step: _fmt(step.get("idle_seconds"))),
+            ("top idle reasons", lambda step: _top_reasons(step.get("idle_breakdown"))),
+        ]
     if _has(steps, "tokens_per_second"):
         columns.append(("tokens/s", lambda step: _fmt(step.get("tokens_per_second"), ",.0f")))
     if _has(steps, "tflops_per_second"):
@@ -228,7 +244,14 @@ def _panel_grid():
     return grid
 
 
-def _summary_panel(summary: dict, title: str):
+#: How each badput bucket is labelled in the summary (time that was not productive, by why).
+_BUCKET_LABELS = {"collective_wait": "waiting in collectives", "wasted": "badput: wasted",
+                  "downtime": "badput: downtime"}
+
+
+def _summary_panel(summary: dict, job: dict, title: str):
+    """One rank's summary: its wall from the process start, the productive part, step statistics,
+    and the rest of the wall by why (adding up to the wall with the productive part)."""
     from steptrace.analysis._text import markup as escape
     from rich.panel import Panel
 
@@ -237,10 +260,18 @@ def _summary_panel(summary: dict, title: str):
     errors = summary["error_steps"]
     error_text = f"[red]{errors} error{'' if errors == 1 else 's'}[/]" if errors else ""
     grid.add_row("steps", str(summary["steps"]), error_text)
-    grid.add_row("wall", f"{summary['wall_seconds']:.3f} s", "step intervals + time before the first step")
-    grid.add_row("compute", f"{summary['compute_seconds']:.3f} s", "")
-    grid.add_row("goodput", percent_text(summary["goodput"]), "compute / wall")
-    grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
+    wall = job["total_seconds"]
+    attempts = len(job["attempts"])
+    grid.add_row("wall", f"{wall:.3f} s",
+                 "process start → last record" + (f", {attempts} attempts" if attempts > 1 else ""))
+    grid.add_row("productive", f"{job['productive_seconds']:.3f} s",
+                 "own compute of the kept steps" + (" (waiting in collectives excluded)"
+                                                    if summary.get("collective_wait_seconds") is not None else ""))
+    if summary.get("collective_wait_seconds") is not None:
+        grid.add_row("own compute p50 / p90", f"{_fmt(summary['own_compute_p50'])} / "
+                     f"{_fmt(summary['own_compute_p90'])} s", "per step, waiting in collectives excluded")
+    else:
+        grid.add_row("compute p50 / p90", f"{_fmt(summary['compute_p50'])} / {_fmt(summary['compute_p90'])} s", "")
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
     # Rates nobody gave the inputs for (tokens, flops) are left out, not dashes.
     if summary["tokens_per_second"] is not None:
@@ -262,11 +293,24 @@ def _summary_panel(summary: dict, title: str):
         f"{summary['checkpoint_blocking_seconds']:.3f} s",
         f"{summary['checkpoints']} checkpoint{'' if summary['checkpoints'] == 1 else 's'}",
     )
-    wall = summary["wall_seconds"]
-    for reason, seconds in summary["idle_breakdown_totals"].items():
+    # The rest of the wall, by why: with "productive" it adds up to the wall.
+    pieces = [(bucket, seconds) for bucket, seconds in job["badput"].items() if bucket != "custom"]
+    pieces += list(job["custom"].items())
+    for name, seconds in sorted(pieces, key=lambda kv: -kv[1]):
+        if seconds <= 0:
+            continue
         share = f"{seconds / wall * 100:.1f}% of wall" if wall > 0 else ""
-        grid.add_row(f"idle: {escape(reason)}", f"{seconds:.3f} s", share)
+        label = _BUCKET_LABELS.get(name, f"idle: {escape(name)}")
+        if name == "collective_wait":
+            share += " (exposed communication)"
+        grid.add_row(label, f"{seconds:.3f} s", share)
     return Panel(grid, title=title, title_align="left", expand=False)
+
+
+def goodput_line(job: dict) -> str:
+    """The headline: the job's goodput with its parts, and its definition on the line below (rich markup)."""
+    return (f"[bold]Goodput {percent_text(job['goodput'])}[/] = productive {job['productive_seconds']:.3f} s / "
+            f"wall {job['total_seconds']:.3f} s\n[dim]  {job['definition']}[/]")
 
 
 def _attempts_table(job: dict, rank: int):
@@ -283,28 +327,6 @@ def _attempts_table(job: dict, rank: int):
                       f"{attempt['productive_seconds']:.3f}", f"{attempt['badput']['startup']:.3f}",
                       ended if ended == "clean" else f"[yellow]{ended}[/]")
     return table
-
-
-def _job_panel(job: dict, rank: int):
-    from rich.panel import Panel
-
-    grid = _panel_grid()
-    total = job["total_seconds"]
-
-    def share(seconds: float) -> str:
-        return f"{seconds / total * 100:.1f}% of the job" if total > 0 else ""
-
-    grid.add_row("job wall", f"{total:.3f} s", "first process start → last record, every attempt")
-    grid.add_row("productive", f"{job['productive_seconds']:.3f} s", f"goodput {percent_text(job['goodput'])}")
-    for bucket in BUCKETS:
-        seconds = job["badput"][bucket]
-        if seconds > 0:
-            detail = share(seconds)
-            if bucket == "custom" and job["custom"]:
-                detail += " (" + ", ".join(f"{markup(k)} {v:.2f}" for k, v in job["custom"].items()) + ")"
-            grid.add_row(f"badput: {bucket}", f"{seconds:.3f} s", detail)
-    return Panel(grid, title=f"Job goodput across attempts (rank {rank}; docs/goodput.md)", title_align="left",
-                 expand=False)
 
 
 def _stall_panel(view: dict):
@@ -353,33 +375,42 @@ def _flops_rows(summary: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _rank_table(run: Run):
+def _rank_table(run: Run, jobs: dict):
     from steptrace.analysis._text import markup as escape
     from rich.table import Table
 
-    table = Table(title="Per-rank summary", title_justify="left")
+    table = Table(title="Per-rank summary (goodput: each rank's own compute / its wall)", title_justify="left")
     summaries = [(rank, summarize(run.steps(rank), run.checkpoints(rank))) for rank in run.ranks]
-    # Short headers: ten columns must still fit an 80-column terminal. Rates no rank has are left out.
+    # Short headers: the columns must still fit an 80-column terminal. Rates no rank has are left out.
     rates = [key for key in ("tokens_per_second", "tflops_per_second")
              if any(s[key] is not None for _, s in summaries)]
-    headers = ["rank", "steps", "wall s", "goodput", "p50 s"]
+    waits = any(s["collective_wait_seconds"] is not None for _, s in summaries)
+    headers = ["rank", "steps", "wall s", "goodput"] + (["wait s"] if waits else []) + ["compute p50"]
     headers += [{"tokens_per_second": "tok/s", "tflops_per_second": "TFLOP/s"}[key] for key in rates]
     headers += ["top idle", "ckpt s", "errors"]
     for name in headers:
         table.add_column(name, justify="left" if name == "top idle" else "right")
     for rank, s in summaries:
-        top = next(iter(s["idle_breakdown_totals"].items()), None)
+        job = jobs.get(rank)
+        # The largest reason the rank was idle, from its accounting (start-up from the process start).
+        idle = ({**{b: v for b, v in job["badput"].items() if b not in ("custom", "collective_wait")},
+                 **job["custom"]} if job else s["idle_breakdown_totals"])
+        top = max(((k, v) for k, v in idle.items() if v > 0), key=lambda kv: kv[1], default=None)
         table.add_row(
             str(rank),
             str(s["steps"]),
-            f"{s['wall_seconds']:.3f}",
-            percent_text(s["goodput"]),
-            _fmt(s["compute_p50"]),
+            "—" if job is None else f"{job['total_seconds']:.3f}",
+            "—" if job is None else percent_text(job["goodput"]),
+            *([_fmt(s["collective_wait_seconds"])] if waits else []),
+            _fmt(s["own_compute_p50"] if waits else s["compute_p50"]),
             *(_fmt(s[key], ",.0f" if key == "tokens_per_second" else ".2f") for key in rates),
             f"{escape(top[0])} {top[1]:.2f}" if top else "",
             f"{s['checkpoint_blocking_seconds']:.3f}",
             f"[red]{s['error_steps']}[/]" if s["error_steps"] else "0",
         )
+    if waits:
+        table.steptrace_note = ("[dim]wait s: time waiting for other ranks in collectives (exposed communication), "
+                                "not the rank's productive time; compute p50: its own compute per step[/]")
     return table
 
 
@@ -449,7 +480,8 @@ def _cluster_panel(summary: dict):
     grid.add_row("skew p50 / p90", f"{_fmt(summary['skew_p50'])} / {_fmt(summary['skew_p90'])} s",
                  "max − min compute over ranks, complete steps")
     grid.add_row("skew max", f"{_fmt(summary['skew_max'])} s", "")
-    grid.add_row("goodput", percent_text(summary["goodput"]), "all ranks: Σcompute / Σinterval")
+    grid.add_row("compute share of steps", percent_text(summary["compute_share_of_steps"]),
+                 "all ranks: Σ own compute / Σ interval of the joined steps (not goodput: no time outside steps)")
     for rank, count in list(summary["straggler_steps"].items())[:8]:
         share = f"{count / complete * 100:.0f}% of complete steps" if complete else ""
         grid.add_row(f"straggler: rank {markup(rank)}", f"{count} step{'' if count == 1 else 's'}", share)
@@ -505,19 +537,21 @@ def render_report(
         steps = run.steps(rank)
         checkpoints = run.checkpoints(rank)
         summary = summarize(steps, checkpoints)
+        job = job_goodput(run.records_by_rank)
+        mine = job["ranks"].get(rank) or job_accounting(run.records_by_rank.get(rank, []))
         if steps:
             _print_table(console, _step_table(steps, rank, max_rows))
         else:
             console.print(f"[yellow]no step records for rank {rank}[/]")
         if checkpoints:
             console.print(_checkpoint_table(checkpoints, rank))
-        console.print(_summary_panel(summary, f"Summary (rank {rank})"))
-        job = job_accounting(run.records_by_rank.get(rank, []))
-        if len(job["attempts"]) > 1:
-            console.print(_attempts_table(job, rank))
-            console.print(_job_panel(job, rank))
+        console.print(_summary_panel(summary, mine, f"Summary (rank {rank})"))
+        if len(mine["attempts"]) > 1:
+            console.print(_attempts_table(mine, rank))
         if len(run.ranks) > 1:
-            console.print(_rank_table(run))
+            _print_table(console, _rank_table(run, job["ranks"]))
+        if job["ranks"]:
+            console.print(goodput_line(job))
         stalls = job_view(run)
         if stalls is not None:
             console.print(_stall_panel(stalls))
@@ -624,20 +658,35 @@ def run_report(args: argparse.Namespace) -> int:
     if args.json:
         summary = summarize(run.steps(rank), run.checkpoints(rank)) if rank is not None else {}
         cluster_steps = run.cluster_steps()
+        job = job_goodput(run.records_by_rank) if rank is not None else None
+        mine = (job["ranks"].get(rank) if job else None) or (
+            job_accounting(run.records_by_rank[rank]) if rank is not None else None)
         payload = {
             "run_id": run.run_id,
             "path": str(run.path),
             "rank": rank,
             "ranks": run.ranks,
+            # The one goodput: the job's (every rank), with what it divides (docs/goodput.md)
+            "goodput": job["goodput"] if job else None,
+            "goodput_definition": job["definition"] if job else None,
             **summary,
+            # the shown rank: its wall from the process start and its productive part
+            "wall_seconds": mine["total_seconds"] if mine else None,
+            "productive_seconds": mine["productive_seconds"] if mine else None,
+            # each rank's own goodput, productive time and wait in collectives
+            "per_rank": {str(r): _rank_json(run, r, a) for r, a in job["ranks"].items()} if job else {},
             "dropped": run.dropped,
             "warnings": run.warnings,
             # null when no collector joined the run
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
             # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
             "stalls": job_view(run) if run.ranks else None,
-            # every second of the job across attempts (docs/goodput.md); null without rank files
-            "job": job_accounting(run.records_by_rank[rank]) if rank is not None else None,
+            # every second of the job across attempts and ranks (docs/goodput.md), with the shown
+            # rank's attempts; null without rank files
+            "job": ({**{k: v for k, v in job.items() if k != "ranks"}, "ranks": len(job["ranks"]),
+                     "attempts": mine["attempts"] if mine else [],
+                     "kept_steps": mine["kept_steps"] if mine else 0,
+                     "wasted_steps": mine["wasted_steps"] if mine else 0} if job else None),
         }
         stragglers = _stragglers(run)
         payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}
@@ -660,6 +709,21 @@ def run_report(args: argparse.Namespace) -> int:
         # Keep stdout pure JSON in --json mode.
         print(f"wrote {written}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _rank_json(run: Run, rank: int, accounting: dict) -> dict:
+    """One rank's entry of ``report --json``'s ``per_rank``."""
+    summary = summarize(run.steps(rank), run.checkpoints(rank))
+    return {
+        "goodput": accounting["goodput"],
+        "wall_seconds": accounting["total_seconds"],
+        "productive_seconds": accounting["productive_seconds"],
+        "steps": summary["steps"],
+        "compute_seconds": summary["compute_seconds"],
+        "own_compute_seconds": summary["own_compute_seconds"],
+        "collective_wait_seconds": summary["collective_wait_seconds"],
+        "idle_seconds": summary["idle_seconds"],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

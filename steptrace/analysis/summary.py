@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
+from steptrace._attribution import StepSplit, split_step
+
+
 def as_number(value: Any) -> float | None:
     """Return *value* as a float if it is a real number (bools excluded), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -34,29 +37,61 @@ def present_values(records: Iterable[dict], key: str) -> list[float]:
     return [v for v in (as_number(r.get(key)) for r in records) if v is not None]
 
 
+def _seconds_by_name(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        return {}
+    numbers = {str(k): as_number(v) for k, v in value.items()}
+    return {k: v for k, v in numbers.items() if v is not None}
+
+
+def step_split(step: dict) -> StepSplit:
+    """A step record as own compute + wait in collectives + host idle by reason (adding up to its
+    interval; :func:`steptrace._attribution.split_step`), read defensively from a record dict."""
+    wait_idle = step.get("collective_wait_idle_breakdown")
+    return split_step(as_number(step.get("compute_seconds")) or 0.0, _seconds_by_name(step.get("idle_breakdown")),
+                      as_number(step.get("collective_wait_seconds")), as_number(step.get("own_compute_seconds")),
+                      _seconds_by_name(wait_idle) if isinstance(wait_idle, dict) else None)
+
+
 def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
     """Aggregate step and checkpoint records of one rank into a summary dict.
 
     Rates that need optional fields (tokens, flops, mfu) are None when no step
-    carries them; they are computed only over the steps that do. The wall time is the step
-    intervals plus the time before the first step (``before_step_seconds``: an eval before
-    step 0, start-up), so nothing the host spent is dropped from the account.
+    carries them; they are computed only over the steps that do. The steps split into own compute
+    (``own_compute_seconds``), time waiting for other ranks in collectives
+    (``collective_wait_seconds``, None where no step measured it) and host idle by reason
+    (``idle_breakdown_totals``, with the time before the first step, ``before_steps_seconds``).
+    Goodput is not here: it divides by the wall from the process start, which step records alone
+    do not hold (:mod:`steptrace.analysis.goodput`); ``compute_share_of_steps`` is Σ own compute /
+    Σ interval, a different ratio.
     """
     before = _sum_field(steps, "before_step_seconds")
-    wall = _sum_field(steps, "interval_seconds") + before
+    interval = _sum_field(steps, "interval_seconds")
     compute = _sum_field(steps, "compute_seconds")
 
     idle_totals: dict[str, float] = {}
+    own_compute = 0.0
+    wait = 0.0
+    host_idle = 0.0
+    own_computes = []
     for step in steps:
-        for field in ("idle_breakdown", "before_step_breakdown"):
-            breakdown = step.get(field)
-            if isinstance(breakdown, dict):
-                for reason, seconds in breakdown.items():
-                    value = as_number(seconds)
-                    if value is not None:
-                        idle_totals[reason] = idle_totals.get(reason, 0.0) + value
+        split = step_split(step)
+        own_compute += split.own_compute_seconds
+        if as_number(step.get("compute_seconds")) is not None:
+            own_computes.append(split.own_compute_seconds)
+        wait += split.collective_wait_seconds
+        for reason, seconds in split.idle_breakdown.items():
+            idle_totals[reason] = idle_totals.get(reason, 0.0) + seconds
+            host_idle += seconds
+        breakdown = step.get("before_step_breakdown")
+        if isinstance(breakdown, dict):
+            for reason, seconds in breakdown.items():
+                value = as_number(seconds)
+                if value is not None:
+                    idle_totals[reason] = idle_totals.get(reason, 0.0) + value
     # Largest first: that is the order people read them in.
     idle_totals = dict(sorted(idle_totals.items(), key=lambda kv: -kv[1]))
+    measured = any(as_number(s.get("collective_wait_seconds")) is not None for s in steps)
 
     with_tokens = [s for s in steps if as_number(s.get("tokens")) is not None]
     token_time = _sum_field(with_tokens, "interval_seconds")
@@ -67,15 +102,20 @@ def summarize(steps: Sequence[dict], checkpoints: Sequence[dict] = ()) -> dict:
     return {
         "steps": len(steps),
         "error_steps": sum(1 for s in steps if s.get("status") == "error"),
-        "wall_seconds": wall,
+        "interval_seconds": interval,
         "compute_seconds": compute,
-        "idle_seconds": _sum_field(steps, "idle_seconds"),
+        "own_compute_seconds": own_compute,
+        "collective_wait_seconds": wait if measured else None,
+        # host idle within the steps, less the wait in collectives that fell in it
+        "idle_seconds": host_idle,
         "before_steps_seconds": before,
-        "goodput": compute / wall if wall > 0 else None,
+        "compute_share_of_steps": own_compute / interval if interval > 0 else None,
         "idle_breakdown_totals": idle_totals,
         "compute_p50": percentile(present_values(steps, "compute_seconds"), 50),
         "compute_p90": percentile(present_values(steps, "compute_seconds"), 90),
         "interval_p50": percentile(present_values(steps, "interval_seconds"), 50),
+        "own_compute_p50": percentile(own_computes, 50),
+        "own_compute_p90": percentile(own_computes, 90),
         "tokens_per_second": (
             _sum_field(with_tokens, "tokens") / token_time
             if with_tokens and token_time > 0
@@ -149,7 +189,9 @@ def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
                 if isinstance(rank, int) and not isinstance(rank, bool):
                     missing[rank] = missing.get(rank, 0) + 1
     skews = present_values(complete, "skew_seconds")
-    compute = _sum_field(steps, "compute_sum_seconds")
+    # The ranks' own compute where they measured their wait in collectives (records written before
+    # own_compute_sum_seconds existed: their compute).
+    compute = sum(as_number(s.get("own_compute_sum_seconds", s.get("compute_sum_seconds"))) or 0.0 for s in steps)
     interval = _sum_field(steps, "interval_sum_seconds")
     world_sizes = [int(w) for w in present_values(steps, "world_size")]
     return {
@@ -165,7 +207,9 @@ def summarize_cluster(steps: Sequence[dict], late: Sequence[dict] = ()) -> dict:
         "skew_p90": percentile(skews, 90),
         "skew_max": max(skews) if skews else None,
         "compute_median_p50": percentile(present_values(complete, "compute_median_seconds"), 50),
-        "goodput": compute / interval if interval > 0 else None,
+        # Σ own compute / Σ interval over the joined steps' ranks: not goodput (no process start, no
+        # time outside steps), named apart.
+        "compute_share_of_steps": compute / interval if interval > 0 else None,
     }
 
 
