@@ -149,9 +149,13 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
         if not config.enabled:
             _install(_Disabled(warn_uninitialised=False))
             return config
-        from steptrace._attempts import record_attempt, settle_attempt
+        from steptrace._attempts import record_attempt, settle_attempt, settle_run_id
+        from steptrace._config import warn_once
         from steptrace._devices import Backends
 
+        config, repeated = settle_run_id(config)
+        if repeated:
+            warn_once(repeated, stacklevel=3)
         config = _active_config = settle_attempt(config)
         backends = Backends(config.backend)
         built = _build_sinks(config)

@@ -106,6 +106,9 @@ class Config:
     enabled: bool = True
     run_dir: str = "steptrace-runs"
     run_id: str = ""
+    # Where the run id came from: code | env | launcher:TORCHELASTIC_RUN_ID | launcher:SLURM_JOB_ID |
+    # torchelastic_agent | generated (see _run_id).
+    run_id_source: str = "generated"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -227,7 +230,8 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
     Raises ``ValueError`` naming the offending argument or variable.
     """
     env = dict(os.environ if environ is None else environ)
-    unknown = set(code) - {f.name for f in dataclasses.fields(Config)} | ({"attempt_source"} & set(code))
+    unknown = set(code) - {f.name for f in dataclasses.fields(Config)} | ({"attempt_source", "run_id_source"}
+                                                                          & set(code))
     if unknown:
         raise ValueError(f"init() got unknown argument(s): {', '.join(sorted(unknown))}")
     _warn_unknown_variables(env)
@@ -241,22 +245,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                         _env_int("WORLD_SIZE", env), _jax_process("num_processes"), 1)
     local_rank = _first(code.get("local_rank"), _env_int(ENV_LOCAL_RANK, env),
                         _env_int("LOCAL_RANK", env), rank if world_size == 1 else None, 0)
-    run_id = _first(code.get("run_id"), env.get(ENV_RUN_ID) or None, env.get("TORCHELASTIC_RUN_ID") or None)
-    if run_id is None:
-        run_id = generate_run_id()
-        if world_size > 1:
-            # Ranks cannot agree on a random id without talking to each other.
-            import warnings
-
-            from steptrace._errors import SteptraceWarning
-
-            warnings.warn(
-                f"world_size={world_size} but no run_id was given: each rank generated its own "
-                f"({run_id}). Pass init(run_id=...) or set {ENV_RUN_ID} so ranks share one trace.",
-                SteptraceWarning,
-                stacklevel=3,
-            )
-
+    run_id, run_id_source = _run_id(code.get("run_id"), env, world_size)
     attempt, attempt_source = _attempt(code.get("attempt"), env)
     config = Config(
         attempt=attempt,
@@ -264,6 +253,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         enabled=bool(enabled),
         run_dir=str(_first(code.get("run_dir"), env.get(ENV_RUN_DIR) or None, "steptrace-runs")),
         run_id=str(run_id),
+        run_id_source=run_id_source,
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
@@ -300,6 +290,58 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
     )
     _validate(config)
     return config
+
+
+#: Fallback messages already given by this process: each once, however often init() runs.
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 5) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, SteptraceWarning, stacklevel=stacklevel)
+
+
+def _run_id(code_value: Any, env: dict[str, str], world_size: int) -> tuple[Any, str]:
+    """The run id and where it came from: code, ``STEPTRACE_RUN_ID``, the launcher (never its
+    placeholder, see :func:`steptrace._attempts.launch_run_id`), else generated for this process.
+
+    One launch is one run unless the user or the launcher names the run: a run id derived from
+    the launch changes with it, so a second launch is never filed as a restart of the first.
+    """
+    if code_value is not None:
+        return code_value, "code"
+    if env.get(ENV_RUN_ID):
+        return env[ENV_RUN_ID], "env"
+    from ._attempts import launch_run_id
+
+    launched = launch_run_id(env)
+    if launched is not None:
+        run_id, source = launched
+        if source == "torchelastic_agent":
+            several_nodes = (_env_int("GROUP_WORLD_SIZE", env) or 1) > 1
+            warn_once(
+                f"TORCHELASTIC_RUN_ID is {env.get('TORCHELASTIC_RUN_ID')!r} (torchrun without --rdzv-id): this launch "
+                f"is run {run_id!r}, named after its torchrun agent, and a relaunch is a new run (the agent's own "
+                f"restarts stay attempts of this one). "
+                + ("Ranks on other nodes have other agents, so other run ids: pass --rdzv-id=ID or set "
+                   f"{ENV_RUN_ID} so all ranks share one. " if several_nodes else "")
+                + f"To resume a run across launches, give its id: --rdzv-id or {ENV_RUN_ID} (docs/goodput.md).")
+        return run_id, source
+    run_id = generate_run_id()
+    if world_size > 1:
+        # Ranks cannot agree on a random id without talking to each other.
+        warnings.warn(
+            f"world_size={world_size} but no run_id was given: each rank generated its own "
+            f"({run_id}). Pass init(run_id=...) or set {ENV_RUN_ID} so ranks share one trace.",
+            SteptraceWarning,
+            stacklevel=4,
+        )
+    elif env.get("TORCHELASTIC_RUN_ID") is not None:
+        warn_once(f"TORCHELASTIC_RUN_ID is {env['TORCHELASTIC_RUN_ID']!r} (torchrun without --rdzv-id) and the "
+                  f"torchrun agent cannot be identified: this process is run {run_id!r}. Pass --rdzv-id=ID or "
+                  f"set {ENV_RUN_ID} (docs/goodput.md).")
+    return run_id, "generated"
 
 
 def _attempt(code_value: Any, env: dict[str, str]) -> tuple[Any, str]:

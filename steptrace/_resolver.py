@@ -85,11 +85,12 @@ class RunStart:
 class AttemptStart:
     """Queued at init(): the resolver writes the ``attempt`` record (process start, attempt source)."""
 
-    __slots__ = ("init_time", "source")
+    __slots__ = ("init_time", "source", "run_id_source")
 
-    def __init__(self, init_time: float, source: str):
+    def __init__(self, init_time: float, source: str, run_id_source: str):
         self.init_time = init_time
         self.source = source
+        self.run_id_source = run_id_source
 
 
 class _Tail:
@@ -143,7 +144,7 @@ class Resolver:
         self._busy = False
         # This process start of the run, written first (the step records of a crashed attempt
         # still say which attempt they belong to, and the accounting when it started).
-        self._queue.append(AttemptStart(self.started, config.attempt_source))
+        self._queue.append(AttemptStart(self.started, config.attempt_source, config.run_id_source))
         self._device_kind: str | None = None
         self._warned_no_peak = False
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
@@ -352,7 +353,8 @@ class Resolver:
             init_unix = item.init_time + self.unix_offset
             self._emit([self.records.attempt_started(
                 process_start=init_unix if started is None or started > init_unix else started,
-                init_time=item.init_time, source=item.source, pid=os.getpid(), hostname=socket.gethostname())])
+                init_time=item.init_time, source=item.source, pid=os.getpid(), hostname=socket.gethostname(),
+                run_id_source=item.run_id_source)])
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 

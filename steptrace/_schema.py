@@ -215,6 +215,7 @@ class AttemptRecord(_Common):
     start_time: float  # the process start (Linux /proc), else init()
     init_time: float
     attempt_source: str  # where the attempt number came from: code, env, launcher, run_dir, default
+    run_id_source: str  # where the run id came from: code, env, launcher:<VAR>, torchelastic_agent, generated
     pid: int
     hostname: str
 
@@ -400,11 +401,11 @@ class RecordBuilder:
                 "devices": facts["devices"], "git_commit": facts["git_commit"], "tags": facts["tags"]}
 
     def attempt_started(self, *, process_start: float, init_time: float, source: str, pid: int,
-                        hostname: str) -> AttemptRecord:
+                        hostname: str, run_id_source: str = "generated") -> AttemptRecord:
         """``process_start`` is unix seconds already; ``init_time`` a ``perf_counter`` time."""
         return {"type": "attempt", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
                 "world_size": self.world_size, "start_time": process_start, "init_time": init_time + self.unix_offset,
-                "attempt_source": source, "pid": pid, "hostname": hostname}
+                "attempt_source": source, "run_id_source": run_id_source, "pid": pid, "hostname": hostname}
 
     def stall(self, *, step: int, in_step: bool, span: str | None, open_seconds: float, threshold_seconds: float,
               start: float, threads: list[dict[str, Any]], collectives: list[dict[str, Any]] | None,

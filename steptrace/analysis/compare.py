@@ -17,8 +17,16 @@ relative difference, and a verdict:
   ``--a``/``--b``), each run is one sample and the test weighs the difference against the
   run-to-run spread;
 * ``noise``: no change beyond the noise, or a difference below ``min_effect``;
+* ``machine changed``: one run a side recorded one after the other, whose control (spans the change
+  leaves alone: ``eval`` by default) moved as the steps did; the speed rows are judged net of the
+  machine (:func:`_against_control`) and nothing is left beyond what a machine change does to
+  different code;
 * ``—``: a metric with one value per run (totals, final loss) has no per-step distribution to
   test; its difference is shown without a verdict.
+
+Every tested row carries the confidence interval of its relative change (:class:`Change`) and the
+smallest change the comparison could detect; :func:`headline` says the ``--metric`` row's verdict
+in words, and ``--fail-on-regression`` acts on exactly that verdict.
 
 Steady state, by construction: a step counts when its status is ``ok``, it is not the rank's
 first step (which carries compilation and warm-up), and no compile, checkpoint or eval time fell
@@ -36,11 +44,12 @@ table: a difference there is often the explanation.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -49,8 +58,9 @@ from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
 from steptrace.analysis.goodput import job_goodput
 from steptrace.analysis.summary import as_number, present_values, percentile, step_split
 
-__all__ = ["Row", "block_test_p", "block_values", "compare_runs", "mann_whitney_p", "paired_block_test_p",
-           "runs_test_p", "steady_steps", "t_test_p", "add_compare_arguments", "run_compare", "main"]
+__all__ = ["Change", "Row", "block_change", "block_test_p", "block_values", "compare_runs", "headline",
+           "mann_whitney_p", "paired_block_change", "paired_block_test_p", "runs_change", "runs_test_p", "steady_steps",
+           "t_quantile", "t_test_p", "add_compare_arguments", "run_compare", "main"]
 
 #: Idle reasons that make a step not steady-state.
 UNSTEADY_REASONS = ("compile", "checkpoint", "eval")
@@ -147,6 +157,68 @@ def t_test_p(t: float, df: float) -> float:
     return max(0.0, min(1.0, _betainc(df / 2.0, 0.5, df / (df + t * t))))
 
 
+def t_quantile(p: float, df: float) -> float:
+    """The t ≥ 0 whose two-sided p-value with *df* degrees of freedom is *p* (inverse of :func:`t_test_p`)."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    low, high = 0.0, 1.0
+    while t_test_p(high, df) > p and high < 1e12:
+        low, high = high, high * 2
+    for _ in range(100):
+        middle = (low + high) / 2
+        if t_test_p(middle, df) > p:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+#: The power at which :meth:`Change.detectable` states the smallest change a comparison could find.
+DETECTION_POWER = 0.8
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change B − A as a test estimated it: *diff* on the log scale when *log* (a ratio: every value
+    was positive), else in the row's unit, with its standard error *se* and *df* degrees of freedom
+    (Welch–Satterthwaite, or the count of windows or runs less one)."""
+
+    diff: float
+    se: float
+    df: float
+    log: bool
+
+    def p(self) -> float:
+        """Two-sided p-value that the change is 0."""
+        if self.se <= 0:
+            return 1.0 if self.diff == 0 else 0.0
+        return t_test_p(self.diff / self.se, self.df)
+
+    def interval(self, alpha: float) -> tuple[float, float]:
+        """The 1 − *alpha* confidence interval of *diff*: it excludes 0 exactly when p < *alpha*."""
+        half = t_quantile(alpha, self.df) * self.se if self.se > 0 else 0.0
+        return self.diff - half, self.diff + half
+
+    def detectable(self, alpha: float, power: float = DETECTION_POWER) -> float:
+        """The smallest |diff| this comparison finds (p < *alpha*) with probability *power*: the
+        minimum detectable effect, (t_{1−α/2} + t_{power}) × se."""
+        return (t_quantile(alpha, self.df) + t_quantile(2 * (1 - power), self.df)) * self.se
+
+    def relative(self, value: float, a: float | None) -> float | None:
+        """*value* on the scale of *diff* as a relative change of A's value *a*."""
+        if self.log:
+            return math.expm1(value)
+        return None if a is None or a == 0 else value / abs(a)
+
+    def minus(self, other: "Change") -> "Change":
+        """This change less *other* (both ratios): what is left of it once *other* is taken out. Its
+        degrees of freedom are Welch–Satterthwaite's for the two standard errors."""
+        spread = self.se ** 2 + other.se ** 2
+        terms = (self.se ** 4 / self.df if self.se > 0 else 0.0) + (other.se ** 4 / other.df if other.se > 0 else 0.0)
+        df = max(1.0, spread ** 2 / terms) if terms > 0 else max(1.0, min(self.df, other.df))
+        return Change(self.diff - other.diff, math.sqrt(spread), df, self.log and other.log)
+
+
 def _variance(values: Sequence[float]) -> float:
     mean = sum(values) / len(values)
     return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
@@ -222,6 +294,11 @@ def _logs(a: list[float], b: list[float]) -> tuple[list[float], list[float]]:
     return a, b
 
 
+def _positive(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether :func:`_logs` takes these samples' logarithms (their change is then a ratio)."""
+    return all(v > 0 for v in a) and all(v > 0 for v in b)
+
+
 def _mean_or_none(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -233,25 +310,33 @@ def block_test_p(a: Sequence[float], b: Sequence[float],
     autocorrelation: a Welch t-test on block values (:func:`block_values`; their logarithms when all
     are positive), each side's variance widened by its blocks' lag-1 autocorrelation. None with
     fewer than 2 blocks on a side."""
-    blocks_a, blocks_b = _logs(block_values(a, summary, max_blocks, min_block),
-                               block_values(b, summary, max_blocks, min_block))
-    if len(blocks_a) < 2 or len(blocks_b) < 2:
+    change = block_change(a, b, summary, max_blocks, min_block)
+    return None if change is None else change.p()
+
+
+def block_change(a: Sequence[float], b: Sequence[float],
+                 summary: Callable[[Sequence[float]], float | None] = _mean_or_none,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> "Change | None":
+    """The change B − A that :func:`block_test_p` tests, with its standard error and degrees of
+    freedom (log scale when every block value is positive). None with fewer than 2 blocks a side."""
+    raw_a, raw_b = block_values(a, summary, max_blocks, min_block), block_values(b, summary, max_blocks, min_block)
+    if len(raw_a) < 2 or len(raw_b) < 2:
         return None
+    blocks_a, blocks_b = _logs(raw_a, raw_b)
     (var_a, n_a), (var_b, n_b) = _side_spread(blocks_a), _side_spread(blocks_b)
-    return _welch(sum(blocks_a) / len(blocks_a), var_a, n_a, sum(blocks_b) / len(blocks_b), var_b, n_b)
+    return _welch_change(sum(blocks_a) / len(blocks_a), var_a, n_a, sum(blocks_b) / len(blocks_b), var_b, n_b,
+                         log=_positive(raw_a, raw_b))
 
 
-def _welch(mean_a: float, var_a: float, n_a: float, mean_b: float, var_b: float, n_b: float) -> float:
+def _welch_change(mean_a: float, var_a: float, n_a: float, mean_b: float, var_b: float, n_b: float, *,
+                  log: bool) -> "Change":
     """Welch's test from each side's mean, the variance of that mean and its (effective) count."""
     spread = var_a + var_b
-    if spread <= 0:
-        return 1.0 if mean_a == mean_b else 0.0
-    t = (mean_b - mean_a) / math.sqrt(spread)
     # Welch–Satterthwaite degrees of freedom, at least 1.
     terms = (var_a ** 2 / max(n_a - 1, 1e-9) if var_a > 0 else 0.0) + (var_b ** 2 / max(n_b - 1, 1e-9) if var_b > 0
                                                                         else 0.0)
     df = max(1.0, spread ** 2 / terms) if terms > 0 else 1.0
-    return t_test_p(t, df)
+    return Change(mean_b - mean_a, math.sqrt(max(spread, 0.0)), df, log)
 
 
 def paired_block_test_p(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]],
@@ -265,6 +350,14 @@ def paired_block_test_p(a: Sequence[tuple[float, float]], b: Sequence[tuple[floa
     autocorrelation like :func:`block_test_p`'s. A slow spell of the machine slows both runs in
     the same window and cancels. Windows hold equal numbers of steps, not equal time, so that a
     window in a slow spell still holds both runs' steps. None with fewer than 2 windows."""
+    change = paired_block_change(a, b, summary, max_blocks, min_block)
+    return None if change is None else change.p()
+
+
+def paired_block_change(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]],
+                        summary: Callable[[Sequence[float]], float | None] = _mean_or_none,
+                        max_blocks: int = DEFAULT_MAX_BLOCKS, min_block: int = DEFAULT_MIN_BLOCK) -> "Change | None":
+    """The change B − A (mean of the windows' log ratios) that :func:`paired_block_test_p` tests."""
     if not a or not b:
         return None
     start = max(min(t for t, _ in a), min(t for t, _ in b))
@@ -285,30 +378,31 @@ def paired_block_test_p(a: Sequence[tuple[float, float]], b: Sequence[tuple[floa
     if len(differences) < 2:
         return None
     variance, k = _side_spread(differences)
-    mean = sum(differences) / len(differences)
-    if variance <= 0:
-        return 1.0 if mean == 0 else 0.0
-    return t_test_p(mean / math.sqrt(variance), k - 1)
+    return Change(sum(differences) / len(differences), math.sqrt(max(variance, 0.0)), k - 1, positive)
 
 
 def runs_test_p(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Two-sided p-value that per-run values *a* and *b* (one per seed or repeat) differ: Welch's
     t-test when both sides have 2 or more runs, else Student's with the pooled run-to-run spread
     (one run against several). None with 3 runs or fewer in all, or one run on each side."""
+    change = runs_change(a, b)
+    return None if change is None else change.p()
+
+
+def runs_change(a: Sequence[float], b: Sequence[float]) -> "Change | None":
+    """The change B − A of per-run values that :func:`runs_test_p` tests."""
     n_a, n_b = len(a), len(b)
     if n_a + n_b < 3 or n_a < 1 or n_b < 1:
         return None
+    log = _positive(a, b)
     a, b = _logs(list(a), list(b))
     mean_a, mean_b = sum(a) / n_a, sum(b) / n_b
     if n_a >= 2 and n_b >= 2:
-        return _welch(mean_a, _variance(a) / n_a, n_a, mean_b, _variance(b) / n_b, n_b)
+        return _welch_change(mean_a, _variance(a) / n_a, n_a, mean_b, _variance(b) / n_b, n_b, log=log)
     squares = sum((v - mean_a) ** 2 for v in a) + sum((v - mean_b) ** 2 for v in b)
     df = n_a + n_b - 2
-    pooled = squares / df
-    spread = pooled * (1 / n_a + 1 / n_b)
-    if spread <= 0:
-        return 1.0 if mean_a == mean_b else 0.0
-    return t_test_p((mean_b - mean_a) / math.sqrt(spread), df)
+    spread = squares / df * (1 / n_a + 1 / n_b)
+    return Change(mean_b - mean_a, math.sqrt(max(spread, 0.0)), df, log)
 
 
 # -- what is compared --------------------------------------------------------------------------
@@ -336,6 +430,14 @@ class Row:
     lower_is_better: bool | None = True  # None: no direction (a count)
     p_value: float | None = None
     verdict: str = "—"
+    # The relative change's confidence interval (1 − alpha) and the smallest relative change the
+    # comparison could detect (power DETECTION_POWER), where a test ran.
+    ci_low: float | None = None
+    ci_high: float | None = None
+    detectable: float | None = None
+    # Against the control (a single pair whose control moved): see _against_control.
+    machine: dict[str, Any] | None = None
+    change: "Change | None" = field(default=None, repr=False, compare=False)
 
     @property
     def diff(self) -> float | None:
@@ -347,8 +449,18 @@ class Row:
             return None
         return (self.b - self.a) / abs(self.a)
 
+    @property
+    def effect(self) -> float | None:
+        """The relative change the verdict is about: the code's, net of the machine, where the
+        control moved (``machine``); else B − A relative to A."""
+        if self.machine is not None:
+            return self.machine["code_relative"]
+        return self.relative
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "diff": self.diff, "relative": self.relative}
+        data = asdict(self)
+        data.pop("change")
+        return {**data, "diff": self.diff, "relative": self.relative, "effect": self.effect}
 
 
 def _per_step(steps: Sequence[dict], fn: Callable[[dict], float | None]) -> list[float]:
@@ -415,7 +527,13 @@ class _Side:
         self.cluster = [s for s in run.cluster_steps() if s.get("complete", True)]
 
 
-def _verdict(row: Row, alpha: float, min_effect: float) -> Row:
+def _verdict(row: Row, alpha: float, min_effect: float, change: Change | None = None) -> Row:
+    if change is not None:
+        row.change = change
+        row.p_value = change.p()
+        low, high = change.interval(alpha)
+        row.ci_low, row.ci_high = change.relative(low, row.a), change.relative(high, row.a)
+        row.detectable = change.relative(change.detectable(alpha), row.a)
     if row.p_value is None or row.relative is None:
         row.verdict = "—" if row.p_value is None else "noise"
     elif row.p_value < alpha and abs(row.relative) >= min_effect:
@@ -438,15 +556,14 @@ def _tested(metric: str, label: str, a_runs: list[list[float]], b_runs: list[lis
     if len(a_runs) == 1 and len(b_runs) == 1:
         row = Row(metric, label, summary(a_runs[0]), summary(b_runs[0]), unit, lower_is_better)
         if timed is not None:
-            row.p_value = paired_block_test_p(*timed, summary, min_block=min_block)
+            change = paired_block_change(*timed, summary, min_block=min_block)
         else:
-            row.p_value = block_test_p(a_runs[0], b_runs[0], summary, min_block=min_block)
-        return _verdict(row, alpha, min_effect)
+            change = block_change(a_runs[0], b_runs[0], summary, min_block=min_block)
+        return _verdict(row, alpha, min_effect, change)
     per_run_a = [v for v in map(summary, a_runs) if v is not None]
     per_run_b = [v for v in map(summary, b_runs) if v is not None]
     row = Row(metric, label, _mean(per_run_a), _mean(per_run_b), unit, lower_is_better)
-    row.p_value = runs_test_p(per_run_a, per_run_b)
-    return _verdict(row, alpha, min_effect)
+    return _verdict(row, alpha, min_effect, runs_change(per_run_a, per_run_b))
 
 
 #: Two runs whose steady steps share this much of the shorter one's time span, on one host, were
@@ -469,6 +586,120 @@ def _concurrent(a: _Side, b: _Side) -> bool:
     return shorter > 0 and min(a1, b1) - max(a0, b0) >= CONCURRENT_OVERLAP * shorter
 
 
+#: Spans taken as controls when none are named: an eval runs the same code on both sides of most changes.
+DEFAULT_CONTROLS = ("eval",)
+#: A control needs this many spans in each run to be tested (and so used).
+MIN_CONTROL_SAMPLES = 3
+#: Rows judged net of the machine where the control moved, with the direction in which a slower
+#: machine moves them: times up (+1), throughput down (−1).
+MACHINE_ROWS = {"interval_median": 1, "interval_mean": 1, "compute_median": 1, "compute_mean": 1,
+                "tokens_per_second": -1, "tflops_per_second": -1, "mfu": -1, "hfu": -1}
+#: A machine change does not slow every piece of code alike: beyond --min-effect, the code's
+#: effect must exceed this fraction of the control's change (in log terms) to be called the code's.
+#: Measured by bench/bench_compare.py (docs/compare.md): where the machine moved by 70 % or more,
+#: the steps' and the eval's log changes (same code) differed by 2 % to 25 % of the eval's.
+MACHINE_HETEROGENEITY = 0.25
+
+
+def _control_samples(side: _Side, name: str) -> list[float]:
+    """The durations of the side's *name* spans (default rank), in the order they ran."""
+    if side.rank is None:
+        return []
+    spans = sorted((s for s in side.run.records("span", side.rank) if s.get("name") == name),
+                   key=lambda s: as_number(s.get("start_time")) or 0.0)
+    return [v for v in (as_number(s.get("seconds")) for s in spans) if v is not None and v > 0]
+
+
+def _control_rows(As: list[_Side], Bs: list[_Side], names: tuple[str, ...], alpha: float) -> list[tuple[str, Row]]:
+    """A row per control span name that both sides ran: its median and the test of its change,
+    each span one sample (a control runs every so many steps: far apart, like checkpoint saves).
+    A row without enough spans (MIN_CONTROL_SAMPLES a run) is shown with no verdict and not used."""
+    out = []
+    for name in names:
+        a = [_control_samples(side, name) for side in As]
+        b = [_control_samples(side, name) for side in Bs]
+        if not any(a) or not any(b):
+            continue
+        label = f"control: {name}, median"
+        if len(As) == 1 and len(Bs) == 1:
+            row = Row(f"control_{name}", label, _median(a[0]), _median(b[0]), "s", True)
+            if min(len(a[0]), len(b[0])) >= MIN_CONTROL_SAMPLES:
+                row = _verdict(row, alpha, 0.0, block_change(a[0], b[0], _median, min_block=1))
+        else:
+            per_a = [v for v in map(_median, a) if v is not None]
+            per_b = [v for v in map(_median, b) if v is not None]
+            row = _verdict(Row(f"control_{name}", label, _mean(per_a), _mean(per_b), "s", True), alpha, 0.0,
+                           runs_change(per_a, per_b))
+        # A control's change is the machine's, never the code's: no regression or improvement.
+        if row.verdict in ("regression", "improvement"):
+            row.verdict = "changed"
+        out.append((name, row))
+    return out
+
+
+def _net_of_control(side: _Side, steps: str, fn: Callable[[dict], float | None], name: str,
+                    direction: int) -> list[float]:
+    """The side's per-step values (in step order) net of the machine: each divided by the local
+    time of the control (the geometric mean of the *name* spans just before and just after the
+    step), or for a throughput (*direction* −1) multiplied by it. A machine that slows down and
+    speeds up within a run moves both alike, so the ratio keeps the code's part."""
+    spans = sorted(((as_number(s.get("start_time")), as_number(s.get("seconds")))
+                    for s in side.run.records("span", side.rank) if s.get("name") == name)
+                   if side.rank is not None else [], key=lambda span: span[0] or 0.0)
+    spans = [(start + seconds / 2, seconds) for start, seconds in spans
+             if start is not None and seconds is not None and seconds > 0]
+    middles = [middle for middle, _ in spans]
+    out = []
+    for step in getattr(side, steps):
+        value, end = fn(step), as_number(step.get("end_time"))
+        if value is None or value <= 0 or end is None or not spans:
+            continue
+        at = bisect.bisect_left(middles, end - (as_number(step.get("interval_seconds")) or 0.0) / 2)
+        near = [spans[j][1] for j in (at - 1, at) if 0 <= j < len(spans)]
+        local = math.exp(sum(math.log(v) for v in near) / len(near))
+        out.append(value / local ** direction)
+    return out
+
+
+def _against_control(row: Row, name: str, control: Row, direction: int, alpha: float, min_effect: float,
+                     net: Change | None = None) -> None:
+    """Judge *row* of a single pair recorded one after the other net of the machine, where the
+    control (code the change leaves alone) moved by at least *min_effect* and either beyond its
+    noise (p < alpha) or, where the row itself moved beyond its noise, in the same direction by at
+    least half as much (a control that ran a few times on a noisy machine is rarely significant,
+    yet +300 % next to the steps' +290 % says what happened).
+
+    The code's effect is *net*, the row's values measured step by step against the control's local
+    time (:func:`_net_of_control`, which follows a machine that changed within the runs too), or
+    without it the row's change less the control's (ratios: the machine is taken to slow every
+    piece of code by the same factor). It is a regression or an improvement only when significant
+    and larger than *min_effect* plus MACHINE_HETEROGENEITY of the control's change; else the
+    verdict is ``machine changed``."""
+    step, machine = row.change, control.change
+    if step is None or machine is None or not (step.log and machine.log) or control.p_value is None:
+        return
+    shift = Change(direction * machine.diff, machine.se, machine.df, True)
+    alongside = (row.verdict in ("regression", "improvement") and shift.diff * step.diff > 0
+                 and abs(shift.diff) >= abs(step.diff) / 2)
+    if abs(shift.diff) < math.log1p(min_effect) or not (control.p_value < alpha or alongside):
+        return  # no machine change seen: the row's own verdict stands
+    code = net if net is not None and net.log else step.minus(shift)
+    low, high = code.interval(alpha)
+    margin = math.log1p(min_effect) + MACHINE_HETEROGENEITY * abs(machine.diff)
+    # The step's and the control's changes as their tests estimated them (means of logs).
+    row.machine = {"control": name, "step_relative": math.expm1(step.diff),
+                   "control_relative": math.expm1(machine.diff),
+                   "control_ci": [control.ci_low, control.ci_high], "control_p": control.p_value,
+                   "code_relative": math.expm1(code.diff), "code_ci": [math.expm1(low), math.expm1(high)],
+                   "code_p": code.p(), "code_detectable": math.expm1(code.detectable(alpha)),
+                   "needed": math.expm1(margin)}
+    if code.p() < alpha and abs(code.diff) >= margin:
+        worse = code.diff > 0 if row.lower_is_better else code.diff < 0
+        row.verdict = "regression" if worse else "improvement"
+    else:
+        row.verdict = "machine changed"
+
+
 def _runs(runs: Run | Sequence[Run]) -> list[Run]:
     listed = [runs] if isinstance(runs, Run) else list(runs)
     if not listed:
@@ -477,12 +708,17 @@ def _runs(runs: Run | Sequence[Run]) -> list[Run]:
 
 
 def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alpha: float = DEFAULT_ALPHA,
-                 min_effect: float = DEFAULT_MIN_EFFECT) -> dict[str, Any]:
+                 min_effect: float = DEFAULT_MIN_EFFECT, controls: Sequence[str] | None = DEFAULT_CONTROLS,
+                 metric: str = DEFAULT_METRIC) -> dict[str, Any]:
     """Compare two loaded runs, or two lists of runs (seeds or repeats of each side):
-    ``{"rows": [Row], "metadata": [(key, a, b)], "a": ..., "b": ...}``.
+    ``{"rows": [Row], "metadata": [(key, a, b)], "a": ..., "b": ..., "verdict": {...}}``.
 
     With several runs on a side, each row's value is the mean over that side's runs of the
     per-run value, and the verdict weighs the difference against the run-to-run spread.
+    *controls*: names of spans the change leaves alone (``eval`` by default), timed in both runs:
+    a single pair recorded one after the other whose control moved gets its speed rows judged
+    net of that move (:func:`_against_control`). ``verdict`` is *metric*'s row, said in words
+    (:func:`headline`), the one ``--fail-on-regression`` acts on.
     """
     runs_a, runs_b = _runs(run_a), _runs(run_b)
     As, Bs = [_Side(r) for r in runs_a], [_Side(r) for r in runs_b]
@@ -494,7 +730,10 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
         pairs = ((as_number(s.get("end_time")), fn(s)) for s in getattr(side, steps))
         return [(t, v) for t, v in pairs if t is not None and v is not None]
 
+    inputs: dict[str, tuple[Callable[[dict], float | None], Callable[[Sequence[float]], float | None], str]] = {}
+
     def tested(metric, label, fn, summary, unit, lower, steps="steady"):
+        inputs[metric] = (fn, summary, steps)
         a = [_per_step(getattr(side, steps), fn) for side in As]
         b = [_per_step(getattr(side, steps), fn) for side in Bs]
         a, b = [v for v in a if v], [v for v in b if v]
@@ -583,6 +822,20 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
                             [_per_step(side.cluster, skew) for side in Bs], _median, "s", True, alpha,
                             min_effect))
 
+    control = _control_rows(As, Bs, tuple(controls or ()), alpha)
+    rows.extend(row for _, row in control)
+    usable = next(((name, row) for name, row in control if row.change is not None), None)
+    sequential = len(As) == 1 and len(Bs) == 1 and not paired
+    if sequential and usable is not None:
+        name, control_row = usable
+        for row in rows:
+            if row.metric in MACHINE_ROWS and row.metric in inputs:
+                fn, summary, steps = inputs[row.metric]
+                direction = MACHINE_ROWS[row.metric]
+                net = block_change(_net_of_control(As[0], steps, fn, name, direction),
+                                   _net_of_control(Bs[0], steps, fn, name, direction), summary)
+                _against_control(row, name, control_row, direction, alpha, min_effect, net)
+
     metadata = []
     meta_a, meta_b = As[0].metadata, Bs[0].metadata
     for key in ("versions", "devices", "tags"):
@@ -600,9 +853,103 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     def described(runs: list[Run]) -> dict[str, Any]:
         return {"path": str(runs[0].path), "run_id": runs[0].run_id, "runs": [str(r.path) for r in runs]}
 
-    return {"a": described(runs_a), "b": described(runs_b), "rows": rows, "metadata": metadata, "alpha": alpha,
-            "min_effect": min_effect,
-            "test": "runs" if len(runs_a) > 1 or len(runs_b) > 1 else "paired" if paired else "blocks"}
+    test = "runs" if len(runs_a) > 1 or len(runs_b) > 1 else "paired" if paired else "blocks"
+    result = {"a": described(runs_a), "b": described(runs_b), "rows": rows, "metadata": metadata, "alpha": alpha,
+              "min_effect": min_effect, "test": test, "controls": list(controls or ()),
+              "control": usable[0] if usable is not None and sequential else None}
+    result["verdict"] = headline(result, metric)
+    return result
+
+
+# -- the verdict in words ----------------------------------------------------------------------
+#: The same quantity summarised the other way: a verdict that differs between them is explained.
+SIBLINGS = {"interval_median": "interval_mean", "interval_mean": "interval_median",
+            "compute_median": "compute_mean", "compute_mean": "compute_median"}
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:+.1f} %"
+
+
+def _interval(low: float | None, high: float | None) -> str:
+    if low is None or high is None:
+        return "—"
+    return f"[{low * 100:+.1f} %, {high * 100:+.1f} %]"
+
+
+def headline(result: dict[str, Any], metric: str = DEFAULT_METRIC,
+             quote: Callable[[Any], str] = visible) -> dict[str, Any]:
+    """*metric*'s verdict said in words, with the interval of the change, what the comparison could
+    detect, what the control says, and why a sibling row (median against mean) disagrees:
+    ``{"metric", "label", "verdict", "effect", "ci", "p_value", "detectable", "machine", "text", "notes"}``.
+    ``verdict`` None: no such row. *quote* shows a name (a label, a control span) in the text."""
+    rows = {r.metric: r for r in result["rows"]}
+    row = rows.get(metric)
+    if row is None:
+        return {"metric": metric, "label": None, "verdict": None, "effect": None, "ci": None, "p_value": None,
+                "detectable": None, "machine": None, "text": f"no {metric} row in these runs", "notes": []}
+    notes: list[str] = []
+    machine = row.machine
+    ci = machine["code_ci"] if machine else [row.ci_low, row.ci_high]
+    p_value = machine["code_p"] if machine else row.p_value
+    detectable = machine["code_detectable"] if machine else row.detectable
+    label = quote(row.label)
+    if machine and row.verdict == "machine changed":
+        text = (f"{label}: the machine changed. B − A is {_pct(machine['step_relative'])} here and "
+                f"{_pct(machine['control_relative'])} for the control {quote(machine['control'])} (code the change "
+                f"leaves alone); net of the machine, {_pct(machine['code_relative'])} {_interval(*ci)}: no code "
+                f"change beyond what a machine change does to different code ({machine['needed'] * 100:.1f} % "
+                "needed here).")
+    elif row.verdict in ("regression", "improvement"):
+        net = (f", net of the machine (the control {quote(machine['control'])} moved "
+               f"{_pct(machine['control_relative'])})") if machine else ""
+        text = (f"{label}: {row.verdict} {_pct(row.effect)}, confidence interval {_interval(*ci)} "
+                f"(p={p_value:.2g}){net}.")
+    elif row.verdict == "noise":
+        reason = "below --min-effect" if p_value is not None and p_value < result["alpha"] else "within the noise"
+        text = f"{label}: noise, {_pct(row.relative)} {_interval(*ci)}, {reason}."
+    else:
+        text = (f"{label}: no verdict: too few steady-state steps to test (at least {2 * DEFAULT_MIN_BLOCK} a "
+                f"run, {DEFAULT_MIN_BLOCK} per block) or one value per run.")
+    if detectable is not None and row.verdict != "—":
+        smallest = f"{detectable * 100:.1f} %"
+        if machine or (row.change is not None and row.change.log):  # a ratio: a fall of 1 − 1/(1 + x)
+            smallest = f"+{detectable * 100:.1f} % or −{detectable / (1 + detectable) * 100:.1f} %"
+        net = " net of the machine" if machine else ""
+        notes.append(f"The smallest change{net} these runs could detect is {smallest} ({DETECTION_POWER:.0%} of "
+                     f"the time at p < {result['alpha']:g}); more steady steps, or several runs a side, detect less.")
+    sibling = rows.get(SIBLINGS.get(metric, ""))
+    if sibling is not None and sibling.verdict != row.verdict and "—" not in (sibling.verdict, row.verdict):
+        what = ("a few slow steps (a tail) moved, not the typical step" if metric.endswith("median")
+                else "the typical step did not move as the average did (a tail)")
+        sibling_p = sibling.machine["code_p"] if sibling.machine else sibling.p_value
+        notes.append(f"The {quote(sibling.label)} row says {sibling.verdict} ({_pct(sibling.effect)}, "
+                     f"p={sibling_p:.2g}): {what}. --metric {sibling.metric} gates on it.")
+    if result.get("test") == "blocks" and row.metric in MACHINE_ROWS and not machine:
+        used = result.get("control")
+        control_row = rows.get(f"control_{used}") if used else None
+        if control_row is not None:
+            seen = "within its noise"
+            if row.verdict in ("regression", "improvement") and row.relative is not None \
+                    and control_row.ci_low is not None and control_row.ci_high is not None:
+                # The most the machine can have moved in the row's direction, against half the row's move.
+                slower = (row.relative > 0) == (MACHINE_ROWS[row.metric] > 0)
+                most = control_row.ci_high if slower else -control_row.ci_low
+                seen = ("no machine change seen that would explain it" if most < abs(row.relative) / 2 else
+                        "too noisy to rule out that the machine explains part of it")
+            notes.append(f"The control {quote(used)} (code the change leaves alone) moved "
+                         f"{_pct(control_row.relative)} {_interval(control_row.ci_low, control_row.ci_high)}: "
+                         f"{seen}.")
+        else:
+            shown = [r for r in result["rows"] if r.metric.startswith("control_")]
+            why = (f"the control {quote(shown[0].metric[len('control_'):])} ran too few "
+                   f"times (at least {MIN_CONTROL_SAMPLES} a run)" if shown else
+                   "no control ran in both runs (an `eval` span, or --control NAME)")
+            notes.append(f"One run a side, one after the other, and {why}: a machine that changed between A and B "
+                         "reads as a code change. For CI, compare several runs a side (--a/--b), or run A and B "
+                         "taking turns.")
+    return {"metric": metric, "label": row.label, "verdict": row.verdict, "effect": row.effect, "ci": ci,
+            "p_value": p_value, "detectable": detectable, "machine": machine, "text": text, "notes": notes}
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -654,7 +1001,12 @@ def _names(side: dict[str, Any], key: str) -> str:
 
 def _cells(row: Row) -> tuple[str, ...]:
     verdict = row.verdict
-    if row.p_value is not None:
+    if row.machine is not None:
+        verdict += (f" (net {_pct(row.machine['code_relative'])} {_interval(*row.machine['code_ci'])}, "
+                    f"p={row.machine['code_p']:.2g})")
+    elif row.p_value is not None and row.ci_low is not None:
+        verdict += f" (p={row.p_value:.2g}, {_interval(row.ci_low, row.ci_high)})"
+    elif row.p_value is not None:
         verdict += f" (p={row.p_value:.2g})"
     return (visible(row.label), _fmt(row.a, row.unit), _fmt(row.b, row.unit), _fmt_diff(row), _fmt_rel(row),
             verdict)
@@ -679,6 +1031,12 @@ def render_markdown(result: dict[str, Any]) -> str:
            "", line(HEADER), line(["---"] * len(HEADER))]
     out += [line(_markdown_label(_cells(row))) for row in result["rows"]]
     out += ["", _note(result)]
+    verdict = result.get("verdict")
+    if verdict and verdict.get("verdict") is not None:
+        # Names from the run files (a label naming an idle reason) go in code spans, as in the table.
+        verdict = headline(result, verdict["metric"],
+                           quote=lambda name: name if _PLAIN_LABEL.fullmatch(str(name)) else code_span(name))
+        out += ["", f"**Verdict** {verdict['text']}"] + [f"- {note}" for note in verdict["notes"]]
     if result["metadata"]:
         out += ["", line(("differs", "A", "B")), line(["---"] * 3)]
         out += [line((code_span(key), "—" if a is None else code_span(a), "—" if b is None else code_span(b)))
@@ -700,6 +1058,11 @@ def render_text(result: dict[str, Any], file: Any = None) -> None:
         if index == 0:
             print("  ".join("-" * w for w in widths), file=file)
     print("\n" + _note(result), file=file)
+    verdict = result.get("verdict")
+    if verdict and verdict.get("verdict") is not None:
+        print(f"\nVerdict: {verdict['text']}", file=file)
+        for note in verdict["notes"]:
+            print(f"  {note}", file=file)
     if result["metadata"]:
         print("\nwhere the runs differ:", file=file)
         for key, a, b in result["metadata"]:
@@ -775,7 +1138,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("runs", nargs="*", metavar="RUN",
                         help="RUN_A RUN_B (run directories), or one run_dir: its two newest runs, older as A")
     parser.add_argument("--a", nargs="+", action="extend", metavar="RUN", default=[],
-                        help="several runs of A (seeds or repeats): verdicts use the run-to-run spread")
+                        help="several runs of A (seeds or repeats): verdicts use the run-to-run spread, the only "
+                             "one that sees a machine change between runs; the recommended form for CI (3 runs a "
+                             "side, A and B alternated)")
     parser.add_argument("--b", nargs="+", action="extend", metavar="RUN", default=[],
                         help="several runs of B (with --a)")
     parser.add_argument("--clickhouse", metavar="URL", default=None,
@@ -791,9 +1156,15 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="smallest relative difference called a regression or improvement, in percent "
                              "(default 2)")
     parser.add_argument("--fail-on-regression", type=float, metavar="PCT", default=None,
-                        help="exit 1 when --metric is a significant regression by more than PCT percent")
+                        help="exit 1 exactly when the printed verdict on --metric is a regression by more than PCT "
+                             "percent (net of the machine where the control moved)")
     parser.add_argument("--metric", default=DEFAULT_METRIC,
-                        help=f"the metric --fail-on-regression checks (default {DEFAULT_METRIC})")
+                        help=f"the metric the verdict and --fail-on-regression are about (default {DEFAULT_METRIC})")
+    parser.add_argument("--control", action="append", metavar="SPAN", default=None,
+                        help="a span your change leaves alone (repeatable; default: eval). With one run a side "
+                             f"recorded one after the other and at least {MIN_CONTROL_SAMPLES} such spans a run, a "
+                             "control that moved means the machine changed: speed rows are judged net of it")
+    parser.add_argument("--no-control", action="store_true", help="use no control span")
     return parser
 
 
@@ -813,7 +1184,10 @@ def run_compare(args: argparse.Namespace) -> int:
     if not (0 < args.alpha < 1) or args.min_effect < 0:
         print("steptrace compare: --alpha must be in (0, 1) and --min-effect >= 0", file=sys.stderr)
         return 2
-    result = compare_runs(runs_a, runs_b, alpha=args.alpha, min_effect=args.min_effect / 100)
+    controls = () if getattr(args, "no_control", False) else (getattr(args, "control", None) or DEFAULT_CONTROLS)
+    metric = getattr(args, "metric", DEFAULT_METRIC)
+    result = compare_runs(runs_a, runs_b, alpha=args.alpha, min_effect=args.min_effect / 100, controls=controls,
+                          metric=metric)
     if args.json:
         print(json.dumps({**result, "rows": [r.to_json() for r in result["rows"]]}, indent=1, default=str))
     elif args.markdown:
@@ -827,17 +1201,21 @@ def run_compare(args: argparse.Namespace) -> int:
             print(f"steptrace compare: cannot write plot: {exc}", file=sys.stderr)
             return 1
     if args.fail_on_regression is not None:
-        rows = {r.metric: r for r in result["rows"]}
-        row = rows.get(args.metric)
-        if row is None:
-            print(f"steptrace compare: no metric {args.metric!r} in these runs; one of {', '.join(rows)}",
-                  file=sys.stderr)
+        verdict = result["verdict"]
+        if verdict["verdict"] is None:
+            print(f"steptrace compare: no metric {metric!r} in these runs; one of "
+                  f"{', '.join(r.metric for r in result['rows'])}", file=sys.stderr)
             return 2
-        if row.verdict == "regression" and row.relative is not None \
-                and abs(row.relative) * 100 > args.fail_on_regression:
-            print(f"steptrace compare: {row.label} regressed by {abs(row.relative) * 100:.1f} % "
-                  f"(> {args.fail_on_regression:g} %, p={row.p_value:.2g})", file=sys.stderr)
+        # The exit code is the printed verdict's: a regression (net of the machine where the control
+        # moved) larger than the threshold, nothing else.
+        effect = verdict["effect"]
+        if verdict["verdict"] == "regression" and effect is not None and abs(effect) * 100 > args.fail_on_regression:
+            print(f"steptrace compare: exit 1: {visible(verdict['label'])} regressed by {abs(effect) * 100:.1f} % "
+                  f"(> {args.fail_on_regression:g} %, p={verdict['p_value']:.2g})", file=sys.stderr)
             return 1
+        why = (f"a regression of {abs(effect) * 100:.1f} %, not more than {args.fail_on_regression:g} %"
+               if verdict["verdict"] == "regression" and effect is not None else verdict["verdict"])
+        print(f"steptrace compare: exit 0: {visible(verdict['label'])}: {why}", file=sys.stderr)
     return 0
 
 
