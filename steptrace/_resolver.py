@@ -421,11 +421,16 @@ class Resolver:
             return
         keep = None
         try:
-            end_g = clock.locate(end_event)
-            start_g = clock.locate(start_event) if start_event is not None else None
-            clock.add_sample(end_g, max(unit.end_recorded_after, unit.seen_incomplete), seen)
-            if start_g is not None:
-                clock.add_sample(start_g, unit.start_recorded_after, seen)
+            start_g = start_error = None
+            # A start marker the step was rebased to has given its sample already (_locate_step_markers).
+            start_sampled = start_event is not None and clock.is_base(start_event)
+            if start_event is not None:
+                start_g = clock.locate(start_event, unit.start_recorded_after)
+                start_error = clock.located_error
+            end_g = clock.locate(end_event, None if start_event is not None else unit.end_recorded_after)
+            clock.add_sample(end_g, max(unit.end_recorded_after, unit.seen_incomplete), seen, clock.located_error)
+            if start_g is not None and not start_sampled:
+                clock.add_sample(start_g, unit.start_recorded_after, seen, start_error or 0.0)
             unit.start_g, unit.end_g = start_g, end_g
             if isinstance(unit, StepHandle):
                 keep = end_event
@@ -466,10 +471,27 @@ class Resolver:
             return None
 
     def _locate_step_markers(self, step: "StepHandle", units: Sequence["TimedUnit"], seen: float) -> None:
-        """Locate every stream marker of a step (its microbatches' and its own) and let their samples
+        """Locate every stream marker of a step (its own and its microbatches') and let their samples
         join the map before any is placed: the step's start marker bounds its placement from below,
-        which matters while no tight anchor exists (the first steps; one hardware queue)."""
-        for unit in (*units, step):
+        which matters while no tight anchor exists (the first steps; one hardware queue).
+
+        Each clock is first rebased to the step's earliest start marker on it, so the step's other
+        markers (microbatches, spans, its end) are measured from there over short spans: its durations
+        keep float32's precision after a long gap."""
+        rebased: set[int] = set()
+        for unit in (step, *units):
+            device = unit.device
+            if not device.uses_events or unit.start_event is None or id(device) in rebased:
+                continue
+            rebased.add(id(device))
+            clock = self._clock(device)
+            try:
+                g = clock.locate(unit.start_event, unit.start_recorded_after)
+                clock.add_sample(g, unit.start_recorded_after, seen, clock.located_error)
+                clock.rebase(unit.start_event, g)
+            except Exception:
+                pass  # _locate_markers meets the same failure, and counts it
+        for unit in (step, *units):
             if unit.device.uses_events and unit.end_event is not None:
                 self._locate_markers(unit, seen)
         for clock in self._clocks.values():
