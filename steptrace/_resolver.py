@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -534,7 +535,7 @@ class Resolver:
         device = step.device
         by_values = device is not HOST and not device.uses_events
         exposed = [] if by_values else attribution.exposed_gaps(
-            [(s.start, s.end, drained.get(id(s), s.start)) for s in inside], step.host_start, end)
+            [self._span_window(s, drained) for s in inside], step.host_start, end)
         if not by_values:
             step.dispatch = step.host_start  # the moved dispatch point is a value device's alone
         timing = attribution.unit_timing(
@@ -569,20 +570,26 @@ class Resolver:
 
     @staticmethod
     def _release_span_marker(span: "ClosedSpan") -> None:
-        if span.marker is not None:
-            device, marker, _ = span.marker
-            span.marker = None
-            try:
-                device.release(marker)
-            except Exception:
-                pass
+        markers = (span.marker, span.end_marker)
+        span.marker = span.end_marker = None
+        for held in markers:
+            if held is not None:
+                device, marker, _ = held
+                try:
+                    device.release(marker)
+                except Exception:
+                    pass
 
-    def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"], seen: float) -> dict[int, float]:
+    def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"],
+                          seen: float) -> dict[int, tuple[float, float | None]]:
         """For spans inside an event-timed step, when the device reached the marker recorded as each
-        began (it had drained the step's earlier work), on the host clock: the same map as the step's
-        own markers (located first, so the device's base exists). Every marker of the step goes back
-        to its pool here."""
-        drained: dict[int, float] = {}
+        began (it had drained the step's earlier work) and the one recorded as it ended (it had drained
+        the work queued inside it), on the host clock with the same map as the step's own markers
+        (located first, so the device's base exists): the span's idle part is their difference, a
+        device duration. A span still open at the step's end ends with the step (infinity); one whose
+        end marker is missing (recorded during a capture, or failed) ends at its host end (None).
+        Every marker of the step goes back to its pool here."""
+        drained: dict[int, tuple[float, float | None]] = {}
         for span in (*step.spans, *step.open_spans):
             if span.marker is None:
                 continue
@@ -591,8 +598,13 @@ class Resolver:
                 if step.device is device and span in spans:
                     clock = self._clock(device)
                     point = clock.device_time(marker, recorded_after, seen)
+                    end = None
+                    if span.end_marker is not None and span.end_marker[0] is device:
+                        end = clock.device_time(span.end_marker[1], span.end_marker[2], seen)
                     if point is not None:
-                        drained[id(span)] = clock.host_time(point)
+                        device_end = clock.host_time(end) if end is not None else (
+                            math.inf if span in step.open_spans else None)
+                        drained[id(span)] = (clock.host_time(point), device_end)
             except Exception as exc:
                 self._clock_failures += 1
                 self.count_drop(DROP_DEVICE_CLOCK_ERROR)
@@ -602,6 +614,21 @@ class Resolver:
             finally:
                 self._release_span_marker(span)
         return drained
+
+    @staticmethod
+    def _span_window(span: "ClosedSpan",
+                     drained: dict[int, tuple[float, float | None]]) -> tuple[float, float, float]:
+        """``(start, end, drained)`` of a span for ``exposed_gaps``: on a stream device, from the marker the
+        device reached as it drained the work before the span to the one recorded at its end (both on
+        the step's map: the idle part is the device's own duration); else the host span, idle in full
+        from its start (host) or from the start marker where the end marker is missing."""
+        placed = drained.get(id(span))
+        if placed is None:
+            return span.start, span.end, span.start
+        drain, device_end = placed
+        if device_end is None:
+            return span.start, span.end, drain
+        return -math.inf, device_end, drain
 
     def _prune_clocks(self, step: "StepHandle") -> None:
         # The step is resolved: its end marker becomes its clock's base for the next step's markers,

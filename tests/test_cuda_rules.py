@@ -294,3 +294,42 @@ def test_without_the_driver_library_steptrace_says_so_and_still_times(monkeypatc
     assert sum("capture-safe" in m for m in messages) == 1
     assert sum("stream of its own" in m for m in messages) == 1
     assert fake.streams_created == 0
+
+
+# -- issue 32: the CUDA path, second review -------------------------------------------------------
+# Each test below failed on the code before issue 32 (commit 318c6bb), for the reason its docstring gives.
+
+
+def test_compute_with_a_span_inside_is_the_devices_own_whatever_the_placement(monkeypatch):
+    """A span inside a step is idle from when the device drained the work before it to when it ended.
+    The drain time is a device timestamp placed on the host clock, the span's end a host time: their
+    difference (so the step's compute) moved with the placement, by up to its uncertainty (milliseconds
+    with no tight anchor: one hardware queue). A marker at the span's end makes it a device duration."""
+    from steptrace import _clock
+
+    monkeypatch.setattr(_clock.DeviceClock, "poll", lambda self, drained: None)  # no anchor, ever
+    fake = FakeCuda(monkeypatch)
+    kernels, spans = {}, {}
+    with capture(backend="torch") as sink:
+        unix_offset = steptrace._active.resolver.unix_offset
+        for n in range(8):
+            fake.device.synchronize()
+            with steptrace.step(n):
+                first = fake.run(4 * MS)
+                with steptrace.span("data"):
+                    time.sleep(8 * MS)  # the device drains 4 ms in
+                span_end = time.perf_counter()
+                second = fake.run(4 * MS)
+            kernels[n], spans[n] = (first, second), span_end
+            time.sleep(25 * MS)
+    steps = {r["step"]: r for r in sink.steps()}
+    assert max(r["placement_uncertainty_seconds"] for r in steps.values()) > 0.2 * MS  # placement is loose
+    for n in range(1, 8):
+        first, second = kernels[n]
+        # The step's window opens at its start marker (between its host start and the first kernel) and
+        # closes at the second kernel's end; it was idle from the first kernel's end to the span's end
+        # marker, reached between the host leaving the span and the second kernel's start.
+        host_start = steps[n]["host_start_time"] - unix_offset
+        least = (second.end_time - first.start_time) - (second.start_time - first.end_time)
+        most = (second.end_time - host_start) - (spans[n] - first.end_time)
+        assert least - 2 * US <= steps[n]["compute_seconds"] <= most + 10 * US, n
