@@ -72,11 +72,12 @@ END_HOST = "host"  # synchronous work: the host clock at the end of the block
 class RunStart:
     """Queued at the first step: the resolver writes the run's metadata record (off the training thread)."""
 
-    __slots__ = ("host_start", "tags")
+    __slots__ = ("host_start", "tags", "cuda_index")
 
-    def __init__(self, host_start: float, tags: dict[str, str]):
+    def __init__(self, host_start: float, tags: dict[str, str], cuda_index: int | None = None):
         self.host_start = host_start
         self.tags = tags
+        self.cuda_index = cuda_index  # the GPU the rank's steps are timed on (training thread's choice)
 
 
 class AttemptStart:
@@ -305,6 +306,13 @@ class Resolver:
                         return False
                 if unit.start_event is not None and not device.query(unit.start_event):
                     return False
+        if step.scalars:
+            # A device scalar's copy to the host is queued on its own GPU's stream, which may be another
+            # than the step's markers': the step is read once the copy has landed too (never waited on).
+            for reader in step.scalars.values():
+                ready = getattr(reader, "ready", None)
+                if ready is not None and not ready():
+                    return False
         return True
 
     def background_cpu_seconds(self) -> dict[str, float]:
@@ -338,7 +346,7 @@ class Resolver:
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 
-            facts = _metadata.collect(item.tags)
+            facts = _metadata.collect(item.tags, item.cuda_index)
             self._device_kind = facts["devices"].get("kind")
             peak = _peaks.lookup(self._device_kind)
             self.records.set_peak(peak.tflops * 1e12 if peak is not None else None)

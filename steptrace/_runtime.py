@@ -342,7 +342,9 @@ class Runtime:
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
-        self.resolver.submit(RunStart(_perf(), dict(self.config.tags)))
+        # The GPU this rank's steps are timed on, chosen here on the training thread (the resolver's own
+        # current device is 0 whatever the rank's is): the run's device kind, so its peak FLOP/s.
+        self.resolver.submit(RunStart(_perf(), dict(self.config.tags), cuda_index=self.backends.cuda_index()))
 
     def flush(self, timeout_s: float | None) -> bool:
         closed = self.take_closed_spans()
