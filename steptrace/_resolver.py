@@ -556,7 +556,10 @@ class Resolver:
             # Before the first step: the run's wall time too, by the spans covering it; the rest is startup.
             before = attribution.window_segments([(self.started, step.host_start)], self._recent,
                                                  attribution.STARTUP)
-        segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), self._recent)
+        labels = self._recent
+        if drained:
+            labels = self._span_labels(self._recent, drained, timing.end)
+        segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), labels)
         # Nothing that ended before this step's end can cover a later idle window.
         self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
@@ -637,6 +640,23 @@ class Resolver:
         if device_end is None:
             return span.start, span.end, drain
         return -math.inf, device_end, drain
+
+    @staticmethod
+    def _span_labels(spans: list["ClosedSpan"], drained: dict[int, tuple[float, float | None]],
+                     step_end: float) -> list[Any]:
+        """The spans that name a step's idle windows: a span whose idle part is a device window (its two
+        markers, placed) covers that window whole, even where the placement puts an edge of it a little
+        outside the host span, so the reason it is charged to does not move with the placement."""
+        labels: list[Any] = []
+        for span in spans:
+            placed = drained.get(id(span))
+            device_end = None if placed is None else placed[1]
+            if placed is None or device_end is None:
+                labels.append(span)
+                continue
+            labels.append(attribution.HostSpan(span.name, min(span.start, placed[0]),
+                                               max(span.end, min(device_end, step_end))))
+        return labels
 
     def _prune_clocks(self, step: "StepHandle") -> None:
         # The step is resolved: its end marker becomes its clock's base for the next step's markers,
