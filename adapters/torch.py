@@ -74,6 +74,7 @@ class _Driver:
         self._contexts: dict[int, Any] = {}  # device -> its retained primary context
         self._tls = threading.local()
         self._elapsed: Any = None
+        self._gil_lib: Any = None  # the same library through ctypes.PyDLL (calls keep the GIL)
 
     def _cuda(self) -> Any:
         if self._lib is None:
@@ -159,8 +160,55 @@ class _Driver:
     def event_synchronize(self, handle: int) -> None:
         self._check(self._cuda().cuEventSynchronize(ctypes.c_void_p(handle)), "cuEventSynchronize")
 
+    def load_keeping_gil(self) -> None:
+        self._keeping_gil()
+
+    def _keeping_gil(self) -> Any:
+        lib = self._gil_lib
+        if lib is None:
+            lib = ctypes.PyDLL("libcuda.so.1")
+            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuEventRecord.restype = ctypes.c_int
+            lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+            lib.cuEventQuery.restype = ctypes.c_int
+            self._gil_lib = lib
+        return lib
+
+    def record_keeping_gil(self, event: int, stream: int) -> int:
+        """``cuEventRecord(event, stream)`` through ``ctypes.PyDLL``, which keeps the GIL; a CUresult.
+
+        torch's ``Event.record`` releases the GIL around ``cudaEventRecord`` (on an H200, torch 2.11, a
+        sleeping thread woke 263 times in 0.2 s of back-to-back calls; never for ``query``). A thread
+        waiting for the GIL (the resolver after a GIL-holding call) then ran between a step's start
+        marker and its first kernel while the GPU was idle, and that idle time became the step's compute
+        (+0.24 to 1.4 ms on 10 ms steps after a 30 ms ``sorted()``), and an anchor's first query came
+        3 ms after its record (never placed). Recorded here, nothing runs in between."""
+        return self._keeping_gil().cuEventRecord(event, stream)
+
+    def query_keeping_gil(self, handle: int) -> bool:
+        """``cuEventQuery`` keeping the GIL: the anchor's spin, whose bracket must hold no other thread."""
+        rc = self._keeping_gil().cuEventQuery(handle)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
+
 
 _DRIVER: Any = _Driver()
+#: Events each GPU's pool starts with, made at its first marker (before it): creating one later, on the
+#: training thread, records it through torch, which releases the GIL right before the marker it is for.
+_POOL_RESERVE = 64
+
+
+def _driver_loads() -> bool:
+    try:
+        _DRIVER.load_keeping_gil()
+        return True
+    except Exception as exc:
+        log.warning("steptrace could not load cuEventRecord from the CUDA driver (%r): markers are recorded "
+                    "with torch's Event.record, which lets another thread run between a step's start marker "
+                    "and its first kernel", exc)
+        return False
 
 
 class _OffThread(threading.local):
@@ -227,11 +275,12 @@ class _Placement:
     """A stream as the training thread records on it: the GPU it belongs to and torch's stream object.
     One per (GPU, stream), cached, so a unit costs no Python ``Stream`` object."""
 
-    __slots__ = ("steptrace_device", "stream")
+    __slots__ = ("steptrace_device", "stream", "handle")
 
     def __init__(self, gpu: "TorchCudaGpu", stream: Any):
         self.steptrace_device = gpu  # the runtime times the unit on this GPU (see Runtime.start_markers)
         self.stream = stream
+        self.handle = int(stream.cuda_stream)  # the raw cudaStream_t, for the driver's record
 
 
 class TorchCudaDevice:
@@ -489,6 +538,16 @@ class TorchCudaGpu:
         self._total_memory: int | None = None
         #: The newest allocator sample (training thread): in use and peak bytes; replaced, never mutated.
         self.memory_sample: dict[str, int] | None = None
+        self._anchor_stream_handle = 0
+        # Markers are recorded through the driver keeping the GIL (see _Driver.record_keeping_gil);
+        # None: no driver here, torch's record.
+        self._record_raw: Any = None
+        if _driver_loads():
+            self._record_raw = _DRIVER.record_keeping_gil
+        #: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting): every stream shares one hardware queue, so an
+        #: anchor recorded while the GPU is busy waits behind its work. With several queues steptrace's own
+        #: stream is not behind the training stream (an H200, busy: 34 µs p50, 62 µs max to complete).
+        self.one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
         self.memory_due = 0.0  # when the training thread samples it next (perf_counter)
 
     # -- training thread ---------------------------------------------------------------------
@@ -508,8 +567,18 @@ class TorchCudaGpu:
             return None
         owner.checked = None  # one use: a start marker recorded on the stream just looked up
         if marker is None:
+            if not self.events_created:
+                self._fill_first_reserve(stream.stream)
             marker = self._take_event()
-        marker.record(stream.stream)
+        record_raw = self._record_raw
+        handle = marker.cuda_event
+        if record_raw is not None and handle and owner._get_device() == self.index:
+            # The calling thread's current device is this GPU (else torch's record, which sets it first).
+            rc = record_raw(handle, stream.handle)
+            if rc:
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        else:
+            marker.record(stream.stream)
         self._last = marker
         return marker
 
@@ -556,25 +625,64 @@ class TorchCudaGpu:
         self._off_thread()
         return _event_done(last)
 
-    def clock_marker(self) -> Any:
+    def prepare_clock_marker(self) -> None:
+        """Make the anchor stream and a spare event ready before the clock reads its lower bound: the first
+        anchor's bracket held the stream's creation (212 µs on an H200) and was never placed."""
         self._off_thread()
         if self._anchor_stream is None:
             self._anchor_stream = self._make_anchor_stream()
+        if not self._free:
+            self._free.append(self._new_event(self._anchor_stream))
+
+    def clock_marker(self) -> Any:
+        self.prepare_clock_marker()
         return self._record_anchor()
+
+    def clock_query(self, marker: Any) -> bool:
+        """The anchor's spin: keeps the GIL, so no other thread runs inside the anchor's bracket."""
+        handle = marker.cuda_event
+        if self._record_raw is not None and handle:
+            return _DRIVER.query_keeping_gil(handle)
+        return self.query(marker)
+
+    def _fill_first_reserve(self, stream: Any) -> None:
+        """The pool's first events, made by the training thread at the GPU's first marker, before it (a
+        step's start marker comes after them), so the steps take theirs from the pool; events come back
+        to it once the resolver has read them, so it grows only past ``_POOL_RESERVE`` units in flight."""
+        for _ in range(_POOL_RESERVE):
+            self._free.append(self._new_event(stream))
 
     def _take_event(self) -> Any:
         """A timing event from the pool (list.pop is atomic under the GIL), or a new one."""
         try:
             return self._free.pop()
         except IndexError:
-            marker = self._Event(enable_timing=True)
-            marker.steptrace_gpu = self
-            self.events_created += 1
-            return marker
+            # The pool grows here while more units are in flight than it holds (the first steps of a
+            # deep pipeline): torch's record that creates the event releases the GIL (see _new_event).
+            return self._new_event(self._torch.cuda.current_stream(self.index))
+
+    def _new_event(self, stream: Any) -> Any:
+        """A timing event whose CUDA event exists: c10 creates it at its first ``record``, and the driver's
+        record needs the handle, so it is recorded once here, on ``stream`` (a stream of this GPU; a pool
+        event's first record is never read)."""
+        marker = self._Event(enable_timing=True)
+        marker.steptrace_gpu = self
+        if self._record_raw is not None:
+            marker.record(stream)
+        self.events_created += 1
+        return marker
 
     def _record_anchor(self) -> Any:
         marker = self._take_event()
-        marker.record(self._anchor_stream)  # not self._last: the training thread's work is not behind it
+        # Not behind self._last: the training thread's work is not queued before it.
+        handle = marker.cuda_event
+        if self._record_raw is not None and handle:
+            rc = self._record_raw(handle, self._anchor_stream_handle)
+            if rc:
+                self._free.append(marker)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        else:
+            marker.record(self._anchor_stream)
         return marker
 
     def _make_anchor_stream(self) -> Any:
@@ -587,12 +695,15 @@ class TorchCudaGpu:
             pointer = _DRIVER.create_stream(greatest, self.index)
             stream = cuda.ExternalStream(pointer, device=self.index)
             self.anchor_stream_kind = "own"
+            self._anchor_stream_handle = pointer
             return stream
         except Exception as exc:
             log.warning("steptrace could not create a CUDA stream of its own (%r); calibration uses a "
                         "high-priority pool stream, which NCCL may share", exc)
             self.anchor_stream_kind = "pool"
-            return cuda.Stream(device=self.index, priority=-1)
+            stream = cuda.Stream(device=self.index, priority=-1)
+            self._anchor_stream_handle = int(stream.cuda_stream)
+            return stream
 
     def memory_stats(self) -> dict[str, int] | None:
         """This GPU's memory as the training thread last sampled it (at most a second before the step's

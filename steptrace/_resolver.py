@@ -55,6 +55,8 @@ log = logging.getLogger("steptrace")
 _perf = time.perf_counter
 # How many step end times are kept for checkpoints that refer to an earlier step.
 _STEP_ENDS_KEPT = 4096
+#: How long the resolver sleeps between two items it finalizes (it gives the GIL away; see _run).
+_YIELD_S = 50e-6
 # How long an idle resolver sleeps before looking at its queue again.
 _IDLE_POLL_S = 0.02
 # How often the resolver looks at the markers of a stream unit that has not completed. Its
@@ -248,6 +250,10 @@ class Resolver:
                 log.exception("steptrace resolver failed on %r; the record is dropped and counted", item)
             finally:
                 self._busy = False
+            # Give the GIL away between items: torch's ops release it around every launch, and a
+            # training thread that needs it back waits for whatever this thread runs meanwhile (up to
+            # the 5 ms switch interval), while the GPU may sit idle behind an unrecorded marker.
+            time.sleep(_YIELD_S)
 
     def _ready(self, item: Any) -> bool:
         """False while the head item's stream markers are incomplete (the resolver never blocks on them).

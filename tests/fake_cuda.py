@@ -52,6 +52,14 @@ It keeps the CUDA and PyTorch rules steptrace depends on, so the real
   that ``reset_peak_memory_stats`` resets for everyone who reads it;
   ``memory_stats_as_nested_dict`` also counts allocation requests
   (``allocation.all.allocated``) and reserved memory, per device;
+* who gives the GIL away on a call that does not block (measured by the lead on an H200, torch
+  2.11: a sleeping thread woke hundreds of times during 0.2 s of back-to-back ``Event.record`` or
+  ``t.add_(1)`` calls, never during ``Event.query``, ``elapsed_time`` or ``memory_stats``; torch's
+  op bindings release it with ``gil_scoped_release`` around the dispatch, and ``THCPEvent_record``
+  around ``cudaEventRecord``): ``Event.record`` and, with ``launches_release_gil``, a kernel launch
+  (``run``) release it after their effect (``time.sleep(0)``), so a thread waiting for the GIL runs there; the driver's
+  ``cuEventRecord`` and ``cuEventQuery`` through ``ctypes.PyDLL`` (the adapter's
+  ``record_keeping_gil``/``query_keeping_gil``) keep it;
 * who holds the GIL while a call blocks (measured by the lead on an H200, torch
   2.11+cu130, driver 580, issue 32; and PyTorch's ``torch/csrc/cuda/Event.cpp``):
   ``torch.cuda.synchronize``, ``Event.synchronize`` and ``empty_cache`` release
@@ -187,9 +195,18 @@ class FakeCuda:
         first = device if device is not None else SimulatedDevice(clock_drift_ppm=drift_ppm, one_queue=one_queue)
         self.gpus = [first] + [SimulatedDevice(clock_drift_ppm=drift_ppm * (i + 2), clock_offset_s=500.0 * (i + 2),
                                                one_queue=one_queue) for i in range(1, gpus)]
+        if first.one_queue:
+            # One hardware queue is what CUDA_DEVICE_MAX_CONNECTIONS=1 gives a process (CUDA C Programming
+            # Guide, "Implicit Synchronization"); the adapter reads the variable as it would on a GPU.
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         self.device = first
         self.names = names or ["FakeCuda"] * gpus
+        #: Whether a kernel launch gives the GIL away as torch's ops do. Off by default: the tests of exact
+        #: durations assume the end marker follows the last launch at once, which a background thread's
+        #: turn at a launch breaks on a real GPU too (docs/devices.md says by how much).
+        self.launches_release_gil = False
         self.events_created = 0
+        self.events_created_on_training_thread = 0  # (steptrace's resolver refills its pool itself)
         self.event_synchronize_calls = 0
         self.query_calls = 0
         self.synchronize_threads: list[str] = []
@@ -219,6 +236,8 @@ class FakeCuda:
         self._pool_next: dict[tuple[int, int], int] = {}
         self._pools: dict[tuple[int, int, int], Any] = {}
         self._handles: dict[int, Any] = {}
+        self._external_streams: dict[int, Any] = {}
+        self.gil_keeping_records = 0
         self._next_handle = itertools.count(0x1000)
         self.allocated = [0] * gpus
         self.peak = [0] * gpus
@@ -246,11 +265,17 @@ class FakeCuda:
             def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
                 pass
 
+            @property
+            def cuda_stream(self) -> int:
+                return id(self)  # what torch._C._cuda_getCurrentRawStream gives for it here
+
         class ExternalStream:
             def __init__(self, stream_ptr: int, device: Any = None):
                 self.device_index = fake._index(device)
                 self.key = ("external", stream_ptr)
                 self.priority = -1
+                self.cuda_stream = stream_ptr
+                fake._external_streams[stream_ptr] = self
 
         self.Stream, self.ExternalStream = Stream, ExternalStream
         self.default_streams = []
@@ -270,6 +295,8 @@ class FakeCuda:
                 self._handle = 0
                 self.captured = False
                 fake.events_created += 1
+                if threading.get_ident() == fake.train_thread:
+                    fake.events_created_on_training_thread += 1
 
             @property
             def cuda_event(self) -> int:
@@ -299,6 +326,7 @@ class FakeCuda:
                 if self._marker is None:
                     self._marker = SimulatedMarker()
                 fake.gpus[self._device].stamp(self._marker, stream=stream.key)
+                time.sleep(0)  # THCPEvent_record releases the GIL around cudaEventRecord
 
             def done(self) -> bool:
                 if self.captured:
@@ -490,7 +518,10 @@ class FakeCuda:
             return SimulatedWork(self.gpus[index], 0.0, label, time.perf_counter())  # captured, not run
         self.allocations[index] += 1
         self.reserved[index] = max(self.reserved[index], SEGMENT_BYTES)
-        return self.gpus[index].run(seconds, label, stream=stream.key)
+        work = self.gpus[index].run(seconds, label, stream=stream.key)
+        if self.launches_release_gil:
+            time.sleep(0)  # an op's binding releases the GIL around its dispatch (gil_scoped_release)
+        return work
 
     def scalar(self, value: float, seconds: float = 0.0, *, device: Any = None) -> FakeCudaTensor:
         """A one-element CUDA tensor computed by a ``seconds`` kernel on ``device`` (its current stream)."""
@@ -668,6 +699,48 @@ class _FakeDriver:
             raise OSError(f"cuEventElapsedTime failed (CUresult {CUDA_ERROR_NOT_READY})")
         return first.elapsed_ms(second)
 
+    def _stream(self, handle: int) -> Any:
+        fake = self.fake
+        for stream in (*fake.default_streams, *fake._pools.values(), *fake._external_streams.values()):
+            if stream.cuda_stream == handle:
+                return stream
+        return None
+
+    def load_keeping_gil(self) -> None:
+        pass
+
+    def record_keeping_gil(self, event: int, stream: int) -> int:
+        """cuEventRecord through ctypes.PyDLL: a CUresult, the GIL kept (no other thread runs here)."""
+        fake, target = self.fake, self._stream(stream)
+        marker = fake._handles.get(event) if event else None
+        self.calls.append((threading.current_thread().name, "cuEventRecord"))
+        if marker is None or target is None:
+            return CUDA_ERROR_INVALID_HANDLE  # an event never created (0 until its first record), or no stream
+        if marker._device != target.device_index:
+            return CUDA_ERROR_INVALID_HANDLE  # an event and a stream of two devices (contexts)
+        capture = fake.capture
+        if capture is not None and capture["thread"] != threading.get_ident():
+            fake._unsafe("cuEventRecord")
+        if fake.stream_is_captured(target):
+            fake.records_on_capturing_stream += 1
+            marker.captured = True
+            return 0
+        marker.captured = False
+        if marker._marker is None:
+            marker._marker = SimulatedMarker()
+        fake.gil_keeping_records += 1
+        fake.gpus[marker._device].stamp(marker._marker, stream=target.key)
+        return 0
+
+    def query_keeping_gil(self, handle: int) -> bool:
+        """cuEventQuery through ctypes.PyDLL (the anchor's spin): the GIL kept."""
+        event = self.fake._handles.get(handle) if handle else None
+        if event is None:
+            raise OSError(f"cuEventQuery failed (CUresult {CUDA_ERROR_INVALID_HANDLE})")
+        if event.captured:
+            raise OSError(f"cuEventQuery failed (CUresult {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED})")
+        return event.done()
+
     def event_synchronize(self, handle: int) -> None:
         event = self._event(handle, "cuEventSynchronize")
         if event.captured:
@@ -687,3 +760,4 @@ class _NoDriver:
 
     exchange_capture_mode = use_device = stream_priority_range = create_stream = _missing
     event_query = event_elapsed_ms = event_synchronize = _missing
+    record_keeping_gil = query_keeping_gil = load_keeping_gil = _missing

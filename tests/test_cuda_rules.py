@@ -294,10 +294,14 @@ def test_without_the_driver_library_steptrace_says_so_and_still_times(monkeypatc
             time.sleep(MS)
     steps = sink.steps()
     assert [r["end_source"] for r in steps] == ["device_clock"] * 6
-    assert all(r["compute_seconds"] == pytest.approx(2 * MS, abs=0.5 * MS) for r in steps[1:])
+    # Without the driver, markers are recorded through torch's Event.record, which releases the GIL:
+    # the resolver may run between a step's start marker and its kernel, and that wait is counted as
+    # the step's compute (docs/devices.md). Never less than the kernel itself.
+    assert all(r["compute_seconds"] >= 2 * MS - 1e-5 for r in steps[1:])
     messages = [r.getMessage() for r in caplog.records]
     assert sum("capture-safe" in m for m in messages) == 1
     assert sum("stream of its own" in m for m in messages) == 1
+    assert sum("cuEventRecord" in m for m in messages) == 1
     assert fake.streams_created == 0
 
 
@@ -386,7 +390,7 @@ def test_logged_cuda_scalars_reuse_their_pinned_buffers_and_events(monkeypatch):
             with steptrace.step(n) as s:
                 s.log(loss=fake.scalar(float(n), 0.2 * MS))
             time.sleep(0.5 * MS)
-        events_after_warmup = fake.events_created
+        events_after_warmup = fake.events_created_on_training_thread
         for n in range(60, 120):
             with steptrace.step(n) as s:
                 s.log(loss=fake.scalar(float(n), 0.2 * MS))
@@ -395,7 +399,7 @@ def test_logged_cuda_scalars_reuse_their_pinned_buffers_and_events(monkeypatch):
     assert [r["scalars"]["loss"] for r in steps] == [float(n) for n in range(120)]
     # About one poll's worth of steps (20 ms) is in flight at a time; 120 steps without a pool: 120.
     assert fake.pinned_created < 40, fake.pinned_created
-    assert fake.events_created - events_after_warmup < 40
+    assert fake.events_created_on_training_thread - events_after_warmup < 40
 
 
 def _heartbeat():
