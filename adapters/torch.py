@@ -44,8 +44,11 @@ MEMORY_SAMPLE_EVERY_S = 1.0
 #: Step entries after a GPU was chosen during which the choice is checked against where allocations
 #: happen (the allocators' request counters, read on the training thread).
 _CHECK_UNITS = 3
-#: Step entries with no allocation on any GPU after which the current device is taken as it is.
+#: Step entries that found no GPU to time after which the choice is final: the current device where it
+#: has a context, else none (the steps are host-timed rather than timed on an idle GPU).
 _UNDECIDED_UNITS = 3
+#: In ``TorchCudaDevice._timed``: no GPU is timed while this device is current.
+_NO_GPU = -1
 
 log = logging.getLogger("steptrace")
 _perf = time.perf_counter
@@ -250,8 +253,10 @@ class TorchCudaDevice:
     * for the first steps after that choice, the allocators' request counters check it: when the
       chosen GPU saw no allocation between two step entries while exactly one other did, the steps
       are timed there from then on (warned once);
-    * with no memory on any GPU yet, the current device only where it already has a context, else
-      the unit is host-timed (at most a few steps; then the current device as it is).
+    * where no allocator holds memory (nothing allocated yet, or ``cudaMallocAsync``, whose counters
+      read zero), the GPUs with a CUDA context the same way (the process made one only where it did
+      something); with none but the current device's, the current device if it has one, else the
+      unit is host-timed (for good after three steps: never an idle GPU, never a new context).
 
     Each GPU (:class:`TorchCudaGpu`) has its own event pool, its own anchor stream and its own clock.
     """
@@ -307,8 +312,8 @@ class TorchCudaDevice:
             index = self._timed.get(current)
             if index is None or self._checks_left:
                 index = self._choose(current, index)
-                if index is None:
-                    return None
+            if index is None or index < 0:
+                return None
         raw = self._raw_stream
         placement = self._placements.get((index, raw(index))) if raw is not None else None
         if placement is None:
@@ -329,7 +334,9 @@ class TorchCudaDevice:
             return self.tensor_device
         current = self._get_device()
         index = self._timed.get(current)
-        return index if index is not None else self._choose(current, None)
+        if index is None:
+            index = self._choose(current, None)
+        return None if index is None or index < 0 else index
 
     # -- which GPU (training thread) -------------------------------------------------------------
     def _usage(self) -> list[tuple[int, int]]:
@@ -359,13 +366,14 @@ class TorchCudaDevice:
         if chosen is None:
             chosen = self._first_choice(current, usage)
             if chosen is None:
+                # Nothing says where the work is: never make a context for a marker, nor time an idle GPU
+                # that has none.
+                has_context = self._has_context
+                chosen = current if has_context is None or has_context(current) else _NO_GPU
                 self._undecided += 1
                 if self._undecided >= _UNDECIDED_UNITS:
-                    self._timed[current] = current
-                    return current
-                # Nothing allocated yet anywhere: never make a context for a marker.
-                has_context = self._has_context
-                return current if has_context is None or has_context(current) else None
+                    self._timed[current] = chosen
+                return chosen
             self._timed[current] = chosen
             self._checks_left, self._usage_before = _CHECK_UNITS, usage
             return chosen
@@ -385,10 +393,17 @@ class TorchCudaDevice:
         if usage[current][0] > 0:
             return current
         used = [i for i, (reserved, _) in enumerate(usage) if reserved > 0]
+        what = "its memory is on"
+        if not used and self._has_context is not None:
+            # The allocator says nothing (cudaMallocAsync reads zero): where has the process a context?
+            used = [i for i in range(self._device_count) if self._has_context(i)]
+            what = "it has a CUDA context only on"
+            if current in used and (len(used) == 1 or self._local_rank not in used):
+                return current
         if not used:
             return None
         chosen = self._prefer(used, usage)
-        self._warn_device(current, chosen, f"its memory is on {', '.join(f'cuda:{i}' for i in used)}")
+        self._warn_device(current, chosen, f"{what} {', '.join(f'cuda:{i}' for i in used)}")
         return chosen
 
     def _prefer(self, candidates: list[int], usage: list[tuple[int, int]]) -> int:

@@ -561,3 +561,22 @@ def test_compute_with_a_span_inside_is_the_devices_own_whatever_the_placement(mo
         least = (second.end_time - first.start_time) - (second.start_time - first.end_time)
         most = (second.end_time - host_start) - (spans[n] - first.end_time)
         assert least - 2 * US <= steps[n]["compute_seconds"] <= most + 10 * US, n
+
+
+def test_with_cuda_malloc_async_the_gpu_with_a_context_is_timed_and_no_other_is_touched(monkeypatch, caplog):
+    """cudaMallocAsync's counters read zero, so the allocator cannot say where the rank's memory is: the
+    GPUs where this process has a CUDA context can (it made one only where it did something). Timing the
+    current device would time GPU 0's idle stream and make a context there."""
+    fake = FakeCuda(monkeypatch, gpus=2, async_allocator=True)
+    fake.allocate(2**30, device=1)  # model.to(1)
+    kernels = {}
+    with caplog.at_level(logging.WARNING, logger="steptrace"), capture(backend="auto") as sink:
+        for n in range(5):
+            with steptrace.step(n):
+                kernels[n] = fake.run(4 * MS, device=1)
+            time.sleep(MS)
+    steps = {r["step"]: r for r in sink.steps()}
+    for n in range(1, 5):
+        assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
+    assert fake.contexts[0] == 0, fake.context_made_by
+    assert sum("CUDA context only on cuda:1" in r.getMessage() for r in caplog.records) == 1
