@@ -44,11 +44,10 @@ MEMORY_SAMPLE_EVERY_S = 1.0
 #: Step entries after a GPU was chosen during which the choice is checked against where allocations
 #: happen (the allocators' request counters, read on the training thread).
 _CHECK_UNITS = 3
-#: Step entries that found no GPU to time after which the choice is final: the current device where it
-#: has a context, else none (the steps are host-timed rather than timed on an idle GPU).
-_UNDECIDED_UNITS = 3
-#: In ``TorchCudaDevice._timed``: no GPU is timed while this device is current.
+#: In ``TorchCudaDevice._timed``: no GPU is timed while this device is current (looked at again after
+#: ``_NO_GPU_RETRY_S``: nothing said where the work is, and the current device has no context).
 _NO_GPU = -1
+_NO_GPU_RETRY_S = 1.0
 
 log = logging.getLogger("steptrace")
 _perf = time.perf_counter
@@ -255,8 +254,9 @@ class TorchCudaDevice:
       are timed there from then on (warned once);
     * where no allocator holds memory (nothing allocated yet, or ``cudaMallocAsync``, whose counters
       read zero), the GPUs with a CUDA context the same way (the process made one only where it did
-      something); with none but the current device's, the current device if it has one, else the
-      unit is host-timed (for good after three steps: never an idle GPU, never a new context).
+      something); with nothing to go on, the current device if it has a context (checked like a
+      choice), else the unit is host-timed and the question asked again a second later: never an
+      idle GPU that would need a new context.
 
     Each GPU (:class:`TorchCudaGpu`) has its own event pool, its own anchor stream and its own clock.
     """
@@ -281,7 +281,7 @@ class TorchCudaDevice:
         self._timed: dict[int, int] = {}
         self._checks_left = 0
         self._usage_before: list[tuple[int, int]] | None = None
-        self._undecided = 0
+        self._retry_at = 0.0
         self._warned_device = False
         # The placement current_stream() just returned after checking the capture status: recording on
         # it next (the start marker, at once) needs no second check.
@@ -310,8 +310,8 @@ class TorchCudaDevice:
         if index is None:
             current = self._get_device()
             index = self._timed.get(current)
-            if index is None or self._checks_left:
-                index = self._choose(current, index)
+            if index is None or self._checks_left or index == _NO_GPU and _perf() >= self._retry_at:
+                index = self._choose(current, None if index == _NO_GPU else index)
             if index is None or index < 0:
                 return None
         raw = self._raw_stream
@@ -366,14 +366,14 @@ class TorchCudaDevice:
         if chosen is None:
             chosen = self._first_choice(current, usage)
             if chosen is None:
-                # Nothing says where the work is: never make a context for a marker, nor time an idle GPU
-                # that has none.
+                # Nothing says where the work is: the current device if the rank touched it, never a new
+                # context for a marker, nor an idle GPU; asked again in a second.
                 has_context = self._has_context
-                chosen = current if has_context is None or has_context(current) else _NO_GPU
-                self._undecided += 1
-                if self._undecided >= _UNDECIDED_UNITS:
-                    self._timed[current] = chosen
-                return chosen
+                if has_context is not None and not has_context(current):
+                    self._timed[current] = _NO_GPU
+                    self._retry_at = _perf() + _NO_GPU_RETRY_S
+                    return _NO_GPU
+                chosen = current
             self._timed[current] = chosen
             self._checks_left, self._usage_before = _CHECK_UNITS, usage
             return chosen

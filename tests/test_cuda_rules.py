@@ -580,3 +580,28 @@ def test_with_cuda_malloc_async_the_gpu_with_a_context_is_timed_and_no_other_is_
         assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
     assert fake.contexts[0] == 0, fake.context_made_by
     assert sum("CUDA context only on cuda:1" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_steps_before_the_model_reaches_its_gpu_are_host_timed_and_the_gpu_is_found_later(monkeypatch):
+    """Nothing allocated on any GPU yet and no context on the current device: no marker may make one, so
+    the first steps are host-timed (they used to be timed on GPU 0, making a context there); the
+    question is asked again a second later, when the model is on GPU 1, never settled for GPU 0's idle
+    stream."""
+    fake = FakeCuda(monkeypatch, gpus=2)
+    kernels = {}
+    with capture(backend="auto") as sink:
+        for n in range(3):
+            with steptrace.step(n):
+                time.sleep(MS)  # CPU warm-up steps
+        time.sleep(1.1)
+        fake.allocate(2**30, device=1)  # model.to(1)
+        for n in range(3, 8):
+            with steptrace.step(n):
+                kernels[n] = fake.run(4 * MS, device=1)
+            time.sleep(MS)
+    steps = {r["step"]: r for r in sink.steps()}
+    assert [steps[n]["backend"] for n in range(3)] == ["host"] * 3
+    for n in range(4, 8):
+        assert steps[n]["backend"] == "torch-cuda", n
+        assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
+    assert fake.contexts[0] == 0, fake.context_made_by
