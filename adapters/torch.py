@@ -44,8 +44,10 @@ MEMORY_SAMPLE_EVERY_S = 1.0
 #: Step entries after a GPU was chosen during which the choice is checked against where allocations
 #: happen (the allocators' request counters, read on the training thread).
 _CHECK_UNITS = 3
-#: Step entries with no allocation on any GPU after which the current device is taken as it is.
-_UNDECIDED_UNITS = 3
+#: In ``TorchCudaDevice._timed``: no GPU is timed while this device is current (looked at again after
+#: ``_NO_GPU_RETRY_S``: nothing said where the work is, and the current device has no context).
+_NO_GPU = -1
+_NO_GPU_RETRY_S = 1.0
 
 log = logging.getLogger("steptrace")
 _perf = time.perf_counter
@@ -299,8 +301,11 @@ class TorchCudaDevice:
     * for the first steps after that choice, the allocators' request counters check it: when the
       chosen GPU saw no allocation between two step entries while exactly one other did, the steps
       are timed there from then on (warned once);
-    * with no memory on any GPU yet, the current device only where it already has a context, else
-      the unit is host-timed (at most a few steps; then the current device as it is).
+    * where no allocator holds memory (nothing allocated yet, or ``cudaMallocAsync``, whose counters
+      read zero), the GPUs with a CUDA context the same way (the process made one only where it did
+      something); with nothing to go on, the current device if it has a context (checked like a
+      choice), else the unit is host-timed and the question asked again a second later: never an
+      idle GPU that would need a new context.
 
     Each GPU (:class:`TorchCudaGpu`) has its own event pool, its own anchor stream and its own clock.
     """
@@ -325,7 +330,7 @@ class TorchCudaDevice:
         self._timed: dict[int, int] = {}
         self._checks_left = 0
         self._usage_before: list[tuple[int, int]] | None = None
-        self._undecided = 0
+        self._retry_at = 0.0
         self._warned_device = False
         # The placement current_stream() just returned after checking the capture status: recording on
         # it next (the start marker, at once) needs no second check.
@@ -354,10 +359,10 @@ class TorchCudaDevice:
         if index is None:
             current = self._get_device()
             index = self._timed.get(current)
-            if index is None or self._checks_left:
-                index = self._choose(current, index)
-                if index is None:
-                    return None
+            if index is None or self._checks_left or index == _NO_GPU and _perf() >= self._retry_at:
+                index = self._choose(current, None if index == _NO_GPU else index)
+            if index is None or index < 0:
+                return None
         raw = self._raw_stream
         placement = self._placements.get((index, raw(index))) if raw is not None else None
         if placement is None:
@@ -378,7 +383,9 @@ class TorchCudaDevice:
             return self.tensor_device
         current = self._get_device()
         index = self._timed.get(current)
-        return index if index is not None else self._choose(current, None)
+        if index is None:
+            index = self._choose(current, None)
+        return None if index is None or index < 0 else index
 
     # -- which GPU (training thread) -------------------------------------------------------------
     def _usage(self) -> list[tuple[int, int]]:
@@ -408,13 +415,14 @@ class TorchCudaDevice:
         if chosen is None:
             chosen = self._first_choice(current, usage)
             if chosen is None:
-                self._undecided += 1
-                if self._undecided >= _UNDECIDED_UNITS:
-                    self._timed[current] = current
-                    return current
-                # Nothing allocated yet anywhere: never make a context for a marker.
+                # Nothing says where the work is: the current device if the rank touched it, never a new
+                # context for a marker, nor an idle GPU; asked again in a second.
                 has_context = self._has_context
-                return current if has_context is None or has_context(current) else None
+                if has_context is not None and not has_context(current):
+                    self._timed[current] = _NO_GPU
+                    self._retry_at = _perf() + _NO_GPU_RETRY_S
+                    return _NO_GPU
+                chosen = current
             self._timed[current] = chosen
             self._checks_left, self._usage_before = _CHECK_UNITS, usage
             return chosen
@@ -434,10 +442,17 @@ class TorchCudaDevice:
         if usage[current][0] > 0:
             return current
         used = [i for i, (reserved, _) in enumerate(usage) if reserved > 0]
+        what = "its memory is on"
+        if not used and self._has_context is not None:
+            # The allocator says nothing (cudaMallocAsync reads zero): where has the process a context?
+            used = [i for i in range(self._device_count) if self._has_context(i)]
+            what = "it has a CUDA context only on"
+            if current in used and (len(used) == 1 or self._local_rank not in used):
+                return current
         if not used:
             return None
         chosen = self._prefer(used, usage)
-        self._warn_device(current, chosen, f"its memory is on {', '.join(f'cuda:{i}' for i in used)}")
+        self._warn_device(current, chosen, f"{what} {', '.join(f'cuda:{i}' for i in used)}")
         return chosen
 
     def _prefer(self, candidates: list[int], usage: list[tuple[int, int]]) -> int:

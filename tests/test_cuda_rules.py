@@ -565,3 +565,47 @@ def test_compute_with_a_span_inside_is_the_devices_own_whatever_the_placement(mo
         least = (second.end_time - first.start_time) - (second.start_time - first.end_time)
         most = (second.end_time - host_start) - (spans[n] - first.end_time)
         assert least - 2 * US <= steps[n]["compute_seconds"] <= most + 10 * US, n
+
+
+def test_with_cuda_malloc_async_the_gpu_with_a_context_is_timed_and_no_other_is_touched(monkeypatch, caplog):
+    """cudaMallocAsync's counters read zero, so the allocator cannot say where the rank's memory is: the
+    GPUs where this process has a CUDA context can (it made one only where it did something). Timing the
+    current device would time GPU 0's idle stream and make a context there."""
+    fake = FakeCuda(monkeypatch, gpus=2, async_allocator=True)
+    fake.allocate(2**30, device=1)  # model.to(1)
+    kernels = {}
+    with caplog.at_level(logging.WARNING, logger="steptrace"), capture(backend="auto") as sink:
+        for n in range(5):
+            with steptrace.step(n):
+                kernels[n] = fake.run(4 * MS, device=1)
+            time.sleep(MS)
+    steps = {r["step"]: r for r in sink.steps()}
+    for n in range(1, 5):
+        assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
+    assert fake.contexts[0] == 0, fake.context_made_by
+    assert sum("CUDA context only on cuda:1" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_steps_before_the_model_reaches_its_gpu_are_host_timed_and_the_gpu_is_found_later(monkeypatch):
+    """Nothing allocated on any GPU yet and no context on the current device: no marker may make one, so
+    the first steps are host-timed (they used to be timed on GPU 0, making a context there); the
+    question is asked again a second later, when the model is on GPU 1, never settled for GPU 0's idle
+    stream."""
+    fake = FakeCuda(monkeypatch, gpus=2)
+    kernels = {}
+    with capture(backend="auto") as sink:
+        for n in range(3):
+            with steptrace.step(n):
+                time.sleep(MS)  # CPU warm-up steps
+        time.sleep(1.1)
+        fake.allocate(2**30, device=1)  # model.to(1)
+        for n in range(3, 8):
+            with steptrace.step(n):
+                kernels[n] = fake.run(4 * MS, device=1)
+            time.sleep(MS)
+    steps = {r["step"]: r for r in sink.steps()}
+    assert [steps[n]["backend"] for n in range(3)] == ["host"] * 3
+    for n in range(4, 8):
+        assert steps[n]["backend"] == "torch-cuda", n
+        assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
+    assert fake.contexts[0] == 0, fake.context_made_by
