@@ -1,10 +1,11 @@
 """PyTorch: CUDA-event step timing resolved off the training thread, profiler and NVTX ranges.
 
 On CUDA, :class:`TorchCudaDevice` records ``torch.cuda.Event(enable_timing=True)``
-markers on the current stream of the unit's GPU at the step's dispatch point
-and at its exit; the resolver thread polls them, reads durations from the
-device clock and places them on the host clock (``steptrace._clock``), with
-its CUDA calls made capture-safe. The training thread never synchronises.
+markers on the current stream of the GPU the rank's work runs on, at the step's
+dispatch point and at its exit; the resolver thread polls them, reads durations
+from the device clock and places them on the host clock (``steptrace._clock``),
+with its CUDA calls made capture-safe and, through the driver API, without
+holding the GIL. The training thread never synchronises.
 
 CPU torch operators run synchronously, so a CPU step is host-timed
 (``backend: "host"``), also on a machine that has a GPU.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
+import time
 from typing import Any, Callable
 
 
@@ -30,32 +33,67 @@ def require_torch() -> Any:
 _CAPTURE_MODE_THREAD_LOCAL = 1
 # cudaStreamNonBlocking / CU_STREAM_NON_BLOCKING: no implicit synchronization with the legacy stream.
 _STREAM_NON_BLOCKING = 1
+# CUresult values (cuda.h).
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_READY = 600
+#: The training thread reads a GPU's allocator statistics at most this often (seconds). They are read
+#: there, at a marker, because the allocator's mutex is taken holding the GIL: read from another thread
+#: while the training thread is inside ``empty_cache`` (or any allocator call that synchronises), they
+#: froze every Python thread for the whole call (759 ms measured on an H200, issue 32).
+MEMORY_SAMPLE_EVERY_S = 1.0
+#: Step entries after a GPU was chosen during which the choice is checked against where allocations
+#: happen (the allocators' request counters, read on the training thread).
+_CHECK_UNITS = 3
+#: In ``TorchCudaDevice._timed``: no GPU is timed while this device is current (looked at again after
+#: ``_NO_GPU_RETRY_S``: nothing said where the work is, and the current device has no context).
+_NO_GPU = -1
+_NO_GPU_RETRY_S = 1.0
 
 log = logging.getLogger("steptrace")
+_perf = time.perf_counter
 
 
 class _Driver:
-    """The two CUDA calls steptrace needs that torch (2.11-2.13) does not expose in Python, through ctypes
-    on the driver library every CUDA process has loaded (``libcuda.so.1``; its state is the runtime's):
+    """The CUDA calls steptrace makes through ctypes on the driver library every CUDA process has loaded
+    (``libcuda.so.1``; its state is the runtime's). ``ctypes.CDLL`` releases the GIL for every call, so
+    a call that waits in the driver (behind another thread's synchronising call) never freezes the
+    process's other Python threads, as torch's bindings of ``Event.query``/``elapsed_time`` (which do
+    not release it: ``torch/csrc/cuda/Event.cpp``) would:
 
     * ``cuThreadExchangeStreamCaptureMode``: the resolver thread's capture mode, made thread-local so
-      its ``query``/``elapsed_time``/``record`` can never invalidate another thread's global-mode
-      capture (``torch.cuda.graph``'s default), as PyTorch's NCCL watchdog does (pytorch#148594);
+      its calls can never invalidate another thread's global-mode capture (``torch.cuda.graph``'s
+      default), as PyTorch's NCCL watchdog does (pytorch#148594);
     * ``cuStreamCreateWithPriority``: a stream of steptrace's own, non-blocking and of the highest
       priority, rather than one of the 32 pool streams ``torch.cuda.Stream()`` shares round robin
-      with NCCL process groups and graph capture.
+      with NCCL process groups and graph capture;
+    * ``cuEventQuery``, ``cuEventElapsedTime``, ``cuEventSynchronize`` on torch's events
+      (``Event.cuda_event``): measured on an H200 to return exactly what torch's calls return
+      (600 = CUDA_ERROR_NOT_READY while busy, from a thread with no current context).
     """
 
     def __init__(self) -> None:
         self._lib: Any = None
+        self._contexts: dict[int, Any] = {}  # device -> its retained primary context
+        self._tls = threading.local()
+        self._elapsed: Any = None
+        self._gil_lib: Any = None  # the same library through ctypes.PyDLL (calls keep the GIL)
 
     def _cuda(self) -> Any:
         if self._lib is None:
-            self._lib = ctypes.CDLL("libcuda.so.1")
+            lib = ctypes.CDLL("libcuda.so.1")
+            for name in ("cuEventQuery", "cuEventSynchronize"):
+                function = getattr(lib, name)
+                function.argtypes, function.restype = [ctypes.c_void_p], ctypes.c_int
+            # The _v2 symbol (CUDA 12.8+) where the unsuffixed one is gone; both measured equal.
+            elapsed = getattr(lib, "cuEventElapsedTime", None) or lib.cuEventElapsedTime_v2
+            elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+            elapsed.restype = ctypes.c_int
+            self._elapsed = elapsed
+            self._lib = lib
         return self._lib
 
     def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
+        if rc != _CUDA_SUCCESS:
             raise OSError(f"{what} failed (CUresult {rc})")
 
     def exchange_capture_mode(self, mode: int) -> int:
@@ -72,10 +110,22 @@ class _Driver:
         self._check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
         if current.value:
             return
-        handle, context = ctypes.c_int(), ctypes.c_void_p()
-        self._check(lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)), "cuDeviceGet")
-        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
+        self.use_device(device)
+
+    def use_device(self, device: int) -> None:
+        """Make ``device``'s primary context current on the calling thread (retained once per device; only
+        ever asked for a GPU the rank already uses, whose context exists)."""
+        if getattr(self._tls, "device", None) == device:
+            return
+        lib = self._cuda()
+        context = self._contexts.get(device)
+        if context is None:
+            handle, context = ctypes.c_int(), ctypes.c_void_p()
+            self._check(lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)), "cuDeviceGet")
+            self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
+            self._contexts[device] = context
         self._check(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        self._tls.device = device
 
     def stream_priority_range(self, device: int) -> tuple[int, int]:
         self._bind(device)
@@ -93,39 +143,171 @@ class _Driver:
                     "cuStreamCreateWithPriority")
         return int(stream.value or 0)
 
+    def event_query(self, handle: int) -> bool:
+        """True once the event has completed (``cuEventQuery``; never blocks on the device)."""
+        rc = self._cuda().cuEventQuery(ctypes.c_void_p(handle))
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        """Milliseconds from ``start`` to ``end``, both complete (float32, as ``cudaEventElapsedTime``)."""
+        self._cuda()
+        value = ctypes.c_float()
+        self._check(self._elapsed(ctypes.byref(value), ctypes.c_void_p(start), ctypes.c_void_p(end)),
+                    "cuEventElapsedTime")
+        return float(value.value)
+
+    def event_synchronize(self, handle: int) -> None:
+        self._check(self._cuda().cuEventSynchronize(ctypes.c_void_p(handle)), "cuEventSynchronize")
+
+    def load_keeping_gil(self) -> None:
+        self._keeping_gil()
+
+    def _keeping_gil(self) -> Any:
+        lib = self._gil_lib
+        if lib is None:
+            lib = ctypes.PyDLL("libcuda.so.1")
+            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuEventRecord.restype = ctypes.c_int
+            lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+            lib.cuEventQuery.restype = ctypes.c_int
+            self._gil_lib = lib
+        return lib
+
+    def record_keeping_gil(self, event: int, stream: int) -> int:
+        """``cuEventRecord(event, stream)`` through ``ctypes.PyDLL``, which keeps the GIL; a CUresult.
+
+        torch's ``Event.record`` releases the GIL around ``cudaEventRecord`` (on an H200, torch 2.11, a
+        sleeping thread woke 263 times in 0.2 s of back-to-back calls; never for ``query``). A thread
+        waiting for the GIL (the resolver after a GIL-holding call) then ran between a step's start
+        marker and its first kernel while the GPU was idle, and that idle time became the step's compute
+        (+0.24 to 1.4 ms on 10 ms steps after a 30 ms ``sorted()``), and an anchor's first query came
+        3 ms after its record (never placed). Recorded here, nothing runs in between."""
+        return self._keeping_gil().cuEventRecord(event, stream)
+
+    def query_keeping_gil(self, handle: int) -> bool:
+        """``cuEventQuery`` keeping the GIL: the anchor's spin, whose bracket must hold no other thread."""
+        rc = self._keeping_gil().cuEventQuery(handle)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
+
 
 _DRIVER: Any = _Driver()
+#: Events each GPU's pool starts with, made at its first marker (before it): creating one later, on the
+#: training thread, records it through torch, which releases the GIL right before the marker it is for.
+_POOL_RESERVE = 64
+
+
+def _driver_loads() -> bool:
+    try:
+        _DRIVER.load_keeping_gil()
+        return True
+    except Exception as exc:
+        log.warning("steptrace could not load cuEventRecord from the CUDA driver (%r): markers are recorded "
+                    "with torch's Event.record, which lets another thread run between a step's start marker "
+                    "and its first kernel", exc)
+        return False
 
 
 class _OffThread(threading.local):
-    """Per host thread: whether its capture mode was exchanged, and its current CUDA device."""
+    """Per host thread other than the training thread: whether its capture mode was exchanged, its current
+    CUDA device, and whether its event calls go through the driver (the GIL released)."""
 
     capture_safe: bool | None = None  # None: not tried; False: could not be made safe
     device: int | None = None
+    driver: bool | None = None  # None: not tried
 
 
 _OFF_THREAD = _OffThread()
+_warned_driver = False
+
+
+def _off_thread(torch: Any, index: int) -> _OffThread:
+    """Make the calling (resolver) thread safe for CUDA calls on GPU ``index``: thread-local capture mode,
+    ``index`` its current device, for the runtime (torch's calls) and for the driver."""
+    global _warned_driver
+    state = _OFF_THREAD
+    if state.capture_safe is None:
+        try:
+            _DRIVER.exchange_capture_mode(_CAPTURE_MODE_THREAD_LOCAL)
+            state.capture_safe = True
+        except Exception as exc:
+            state.capture_safe = False
+            log.warning("steptrace could not make its thread's CUDA calls capture-safe (%r): a CUDA graph "
+                        "captured in 'global' mode (torch.cuda.graph's default) while steps are pending may "
+                        "fail. Capture with capture_error_mode='thread_local' to be safe.", exc)
+    if state.device != index:
+        torch.cuda.set_device(index)  # the current device is per host thread
+        state.device = index
+        if state.driver is not False:
+            try:
+                _DRIVER.use_device(index)
+                state.driver = True
+            except Exception as exc:
+                state.driver = False
+                if not _warned_driver:
+                    _warned_driver = True
+                    log.warning("steptrace could not use the CUDA driver library (%r): its background thread "
+                                "queries events through torch, which holds the GIL while a call waits", exc)
+    return state
+
+
+def _event_done(event: Any) -> bool:
+    """Whether ``event`` has completed (an off-training thread prepared by ``_off_thread``)."""
+    handle = event.cuda_event if _OFF_THREAD.driver else 0
+    if handle:
+        return _DRIVER.event_query(handle)
+    return bool(event.query())
+
+
+def _event_wait(event: Any) -> None:
+    """Wait for ``event`` with the GIL released (``cuEventSynchronize``; torch's ``synchronize`` releases it too)."""
+    handle = event.cuda_event if _OFF_THREAD.driver else 0
+    if handle:
+        _DRIVER.event_synchronize(handle)
+    else:
+        event.synchronize()
 
 
 class _Placement:
     """A stream as the training thread records on it: the GPU it belongs to and torch's stream object.
     One per (GPU, stream), cached, so a unit costs no Python ``Stream`` object."""
 
-    __slots__ = ("steptrace_device", "stream")
+    __slots__ = ("steptrace_device", "stream", "handle")
 
     def __init__(self, gpu: "TorchCudaGpu", stream: Any):
         self.steptrace_device = gpu  # the runtime times the unit on this GPU (see Runtime.start_markers)
         self.stream = stream
+        self.handle = int(stream.cuda_stream)  # the raw cudaStream_t, for the driver's record
 
 
 class TorchCudaDevice:
     """The torch CUDA backend: finds the GPU each unit runs on and hands it to that GPU's stream device.
 
-    A unit's GPU is the current device of the training thread when its start marker is recorded
-    (``torch.cuda.set_device`` before or after ``init()`` alike), or the device of the CUDA tensors
-    given to ``wait_for`` when they live elsewhere (``model.to(rank)`` without ``set_device``): then
-    a warning says so once and later units start on that GPU's current stream. Each GPU
-    (:class:`TorchCudaGpu`) has its own event pool, its own anchor stream and its own clock.
+    Work follows the tensors' device, not the current device, and recording an event on a GPU makes
+    that GPU's CUDA context (hundreds of MB), so a unit's GPU is chosen without touching any other
+    (training thread, :meth:`current_stream`):
+
+    * the GPU of the CUDA tensors given to ``wait_for`` once they said it;
+    * else the training thread's current device when this process's allocator holds memory there
+      (``torch.cuda.set_device`` before or after ``init()`` alike);
+    * else the GPU whose allocator holds memory (``model.to(rank)`` without ``set_device``: the
+      current device is 0, which the rank never used); of several, ``LOCAL_RANK``'s, else the
+      largest. A warning names it once with the fix, ``torch.cuda.set_device(local_rank)``;
+    * for the first steps after that choice, the allocators' request counters check it: when the
+      chosen GPU saw no allocation between two step entries while exactly one other did, the steps
+      are timed there from then on (warned once);
+    * where no allocator holds memory (nothing allocated yet, or ``cudaMallocAsync``, whose counters
+      read zero), the GPUs with a CUDA context the same way (the process made one only where it did
+      something); with nothing to go on, the current device if it has a context (checked like a
+      choice), else the unit is host-timed and the question asked again a second later: never an
+      idle GPU that would need a new context.
+
+    Each GPU (:class:`TorchCudaGpu`) has its own event pool, its own anchor stream and its own clock.
     """
 
     name = "torch-cuda"
@@ -141,9 +323,26 @@ class TorchCudaDevice:
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or \
             torch.cuda.is_current_stream_capturing
-        #: The GPU the step's tensors were found on when it is not the current device (None: current).
+        self._has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        #: The GPU the step's tensors were found on (wait_for), when they said one (None: not yet).
         self.tensor_device: int | None = None
+        #: current device -> the GPU units are timed on while it is current
+        self._timed: dict[int, int] = {}
+        self._checks_left = 0
+        self._usage_before: list[tuple[int, int]] | None = None
+        self._retry_at = 0.0
         self._warned_device = False
+        # The placement current_stream() just returned after checking the capture status: recording on
+        # it next (the start marker, at once) needs no second check.
+        self.checked: Any = None
+        try:
+            self._device_count = int(torch.cuda.device_count())
+        except Exception:
+            self._device_count = 1
+        try:
+            self._local_rank: int | None = int(os.environ["LOCAL_RANK"])
+        except (KeyError, ValueError):
+            self._local_rank = None
 
     def gpu(self, index: int) -> "TorchCudaGpu":
         gpu = self._gpus.get(index)
@@ -152,18 +351,124 @@ class TorchCudaDevice:
         return gpu
 
     def current_stream(self) -> Any:
-        # Training thread, once per unit: three C calls and a cache hit (no Python Stream object).
+        # Training thread, once per step: three C calls, two cache hits (no Python Stream object) and
+        # a clock read (the allocator is sampled at most once a second, here, at a step's entry).
         if self._capturing():
             return None
         index = self.tensor_device
         if index is None:
-            index = self._get_device()
+            current = self._get_device()
+            index = self._timed.get(current)
+            if index is None or self._checks_left or index == _NO_GPU and _perf() >= self._retry_at:
+                index = self._choose(current, None if index == _NO_GPU else index)
+            if index is None or index < 0:
+                return None
         raw = self._raw_stream
-        if raw is not None:
-            placement = self._placements.get((index, raw(index)))
-            if placement is not None:
-                return placement
-        return self.placement(index)
+        placement = self._placements.get((index, raw(index))) if raw is not None else None
+        if placement is None:
+            placement = self.placement(index)
+            if placement is None:
+                return None
+        gpu = placement.steptrace_device
+        now = _perf()
+        if now >= gpu.memory_due:
+            gpu.memory_due = now + MEMORY_SAMPLE_EVERY_S
+            gpu.sample_memory()
+        self.checked = placement
+        return placement
+
+    def timed_index(self) -> int | None:
+        """The GPU a unit starting now would be timed on (training thread), or None when none is known."""
+        if self.tensor_device is not None:
+            return self.tensor_device
+        current = self._get_device()
+        index = self._timed.get(current)
+        if index is None:
+            index = self._choose(current, None)
+        return None if index is None or index < 0 else index
+
+    # -- which GPU (training thread) -------------------------------------------------------------
+    def _usage(self) -> list[tuple[int, int]]:
+        """Per GPU, (bytes this process's caching allocator reserved, allocation requests so far): read
+        from the allocator's counters, which make no CUDA context. Empty when they cannot be read."""
+        stats = getattr(self._torch.cuda, "memory_stats_as_nested_dict", None)
+        if stats is None:
+            return []
+        usage = []
+        try:
+            for i in range(self._device_count):
+                nested = stats(i)
+                usage.append((int(nested["reserved_bytes"]["all"]["current"]),
+                              int(nested["allocation"]["all"]["allocated"])))
+        except Exception:
+            return []
+        return usage
+
+    def _choose(self, current: int, chosen: int | None) -> int | None:
+        if self._device_count < 2:
+            self._timed[current] = current
+            return current
+        usage = self._usage()
+        if not usage:
+            self._timed[current] = current  # cannot tell: the current device, as torch says
+            return current
+        if chosen is None:
+            chosen = self._first_choice(current, usage)
+            if chosen is None:
+                # Nothing says where the work is: the current device if the rank touched it, never a new
+                # context for a marker, nor an idle GPU; asked again in a second.
+                has_context = self._has_context
+                if has_context is not None and not has_context(current):
+                    self._timed[current] = _NO_GPU
+                    self._retry_at = _perf() + _NO_GPU_RETRY_S
+                    return _NO_GPU
+                chosen = current
+            self._timed[current] = chosen
+            self._checks_left, self._usage_before = _CHECK_UNITS, usage
+            return chosen
+        # The first steps after the choice: did the chosen GPU see work while another one did?
+        before, self._usage_before = self._usage_before or usage, usage
+        self._checks_left -= 1
+        grew = [i for i, (_, requests) in enumerate(usage) if requests > before[i][1]]
+        if grew and chosen not in grew:
+            other = self._prefer(grew, usage)
+            self._warn_device(current, other, f"its allocations since the last step were on cuda:{other}, "
+                                              f"none on cuda:{chosen}")
+            self._timed[current] = chosen = other
+            self._checks_left = 0
+        return chosen
+
+    def _first_choice(self, current: int, usage: list[tuple[int, int]]) -> int | None:
+        if usage[current][0] > 0:
+            return current
+        used = [i for i, (reserved, _) in enumerate(usage) if reserved > 0]
+        what = "its memory is on"
+        if not used and self._has_context is not None:
+            # The allocator says nothing (cudaMallocAsync reads zero): where has the process a context?
+            used = [i for i in range(self._device_count) if self._has_context(i)]
+            what = "it has a CUDA context only on"
+            if current in used and (len(used) == 1 or self._local_rank not in used):
+                return current
+        if not used:
+            return None
+        chosen = self._prefer(used, usage)
+        self._warn_device(current, chosen, f"{what} {', '.join(f'cuda:{i}' for i in used)}")
+        return chosen
+
+    def _prefer(self, candidates: list[int], usage: list[tuple[int, int]]) -> int:
+        if len(candidates) == 1:
+            return candidates[0]
+        if self._local_rank in candidates:
+            return self._local_rank  # type: ignore[return-value]
+        return max(candidates, key=lambda i: usage[i][0])
+
+    def _warn_device(self, current: int, chosen: int, why: str) -> None:
+        if self._warned_device:
+            return
+        self._warned_device = True
+        log.warning("steptrace: this rank's current CUDA device is cuda:%d but %s; timing cuda:%d. Call "
+                    "torch.cuda.set_device(local_rank) before creating the model, so that steptrace, NCCL and "
+                    "torch.cuda calls without a device all use the rank's GPU.", current, why, chosen)
 
     def placement(self, index: int) -> Any:
         """The training thread's current stream on GPU ``index``, or None while it is being captured
@@ -176,22 +481,21 @@ class TorchCudaDevice:
             placement = _Placement(self.gpu(index), self._torch.cuda.current_stream(index))
             if raw is not None:
                 self._placements[index, raw] = placement
+        self.checked = placement
         return placement
 
     def for_value(self, value: Any) -> Any:
-        """The GPU a CUDA tensor given to ``wait_for`` lives on."""
+        """The GPU a CUDA tensor given to ``wait_for`` lives on (from then on, units start there)."""
         try:
             index = int(value.get_device())
         except Exception:
             index = -1
         if index < 0:
             return self.gpu(self._get_device())
-        if self.tensor_device != index and index != self._get_device():
-            if not self._warned_device:
-                self._warned_device = True
-                log.warning("steptrace: the step's CUDA tensors live on cuda:%d but the current device is "
-                            "cuda:%d; timing cuda:%d. Call torch.cuda.set_device(local_rank) before training "
-                            "to silence this.", index, self._get_device(), index)
+        if self.tensor_device != index:
+            current = self._get_device()
+            if index != current and self._timed.get(current) != index:
+                self._warn_device(current, index, f"the step's CUDA tensors live on cuda:{index}")
             self.tensor_device = index
         return self.gpu(index)
 
@@ -209,17 +513,25 @@ class TorchCudaDevice:
         marker.steptrace_gpu.release(marker)
 
     def clock_marker(self) -> Any:
-        return self.gpu(self._get_device()).clock_marker()
+        index = self.tensor_device
+        if index is None:
+            index = next(iter(self._timed.values()), None)
+        if index is None:
+            raise LookupError("no GPU has been timed yet")  # never the resolver's own current device
+        return self.gpu(index).clock_marker()
 
 
 class TorchCudaGpu:
     """One GPU as a stream device: pooled ``torch.cuda.Event`` markers on the training thread's stream.
 
     The training thread pays one ``cudaEventRecord`` per marker (events come from a pool the resolver
-    refills, so steady state allocates nothing). Everything else runs on the resolver thread, with
-    its capture mode made thread-local and its current device set to this GPU: ``query()`` (never
-    ``synchronize()``), ``elapsed_time`` between two completed events of this GPU, and calibration
-    anchors on a stream steptrace created itself (``steptrace._clock``).
+    refills, so steady state allocates nothing), a capture-status check for markers recorded on a
+    stream it did not just look up (end and span markers), and, at most once a second at a step's
+    entry, a read of this GPU's allocator statistics (``memory_stats``). Everything else runs on the
+    resolver thread, with its capture mode made thread-local and its current device (runtime and
+    driver) set to this GPU: ``query`` (never ``synchronize()``) and ``elapsed_time`` between two
+    completed events of this GPU, through the driver API (``ctypes.CDLL`` releases the GIL) where
+    libcuda loads, and calibration anchors on a stream steptrace created itself (``steptrace._clock``).
     """
 
     name = "torch-cuda"
@@ -239,46 +551,83 @@ class TorchCudaGpu:
         #: Events created so far (the pool's high-water mark).
         self.events_created = 0
         self._total_memory: int | None = None
+        #: The newest allocator sample (training thread): in use and peak bytes; replaced, never mutated.
+        self.memory_sample: dict[str, int] | None = None
+        self._anchor_stream_handle = 0
+        # Markers are recorded through the driver keeping the GIL (see _Driver.record_keeping_gil);
+        # None: no driver here, torch's record.
+        self._record_raw: Any = None
+        if _driver_loads():
+            self._record_raw = _DRIVER.record_keeping_gil
+        #: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting): every stream shares one hardware queue, so an
+        #: anchor recorded while the GPU is busy waits behind its work. With several queues steptrace's own
+        #: stream is not behind the training stream (an H200, busy: 34 µs p50, 62 µs max to complete).
+        self.one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+        self.memory_due = 0.0  # when the training thread samples it next (perf_counter)
 
     # -- training thread ---------------------------------------------------------------------
     def current_stream(self) -> Any:
         return self._owner.placement(self.index)
 
     def record(self, stream: Any, marker: Any = None) -> Any:
+        """Record a marker on ``stream`` now; None while the training thread's current stream is being
+        captured into a CUDA graph (the marker could be captured too: the captured stream is the current
+        one, and a capture on the step's own stream would take it)."""
+        owner = self._owner
         if stream is None:  # a unit without a start marker: this GPU's current stream, if not captured
             stream = self.current_stream()
             if stream is None:
-                raise RuntimeError("the current stream is being captured into a CUDA graph")
+                return None
+        elif stream is not owner.checked and owner._capturing():
+            return None
+        owner.checked = None  # one use: a start marker recorded on the stream just looked up
         if marker is None:
+            if not self.events_created:
+                self._fill_first_reserve(stream.stream)
             marker = self._take_event()
-        marker.record(stream.stream)
+        record_raw = self._record_raw
+        handle = marker.cuda_event
+        if record_raw is not None and handle and owner._get_device() == self.index:
+            # The calling thread's current device is this GPU (else torch's record, which sets it first).
+            rc = record_raw(handle, stream.handle)
+            if rc:
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        else:
+            marker.record(stream.stream)
         self._last = marker
         return marker
 
+    def sample_memory(self) -> None:
+        """This GPU's allocator, read here where this thread cannot be inside an allocator call."""
+        cuda = self._torch.cuda
+        try:
+            stats = getattr(cuda, "memory_stats_as_nested_dict", None)
+            nested = stats(self.index) if stats is not None else None
+            if nested:
+                allocated = nested["allocated_bytes"]["all"]
+                self.memory_sample = {"in_use_bytes": int(allocated["current"]), "peak_bytes": int(allocated["peak"])}
+            else:
+                self.memory_sample = {"in_use_bytes": int(cuda.memory_allocated(self.index)),
+                                      "peak_bytes": int(cuda.max_memory_allocated(self.index))}
+        except Exception:
+            pass
+
     # -- resolver thread -----------------------------------------------------------------------
     def _off_thread(self) -> None:
-        """Make the calling (resolver) thread safe for CUDA calls: thread-local capture mode, this GPU."""
-        state = _OFF_THREAD
-        if state.capture_safe is None:
-            try:
-                _DRIVER.exchange_capture_mode(_CAPTURE_MODE_THREAD_LOCAL)
-                state.capture_safe = True
-            except Exception as exc:
-                state.capture_safe = False
-                log.warning("steptrace could not make its thread's CUDA calls capture-safe (%r): a CUDA graph "
-                            "captured in 'global' mode (torch.cuda.graph's default) while steps are pending may "
-                            "fail. Capture with capture_error_mode='thread_local' to be safe.", exc)
-        if state.device != self.index:
-            self._torch.cuda.set_device(self.index)  # the current device is per host thread
-            state.device = self.index
+        _off_thread(self._torch, self.index)
 
     def query(self, marker: Any) -> bool:
         self._off_thread()
-        return marker.query()
+        return _event_done(marker)
 
     def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` on this GPU's clock (``cudaEventElapsedTime``: float32 ms)."""
         self._off_thread()
-        return start.elapsed_time(end) / 1000.0  # milliseconds on the device clock
+        if _OFF_THREAD.driver:
+            a, b = start.cuda_event, end.cuda_event
+            if a and b:
+                return _DRIVER.event_elapsed_ms(a, b) / 1000.0
+        return start.elapsed_time(end) / 1000.0
 
     def release(self, marker: Any) -> None:
         self._free.append(marker)
@@ -289,27 +638,66 @@ class TorchCudaGpu:
         if last is None:
             return True
         self._off_thread()
-        return bool(last.query())
+        return _event_done(last)
 
-    def clock_marker(self) -> Any:
+    def prepare_clock_marker(self) -> None:
+        """Make the anchor stream and a spare event ready before the clock reads its lower bound: the first
+        anchor's bracket held the stream's creation (212 µs on an H200) and was never placed."""
         self._off_thread()
         if self._anchor_stream is None:
             self._anchor_stream = self._make_anchor_stream()
+        if not self._free:
+            self._free.append(self._new_event(self._anchor_stream))
+
+    def clock_marker(self) -> Any:
+        self.prepare_clock_marker()
         return self._record_anchor()
+
+    def clock_query(self, marker: Any) -> bool:
+        """The anchor's spin: keeps the GIL, so no other thread runs inside the anchor's bracket."""
+        handle = marker.cuda_event
+        if self._record_raw is not None and handle:
+            return _DRIVER.query_keeping_gil(handle)
+        return self.query(marker)
+
+    def _fill_first_reserve(self, stream: Any) -> None:
+        """The pool's first events, made by the training thread at the GPU's first marker, before it (a
+        step's start marker comes after them), so the steps take theirs from the pool; events come back
+        to it once the resolver has read them, so it grows only past ``_POOL_RESERVE`` units in flight."""
+        for _ in range(_POOL_RESERVE):
+            self._free.append(self._new_event(stream))
 
     def _take_event(self) -> Any:
         """A timing event from the pool (list.pop is atomic under the GIL), or a new one."""
         try:
             return self._free.pop()
         except IndexError:
-            marker = self._Event(enable_timing=True)
-            marker.steptrace_gpu = self
-            self.events_created += 1
-            return marker
+            # The pool grows here while more units are in flight than it holds (the first steps of a
+            # deep pipeline): torch's record that creates the event releases the GIL (see _new_event).
+            return self._new_event(self._torch.cuda.current_stream(self.index))
+
+    def _new_event(self, stream: Any) -> Any:
+        """A timing event whose CUDA event exists: c10 creates it at its first ``record``, and the driver's
+        record needs the handle, so it is recorded once here, on ``stream`` (a stream of this GPU; a pool
+        event's first record is never read)."""
+        marker = self._Event(enable_timing=True)
+        marker.steptrace_gpu = self
+        if self._record_raw is not None:
+            marker.record(stream)
+        self.events_created += 1
+        return marker
 
     def _record_anchor(self) -> Any:
         marker = self._take_event()
-        marker.record(self._anchor_stream)  # not self._last: the training thread's work is not behind it
+        # Not behind self._last: the training thread's work is not queued before it.
+        handle = marker.cuda_event
+        if self._record_raw is not None and handle:
+            rc = self._record_raw(handle, self._anchor_stream_handle)
+            if rc:
+                self._free.append(marker)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        else:
+            marker.record(self._anchor_stream)
         return marker
 
     def _make_anchor_stream(self) -> Any:
@@ -322,51 +710,110 @@ class TorchCudaGpu:
             pointer = _DRIVER.create_stream(greatest, self.index)
             stream = cuda.ExternalStream(pointer, device=self.index)
             self.anchor_stream_kind = "own"
+            self._anchor_stream_handle = pointer
             return stream
         except Exception as exc:
             log.warning("steptrace could not create a CUDA stream of its own (%r); calibration uses a "
                         "high-priority pool stream, which NCCL may share", exc)
             self.anchor_stream_kind = "pool"
-            return cuda.Stream(device=self.index, priority=-1)
+            stream = cuda.Stream(device=self.index, priority=-1)
+            self._anchor_stream_handle = int(stream.cuda_stream)
+            return stream
 
     def memory_stats(self) -> dict[str, int] | None:
-        """This GPU's memory: in use now, the peak since the process started (or since the program's own
-        last ``reset_peak_memory_stats``; steptrace never resets it: Megatron's report_memory and
-        Lightning's DeviceStatsMonitor read the same counter), and the GPU's total memory."""
-        cuda = self._torch.cuda
-        index = self.index
-        try:
-            memory = {"in_use_bytes": int(cuda.memory_allocated(index)),
-                      "peak_bytes": int(cuda.max_memory_allocated(index))}
-            if self._total_memory is None:
-                self._total_memory = int(cuda.get_device_properties(index).total_memory)
-            memory["limit_bytes"] = self._total_memory
-        except Exception:
+        """This GPU's memory as the training thread last sampled it (at most a second before the step's
+        last marker): in use, the peak since the process started (or since the program's own last
+        ``reset_peak_memory_stats``; steptrace never resets it: Megatron's report_memory and Lightning's
+        DeviceStatsMonitor read the same counter), and the GPU's total memory (a device property, which
+        takes no allocator lock)."""
+        sample = self.memory_sample
+        if sample is None:
             return None
-        return memory
+        if self._total_memory is None:
+            try:
+                self._total_memory = int(self._torch.cuda.get_device_properties(self.index).total_memory)
+            except Exception:
+                return None
+        return {**sample, "limit_bytes": self._total_memory}
+
+
+class _ScalarCopies:
+    """Pinned host buffers and events for logged CUDA scalars, reused: taken on the training thread,
+    given back by the resolver once read (list.pop/append are atomic under the GIL)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, Any], list[tuple[Any, Any]]] = {}
+        self.streams: dict[tuple[int, int], Any] = {}
+
+
+_SCALARS = _ScalarCopies()
+
+
+class _CudaScalar:
+    """A logged CUDA scalar whose copy to pinned host memory is queued on its own GPU's stream, behind the
+    kernel that computes it, with an event recorded after the copy on that same stream."""
+
+    __slots__ = ("_torch", "_index", "_key", "_host", "_event")
+
+    def __init__(self, torch: Any, index: int, key: tuple[int, Any], host: Any, event: Any):
+        self._torch = torch
+        self._index = index
+        self._key = key
+        self._host = host
+        self._event = event
+
+    def ready(self) -> bool:
+        """Whether the copy has landed (resolver; never blocks): the step is finalized only then."""
+        _off_thread(self._torch, self._index)
+        return _event_done(self._event)
+
+    def __call__(self) -> float:
+        _off_thread(self._torch, self._index)
+        if not _event_done(self._event):
+            _event_wait(self._event)  # not reached when ready() said so first; the GIL is released
+        value = float(self._host)
+        _SCALARS.free.setdefault(self._key, []).append((self._host, self._event))
+        return value
+
+
+class _CapturedScalar:
+    """A scalar logged while its stream was being captured into a CUDA graph: its copy would be captured
+    too, so it is not queued; reading it fails (counted as a scalar error)."""
+
+    def __call__(self) -> float:
+        raise RuntimeError("logged while its CUDA stream was being captured into a graph")
 
 
 def scalar_reader(value: Any) -> Any:
-    """A logged torch scalar: a CPU tensor is read now (it is computed); a CUDA tensor's copy to
-    pinned host memory is queued on the current stream now and read by the resolver after the
-    step, behind an event recorded after the copy (so nothing waits on the training thread)."""
+    """A logged torch scalar: a CPU tensor is read now (it is computed); a CUDA tensor's copy to pinned
+    host memory is queued now on the current stream of the tensor's own GPU (where torch queues it), and
+    read by the resolver once an event recorded after it on that stream has completed (so nothing waits
+    on the training thread). Buffers and events are pooled."""
     try:
         if value.numel() != 1:
             return None
         if not value.is_cuda:
             return float(value.detach().reshape(()))
         torch = require_torch()
-        host = value.detach().reshape(()).to("cpu", non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        index = int(value.get_device())
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        stream = _SCALARS.streams.get((index, raw))
+        if stream is None:
+            stream = _SCALARS.streams[index, raw] = torch.cuda.current_stream(index)
+        if index == torch._C._cuda_getDevice() and torch._C._cuda_isCurrentStreamCapturing():
+            return _CapturedScalar()
+        scalar = value.detach().reshape(())
+        key = (index, scalar.dtype)
+        try:
+            host, event = _SCALARS.free[key].pop()
+            host.copy_(scalar, non_blocking=True)
+        except (KeyError, IndexError):
+            host = scalar.to("cpu", non_blocking=True)  # pinned: torch pins a non_blocking copy's output
+            event = torch.cuda.Event()  # created at its first record, on the stream's (the tensor's) GPU
+        event.record(stream)
     except Exception:
         return None
-
-    def read() -> float:
-        copied.synchronize()  # already complete once the step has ended on the device
-        return float(host)
-
-    return read
+    return _CudaScalar(torch, index, key, host, event)
 
 
 class StepFlopCounter:

@@ -11,9 +11,15 @@ GPU, so wall time on the training thread is not steptrace's cost alone). Loops, 
 each round, each ``--steps`` steps of one fake kernel launch:
 
 * ``plain``: the launch alone; ``steptrace``: inside ``with steptrace.step(n):``;
-* ``plain, 8 mb`` / ``steptrace, 8 mb``: eight launches per step, each in ``steptrace.microbatch``.
+* ``plain, 8 mb`` / ``steptrace, 8 mb``: eight launches per step, each in ``steptrace.microbatch``;
+* ``steptrace, span``: the step with a ``steptrace.span`` around its launch (on CUDA a marker at the
+  span's start and, since issue 32, at its end);
+* ``plain, scalar`` / ``steptrace, s.log``: the launch computes a one-element CUDA tensor, which the
+  traced loop logs with ``s.log(loss=...)`` (its copy to pinned host memory and an event; pooled
+  since issue 32).
 
-Printed: the median over rounds of the paired per-step (and per-microbatch) difference, and the
+Printed: the median over rounds of the paired per-step (per-microbatch, per-span, per-s.log)
+difference, and the
 resolver thread's CPU per step (``stats()["background_cpu_seconds"]["resolver"]``: GIL time, the
 resolver being pure Python) over the one-kernel loop. The fake's
 ``Event.record`` and stream lookups are Python here (about a microsecond each), so these figures are
@@ -66,6 +72,29 @@ def main() -> int:
                 fake.run(0.0)
         return time.thread_time() - c0
 
+    def plain_scalar(n: int) -> float:
+        c0 = time.thread_time()
+        for _ in range(n):
+            fake.scalar(1.0)
+        return time.thread_time() - c0
+
+    def traced_span(n: int) -> float:
+        b = next_base(n)
+        c0 = time.thread_time()
+        for i in range(n):
+            with steptrace.step(b + i):
+                with steptrace.span("data"):
+                    fake.run(0.0)
+        return time.thread_time() - c0
+
+    def traced_log(n: int) -> float:
+        b = next_base(n)
+        c0 = time.thread_time()
+        for i in range(n):
+            with steptrace.step(b + i) as s:
+                s.log(loss=fake.scalar(1.0))
+        return time.thread_time() - c0
+
     def traced(n: int, mbs: int) -> float:
         b = next_base(n)
         c0 = time.thread_time()
@@ -86,8 +115,10 @@ def main() -> int:
     try:
         traced(200, 1)
         traced(50, 8)
+        traced_span(200)
+        traced_log(200)
         steptrace.flush()
-        per_step, per_mb, background = [], [], []
+        per_step, per_mb, per_span, per_log, background = [], [], [], [], []
 
         def resolver_cpu() -> float:
             return steptrace.stats()["background_cpu_seconds"]["resolver"]
@@ -101,9 +132,15 @@ def main() -> int:
             c = plain(steps // 8, 8)
             d = traced(steps // 8, 8)
             steptrace.flush()
+            e = traced_span(steps)
+            f = plain_scalar(steps)
+            g = traced_log(steps)
+            steptrace.flush()
             per_step.append((b - a) / steps)
             # Per microbatch: the step's own share (per_step) taken out.
             per_mb.append(((d - c) / (steps // 8) - (b - a) / steps) / 8)
+            per_span.append((e - b) / steps)
+            per_log.append((g - f) / steps - (b - a) / steps)
         stats = steptrace.stats()
     finally:
         steptrace.shutdown()
@@ -111,6 +148,8 @@ def main() -> int:
     print(f"bench_cuda_fake: {rounds} rounds of {steps} steps, torch {torch.__version__} (CPU, CUDA faked)")
     print(f"  training-thread CPU per step        +{statistics.median(per_step) * 1e6:6.2f} µs")
     print(f"  training-thread CPU per microbatch  +{statistics.median(per_mb) * 1e6:6.2f} µs")
+    print(f"  training-thread CPU per span        +{statistics.median(per_span) * 1e6:6.2f} µs (in a step)")
+    print(f"  training-thread CPU per s.log       +{statistics.median(per_log) * 1e6:6.2f} µs (a CUDA scalar)")
     print(f"  resolver CPU (GIL) per step          {statistics.median(background) * 1e6:6.2f} µs (no microbatches)")
     total = sum(stats["background_cpu_seconds"].values())
     print(f"  background CPU (resolver + sinks), whole run: {total:.3f} s")

@@ -124,7 +124,9 @@ def exposed_gaps(spans: Iterable[tuple[float, float, float]], start: float, end:
     infinity when the step's work was all handed over before it, as for JAX after wait_for).
     The device is idle from ``max(span_start, drained)`` to ``span_end``: nothing new reaches
     it while the host is inside the span. Work queued inside a span (a host-to-device copy in
-    ``data``) therefore counts as that span's time.
+    ``data``) therefore counts as that span's time. On CUDA the resolver passes the device time
+    of the marker recorded at the span's end as ``span_end`` (and no ``span_start``), so the
+    idle part is a difference of two device timestamps on one map.
     """
     windows = []
     for span_start, span_end, drained in spans:

@@ -7,13 +7,19 @@ milliseconds). Two separate questions, answered separately:
 
 * **Durations** (interval, compute, microbatch compute, bubble, optimizer
   time) are differences of markers on one device. Each marker's time on the
-  device timeline ``G`` (float64 seconds) is ``G(base) + elapsed(base, m)``,
-  ``base`` being the newest marker already placed (the previous step's end,
-  kept from the pool for that): short spans, so float32 milliseconds keep
-  sub-microsecond precision, and no calibration is involved. All of a step's
-  markers are mapped to the host clock with one linear map, so the record's
-  durations are those device differences (times the measured clock rate),
-  whatever the calibration did.
+  device timeline ``G`` (float64 seconds) is ``G(ref) + elapsed(ref, m)``
+  from a reference the clock keeps out of the pool: the step's own start
+  marker for the rest of its markers (the resolver rebases there first), the
+  previous step's end for the next step's start, or, when the start was
+  recorded after it, the newest anchor (anchors chain from each other). So
+  every ``elapsed`` spans a short interval even after a long gap (an eval, a
+  checkpoint): float32 milliseconds lose one 62.5 µs step at 10 minutes,
+  which would put a 1 ms step's compute off by that much. What float32 does
+  lose on a long span widens that marker's sample by one float32 step, so a
+  sample measured from an old reference is never taken for a tight one. All
+  of a step's markers are mapped to the host clock with one linear map, so
+  the record's durations are those device differences (times the measured
+  clock rate), whatever the calibration did.
 * **Placement** (absolute times: the step's start and end on the host clock,
   next to host spans and checkpoints) comes from *samples*: markers whose host
   time is bracketed. The device cannot stamp a marker before it was recorded
@@ -84,15 +90,33 @@ class Mapping:
         return _RESOLUTION_S + self.uncertainty + max(0.0, g - self.newest) * self.drift
 
 
-class DeviceClock:
-    """Device timeline and host placement of one device's markers (resolver thread only)."""
+def float32_step_s(elapsed_s: float) -> float:
+    """One float32 step (ulp) of ``elapsed_s`` expressed in milliseconds, in seconds: what
+    ``cudaEventElapsedTime``'s float32 result can be off by (62.5 µs at 10 minutes)."""
+    ms = abs(elapsed_s) * 1000.0
+    if ms == 0.0 or not math.isfinite(ms):
+        return 0.0
+    _, exponent = math.frexp(ms)  # ms = m * 2**exponent, 0.5 <= m < 1
+    return math.ldexp(1.0, exponent - 24) / 1000.0
 
-    def __init__(self, device: Any, *, every_s: float = 1.0, clock: Callable[[], float] = _perf):
+
+class DeviceClock:
+    """Device timeline and host placement of one device's markers (resolver thread only; ``stats()``
+    from any thread)."""
+
+    def __init__(self, device: Any, *, every_s: float = 1.0, clock: Callable[[], float] | None = None):
         self.device = device
         self.every_s = every_s
-        self._clock = clock
-        self._base: Any = None  # the newest marker with a known device time (kept from the pool)
+        self._clock = clock if clock is not None else _perf
+        self._base: Any = None  # the reference markers are measured from (kept from the pool)
         self._base_g = 0.0
+        # The newest completed anchor, kept as a reference for markers recorded after it was seen
+        # complete: [marker, g, seen complete (host)].
+        self._ref_anchor: list[Any] | None = None
+        #: What float32 may have lost in the newest ``locate`` (seconds; see ``float32_step_s``).
+        self.located_error = 0.0
+        # The newest map the resolver computed, for stats() from other threads (never recomputed there).
+        self._published: Mapping | None = None
         self.newest_located = 0.0  # the latest device time located so far
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=_SAMPLES_KEPT)
         self._tight: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=8)
@@ -110,14 +134,26 @@ class DeviceClock:
         self.max_uncertainty_used = 0.0
 
     # -- the device timeline ---------------------------------------------------------------
-    def locate(self, marker: Any) -> float:
-        """The device time of a complete marker. The first marker ever located becomes the origin."""
+    def locate(self, marker: Any, recorded_after: float | None = None) -> float:
+        """The device time of a complete marker. The first marker ever located becomes the origin.
+
+        Measured from the base (a marker earlier on the same stream), or, given the host time the marker
+        was recorded after, from the newest anchor if it was seen complete before that (so it is
+        earlier) and is newer than the base: the shortest ``elapsed`` that is known not to be negative.
+        ``located_error`` is then what float32 may have lost on it."""
+        self.located_error = 0.0
         if self._base is None:
             self._base, self._base_g = marker, 0.0
             return 0.0
         if marker is self._base:
             return self._base_g
-        g = self._base_g + self.device.elapsed(self._base, marker)
+        ref, ref_g = self._base, self._base_g
+        anchor = self._ref_anchor
+        if anchor is not None and recorded_after is not None and recorded_after >= anchor[2] and anchor[1] > ref_g:
+            ref, ref_g = anchor[0], anchor[1]
+        elapsed = self.device.elapsed(ref, marker)
+        self.located_error = float32_step_s(elapsed)
+        g = ref_g + elapsed
         if g > self.newest_located:
             self.newest_located = g
         return g
@@ -129,7 +165,7 @@ class DeviceClock:
         if self._base is None:
             return None
         g = self.locate(marker)
-        self.add_sample(g, recorded_after, completed_seen)
+        self.add_sample(g, recorded_after, completed_seen, self.located_error)
         return g
 
     def calibrate(self) -> None:
@@ -144,17 +180,22 @@ class DeviceClock:
         if old is not None and old is not marker:
             self._give_back(old)
 
+    def is_base(self, marker: Any) -> bool:
+        return marker is self._base
+
     def owns(self, marker: Any) -> bool:
-        return marker is self._base or (self._anchor is not None and marker is self._anchor[0])
+        return (marker is self._base or (self._anchor is not None and marker is self._anchor[0])
+                or (self._ref_anchor is not None and marker is self._ref_anchor[0]))
 
     # -- samples -----------------------------------------------------------------------------
-    def add_sample(self, g: float, lower: float, upper: float) -> None:
-        """A marker at device time ``g`` was stamped between host times ``lower`` and ``upper``. Held
-        back until ``commit()`` (the resolver commits a step's unit markers before placing any of them,
-        its span markers after, so one step's markers share one map), except for the very first."""
+    def add_sample(self, g: float, lower: float, upper: float, error: float = 0.0) -> None:
+        """A marker at device time ``g`` (known to ``error`` seconds: ``located_error``) was stamped between
+        host times ``lower`` and ``upper``. Held back until ``commit()`` (the resolver commits a step's
+        unit markers before placing any of them, its span markers after, so one step's markers share
+        one map), except for the very first."""
         if upper < lower:
             return
-        self._pending.append((g, lower, upper))
+        self._pending.append((g, lower - error, upper + error))
         if self._mapping is None and not self._samples:
             self.commit()
 
@@ -208,7 +249,7 @@ class DeviceClock:
         """The current map (None before the first sample). Changes only on ``commit`` and anchors."""
         mapping = self._mapping
         if mapping is None and self._samples:
-            mapping = self._mapping = self._compute()
+            mapping = self._mapping = self._published = self._compute()
         return mapping
 
     def _compute(self) -> Mapping:
@@ -257,8 +298,9 @@ class DeviceClock:
         """One look at the anchors (resolver thread, every poll; never waits on the device).
 
         Queries the anchor in flight, if any; else records a new one when one is due: every
-        ``every_s``, and more often while the placement is wide, but only when the device is
-        ``drained`` (on a one-queue device an anchor recorded behind queued work waits for it).
+        ``every_s``, and more often while the placement is wide and the device is ``drained``. A
+        device of one hardware queue (``one_queue``, assumed where the device does not say) is
+        anchored only when drained: an anchor recorded behind queued work waits for it.
         """
         now = self._clock()
         try:
@@ -270,15 +312,20 @@ class DeviceClock:
             if mapping is None:
                 due = since >= _TIGHTEN_EVERY_S
             elif not drained:
-                # Behind queued work (one hardware queue) an anchor would wait for it: the step
-                # markers' own samples place meanwhile.
-                due = False
+                # With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) an anchor would wait behind
+                # the queued work: the step markers' own samples place meanwhile. With several, the
+                # anchor's own stream is not behind it (an H200, busy: 34 µs p50, 62 µs max), and a
+                # device that is never drained (a GPU-bound loop) is anchored at the regular pace.
+                due = not getattr(self.device, "one_queue", True) and since >= self.every_s
             else:
                 wide = mapping.uncertainty_at(self.newest_located) > MAX_UNCERTAINTY_S / 2
                 due = since >= self.every_s or (wide and since >= _TIGHTEN_EVERY_S)
             if not due:
                 return
             self._last_anchor = now
+            prepare = getattr(self.device, "prepare_clock_marker", None)
+            if prepare is not None:
+                prepare()  # a stream or an event made inside the bracket would widen it
             recorded_before = self._clock()
             marker = self.device.clock_marker()
             self._anchor = [marker, recorded_before, recorded_before]
@@ -295,9 +342,12 @@ class DeviceClock:
         marker = anchor[0]
         clock = self._clock
         deadline = clock() + (ANCHOR_SPIN_S if spin else 0.0)
+        # A query that keeps the GIL where the device has one: a query that releases it lets another
+        # thread run between it and the clock read after it (3 ms brackets measured on an H200).
+        query = getattr(self.device, "clock_query", None) or self.device.query
         while True:
             before = clock()
-            done = self.device.query(marker)
+            done = query(marker)
             after = clock()
             if done:
                 break
@@ -306,15 +356,24 @@ class DeviceClock:
                 return  # left in flight: looked at again on the next poll
         self._anchor = None
         self.anchors += 1
-        lower, upper = anchor[2], after
-        if (upper - lower) / 2 > MAX_UNCERTAINTY_S:
-            self.anchors_unplaced += 1
         if self._base is None:
             self._base, self._base_g = marker, 0.0
-            g = 0.0
+            g, error = 0.0, 0.0
         else:
-            g = self.locate(marker)
-            self._give_back(marker)
+            # From the previous anchor when this one was recorded after it was seen complete: the
+            # anchors of a long gap (an eval) form a chain of short spans.
+            try:
+                g = self.locate(marker, recorded_after=anchor[1])
+            except Exception:
+                self._give_back(marker)
+                raise
+            error = self.located_error
+            previous, self._ref_anchor = self._ref_anchor, [marker, g, after]
+            if previous is not None:
+                self._give_back(previous[0])
+        lower, upper = anchor[2] - error, after + error
+        if (upper - lower) / 2 > MAX_UNCERTAINTY_S:
+            self.anchors_unplaced += 1
         self._take((g, lower, upper))
 
     def _give_back(self, marker: Any) -> None:
@@ -324,16 +383,20 @@ class DeviceClock:
             pass
 
     def close(self) -> None:
-        """Give the base and any anchor in flight back to the device."""
-        for marker in (self._base, self._anchor[0] if self._anchor is not None else None):
+        """Give the base, the kept anchor and any anchor in flight back to the device."""
+        for marker in (self._base, self._anchor[0] if self._anchor is not None else None,
+                       self._ref_anchor[0] if self._ref_anchor is not None else None):
             if marker is not None:
                 self._give_back(marker)
         self._base = None
         self._anchor = None
+        self._ref_anchor = None
 
     def stats(self) -> dict[str, Any]:
-        """Calibration figures for ``steptrace.stats()`` and the run record."""
-        mapping = self.mapping()
+        """Calibration figures for ``steptrace.stats()`` and the run record, from any thread: the newest
+        map the resolver computed (it never computes one here: that would race the resolver's own
+        samples, and could store a map older than a sample it just took)."""
+        mapping = self._published
         return {
             "anchors": self.anchors,
             "anchors_unplaced": self.anchors_unplaced,
@@ -341,5 +404,5 @@ class DeviceClock:
             "samples": len(self._samples),
             "uncertainty_seconds": mapping.uncertainty if mapping is not None else None,
             "max_uncertainty_seconds": self.max_uncertainty_used,
-            "rate_ppm": (self.rate() - 1.0) * 1e6,
+            "rate_ppm": ((mapping.rate if mapping is not None else 1.0) - 1.0) * 1e6,
         }

@@ -206,6 +206,20 @@ class Backends:
             return None
         return self.cuda_if_initialised()
 
+    def cuda_index(self) -> int | None:
+        """The GPU a step starting now would be timed on (training thread, at the first step), or None
+        when steps are not CUDA-timed here (no torch CUDA in use, or another backend forced)."""
+        if self.forced_values is not None or (not self.auto and self.forced_stream is None):
+            return None
+        device = self.forced_stream if self.forced_stream is not None else self.cuda_if_initialised()
+        timed_index = getattr(device, "timed_index", None)
+        if timed_index is None:
+            return None
+        try:
+            return timed_index()
+        except Exception:
+            return None
+
     def cuda_if_initialised(self) -> Any:
         cuda = self._cuda
         if cuda is None:

@@ -25,10 +25,10 @@ MICROBATCH_KINDS = ("forward", "backward")
 class ClosedSpan:
     """A host span that has ended; the resolver charges idle time to it."""
 
-    __slots__ = ("name", "start", "end", "step", "attrs", "emit", "marker")
+    __slots__ = ("name", "start", "end", "step", "attrs", "emit", "marker", "end_marker")
 
     def __init__(self, name: str, start: float, end: float, step: int | None, attrs: dict, emit: bool = True,
-                 marker: Any = None):
+                 marker: Any = None, end_marker: Any = None):
         self.name = name
         self.start = start
         self.end = end
@@ -39,6 +39,10 @@ class ClosedSpan:
         # stream as the span began: the device reaches it when it has drained the step's earlier
         # work, which decides the span's idle part. The resolver places and releases it.
         self.marker = marker
+        # The same, recorded as the span ended (while its step was still open): the device reaches it
+        # once it drained the work queued inside the span, so the span's idle part is a difference of
+        # two device timestamps, whatever the placement.
+        self.end_marker = end_marker
 
 
 class TimedUnit:
@@ -96,7 +100,8 @@ class HandleRuntime(Protocol):
     def drop_markers(self, unit: TimedUnit) -> None: ...
     def span_marker(self, step: "StepHandle") -> tuple[Any, Any, float] | None: ...
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
-                   marker: tuple[Any, Any, float] | None = None) -> None: ...
+                   marker: tuple[Any, Any, float] | None = None,
+                   end_marker: tuple[Any, Any, float] | None = None) -> None: ...
     def take_closed_spans(self) -> list[ClosedSpan]: ...
     def flops_enter(self, step: "StepHandle") -> None: ...  # flops="auto": its counters start
     def flops_exit(self, step: "StepHandle") -> None: ...  # ...and give its hardware FLOPs
@@ -339,7 +344,13 @@ class SpanHandle:
             rt.open_spans.remove(self)
         except ValueError:
             pass
-        rt.close_span(self.name, self.start, end, self.attrs, marker=self.take_marker())
+        marker = self.take_marker()
+        end_marker = None
+        if marker is not None:
+            current = rt.current
+            if current is not None and current.device is marker[0]:
+                end_marker = rt.span_marker(current)
+        rt.close_span(self.name, self.start, end, self.attrs, marker=marker, end_marker=end_marker)
         return False
 
 

@@ -32,8 +32,10 @@ def versions() -> dict[str, str]:
     return found
 
 
-def devices() -> dict[str, Any]:
-    """The accelerators this process uses: kind and count (JAX's, else torch CUDA's, else the CPU)."""
+def devices(cuda_index: int | None = None) -> dict[str, Any]:
+    """The accelerators this process uses: kind and count (JAX's, else torch CUDA's, else the CPU).
+    ``cuda_index``: the GPU the rank's steps are timed on (else the calling thread's current device,
+    which for a background thread is 0 whatever the rank uses)."""
     jax = sys.modules.get("jax")
     if jax is not None:
         try:
@@ -46,7 +48,8 @@ def devices() -> dict[str, Any]:
     if torch is not None:
         try:
             if torch.cuda.is_initialized():
-                return {"platform": "gpu", "kind": torch.cuda.get_device_name(torch.cuda.current_device()),
+                index = torch.cuda.current_device() if cuda_index is None else cuda_index
+                return {"platform": "gpu", "kind": torch.cuda.get_device_name(index), "index": index,
                         "count": torch.cuda.device_count()}
         except Exception:
             pass
@@ -94,6 +97,7 @@ def _resolve_head(git: Path) -> str | None:
     return None
 
 
-def collect(tags: dict[str, str]) -> dict[str, Any]:
-    return {"hostname": socket.gethostname(), "versions": versions(), "devices": devices(),
+def collect(tags: dict[str, str], cuda_index: int | None = None) -> dict[str, Any]:
+    found = devices() if cuda_index is None else devices(cuda_index)
+    return {"hostname": socket.gethostname(), "versions": versions(), "devices": found,
             "git_commit": git_commit(), "tags": dict(tags)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -54,6 +55,8 @@ log = logging.getLogger("steptrace")
 _perf = time.perf_counter
 # How many step end times are kept for checkpoints that refer to an earlier step.
 _STEP_ENDS_KEPT = 4096
+#: How long the resolver sleeps between two items it finalizes (it gives the GIL away; see _run).
+_YIELD_S = 50e-6
 # How long an idle resolver sleeps before looking at its queue again.
 _IDLE_POLL_S = 0.02
 # How often the resolver looks at the markers of a stream unit that has not completed. Its
@@ -75,11 +78,12 @@ END_HOST = "host"  # synchronous work: the host clock at the end of the block
 class RunStart:
     """Queued at the first step: the resolver writes the run's metadata record (off the training thread)."""
 
-    __slots__ = ("host_start", "tags")
+    __slots__ = ("host_start", "tags", "cuda_index")
 
-    def __init__(self, host_start: float, tags: dict[str, str]):
+    def __init__(self, host_start: float, tags: dict[str, str], cuda_index: int | None = None):
         self.host_start = host_start
         self.tags = tags
+        self.cuda_index = cuda_index  # the GPU the rank's steps are timed on (training thread's choice)
 
 
 class AttemptStart:
@@ -263,6 +267,10 @@ class Resolver:
                 log.exception("steptrace resolver failed on %r; the record is dropped and counted", item)
             finally:
                 self._busy = False
+            # Give the GIL away between items: torch's ops release it around every launch, and a
+            # training thread that needs it back waits for whatever this thread runs meanwhile (up to
+            # the 5 ms switch interval), while the GPU may sit idle behind an unrecorded marker.
+            time.sleep(_YIELD_S)
 
     def _ready(self, item: Any) -> bool:
         """False while the head item's stream markers are incomplete (the resolver never blocks on them).
@@ -324,6 +332,13 @@ class Resolver:
                         return False
                 if unit.start_event is not None and not device.query(unit.start_event):
                     return False
+        if step.scalars:
+            # A device scalar's copy to the host is queued on its own GPU's stream, which may be another
+            # than the step's markers': the step is read once the copy has landed too (never waited on).
+            for reader in step.scalars.values():
+                ready = getattr(reader, "ready", None)
+                if ready is not None and not ready():
+                    return False
         return True
 
     def background_cpu_seconds(self) -> dict[str, float]:
@@ -358,7 +373,7 @@ class Resolver:
         elif isinstance(item, RunStart):
             from steptrace import _metadata
 
-            facts = _metadata.collect(item.tags)
+            facts = _metadata.collect(item.tags, item.cuda_index)
             self._device_kind = facts["devices"].get("kind")
             peak = _peaks.lookup(self._device_kind)
             self.records.set_peak(peak.tflops * 1e12 if peak is not None else None)
@@ -442,11 +457,16 @@ class Resolver:
             return
         keep = None
         try:
-            end_g = clock.locate(end_event)
-            start_g = clock.locate(start_event) if start_event is not None else None
-            clock.add_sample(end_g, max(unit.end_recorded_after, unit.seen_incomplete), seen)
-            if start_g is not None:
-                clock.add_sample(start_g, unit.start_recorded_after, seen)
+            start_g = start_error = None
+            # A start marker the step was rebased to has given its sample already (_locate_step_markers).
+            start_sampled = start_event is not None and clock.is_base(start_event)
+            if start_event is not None:
+                start_g = clock.locate(start_event, unit.start_recorded_after)
+                start_error = clock.located_error
+            end_g = clock.locate(end_event, None if start_event is not None else unit.end_recorded_after)
+            clock.add_sample(end_g, max(unit.end_recorded_after, unit.seen_incomplete), seen, clock.located_error)
+            if start_g is not None and not start_sampled:
+                clock.add_sample(start_g, unit.start_recorded_after, seen, start_error or 0.0)
             unit.start_g, unit.end_g = start_g, end_g
             if isinstance(unit, StepHandle):
                 keep = end_event
@@ -487,10 +507,27 @@ class Resolver:
             return None
 
     def _locate_step_markers(self, step: "StepHandle", units: Sequence["TimedUnit"], seen: float) -> None:
-        """Locate every stream marker of a step (its microbatches' and its own) and let their samples
+        """Locate every stream marker of a step (its own and its microbatches') and let their samples
         join the map before any is placed: the step's start marker bounds its placement from below,
-        which matters while no tight anchor exists (the first steps; one hardware queue)."""
-        for unit in (*units, step):
+        which matters while no tight anchor exists (the first steps; one hardware queue).
+
+        Each clock is first rebased to the step's earliest start marker on it, so the step's other
+        markers (microbatches, spans, its end) are measured from there over short spans: its durations
+        keep float32's precision after a long gap."""
+        rebased: set[int] = set()
+        for unit in (step, *units):
+            device = unit.device
+            if not device.uses_events or unit.start_event is None or id(device) in rebased:
+                continue
+            rebased.add(id(device))
+            clock = self._clock(device)
+            try:
+                g = clock.locate(unit.start_event, unit.start_recorded_after)
+                clock.add_sample(g, unit.start_recorded_after, seen, clock.located_error)
+                clock.rebase(unit.start_event, g)
+            except Exception:
+                pass  # _locate_markers meets the same failure, and counts it
+        for unit in (step, *units):
             if unit.device.uses_events and unit.end_event is not None:
                 self._locate_markers(unit, seen)
         for clock in self._clocks.values():
@@ -533,7 +570,7 @@ class Resolver:
         device = step.device
         by_values = device is not HOST and not device.uses_events
         exposed = [] if by_values else attribution.exposed_gaps(
-            [(s.start, s.end, drained.get(id(s), s.start)) for s in inside], step.host_start, end)
+            [self._span_window(s, drained) for s in inside], step.host_start, end)
         if not by_values:
             step.dispatch = step.host_start  # the moved dispatch point is a value device's alone
         timing = attribution.unit_timing(
@@ -546,7 +583,10 @@ class Resolver:
             # Before the first step: the run's wall time too, by the spans covering it; the rest is startup.
             before = attribution.window_segments([(self.started, step.host_start)], self._recent,
                                                  attribution.STARTUP)
-        segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), self._recent)
+        labels = self._recent
+        if drained:
+            labels = self._span_labels(self._recent, drained, timing.end)
+        segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), labels)
         # Nothing that ended before this step's end can cover a later idle window.
         self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
@@ -568,20 +608,26 @@ class Resolver:
 
     @staticmethod
     def _release_span_marker(span: "ClosedSpan") -> None:
-        if span.marker is not None:
-            device, marker, _ = span.marker
-            span.marker = None
-            try:
-                device.release(marker)
-            except Exception:
-                pass
+        markers = (span.marker, span.end_marker)
+        span.marker = span.end_marker = None
+        for held in markers:
+            if held is not None:
+                device, marker, _ = held
+                try:
+                    device.release(marker)
+                except Exception:
+                    pass
 
-    def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"], seen: float) -> dict[int, float]:
+    def _span_drain_times(self, step: "StepHandle", spans: list["ClosedSpan"],
+                          seen: float) -> dict[int, tuple[float, float | None]]:
         """For spans inside an event-timed step, when the device reached the marker recorded as each
-        began (it had drained the step's earlier work), on the host clock: the same map as the step's
-        own markers (located first, so the device's base exists). Every marker of the step goes back
-        to its pool here."""
-        drained: dict[int, float] = {}
+        began (it had drained the step's earlier work) and the one recorded as it ended (it had drained
+        the work queued inside it), on the host clock with the same map as the step's own markers
+        (located first, so the device's base exists): the span's idle part is their difference, a
+        device duration. A span still open at the step's end ends with the step (infinity); one whose
+        end marker is missing (recorded during a capture, or failed) ends at its host end (None).
+        Every marker of the step goes back to its pool here."""
+        drained: dict[int, tuple[float, float | None]] = {}
         for span in (*step.spans, *step.open_spans):
             if span.marker is None:
                 continue
@@ -590,8 +636,13 @@ class Resolver:
                 if step.device is device and span in spans:
                     clock = self._clock(device)
                     point = clock.device_time(marker, recorded_after, seen)
+                    end = None
+                    if span.end_marker is not None and span.end_marker[0] is device:
+                        end = clock.device_time(span.end_marker[1], span.end_marker[2], seen)
                     if point is not None:
-                        drained[id(span)] = clock.host_time(point)
+                        device_end = clock.host_time(end) if end is not None else (
+                            math.inf if span in step.open_spans else None)
+                        drained[id(span)] = (clock.host_time(point), device_end)
             except Exception as exc:
                 self._clock_failures += 1
                 self.count_drop(DROP_DEVICE_CLOCK_ERROR)
@@ -601,6 +652,38 @@ class Resolver:
             finally:
                 self._release_span_marker(span)
         return drained
+
+    @staticmethod
+    def _span_window(span: "ClosedSpan",
+                     drained: dict[int, tuple[float, float | None]]) -> tuple[float, float, float]:
+        """``(start, end, drained)`` of a span for ``exposed_gaps``: on a stream device, from the marker the
+        device reached as it drained the work before the span to the one recorded at its end (both on
+        the step's map: the idle part is the device's own duration); else the host span, idle in full
+        from its start (host) or from the start marker where the end marker is missing."""
+        placed = drained.get(id(span))
+        if placed is None:
+            return span.start, span.end, span.start
+        drain, device_end = placed
+        if device_end is None:
+            return span.start, span.end, drain
+        return -math.inf, device_end, drain
+
+    @staticmethod
+    def _span_labels(spans: list["ClosedSpan"], drained: dict[int, tuple[float, float | None]],
+                     step_end: float) -> list[Any]:
+        """The spans that name a step's idle windows: a span whose idle part is a device window (its two
+        markers, placed) covers that window whole, even where the placement puts an edge of it a little
+        outside the host span, so the reason it is charged to does not move with the placement."""
+        labels: list[Any] = []
+        for span in spans:
+            placed = drained.get(id(span))
+            device_end = None if placed is None else placed[1]
+            if placed is None or device_end is None:
+                labels.append(span)
+                continue
+            labels.append(attribution.HostSpan(span.name, min(span.start, placed[0]),
+                                               max(span.end, min(device_end, step_end))))
+        return labels
 
     def _prune_clocks(self, step: "StepHandle") -> None:
         # The step is resolved: its end marker becomes its clock's base for the next step's markers,

@@ -142,23 +142,26 @@ class Runtime:
         unit.start_event = unit.end_event = unit.stream = None
 
     def span_marker(self, step: StepHandle) -> tuple[Any, Any, float] | None:
-        """Record a marker on ``step``'s stream as a host span begins inside it (training thread):
-        ``(device, marker, host time read before recording)``, or None."""
+        """Record a marker on ``step``'s stream as a host span begins or ends inside it (training thread):
+        ``(device, marker, host time read before recording)``, or None (none may be recorded now: a
+        CUDA graph is being captured)."""
         device = step.device
         recorded_after = _perf()
         try:
-            return device, device.record(step.stream), recorded_after
+            marker = device.record(step.stream)
         except Exception as exc:
             self.device_failed(exc)
             return None
+        return None if marker is None else (device, marker, recorded_after)
 
     def close_span(self, name: str, start: float, end: float, attrs: dict, emit: bool = True,
-                   marker: tuple[Any, Any, float] | None = None) -> None:
+                   marker: tuple[Any, Any, float] | None = None,
+                   end_marker: tuple[Any, Any, float] | None = None) -> None:
         if self.unsettled is not None:
             self.follow_loop(depth=3)  # a span's exit during an exception's unwinding sees the exception
         current = self.current
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
-                                            marker))
+                                            marker, end_marker))
         if current is None:
             return
         # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
@@ -451,7 +454,9 @@ class Runtime:
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
-        self.resolver.submit(RunStart(_perf(), dict(self.config.tags)))
+        # The GPU this rank's steps are timed on, chosen here on the training thread (the resolver's own
+        # current device is 0 whatever the rank's is): the run's device kind, so its peak FLOP/s.
+        self.resolver.submit(RunStart(_perf(), dict(self.config.tags), cuda_index=self.backends.cuda_index()))
 
     def flush(self, timeout_s: float | None) -> bool:
         if os.getpid() != self.pid:

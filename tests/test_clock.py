@@ -214,3 +214,69 @@ def test_a_failing_device_is_counted_not_raised():
     assert clock.stats()["anchor_failures"] == 1
     with pytest.raises(LookupError):
         clock.host_time(0.0)
+
+
+def test_an_anchor_measured_from_a_ten_minute_old_base_is_not_taken_for_a_tight_one():
+    """cudaEventElapsedTime is float32 milliseconds: 600 000 ms are kept to 62.5 µs. An anchor measured
+    from the step before a 10-minute eval was off by up to half of that while its host bracket was a few
+    microseconds wide: it passed as tight (< 50 µs), and a marker placed with it was off by more than
+    the uncertainty its record stated. The float32 step now widens the sample (issue 32)."""
+    device = VirtualDevice(drift_ppm=0.0, offset_s=0.0)
+    clock = DeviceClock(device, clock=lambda: device.now)
+    device.tick(0.5)
+    clock.poll(drained=True)  # the first anchor: the origin
+    step_end = device.unit_marker(1.0)
+    device.tick(0.5)
+    resolve(clock, step_end, 0.99, device.now + 1e-4)  # the base: the step before the gap ends at 1.0 s
+    # Ten minutes later the idle resolver anchors: stamped at 601.000031 s, so 600 000.031 ms after the
+    # base, which float32 rounds to 600 000 ms: 31 µs early.
+    device.now = 601.000031 - 1e-6 - device.latency
+    clock._last_anchor = -1e9
+    clock.poll(drained=True)
+    assert clock.stats()["anchors"] == 2
+    marker = device.unit_marker(601.001)  # 600 001 ms after the base: exact in float32
+    g = clock.locate(marker)
+    clock.add_sample(g, 601.0005, 601.03)
+    clock.commit()
+    placed = clock.host_time(g)
+    assert abs(placed - marker.host_stamp) <= clock.uncertainty(g), (placed - marker.host_stamp, clock.uncertainty(g))
+    assert clock.stats()["anchors_unplaced"] == 1  # said, in the run record
+
+
+def test_stats_from_another_thread_never_leave_the_resolver_a_stale_map():
+    """steptrace.stats() from a user thread computed the map itself: had the resolver taken a sample in
+    between (here, inside the computation), the user thread then stored a map without it, and the
+    resolver placed its next markers with that stale map (or the computation failed: "deque mutated
+    during iteration"). stats() now reads the map the resolver published."""
+    device = VirtualDevice(drift_ppm=0.0, offset_s=0.0)
+    clock = DeviceClock(device, clock=lambda: device.now)
+    device.tick(1.0)
+    marker = device.unit_marker(device.now + 0.010)
+    device.tick(0.04)
+    resolve(clock, marker, 1.0, device.now)  # a 40 ms wide sample: the only one
+    newer = device.unit_marker(device.now + 0.002)
+    device.tick(0.01)
+    clock.add_sample(clock.locate(newer), device.now - 0.01, device.now)
+    clock.commit()  # the map is recomputed when next asked for
+    real_compute = clock._compute
+    interleaved = []
+
+    def resolver_takes_an_anchor():
+        interleaved.append(True)
+        device.tick(0.001)
+        clock._last_anchor = -1e9
+        clock.poll(drained=True)  # a tight anchor
+
+    def compute():
+        mapping = real_compute()
+        if not interleaved:  # the resolver's turn, while the user thread computes
+            resolver_takes_an_anchor()
+        return mapping
+
+    clock._compute = compute
+    clock.stats()  # the user thread
+    clock._compute = real_compute
+    if not interleaved:  # stats() computed nothing: the resolver's turn comes after it
+        resolver_takes_an_anchor()
+    assert clock.mapping().uncertainty == pytest.approx(real_compute().uncertainty)
+    assert clock.mapping().uncertainty < 50e-6
