@@ -346,8 +346,11 @@ def span(name: str, **attrs: Any) -> Any:
 
 
 def checkpoint(step: int, *, async_save: bool = False) -> Any:
-    """Time a checkpoint save of ``step``; its ``blocking_seconds`` is the host time after that step's
-    device work finished. With ``async_save=True`` call ``.async_done()`` when the background commit ends."""
+    """Time a checkpoint save named ``step`` (your trainer's number: the state after step ``step``, or
+    after ``step`` steps, saved before step ``step`` runs). Its ``blocking_seconds`` is the host time
+    after the device finished the step before the save (the record's ``after_step``), which is the next
+    step's idle ``checkpoint``. With ``async_save=True`` call ``.async_done()`` when the background
+    commit ends."""
     return _active.checkpoint(step, async_save=async_save)
 
 

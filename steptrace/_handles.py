@@ -360,13 +360,19 @@ class CheckpointHandle:
     For an asynchronous save, create it with ``async_save=True`` and call
     :meth:`async_done` (or :meth:`track` a future) when the background commit
     finishes: that time is reported as ``async_seconds`` and never charged to a step.
+
+    ``step`` is the trainer's number for the save, whichever way it counts; ``after_step`` is the
+    step whose device work preceded the save (None before the first step), read as the save
+    begins: its blocking time is the host time after that step's end.
     """
 
-    __slots__ = ("_rt", "step", "host_start", "host_end", "async_save", "async_end", "status", "error", "_lock")
+    __slots__ = ("_rt", "step", "after_step", "host_start", "host_end", "async_save", "async_end", "status",
+                 "error", "_lock")
 
     def __init__(self, rt: "HandleRuntime", step: int, async_save: bool):
         self._rt = rt
         self.step = step
+        self.after_step: int | None = None
         self.async_save = async_save
         self.host_start = 0.0
         self.host_end: float | None = None
@@ -376,8 +382,21 @@ class CheckpointHandle:
         self._lock = threading.Lock()
 
     def __enter__(self) -> "CheckpointHandle":
+        rt = self._rt
+        # Which step's end the save waits behind is where it runs, not its number: trainers call
+        # the state after n steps either `n - 1` (MaxText, the hooks: saved after step n - 1) or
+        # `n` (nanodo, orbax's save(step), Megatron-LM's iteration: saved before step n runs).
+        # Between steps it follows the last step. Inside a step it follows that step only once the
+        # step's device work was handed over (a JAX step after wait_for, as AXLearn saves); before
+        # that (a save at the top of a `steps()` body) the step's work comes after the save, and on
+        # a synchronous or stream backend a span inside a step is that step's idle time.
+        current = rt.current
+        if current is not None and current.values is not None:
+            self.after_step = current.step
+        else:
+            self.after_step = rt.last_step
         self.host_start = _perf()
-        self._rt.open_checkpoint = self
+        rt.open_checkpoint = self
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:

@@ -773,9 +773,11 @@ class Resolver:
 
     def _checkpoint_record(self, ckpt: "CheckpointHandle") -> CheckpointRecord:
         host_end = ckpt.host_end if ckpt.host_end is not None else ckpt.host_start
-        saved_end = self._step_ends.get(ckpt.step)
+        # The step it follows was submitted before the save began, so it is resolved by now.
+        saved_end = None if ckpt.after_step is None else self._step_ends.get(ckpt.after_step)
         return self.records.checkpoint(
-            step=ckpt.step, status=ckpt.status, error=ckpt.error, host_start=ckpt.host_start, host_end=host_end,
+            step=ckpt.step, after_step=ckpt.after_step, status=ckpt.status, error=ckpt.error,
+            host_start=ckpt.host_start, host_end=host_end,
             blocking_seconds=attribution.blocking_seconds(ckpt.host_start, host_end, saved_end),
             async_end=ckpt.async_end)
 

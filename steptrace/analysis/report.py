@@ -217,6 +217,11 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
 
     table = Table(title=f"Checkpoints (rank {rank})", title_justify="left")
     table.add_column("step", justify="right")
+    # A trainer that calls the state after n steps `n` saves it before step n runs: then the save
+    # follows step n - 1, and its blocking time counts from that step's end. Said only when it differs.
+    after = any("after_step" in c and c.get("after_step") != c.get("step") for c in checkpoints)
+    if after:
+        table.add_column("after step", justify="right")
     table.add_column("host s", justify="right")
     table.add_column("blocking s", justify="right")
     table.add_column("async s", justify="right")
@@ -225,6 +230,7 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
         status = str(ckpt.get("status", "?"))
         table.add_row(
             markup(ckpt.get("step", "?")),
+            *([("—" if ckpt.get("after_step") is None else markup(ckpt.get("after_step")))] if after else []),
             _fmt(ckpt.get("host_seconds")),
             _fmt(ckpt.get("blocking_seconds")),
             _fmt(ckpt.get("async_seconds")),
