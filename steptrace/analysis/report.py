@@ -281,7 +281,8 @@ def _summary_panel(summary: dict, job: dict, title: str):
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
     # Rates nobody gave the inputs for (tokens, flops) are left out, not dashes.
     if summary["tokens_per_second"] is not None:
-        grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
+        # The whole run's rate; `steptrace compare` shows "steady tokens/s", a median over steady steps.
+        grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "whole run: Σ tokens / Σ step intervals")
     if summary["tflops_per_second"] is not None:
         grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
                      "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
