@@ -455,7 +455,7 @@ class CheckpointHandle:
         # that (a save at the top of a `steps()` body) the step's work comes after the save, and on
         # a synchronous or stream backend a span inside a step is that step's idle time.
         current = rt.current
-        if current is not None and current.values is not None:
+        if current is not None and current.submitted:  # inside a step only a value step is submitted
             self.after_step = current.step
         else:
             self.after_step = rt.last_step
