@@ -26,20 +26,23 @@ import warnings
 import weakref
 from typing import Any, Iterable
 
+from steptrace import _handles
 from steptrace._config import Config, resolve_config
 from steptrace._errors import SteptraceWarning
-from steptrace._handles import NULL_CHECKPOINT, NULL_MICROBATCH, NULL_SPAN, NULL_STEP
+from steptrace._handles import NULL_CHECKPOINT, NULL_MICROBATCH, NULL_STEP, null_span
 from steptrace._runtime import Runtime
 from steptrace._version import __version__ as __version__
 
 __all__ = [
     "Config",
     "SteptraceWarning",
+    "begin_span",
     "begin_step",
     "checkpoint",
     "config",
     "current_step",
     "enabled",
+    "end_span",
     "end_step",
     "flush",
     "init",
@@ -79,7 +82,13 @@ class _Disabled:
         return None
 
     def span(self, name: Any, **attrs: Any) -> Any:
-        return NULL_SPAN
+        return null_span(name, attrs)  # keeps its name: a decorator applied now times calls after init()
+
+    def begin_span(self, name: Any, **attrs: Any) -> Any:
+        return null_span(name, attrs)
+
+    def end_span(self, name: Any = None) -> None:
+        return None
 
     def checkpoint(self, step: Any, *, async_save: bool = False) -> Any:
         return NULL_CHECKPOINT
@@ -95,7 +104,7 @@ class _Disabled:
 
 
 _active: Any = _Disabled(warn_uninitialised=True)
-_HOT_CALLS = ("step", "span", "checkpoint", "microbatch", "begin_step", "end_step")
+_HOT_CALLS = ("step", "span", "checkpoint", "microbatch", "begin_step", "end_step", "begin_span", "end_span")
 
 
 def _install(runtime: Any) -> None:
@@ -341,13 +350,44 @@ def restore(step: int | None = None, **attrs: Any) -> Any:
 
 
 def span(name: str, **attrs: Any) -> Any:
-    """Time a host span (``"data"``, ``"eval"``, ...). Idle device time it covers is charged to ``name``."""
+    """Time a host span (``"data"``, ``"eval"``, ...). Idle device time it covers is charged to ``name``.
+
+    A context manager (``with steptrace.span("eval"):``) or a decorator: ``@steptrace.span("eval")`` on
+    ``def evaluate(): ...`` makes each call a span (decorating before ``init()`` is fine). For a block
+    you do not want to re-indent, :func:`begin_span` / :func:`end_span`.
+    """
     return _active.span(name, **attrs)
 
 
+def _current_span(name: str, **attrs: Any) -> Any:
+    return _active.span(name, **attrs)
+
+
+# Decorated functions open their spans through the run current at each call.
+_handles.current_span = _current_span
+
+
+def begin_span(name: str, **attrs: Any) -> Any:
+    """Open span ``name`` without re-indenting a block: the same span as ``with steptrace.span(name)``,
+    closed by :func:`end_span`. A span begun in a step ends in that step, one begun between steps ends
+    between steps (it may enclose whole steps); crossing a step boundary is misuse (warned and counted,
+    or raised with ``strict``), reported where it happens."""
+    return _active.begin_span(name, **attrs)
+
+
+def end_span(name: str | None = None) -> None:
+    """Close the innermost span :func:`begin_span` opened; ``name``, when given, must be its name.
+    Without an open span, or while a ``with steptrace.span`` block opened after it is still open, it
+    is misuse."""
+    return _active.end_span(name)
+
+
 def checkpoint(step: int, *, async_save: bool = False) -> Any:
-    """Time a checkpoint save of ``step``; its ``blocking_seconds`` is the host time after that step's
-    device work finished. With ``async_save=True`` call ``.async_done()`` when the background commit ends."""
+    """Time a checkpoint save named ``step`` (your trainer's number: the state after step ``step``, or
+    after ``step`` steps, saved before step ``step`` runs). Its ``blocking_seconds`` is the host time
+    after the device finished the step before the save (the record's ``after_step``), which is the next
+    step's idle ``checkpoint``. With ``async_save=True`` call ``.async_done()`` when the background
+    commit ends."""
     return _active.checkpoint(step, async_save=async_save)
 
 

@@ -12,6 +12,8 @@ and never raises into the loop unless ``strict`` is on.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import time
 from typing import Any, Callable, Literal, Protocol
@@ -249,9 +251,11 @@ class StepHandle(TimedUnit):
         rt.last_step_end = end
         if rt.closed_spans:
             self.spans = rt.take_closed_spans()
+        crossing = None
         if rt.open_spans:
             self.open_spans = [ClosedSpan(s.name, s.start, end, self.step, {}, False, s.take_marker())
                                for s in rt.open_spans]
+            crossing = [s for s in rt.open_spans if s.opened_in is self and not s.crossed]
         # Published last: a device step handed over at wait_for() is finalized by the
         # resolver as soon as host_end is set, so status and spans must be in place first.
         self.host_end = end
@@ -261,6 +265,14 @@ class StepHandle(TimedUnit):
             # known, and a stream step's markers carry their own device times, so neither
             # depends on when the resolver looks; it polls at its own pace.
             rt.resolver.submit(self)
+        if crossing:
+            # Said where it happens, once the step is recorded (strict mode raises from here).
+            for span in crossing:
+                span.crossed = True
+            names = ", ".join(repr(span.name) for span in crossing)
+            rt.misuse(f"step({self.step}) ended with span {names} begun in it still open: a span begun in a "
+                      "step ends in it (end_span() before end_step()); its part after the step's end is "
+                      "charged to what follows")
         return False  # never swallow the user's exception
 
 
@@ -311,9 +323,12 @@ class MicrobatchHandle(TimedUnit):
 
 
 class SpanHandle:
-    """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name."""
+    """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name.
 
-    __slots__ = ("_rt", "name", "attrs", "start", "marker")
+    A context manager, the span of :func:`steptrace.begin_span` (``imperative``), or a decorator.
+    """
+
+    __slots__ = ("_rt", "name", "attrs", "start", "marker", "opened_in", "imperative", "crossed")
 
     def __init__(self, rt: "HandleRuntime", name: str, attrs: dict):
         self._rt = rt
@@ -321,11 +336,14 @@ class SpanHandle:
         self.attrs = attrs
         self.start = 0.0
         self.marker: Any = None
+        self.opened_in: StepHandle | None = None  # the step open as it began (None: between steps)
+        self.imperative = False  # begun by begin_span(): end_span() ends it
+        self.crossed = False  # a step boundary inside it was reported already
 
     def __enter__(self) -> "SpanHandle":
         rt = self._rt
         self.start = _perf()
-        current = rt.current
+        current = self.opened_in = rt.current
         if current is not None and current.start_event is not None:
             # Inside an event-timed step: the device's own timeline says when it ran out of work.
             self.marker = rt.span_marker(current)
@@ -351,7 +369,53 @@ class SpanHandle:
             if current is not None and current.device is marker[0]:
                 end_marker = rt.span_marker(current)
         rt.close_span(self.name, self.start, end, self.attrs, marker=marker, end_marker=end_marker)
+        current = rt.current
+        if current is not self.opened_in and not self.crossed and current is not None:
+            # Begun between steps (or in an earlier step, which its end reported), ended in this one.
+            # Recorded all the same; said here, where it happens.
+            self.crossed = True
+            rt.misuse(f"span {self.name!r} begun {_where(self.opened_in)} ended inside step({current.step}): "
+                      f"a span begun outside a step ends outside it (end_span() before begin_step()) and one "
+                      "begun in a step ends in it")
         return False
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``@steptrace.span("eval")``: every call of ``fn`` is a span of this name."""
+        return span_decorator(self.name, self.attrs, fn)
+
+
+def _where(step: "StepHandle | None") -> str:
+    return "between steps" if step is None else f"in step({step.step})"
+
+
+#: ``steptrace.span`` of the run current at each call (set by the API module as it is imported; the
+#: handles cannot import the layer above them). A decorated function opens its span through it each
+#: time it is called, so a function decorated at import, before init(), is timed by the run started
+#: later, and one decorated while steptrace is off costs a no-op span per call.
+def _no_api_span(name: str, **attrs: Any) -> Any:
+    return NULL_SPAN
+
+
+current_span: Callable[..., Any] = _no_api_span
+
+
+def span_decorator(name: str, attrs: dict, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped so that each call is a span ``name``; a clear error at decoration for what
+    cannot be timed that way."""
+    if not callable(fn):
+        raise TypeError(f"steptrace.span({name!r}) used as a decorator needs a function, got {fn!r}")
+    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        # Their bodies run when the result is awaited or iterated, after the call has returned.
+        raise TypeError(f"steptrace.span({name!r}) decorates plain functions; {fn.__qualname__} is a "
+                        "coroutine or generator function, whose body runs after the call returns: use "
+                        "`with steptrace.span(...)` inside it")
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with current_span(name, **attrs):
+            return fn(*args, **kwargs)
+
+    return timed
 
 
 class CheckpointHandle:
@@ -360,13 +424,19 @@ class CheckpointHandle:
     For an asynchronous save, create it with ``async_save=True`` and call
     :meth:`async_done` (or :meth:`track` a future) when the background commit
     finishes: that time is reported as ``async_seconds`` and never charged to a step.
+
+    ``step`` is the trainer's number for the save, whichever way it counts; ``after_step`` is the
+    step whose device work preceded the save (None before the first step), read as the save
+    begins: its blocking time is the host time after that step's end.
     """
 
-    __slots__ = ("_rt", "step", "host_start", "host_end", "async_save", "async_end", "status", "error", "_lock")
+    __slots__ = ("_rt", "step", "after_step", "host_start", "host_end", "async_save", "async_end", "status",
+                 "error", "_lock")
 
     def __init__(self, rt: "HandleRuntime", step: int, async_save: bool):
         self._rt = rt
         self.step = step
+        self.after_step: int | None = None
         self.async_save = async_save
         self.host_start = 0.0
         self.host_end: float | None = None
@@ -376,8 +446,21 @@ class CheckpointHandle:
         self._lock = threading.Lock()
 
     def __enter__(self) -> "CheckpointHandle":
+        rt = self._rt
+        # Which step's end the save waits behind is where it runs, not its number: trainers call
+        # the state after n steps either `n - 1` (MaxText, the hooks: saved after step n - 1) or
+        # `n` (nanodo, orbax's save(step), Megatron-LM's iteration: saved before step n runs).
+        # Between steps it follows the last step. Inside a step it follows that step only once the
+        # step's device work was handed over (a JAX step after wait_for, as AXLearn saves); before
+        # that (a save at the top of a `steps()` body) the step's work comes after the save, and on
+        # a synchronous or stream backend a span inside a step is that step's idle time.
+        current = rt.current
+        if current is not None and current.submitted:  # inside a step only a value step is submitted
+            self.after_step = current.step
+        else:
+            self.after_step = rt.last_step
         self.host_start = _perf()
-        self._rt.open_checkpoint = self
+        rt.open_checkpoint = self
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
@@ -448,8 +531,45 @@ class _NullContext:
     def track(self, future: Any) -> None:
         return None
 
+    def __call__(self, fn: Any) -> Any:
+        # A span refused as misuse (warned already), used as a decorator: the function as it was.
+        return fn
+
 
 NULL_STEP = _NullContext()
 NULL_SPAN = NULL_STEP
 NULL_CHECKPOINT = NULL_STEP
 NULL_MICROBATCH = NULL_STEP
+
+
+class NullSpan(_NullContext):
+    """A span that records nothing (before init(), or steptrace off) but keeps its name: as a
+    decorator, the function's calls open the current run's span (see :data:`current_span`)."""
+
+    __slots__ = ("name", "attrs")
+
+    def __init__(self, name: str, attrs: dict):
+        self.name = name
+        self.attrs = attrs
+
+    def __call__(self, fn: Any) -> Any:
+        return span_decorator(self.name, self.attrs, fn)
+
+
+_null_spans: dict[Any, NullSpan] = {}
+
+
+def null_span(name: Any, attrs: dict) -> NullSpan:
+    """The no-op span named ``name``: shared per name (no allocation on the disabled path), at most a
+    few hundred names kept."""
+    if not attrs:
+        try:
+            span = _null_spans.get(name)
+        except TypeError:  # an unhashable "name": misuse the enabled path reports
+            return NullSpan(name, attrs)
+        if span is not None:
+            return span
+    span = NullSpan(name, attrs)
+    if not attrs and len(_null_spans) < 512:
+        _null_spans[name] = span
+    return span

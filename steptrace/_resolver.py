@@ -150,6 +150,7 @@ class Resolver:
         # still say which attempt they belong to, and the accounting when it started).
         self._queue.append(AttemptStart(self.started, config.attempt_source, config.run_id_source))
         self._device_kind: str | None = None
+        self._device_platform: str | None = None
         self._warned_no_peak = False
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
@@ -375,6 +376,7 @@ class Resolver:
 
             facts = _metadata.collect(item.tags, item.cuda_index)
             self._device_kind = facts["devices"].get("kind")
+            self._device_platform = facts["devices"].get("platform")
             peak = _peaks.lookup(self._device_kind)
             self.records.set_peak(peak.tflops * 1e12 if peak is not None else None)
             self._emit([self.records.metadata(start=item.host_start, facts=facts)])
@@ -733,9 +735,17 @@ class Resolver:
                 step.flops is not None or step.hardware_flops is not None):
             # Never a guessed peak (another device's): no MFU, said once.
             self._warned_no_peak = True
+            if self._device_platform == "cpu":
+                # The table's figures are bf16 tensor-core peaks; CPU training is usually fp32.
+                which = ("this CPU's peak in the precision the model trains in (fp32: physical cores x GHz x "
+                         "fp32 FLOPs per cycle per core / 1000, 32 per cycle with AVX2 and two FMA units; "
+                         "docs/flops.md)")
+            else:
+                which = ("the device's dense TFLOP/s in the precision the model trains in (the table's are bf16 "
+                         "tensor-core peaks; docs/flops.md)")
             log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
-                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to the device's "
-                        "dense bf16 TFLOP/s", self._device_kind)
+                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to %s",
+                        self._device_kind, which)
         return self.records.step(
             step=step.step, status=step.status, error=step.error, backend=step.device.name,
             end_source=end_source, host_start=step.host_start, host_end=step.host_end or step.host_start,
@@ -773,9 +783,11 @@ class Resolver:
 
     def _checkpoint_record(self, ckpt: "CheckpointHandle") -> CheckpointRecord:
         host_end = ckpt.host_end if ckpt.host_end is not None else ckpt.host_start
-        saved_end = self._step_ends.get(ckpt.step)
+        # The step it follows was submitted before the save began, so it is resolved by now.
+        saved_end = None if ckpt.after_step is None else self._step_ends.get(ckpt.after_step)
         return self.records.checkpoint(
-            step=ckpt.step, status=ckpt.status, error=ckpt.error, host_start=ckpt.host_start, host_end=host_end,
+            step=ckpt.step, after_step=ckpt.after_step, status=ckpt.status, error=ckpt.error,
+            host_start=ckpt.host_start, host_end=host_end,
             blocking_seconds=attribution.blocking_seconds(ckpt.host_start, host_end, saved_end),
             async_end=ckpt.async_end)
 

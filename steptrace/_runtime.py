@@ -32,6 +32,7 @@ from steptrace._handles import (
     SpanHandle,
     StepHandle,
     TimedUnit,
+    null_span,
 )
 from steptrace._resolver import Resolver, RunStart
 from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE
@@ -319,7 +320,7 @@ class Runtime:
     def span(self, name: str, **attrs: Any) -> Any:
         """Time a host span (see :func:`steptrace.span`)."""
         if not self.active:
-            return NULL_SPAN
+            return null_span(name, attrs)  # a reference kept across shutdown(): records nothing
         current = self.current
         if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):
             self.follow_loop()
@@ -395,6 +396,43 @@ class Runtime:
             current.__exit__(None, None, None)
         else:
             current.__exit__(type(error), error, error.__traceback__)
+
+    def begin_span(self, name: str, **attrs: Any) -> Any:
+        """Open a span without a ``with`` block (see :func:`steptrace.begin_span`)."""
+        if not self.active:
+            return null_span(name, attrs)
+        current = self.current
+        if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):
+            self.follow_loop()
+        if self.unsettled is not None:
+            self.follow_loop()
+        if not isinstance(name, str) or not name:
+            self.misuse(f"span name must be a non-empty string, got {name!r}")
+            return NULL_SPAN
+        handle = SpanHandle(self, name, attrs)
+        handle.__enter__()
+        handle.imperative = True
+        return handle
+
+    def end_span(self, name: str | None = None) -> None:
+        """Close the innermost span :meth:`begin_span` opened (see :func:`steptrace.end_span`)."""
+        current = self.current
+        if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):
+            self.follow_loop()
+        if self.unsettled is not None:
+            self.follow_loop()
+        if not self.open_spans:
+            self.misuse("end_span() without an open span: call steptrace.begin_span(name) first")
+            return
+        innermost = self.open_spans[-1]
+        if not innermost.imperative:
+            self.misuse(f"end_span() while span {innermost.name!r} is a `with` block: it ends when the block does")
+            return
+        if name is not None and name != innermost.name:
+            self.misuse(f"end_span({name!r}) while span {innermost.name!r}, begun after it, is open: spans end "
+                        "in the reverse order they began")
+            return
+        innermost.__exit__(None, None, None)
 
     def current_step(self, depth: int = 1) -> StepHandle | None:
         """The open step (after a ``steps()`` loop left with its generator held has ended its step);

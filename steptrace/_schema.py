@@ -176,7 +176,8 @@ class MicrobatchRecord(_Common):
 
 
 class CheckpointRecord(_Common):
-    step: int
+    step: int  # the trainer's number for the save
+    after_step: int | None  # the step whose device work preceded it (blocking_seconds counts from its end)
     status: str  # "ok" | "error" | "incomplete"
     error: NotRequired[str]
     start_time: float
@@ -373,11 +374,11 @@ class RecordBuilder:
             record["placement_uncertainty_seconds"] = placement_uncertainty
         return record
 
-    def checkpoint(self, *, step: int, status: str, error: str | None, host_start: float, host_end: float,
-                   blocking_seconds: float, async_end: float | None) -> CheckpointRecord:
+    def checkpoint(self, *, step: int, after_step: int | None, status: str, error: str | None, host_start: float,
+                   host_end: float, blocking_seconds: float, async_end: float | None) -> CheckpointRecord:
         record: CheckpointRecord = {
             "type": "checkpoint", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt, "step": step,
-            "status": status,
+            "after_step": after_step, "status": status,
             "start_time": host_start + self.unix_offset, "end_time": host_end + self.unix_offset,
             "host_seconds": host_end - host_start, "blocking_seconds": blocking_seconds,
             "async_seconds": None if async_end is None else max(0.0, async_end - host_end),

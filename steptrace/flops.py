@@ -30,6 +30,19 @@ def peak(device_kind: str) -> Peak | None:
     return lookup(device_kind)
 
 
+#: ``mlp=``: the MLP's matrices per layer. Gated (SwiGLU in Llama, Mistral, Mixtral; GeGLU in Gemma)
+#: multiplies with three (gate, up, down), plain (GELU or ReLU in GPT-2, BERT, nanoGPT) with two: the
+#: difference is a fifth of a GPT-2's FLOPs, so there is no default to get it silently wrong.
+MLP_MATRICES = {"gated": 3, "plain": 2}
+
+
+def _mlp_matrices(mlp: object) -> int:
+    if mlp not in MLP_MATRICES:
+        raise ValueError(f"mlp must be 'gated' (SwiGLU, GeGLU: three matrices) or 'plain' (GELU, ReLU: two), "
+                         f"got {mlp!r}")
+    return MLP_MATRICES[str(mlp)]
+
+
 def _check(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -37,13 +50,13 @@ def _check(name: str, value: object, minimum: int = 1) -> int:
 
 
 def transformer_active_parameters(*, layers: int, hidden: int, heads: int, ffn_hidden: int, vocab: int,
-                                  head_dim: int | None = None, kv_heads: int | None = None,
-                                  gated_mlp: bool = True, experts: int = 0, experts_per_token: int = 1,
+                                  mlp: str | None = None, head_dim: int | None = None, kv_heads: int | None = None,
+                                  experts: int = 0, experts_per_token: int = 1,
                                   expert_ffn_hidden: int | None = None, shared_expert_ffn_hidden: int = 0,
                                   moe_layers: int | None = None) -> int:
     """The parameters one token multiplies with (PaLM's ``N``), as the matrix multiplies count them:
-    query/key/value and output projections, the MLP (three matrices when ``gated_mlp``: SwiGLU,
-    GeGLU; two otherwise), for MoE layers the router and the ``experts_per_token`` experts a token
+    query/key/value and output projections, the MLP (``mlp="gated"``: three matrices, SwiGLU, GeGLU;
+    ``mlp="plain"``: two, GELU, ReLU; required), for MoE layers the router and the ``experts_per_token`` experts a token
     is routed to (plus a shared expert of ``shared_expert_ffn_hidden``), and the output (unembedding)
     projection. The input embedding is a lookup, not a multiply, and is not counted (nor are norms
     and biases)."""
@@ -59,7 +72,7 @@ def transformer_active_parameters(*, layers: int, hidden: int, heads: int, ffn_h
     if moe > layers or (moe and not experts):
         raise ValueError(f"moe_layers must be <= layers and needs experts > 0, got moe_layers={moe}, "
                          f"experts={experts}")
-    matrices = 3 if gated_mlp else 2
+    matrices = _mlp_matrices(mlp)
     attention = hidden * (heads + 2 * kv) * q + heads * q * hidden
     dense_mlp = matrices * hidden * ffn_hidden
     moe_mlp = 0
@@ -76,13 +89,14 @@ def transformer_active_parameters(*, layers: int, hidden: int, heads: int, ffn_h
 
 
 def transformer(*, layers: int, hidden: int, heads: int, ffn_hidden: int, vocab: int, seq_len: int,
-                head_dim: int | None = None, kv_heads: int | None = None, gated_mlp: bool = True,
+                mlp: str | None = None, head_dim: int | None = None, kv_heads: int | None = None,
                 experts: int = 0, experts_per_token: int = 1, expert_ffn_hidden: int | None = None,
                 shared_expert_ffn_hidden: int = 0, moe_layers: int | None = None,
                 sliding_window: int | None = None, window_layers: int | None = None,
                 causal: bool = True, training: bool = True) -> float:
     """Model FLOPs per token of a decoder-only transformer (PaLM appendix B; see the module).
 
+    ``mlp`` (required): ``"gated"`` (SwiGLU, GeGLU: three matrices) or ``"plain"`` (GELU, ReLU: two).
     ``heads`` query heads of ``head_dim`` (default ``hidden // heads``), ``kv_heads`` key/value
     heads (grouped-query attention; default ``heads``). ``experts`` > 0: mixture-of-experts MLPs
     in ``moe_layers`` layers (default all), each token routed to ``experts_per_token`` experts of
@@ -94,8 +108,8 @@ def transformer(*, layers: int, hidden: int, heads: int, ffn_hidden: int, vocab:
     ``steptrace.step(n, flops=per_token * tokens)``.
     """
     n = transformer_active_parameters(
-        layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab, head_dim=head_dim,
-        kv_heads=kv_heads, gated_mlp=gated_mlp, experts=experts, experts_per_token=experts_per_token,
+        layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab, mlp=mlp, head_dim=head_dim,
+        kv_heads=kv_heads, experts=experts, experts_per_token=experts_per_token,
         expert_ffn_hidden=expert_ffn_hidden, shared_expert_ffn_hidden=shared_expert_ffn_hidden,
         moe_layers=moe_layers)
     t = _check("seq_len", seq_len)

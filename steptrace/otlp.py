@@ -64,7 +64,7 @@ a bounded queue). Per rank and step ``n``::
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
   ``train.microbatch``, ``train.stage``, ``train.chunk``, ``train.kind``,
   ``train.compute_seconds``. ``train.checkpoint``: ``train.status``,
-  ``train.error``, ``train.checkpoint.host_seconds``,
+  ``train.error``, ``train.checkpoint.after_step``, ``train.checkpoint.host_seconds``,
   ``train.checkpoint.blocking_seconds``, ``train.checkpoint.async_seconds``.
   User spans: ``train.span_seconds``, ``train.attrs.<key>``.
 * **Resource**: everything in ``OTEL_RESOURCE_ATTRIBUTES``, ``service.name`` =
@@ -928,7 +928,7 @@ class OtlpSink:
         attrs = self._attrs(n)
         _put(attrs, "train.status", r.get("status"))
         _put(attrs, "train.error", r.get("error"))
-        for key in ("host_seconds", "blocking_seconds", "async_seconds"):
+        for key in ("after_step", "host_seconds", "blocking_seconds", "async_seconds"):
             _put(attrs, f"train.checkpoint.{key}", r.get(key))
         error = (r.get("error") or "checkpoint failed") if r.get("status") == "error" else None
         # Keyed by the save's start (not an ordinal): a replayed record keeps its id, and a

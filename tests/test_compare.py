@@ -1,5 +1,6 @@
 """steptrace compare: rows, verdicts, outputs and exit codes; real JAX runs for regression vs noise."""
 
+import io
 import json
 import math
 import random
@@ -211,12 +212,15 @@ def test_every_row_with_a_verdict_where_per_step_values_exist(tmp_path):
     result = compare_runs(load_run(a), load_run(b))
     rows = {r.metric: r for r in result["rows"]}
     for metric in ("steps", "steady_steps", "loss_final", "loss_mean", "interval_median", "interval_mean",
-                   "compute_median", "tokens_per_second", "goodput", "idle_checkpoint", "idle_compile",
+                   "compute_median", "steady_tokens_per_second", "goodput", "idle_checkpoint", "idle_compile",
                    "checkpoint_blocking", "compile", "memory_peak", "memory_peak_percent", "bubble"):
         assert metric in rows, metric
     assert rows["interval_median"].verdict == "regression" and rows["interval_median"].relative == pytest.approx(
         0.3, abs=0.03)
-    assert rows["tokens_per_second"].verdict == "regression"  # lower throughput is worse
+    assert rows["steady_tokens_per_second"].verdict == "regression"  # lower throughput is worse
+    # One name per figure: this is a median over steady steps, not the report's whole-run tokens/s.
+    assert rows["steady_tokens_per_second"].label == "steady tokens/s, median"
+    assert "tokens_per_second" not in rows
     assert rows["loss_final"].verdict == "—" and rows["loss_final"].diff == pytest.approx(0.0)
     assert rows["memory_peak"].b == 2**31
     assert rows["bubble"].verdict == "noise"  # identical per-step values
@@ -230,7 +234,7 @@ def test_missing_fields_show_a_dash_not_zero(tmp_path, capsys):
     a = _write_run(tmp_path / "a", [1.0] + _jitter(rng, 0.1, 10))
     b = _write_run(tmp_path / "b", [1.0] + _jitter(rng, 0.1, 10))
     rows = {r.metric: r for r in compare_runs(load_run(a), load_run(b))["rows"]}
-    assert "loss_final" not in rows and "memory_peak" not in rows and "tokens_per_second" not in rows
+    assert "loss_final" not in rows and "memory_peak" not in rows and "steady_tokens_per_second" not in rows
     assert main([str(a), str(b), "--markdown"]) == 0
     assert "final loss" not in capsys.readouterr().out
 
@@ -255,6 +259,36 @@ def test_markdown_is_a_table_json_is_parseable_and_the_exit_code_gates_ci(tmp_pa
     assert main([str(b), str(a), "--fail-on-regression", "10"]) == 0  # an improvement never fails
     assert main([str(a), str(b), "--fail-on-regression", "10", "--metric", "nope"]) == 2
     assert main([str(tmp_path / "missing"), str(b)]) == 2
+
+
+def test_steady_tokens_per_second_is_named_apart_from_the_reports_whole_run_tokens_per_second(tmp_path, capsys):
+    """compare's throughput is a median over steady steps; report's tokens/s is the whole run (Σ tokens /
+    Σ intervals, compile and checkpoint steps included): two figures, two names, in text, --json and
+    --metric (the old key says what it became)."""
+    from steptrace.analysis.report import render_report
+
+    rng = random.Random(5)
+    a = _write_run(tmp_path / "a", [1.0] + _jitter(rng, 0.100, 30), tokens=4096, checkpoint_steps=(10,))
+    b = _write_run(tmp_path / "b", [1.0] + _jitter(rng, 0.100, 30), tokens=4096, checkpoint_steps=(10,))
+    assert main([str(a), str(b), "--json"]) == 0
+    (row,) = [r for r in json.loads(capsys.readouterr().out)["rows"] if "tokens" in r["metric"]]
+    assert (row["metric"], row["label"]) == ("steady_tokens_per_second", "steady tokens/s, median")
+    assert main([str(a), str(b)]) == 0
+    assert "steady tokens/s, median" in capsys.readouterr().out
+    assert main([str(a), str(b), "--fail-on-regression", "10", "--metric", "tokens_per_second"]) == 2
+    assert "'tokens_per_second' is now 'steady_tokens_per_second'" in capsys.readouterr().err
+    assert main([str(a), str(b), "--fail-on-regression", "10", "--metric", "steady_tokens_per_second"]) == 0
+
+    from rich.console import Console
+
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_report(load_run(a), console=console)
+    text = console.export_text()
+    (line,) = [line for line in text.splitlines() if "tokens/s" in line and "whole run" in line]
+    assert "steady tokens/s" not in text
+    run = load_run(a)
+    whole = sum(s["tokens"] for s in run.steps()) / sum(s["interval_seconds"] for s in run.steps())
+    assert f"{whole:,.0f}" in line
 
 
 def test_one_run_dir_compares_its_two_newest_runs(tmp_path, capsys):

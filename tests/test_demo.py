@@ -89,6 +89,14 @@ def test_demo_writes_steps_and_checkpoints(demo_run):
     assert all(r["status"] == "ok" for r in steps)
     assert 2 <= len(checkpoints) <= 3, checkpoints
     assert all(c["status"] == "ok" and c["blocking_seconds"] >= 0 for c in checkpoints)
+    # The orbax adapter times each asynchronous save's background commit too, and the blocking part
+    # is the next step's checkpoint idle time, never more (the commit is charged to no step).
+    by_step = {r["step"]: r for r in steps}
+    for c in checkpoints:
+        assert c["async_seconds"] is not None and c["after_step"] == c["step"]
+        if c["step"] + 1 in by_step:
+            assert by_step[c["step"] + 1]["idle_breakdown"].get("checkpoint", 0.0) == pytest.approx(
+                c["blocking_seconds"], abs=1e-6)
     # The checkpoints are real orbax saves on disk.
     saved = {int(p.name) for p in (run_dir / "demo" / "ckpt").iterdir() if p.name.isdigit()}
     assert saved and saved <= {c["step"] for c in checkpoints}
@@ -118,7 +126,7 @@ def test_demo_prints_comparison_and_report(demo_run):
     for step in range(STEPS):
         assert _naive_seconds(out, step) >= 0
     assert "Step 0:" in out and "compile" in out
-    assert "Checkpoint after step" in out
+    assert "Checkpoint after step" in out and "in the background for" in out
     # ...and then the steptrace report, once.
     assert out.count("steptrace run demo") == 1
     assert "Summary (rank 0)" in out

@@ -41,19 +41,19 @@ MAXTEXT_CASES = {
     "dense (Llama 2 7B)": dict(
         maxtext=dict(decoder_block="llama2", emb_dim=4096, num_query_heads=32, num_kv_heads=32, head_dim=128,
                      mlp_dim=11008, num_decoder_layers=32, vocab_size=32000, max_target_length=4096),
-        ours=dict(layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096)),
+        ours=dict(mlp="gated", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096)),
     "GQA, 1024-token window in 5 of 6 layers (Gemma 3 4B)": dict(
         maxtext=dict(decoder_block="gemma3", emb_dim=2560, num_query_heads=8, num_kv_heads=4, head_dim=256,
                      mlp_dim=10240, num_decoder_layers=34, vocab_size=262144, max_target_length=4096,
                      sliding_window_size=1024, mlp_activations=["gelu", "linear"]),
         ours=dict(layers=34, hidden=2560, heads=8, kv_heads=4, head_dim=256, ffn_hidden=10240, vocab=262144,
-                  seq_len=4096, sliding_window=1024, window_layers=34 - 34 // 6)),
+                  seq_len=4096, sliding_window=1024, window_layers=34 - 34 // 6, mlp="gated")),
     "MoE, 8 experts, 2 per token (Mixtral 8x7B)": dict(
         maxtext=dict(decoder_block="mixtral", emb_dim=4096, num_query_heads=32, num_kv_heads=8, head_dim=128,
                      mlp_dim=14336, moe_mlp_dim=14336, num_decoder_layers=32, vocab_size=32000,
                      max_target_length=4096, num_experts=8, num_experts_per_tok=2),
         ours=dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn_hidden=14336, vocab=32000,
-                  seq_len=4096, experts=8, experts_per_token=2)),
+                  seq_len=4096, experts=8, experts_per_token=2, mlp="gated")),
 }
 MAXTEXT_DEFAULTS = dict(num_experts=1, per_device_batch_size=2, mlp_activations=["silu", "linear"],
                         attention_type="global", share_kv_projections=False, mtp_num_layers=0, engram_layers=None,
@@ -66,18 +66,19 @@ MEGATRON_CASES = {
     "dense (Llama 2 7B)": dict(
         megatron=dict(hidden_size=4096, num_attention_heads=32, kv_channels=128, ffn_hidden_size=11008,
                       num_layers=32, padded_vocab_size=32000, seq_length=4096),
-        ours=dict(layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096)),
+        ours=dict(mlp="gated", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096)),
     "GQA (Llama 3 8B)": dict(
         megatron=dict(hidden_size=4096, num_attention_heads=32, group_query_attention=True, num_query_groups=8,
                       kv_channels=128, ffn_hidden_size=14336, num_layers=32, padded_vocab_size=128256,
                       seq_length=8192),
-        ours=dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256, seq_len=8192)),
+        ours=dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256, seq_len=8192,
+                  mlp="gated")),
     "MoE, 8 experts, 2 per token (Mixtral 8x7B)": dict(
         megatron=dict(hidden_size=4096, num_attention_heads=32, group_query_attention=True, num_query_groups=8,
                       kv_channels=128, ffn_hidden_size=14336, num_layers=32, padded_vocab_size=32000,
                       seq_length=4096, num_experts=8, moe_router_topk=2),
         ours=dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn_hidden=14336, vocab=32000,
-                  seq_len=4096, experts=8, experts_per_token=2)),
+                  seq_len=4096, experts=8, experts_per_token=2, mlp="gated")),
 }
 MEGATRON_DEFAULTS = dict(group_query_attention=False, num_experts=None, mtp_num_layers=None, moe_ffn_hidden_size=None,
                          moe_latent_size=None, moe_shared_expert_intermediate_size=None, swiglu=True,
@@ -249,7 +250,7 @@ def test_transformer_matches_megatrons_own_function(name, megatron_flops):
 
 # -- the helper's own arithmetic ------------------------------------------------------------------
 def test_transformer_is_palms_6n_plus_12lhqt_without_the_causal_halving():
-    kw = dict(layers=4, hidden=256, heads=8, ffn_hidden=1024, vocab=1000, seq_len=512, gated_mlp=False)
+    kw = dict(layers=4, hidden=256, heads=8, ffn_hidden=1024, vocab=1000, seq_len=512, mlp="plain")
     n = transformer_active_parameters(**{k: v for k, v in kw.items() if k != "seq_len"})
     assert n == 4 * (4 * 256 * 256 + 2 * 256 * 1024) + 256 * 1000
     assert transformer(**kw, causal=False) == 6 * n + 12 * 4 * 8 * 32 * 512
@@ -258,7 +259,7 @@ def test_transformer_is_palms_6n_plus_12lhqt_without_the_causal_halving():
 
 
 def test_a_window_as_long_as_the_sequence_is_full_causal_attention_and_moe_counts_active_experts():
-    kw = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn_hidden=512, vocab=100, seq_len=256)
+    kw = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn_hidden=512, vocab=100, seq_len=256, mlp="gated")
     assert transformer(**kw, sliding_window=256) == pytest.approx(transformer(**kw))
     assert transformer(**kw, sliding_window=64) < transformer(**kw)
     dense = transformer_active_parameters(**{k: v for k, v in kw.items() if k != "seq_len"})
@@ -270,9 +271,27 @@ def test_a_window_as_long_as_the_sequence_is_full_causal_attention_and_moe_count
 @pytest.mark.parametrize("bad", [dict(layers=0), dict(kv_heads=0), dict(experts_per_token=3, experts=2),
                                  dict(sliding_window=16, causal=False), dict(window_layers=3, sliding_window=8)])
 def test_transformer_rejects_bad_shapes_with_a_value_error(bad):
-    kw = dict(layers=2, hidden=64, heads=4, ffn_hidden=128, vocab=10, seq_len=32)
+    kw = dict(layers=2, hidden=64, heads=4, ffn_hidden=128, vocab=10, seq_len=32, mlp="gated")
     with pytest.raises(ValueError):
         transformer(**{**kw, **bad})
+
+
+def test_the_mlp_kind_is_required_and_a_gated_mlp_has_one_more_matrix():
+    """No default to get silently wrong: a gated MLP (SwiGLU, GeGLU) multiplies with three matrices, a
+    plain one (GELU, ReLU: GPT-2, nanoGPT) with two; assuming gated inflates GPT-2 small's FLOPs by 21 %."""
+    gpt2 = dict(layers=12, hidden=768, heads=12, ffn_hidden=3072, vocab=50304, seq_len=1024)
+    for missing_or_bad in ({}, {"mlp": "swiglu"}, {"mlp": True}):
+        with pytest.raises(ValueError, match=r"mlp must be 'gated' \(SwiGLU, GeGLU: three matrices\) or "
+                                             r"'plain' \(GELU, ReLU: two\)"):
+            transformer(**gpt2, **missing_or_bad)
+        with pytest.raises(ValueError, match="mlp must be"):
+            transformer_active_parameters(**{k: v for k, v in gpt2.items() if k != "seq_len"}, **missing_or_bad)
+    plain = transformer_active_parameters(**{k: v for k, v in gpt2.items() if k != "seq_len"}, mlp="plain")
+    gated = transformer_active_parameters(**{k: v for k, v in gpt2.items() if k != "seq_len"}, mlp="gated")
+    assert gated - plain == 12 * 768 * 3072
+    assert plain == 12 * (4 * 768 * 768 + 2 * 768 * 3072) + 768 * 50304
+    assert transformer(**gpt2, mlp="gated") - transformer(**gpt2, mlp="plain") == 6 * 12 * 768 * 3072
+    assert transformer(**gpt2, mlp="gated") / transformer(**gpt2, mlp="plain") == pytest.approx(1.21, abs=0.005)
 
 
 # -- the peak table -------------------------------------------------------------------------------
@@ -301,9 +320,9 @@ def test_the_megatron_hook_has_no_peak_table_of_its_own():
 
 
 # -- MFU and HFU in the record ---------------------------------------------------------------------
-def _device_kind(monkeypatch, kind: str) -> None:
+def _device_kind(monkeypatch, kind: str, platform: str = "gpu") -> None:
     real = _metadata.devices
-    monkeypatch.setattr(_metadata, "devices", lambda: {**real(), "kind": kind})
+    monkeypatch.setattr(_metadata, "devices", lambda: {**real(), "kind": kind, "platform": platform})
 
 
 def test_a_known_device_gives_mfu_with_its_parts_from_the_table(monkeypatch):
@@ -339,6 +358,20 @@ def test_an_unknown_device_gives_no_mfu_and_one_warning(monkeypatch, caplog):
     assert all(s["tflops_per_second"] is not None for s in steps)  # the rate needs no peak
     warned = [r for r in caplog.records if "no peak FLOP/s" in r.getMessage()]
     assert len(warned) == 1 and "RTX 3090" in warned[0].getMessage()
+    assert "in the precision the model trains in" in warned[0].getMessage()
+
+
+def test_on_a_cpu_the_no_peak_warning_asks_for_the_cpus_peak_in_its_precision_not_a_bf16_one(monkeypatch, caplog):
+    """CPU training is fp32: the warning says how to work out that peak (cores x GHz x FLOPs per cycle),
+    never to look up a "dense bf16" figure a CPU does not have."""
+    _device_kind(monkeypatch, "AMD EPYC", platform="cpu")
+    with caplog.at_level(logging.WARNING, logger="steptrace"):
+        with capture():
+            with steptrace.step(0, flops=1e9):
+                pass
+    (warned,) = [r.getMessage() for r in caplog.records if "no peak FLOP/s" in r.getMessage()]
+    assert "'AMD EPYC'" in warned and "fp32: physical cores x GHz x fp32 FLOPs per cycle" in warned
+    assert "bf16" not in warned and "docs/flops.md" in warned
 
 
 def test_no_warning_when_no_step_has_flops(monkeypatch, caplog):

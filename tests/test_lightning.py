@@ -111,6 +111,13 @@ def test_a_fit_records_one_step_per_optimizer_step_with_eval_data_and_checkpoint
         assert c["status"] == "ok" and c["blocking_seconds"] is not None and c["blocking_seconds"] > 0
         assert c["blocking_seconds"] <= c["host_seconds"] + 1e-9
     assert steps[2]["idle_breakdown"].get("checkpoint", 0) > 0  # the save after step 1 stalls step 2
+    # The checkpoint table and the step table agree: a save follows the step it names, and its blocking
+    # time is the next step's `checkpoint` idle time.
+    for c in ckpts:
+        assert c["after_step"] == c["step"]
+        if c["step"] + 1 < len(steps):
+            assert steps[c["step"] + 1]["idle_breakdown"]["checkpoint"] == pytest.approx(c["blocking_seconds"],
+                                                                                         abs=1e-6)
     # Steptrace's hooks are gone once the fit ended.
     assert lightning_adapter.installed() == [] and "start" not in vars(trainer.profiler)
 

@@ -120,9 +120,12 @@ def test_checkpoint_wait_is_not_next_steps_compute(runs):
     assert saved and set(saved) <= set(saves)
     for n in saved:
         save, after = saves[n], steps[n + 1]
-        assert save["status"] == "ok" and save["blocking_seconds"] > 0
-        # The save's blocking time is idle time of step n+1, reason "checkpoint", not compute.
-        assert after["idle_breakdown"].get("checkpoint", 0) > 0.9 * save["blocking_seconds"]
+        assert save["status"] == "ok" and save["blocking_seconds"] > 0 and save["after_step"] == n
+        # The save's blocking time is idle time of step n+1, reason "checkpoint", not compute: the
+        # checkpoint table and the step table agree, save for a compile inside the save (innermost wins).
+        idle = after["idle_breakdown"]
+        assert 0 < idle["checkpoint"] <= save["blocking_seconds"] + 1e-6
+        assert idle["checkpoint"] + idle.get("compile", 0.0) >= save["blocking_seconds"] - 1e-6
         assert after["compute_seconds"] < 1.5 * _steady_compute(steps)
         # ...where MaxText's own log puts the whole save into step n+1.
         naive = hooked["maxtext"][n + 1][0]

@@ -493,7 +493,7 @@ def test_train_step_is_the_step_numbered_by_megatrons_iteration_with_tokens_and_
         assert s["model_flops"] == pytest.approx(flops) and s["hardware_flops"] is None
         assert "peak_tflops" not in s["attrs"] and s["mfu"] is None  # CPU: no device peak, none configured
     (ckpt,) = sink.checkpoints()
-    assert ckpt["step"] == 10  # iter_0000011 holds the state after step 10
+    assert ckpt["step"] == ckpt["after_step"] == 10  # iter_0000011 holds the state after step 10
 
 
 def test_the_optimizer_after_the_schedule_is_its_own_part_of_the_step_not_bubble(hooks, megatron_lm):
@@ -569,6 +569,9 @@ def test_async_finalize_work_is_checkpoint_and_commit_time_ends_with_the_write(h
         assert steps[n]["idle_breakdown"].get("checkpoint", 0.0) >= au.CHECK_S * 0.99
     first, last = sorted(sink.checkpoints(), key=lambda c: c["step"])
     assert (first["step"], last["step"]) == (0, 3)
+    # The save after step 0 is the only checkpoint time before step 1: the tables agree.
+    assert first["after_step"] == 0
+    assert steps[1]["idle_breakdown"]["checkpoint"] == pytest.approx(first["blocking_seconds"], abs=1e-6)
     assert first["async_seconds"] is not None and last["async_seconds"] is not None
     # The last commit: the 50 ms write wait and the finalize check, not the 500 ms shutdown.
     assert au.WRITE_S <= last["async_seconds"] < au.SHUTDOWN_S

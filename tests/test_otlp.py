@@ -244,6 +244,7 @@ def test_span_tree_parentage_and_record_times(receiver, device):
     assert (ckpt.start_ns, ckpt.end_ns) == (ns(ckpt_record["start_time"]), ns(ckpt_record["end_time"]))
     assert ckpt.attributes["train.checkpoint.blocking_seconds"] == ckpt_record["blocking_seconds"]
     assert ckpt.attributes["train.checkpoint.host_seconds"] == ckpt_record["host_seconds"]
+    assert ckpt.attributes["train.checkpoint.after_step"] == ckpt_record["after_step"] == 1
     assert "train.checkpoint.async_seconds" not in ckpt.attributes  # None values are left out
 
     # `eval` closes after the last step: a root span in a trace of its own.

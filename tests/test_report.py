@@ -301,6 +301,24 @@ def test_render_report_shows_steps_checkpoints_and_summary(small_run):
     assert "dropped" not in text
 
 
+def test_the_checkpoint_table_says_which_step_a_save_numbered_by_steps_done_follows(tmp_path):
+    """A save called `n` for the state after n steps runs before step n: its blocking counts from step
+    n - 1's end, and the table says so in an `after step` column (left out when every save follows its
+    own number)."""
+    run_dir = tmp_path / "steptrace-runs" / "r1"
+    steps = three_steps()
+    saved_before_step_2 = dict(checkpoint_record(2, 0.9), after_step=1)
+    write_rank(run_dir, 0, [steps[0], saved_before_step_2, steps[1], steps[2]])
+    table = capture(load_run(run_dir)).split("Checkpoints (rank 0)")[1]
+    header = next(line for line in table.splitlines() if "┃" in line)
+    row = next(line for line in table.splitlines() if "│" in line)
+    assert [c.strip() for c in header.split("┃")[1:5]] == ["step", "after step", "host s", "blocking s"]
+    assert [c.strip() for c in row.split("│")[1:5]] == ["2", "1", "0.900", "0.900"]
+    plain = tmp_path / "plain" / "r1"
+    write_rank(plain, 0, [steps[0], steps[1], dict(checkpoint_record(2, 0.9), after_step=2), steps[2]])
+    assert "after step" not in capture(load_run(plain))
+
+
 def test_max_rows_keeps_the_notable_steps_and_says_how_many_it_left_out(tmp_path):
     """--max-rows keeps the first step, failures, checkpoint/eval/compile steps and the slowest,
     wherever they are (cutting the middle by position hid them), then evenly spaced others."""

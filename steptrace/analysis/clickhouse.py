@@ -1163,6 +1163,8 @@ ORDER BY start_ns, span_id, ns""")
                 record[field] = _number_of(attrs.get(f"train.checkpoint.{field}"))
                 if record[field] is None:
                     skipped.value(f"train.checkpoint.{field}", attrs.get(f"train.checkpoint.{field}"))
+            after = _number_of(attrs.get("train.checkpoint.after_step"))
+            record["after_step"] = None if after is None else int(after)
             checkpoints.setdefault(rank, []).append(record)
     records_by_rank = {rank: sorted(steps.get(rank, []) + checkpoints.get(rank, []),
                                     key=lambda r: (r["attempt"], r["end_time"]))

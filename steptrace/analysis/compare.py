@@ -30,7 +30,7 @@ in words, and ``--fail-on-regression`` acts on exactly that verdict.
 
 Steady state, by construction: a step counts when its status is ``ok``, it is not the rank's
 first step (which carries compilation and warm-up), and no compile, checkpoint or eval time fell
-in its idle window. Intervals, compute, tokens/s, TFLOP/s and MFU rows use steady-state steps of
+in its idle window. Intervals, compute, steady tokens/s, TFLOP/s and MFU rows use steady-state steps of
 the default rank (rank 0 when present); run-wide totals (idle by reason, compile, checkpoints) use
 every step. Goodput is the run's one goodput (:func:`steptrace.analysis.goodput.job_goodput`: every
 rank's own compute of the kept steps over its wall from the process start, across attempts), the
@@ -67,6 +67,10 @@ UNSTEADY_REASONS = ("compile", "checkpoint", "eval")
 DEFAULT_ALPHA = 0.01
 DEFAULT_MIN_EFFECT = 0.02
 DEFAULT_METRIC = "interval_median"
+#: Metric keys that were renamed, so that one figure has one name: --metric with the old key says so.
+_RENAMED_METRICS = {"tokens_per_second": "steady_tokens_per_second"}
+_RENAMED_WHY = {"steady_tokens_per_second": "the median over steady-state steps; steptrace report's tokens/s "
+                                            "is the whole run's"}
 #: Batch means: at most this many blocks per run, of at least DEFAULT_MIN_BLOCK steps each.
 DEFAULT_MAX_BLOCKS = 20
 DEFAULT_MIN_BLOCK = 5
@@ -593,7 +597,7 @@ MIN_CONTROL_SAMPLES = 3
 #: Rows judged net of the machine where the control moved, with the direction in which a slower
 #: machine moves them: times up (+1), throughput down (−1).
 MACHINE_ROWS = {"interval_median": 1, "interval_mean": 1, "compute_median": 1, "compute_mean": 1,
-                "tokens_per_second": -1, "tflops_per_second": -1, "mfu": -1, "hfu": -1}
+                "steady_tokens_per_second": -1, "tflops_per_second": -1, "mfu": -1, "hfu": -1}
 #: A machine change does not slow every piece of code alike: beyond --min-effect, the code's
 #: effect must exceed this fraction of the control's change (in log terms) to be called the code's.
 #: Measured by bench/bench_compare.py (docs/compare.md): where the machine moved by 70 % or more,
@@ -762,7 +766,9 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
     tested("interval_mean", "step interval, mean", interval, _mean, "s", True)
     tested("compute_median", "compute, median", compute, _median, "s", True)
     tested("compute_mean", "compute, mean", compute, _mean, "s", True)
-    tested("tokens_per_second", "tokens/s", lambda s: as_number(s.get("tokens_per_second")), _median, "", False)
+    # Not the report's tokens/s (the whole run: Σ tokens / Σ intervals): a median over steady steps.
+    tested("steady_tokens_per_second", "steady tokens/s, median", lambda s: as_number(s.get("tokens_per_second")),
+           _median, "", False)
     tested("tflops_per_second", "TFLOP/s (compute time)", lambda s: as_number(s.get("tflops_per_second")), _median,
            "", False)
     tested("mfu", "MFU", lambda s: as_number(s.get("mfu")), _median, "", False)
@@ -1203,7 +1209,9 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.fail_on_regression is not None:
         verdict = result["verdict"]
         if verdict["verdict"] is None:
-            print(f"steptrace compare: no metric {metric!r} in these runs; one of "
+            renamed = _RENAMED_METRICS.get(metric)
+            hint = f" ({metric!r} is now {renamed!r}: {_RENAMED_WHY[renamed]})" if renamed else ""
+            print(f"steptrace compare: no metric {metric!r} in these runs{hint}; one of "
                   f"{', '.join(r.metric for r in result['rows'])}", file=sys.stderr)
             return 2
         # The exit code is the printed verdict's: a regression (net of the machine where the control

@@ -217,6 +217,11 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
 
     table = Table(title=f"Checkpoints (rank {rank})", title_justify="left")
     table.add_column("step", justify="right")
+    # A trainer that calls the state after n steps `n` saves it before step n runs: then the save
+    # follows step n - 1, and its blocking time counts from that step's end. Said only when it differs.
+    after = any("after_step" in c and c.get("after_step") != c.get("step") for c in checkpoints)
+    if after:
+        table.add_column("after step", justify="right")
     table.add_column("host s", justify="right")
     table.add_column("blocking s", justify="right")
     table.add_column("async s", justify="right")
@@ -225,6 +230,7 @@ def _checkpoint_table(checkpoints: list[dict], rank: int):
         status = str(ckpt.get("status", "?"))
         table.add_row(
             markup(ckpt.get("step", "?")),
+            *([("—" if ckpt.get("after_step") is None else markup(ckpt.get("after_step")))] if after else []),
             _fmt(ckpt.get("host_seconds")),
             _fmt(ckpt.get("blocking_seconds")),
             _fmt(ckpt.get("async_seconds")),
@@ -275,7 +281,8 @@ def _summary_panel(summary: dict, job: dict, title: str):
     grid.add_row("interval p50", f"{_fmt(summary['interval_p50'])} s", "")
     # Rates nobody gave the inputs for (tokens, flops) are left out, not dashes.
     if summary["tokens_per_second"] is not None:
-        grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "")
+        # The whole run's rate; `steptrace compare` shows "steady tokens/s", a median over steady steps.
+        grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "whole run: Σ tokens / Σ step intervals")
     if summary["tflops_per_second"] is not None:
         grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
                      "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
