@@ -37,7 +37,7 @@ def devices(cuda_index: int | None = None) -> dict[str, Any]:
     ``cuda_index``: the GPU the rank's steps are timed on (else the calling thread's current device,
     which for a background thread is 0 whatever the rank uses)."""
     jax = sys.modules.get("jax")
-    if jax is not None:
+    if jax is not None and cuda_index is None:  # a rank timed on a torch GPU says that GPU, jax imported or not
         try:
             local = jax.local_devices()
             return {"platform": local[0].platform, "kind": local[0].device_kind, "count": len(local),
