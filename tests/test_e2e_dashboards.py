@@ -27,6 +27,7 @@ contention, so their compute times stop being comparable.
 
 from __future__ import annotations
 
+
 import collections
 import importlib.util
 import json
@@ -44,6 +45,14 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.integration
+
+#: Series this run cannot produce, each said with why; everything else must have data. The ranks here
+#: synchronise through the test's socket barrier, not torch.distributed collectives, so no rank measures a
+#: wait in collectives (issue 33's panels), and the persistent-straggler verdict needs more steps than
+#: MIN_STEPS gives. tests/test_dashboards.py checks these queries against promtool instead. A follow-up
+#: (issue 33's note) gives the e2e ranks a measured wait so that no query is exempt again.
+NOT_FILLED_BY_THIS_RUN = ("steptrace_step_collective_wait", "steptrace_cluster_step_collective_wait",
+                          "steptrace_cluster_persistent_straggler")
 
 yaml = pytest.importorskip("yaml", reason="reading the configs needs PyYAML (installed with steptrace[test])")
 pytest.importorskip("prometheus_client", reason="the exporter and collector need `pip install 'steptrace[prometheus]'`")
@@ -425,7 +434,7 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
         errors = [f"{n} / {t}: {results[(n, t, e)].get('error')}\n    {e}" for n, t, e in pending
                   if results[(n, t, e)]["status"] != "success"]
         empty = [f"{n} / {t}: {results[(n, t, e)]['data']['result']}\n    {e}" for n, t, e in pending
-                 if results[(n, t, e)]["status"] == "success"]
+                 if results[(n, t, e)]["status"] == "success" and not any(x in e for x in NOT_FILLED_BY_THIS_RUN)]
         assert not errors, "queries that failed:\n" + "\n".join(errors)
         assert not empty, "queries without finite data:\n" + "\n".join(empty)
 
@@ -530,6 +539,11 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
                                if step <= last_complete and rank != "None")
     assert upto == {rank: int(v) for rank, v in counts.items() if v}, (upto, counts)
     overall = collections.Counter(straggler_of.values())
-    assert overall.most_common(1)[0][0] == str(SLOW_RANK) and overall[str(SLOW_RANK)] > steps / 2, overall
+    # Since issue 33 a step names a rank only above the run's own noise: on a loaded 2-core machine the
+    # 3x rank cleared it in 22 of 60 steps (in lockstep, without a measured wait, ranks are compared by
+    # compute). Every step that names a rank names the slow one, but for a stray one in ten.
+    named = collections.Counter({rank: n for rank, n in overall.items() if rank != "None"})
+    assert named.most_common(1)[0][0] == str(SLOW_RANK) and named[str(SLOW_RANK)] >= 0.9 * sum(named.values()), \
+        overall
     print(f"dashboards read {evaluated:.1f} s after start, in {rounds} round(s); {steps} steps joined; "
           f"stragglers {dict(overall)}")
