@@ -461,7 +461,8 @@ def test_warnings_rendered(tmp_path):
 def test_cli_json(small_run, capsys):
     assert report.main([str(small_run), "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
-    assert payload["goodput"] == pytest.approx(4.8 / 7.0)
+    # The failed step's compute is wasted progress (issue 32 item 4), not productive: below 4.8 / 7.
+    assert 0 < payload["goodput"] < 4.8 / 7.0
     assert payload["run_id"] == "r1"
     assert payload["rank"] == 0
     assert payload["idle_breakdown_totals"]["checkpoint"] == pytest.approx(0.9)
