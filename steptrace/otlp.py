@@ -268,20 +268,33 @@ def _run_bounded(fn: Callable[[], Any], deadline: float, name: str) -> bool:
 
     True when ``fn`` finished in time and returned a truthy value (None counts as success).
     The SDK's calls do not all honour their timeouts; this bounds the caller either way.
+    A failure is one warning line, never a traceback: an endpoint that is down is the usual cause
+    (the traceback is at debug level). A failure after the caller stopped waiting is at debug level
+    only: the caller has already said that it timed out and has returned (from ``shutdown``, say),
+    and a traceback printed after that, from a thread of a library that has shut down, misleads.
+    (Formatting a traceback off the main thread also races CPython 3.11's shared AST recursion
+    counter, python/cpython#106905, which crashed pytest sessions in CI.)
     """
     outcome: list[bool] = []
+    abandoned = threading.Event()
 
     def target() -> None:
         try:
             result = fn()
             outcome.append(result is None or bool(result))
-        except Exception:
-            log.exception("steptrace OTLP %s failed", name)
+        except Exception as exc:
             outcome.append(False)
+            if abandoned.is_set():
+                log.debug("steptrace OTLP %s failed after its caller stopped waiting: %r", name, exc)
+            else:
+                log.warning("steptrace OTLP %s failed: %r", name, exc)
+                log.debug("steptrace OTLP %s failure", name, exc_info=True)
 
     thread = threading.Thread(target=target, name=f"steptrace-otlp-{name}", daemon=True)
     thread.start()
     thread.join(max(0.0, deadline - time.monotonic()))
+    if thread.is_alive():
+        abandoned.set()
     return bool(outcome) and outcome[0]
 
 

@@ -1,9 +1,32 @@
+import ast
 import importlib.util
+import threading
 
 import pytest
 
 import steptrace
 from steptrace.testing import SimulatedDevice
+
+
+def _serialize_ast_parse() -> None:
+    """CPython 3.11 keeps the AST builder's recursion depth in interpreter-wide state (see
+    python/cpython#106905): an ``ast.parse`` in one thread that another thread's ``ast.parse`` interleaves
+    with (a garbage collection runs Python code mid-build, and the GIL changes hands) fails with
+    "SystemError: AST constructor recursion depth mismatch". pytest parses in the main thread (assertion
+    rewriting, traceback sources) while libraries' threads format tracebacks (CPython 3.11 parses each
+    line for its carets): CI saw the session end in an INTERNALERROR. One lock around ``ast.parse`` in the
+    test process; the thread that holds it never waits for another, so it cannot deadlock."""
+    lock = threading.RLock()
+    parse = ast.parse
+
+    def serialized_parse(*args, **kwargs):
+        with lock:
+            return parse(*args, **kwargs)
+
+    ast.parse = serialized_parse
+
+
+_serialize_ast_parse()
 
 
 @pytest.fixture(autouse=True)
