@@ -90,6 +90,10 @@ def capture(kind: str) -> str:
                                 with steptrace.microbatch(i, stage=0, chunk=chunk, kind=mb_kind) as mb:
                                     mb.wait_for(device.run(0.0001))
                 s.wait_for(device.run(0.002))
+                # What steptrace.adapters.torch_distributed records for a data-parallel rank's gradient
+                # all-reduce: the wait series a real DDP rank serves (and the dashboards' wait panels read).
+                s.collective_wait += 0.0005
+                s.collective_source = "torch.distributed"
             if n == 1:
                 with steptrace.checkpoint(n, async_save=True) as ckpt:
                     time.sleep(0.001)
@@ -179,6 +183,10 @@ class SyntheticCollector:
                 "interval_sum_seconds": 0.125 * self.ranks, "ranks_reporting": self.ranks,
                 "world_size": self.ranks, "straggler_rank": self.ranks - 1, "straggler_cost_seconds": 0.02,
                 "rank_own_seconds": own, "skew_seconds": 0.02, "pipeline_bubble_ratio": {"0": 0.1},
+                # The others waited for the slow last rank in the all-reduce (issue 33's fields).
+                "straggler_excess_seconds": 0.02, "straggler_threshold_seconds": 0.005,
+                "collective_wait_min_seconds": 0.0, "collective_wait_median_seconds": 0.019,
+                "collective_wait_max_seconds": 0.02,
             }
             for stat, v in stats.items():
                 record[f"compute_{stat}_seconds"] = v
