@@ -702,6 +702,62 @@ def test_an_exporter_retry_and_an_agreeing_copy_count_once_in_the_report(capsys)
     assert step4["end_time"] == pytest.approx(ch.cluster_steps(client, "hd")[4]["end_time"])
 
 
+def _restart_spans(run_id: str, attempt: int, first_step: int, steps: int, t0: float) -> list[Span]:
+    """Both ranks' steps of a later attempt that resumed at *first_step*, its first step ending after *t0*."""
+    return [_hostile_span(run_id, rank, first_step + n, 0.1, 0.12, t0 + 0.12 * (n + 1),
+                          span=(attempt << 20) + n * 2 + rank, train__attempt=attempt)
+            for rank in (0, 1) for n in range(steps)]
+
+
+@pytest.mark.parametrize("attempt", [1, 7, 1_000_000])
+def test_a_forged_later_attempt_inside_the_run_is_not_believed_and_leaves_the_goodput_alone(attempt, capsys):
+    """issue 32 #8: one row claiming a later attempt was taken as a restart: the real steps after its step
+    became wasted progress and the job's goodput dropped. Two process starts of one rank cannot overlap,
+    so an attempt whose times fall inside another attempt of the rank is left out of every table and of
+    the goodput, and the warning says so; the real restart next to it is still believed."""
+    client = fresh_client()
+    forged = _hostile_span("fa", 0, 3, 0.1, 0.12, HOSTILE_T0 + 0.12 * 10, span=4242, train__attempt=attempt)
+    load(client, [_hostile_run("fa", forged)])
+    load(client, [_hostile_run("fa_clean")])
+    got, clean = _report_json(client, "fa", capsys), _report_json(client, "fa_clean", capsys)
+    assert got["job"]["wasted_steps"] == clean["job"]["wasted_steps"] == 0
+    assert got["goodput"] == pytest.approx(clean["goodput"])
+    assert got["job"]["badput"] == pytest.approx(clean["job"]["badput"])
+    assert [a["attempt"] for a in got["job"]["attempts"]] == [0]
+    assert f"rank 0 attempt {attempt} (1 step(s)) overlaps" in got["stderr"] and "not believed" in got["stderr"]
+    run = ch.load_clickhouse_run(client, "fa")
+    assert [s["step"] for s in run.steps(0)] == list(range(HOSTILE_STEPS))
+
+
+def test_a_real_restart_is_believed_and_a_forged_attempt_inside_it_is_not(capsys):
+    """A restart that resumed from step 10 after the first attempt died at step 19: steps 10-19 of attempt 0
+    are wasted, as before. A forged attempt-0 row in the middle of attempt 1 (fewer steps than either real
+    attempt) is the one left out, whatever its number says."""
+    client = fresh_client()
+    later = HOSTILE_T0 + 0.12 * HOSTILE_STEPS + 5.0
+    restart = _restart_spans("fr", 1, 10, 15, later)
+    forged = _hostile_span("fr", 0, 30, 0.1, 0.12, later + 0.12 * 8, span=4343, train__attempt=2)
+    load(client, [_hostile_run("fr", *restart, forged)])
+    got = _report_json(client, "fr", capsys)
+    attempts = got["job"]["attempts"]
+    assert [(a["attempt"], a["steps"], a["wasted_steps"]) for a in attempts] == [(0, 20, 10), (1, 15, 0)]
+    assert attempts[1]["badput"]["downtime"] == pytest.approx(5.0, abs=1e-6)
+    assert "rank 0 attempt 2 (1 step(s)) overlaps" in got["stderr"]
+    assert "rank 1 attempt" not in got["stderr"]
+
+
+def test_attempt_numbers_that_skip_are_believed_and_named(capsys):
+    """An attempt that crashed before its first step sent nothing: attempt 0, then attempt 3, is a real
+    restart sequence. It is believed, and the warning names the attempts that sent no step."""
+    client = fresh_client()
+    later = HOSTILE_T0 + 0.12 * HOSTILE_STEPS + 30.0
+    load(client, [_hostile_run("fs", *_restart_spans("fs", 3, HOSTILE_STEPS, 5, later))])
+    got = _report_json(client, "fs", capsys)
+    assert [a["attempt"] for a in got["job"]["attempts"]] == [0, 3]
+    assert "not believed" not in got["stderr"]
+    assert "rank 0: attempt 3 follows attempt 0; attempts 1-2 sent no step" in got["stderr"]
+
+
 # --- the rule, case by case: generated steps through both joins -------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -953,6 +953,8 @@ class _Skipped:
         self.values: dict[str, int] = {}
         self.conflicts: list[tuple[int, int, int]] = []
         self.child_conflicts = 0
+        #: Lines from :func:`~steptrace.analysis.runs.believed_attempts`: attempts left out or skipped.
+        self.attempts: list[str] = []
 
     def span(self, reason: str) -> None:
         self.spans[reason] = self.spans.get(reason, 0) + 1
@@ -978,6 +980,7 @@ class _Skipped:
         if self.child_conflicts:
             out.append(f"ClickHouse: {self.child_conflicts} train.compute/train.idle/train.checkpoint span(s) of run "
                        f"{run_id!r} sent with two different contents under one span id: left out")
+        out.extend(f"ClickHouse: run {run_id!r}: {line}" for line in self.attempts)
         if self.values:
             out.append(f"ClickHouse: {sum(self.values.values())} attribute value(s) of run {run_id!r} are not "
                        "finite numbers: each left out alone, its span kept (an unreadable train.attempt reads as 0, "
@@ -1085,7 +1088,7 @@ def load_clickhouse_run(client: Client, run_id: str, *, table: str = DEFAULT_TAB
     the cluster view counts the rank missing there; an exporter retry counts once. What was left out
     is in the run's ``warnings``.
     """
-    from steptrace.analysis.runs import Run, RunDirError
+    from steptrace.analysis.runs import Run, RunDirError, believed_attempts
 
     db = f"{_identifier(client.database, 'database')}.{_identifier(table, 'table')}"
     # DISTINCT: an exporter retry stores the same row twice; different rows under one span id stay.
@@ -1169,6 +1172,11 @@ ORDER BY start_ns, span_id, ns""")
     records_by_rank = {rank: sorted(steps.get(rank, []) + checkpoints.get(rank, []),
                                     key=lambda r: (r["attempt"], r["end_time"]))
                        for rank in sorted(set(steps) | set(checkpoints))}
+    for rank in records_by_rank:
+        # Any holder of the ingest token can write a row claiming a later attempt: believe an attempt
+        # only as far as its own times allow (two process starts of one rank cannot overlap).
+        records_by_rank[rank], lines = believed_attempts(records_by_rank[rank])
+        skipped.attempts.extend(lines)
     for rank, records in records_by_rank.items():
         # An attempt's first step carries its process start: the attempt record goodput's wall begins at.
         started = [(r["attempt"], r.pop("_process_start"), r) for r in records if "_process_start" in r]

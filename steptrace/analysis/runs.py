@@ -281,6 +281,79 @@ def split_attempts(records: list[dict]) -> list[tuple[int, list[dict]]]:
     return list(groups.items())
 
 
+#: How far one attempt's records may overlap in time the next one's and both still be believed: the
+#: step times come from the host clock, and a rank moved to another host reads another (NTP-synced) one.
+ATTEMPT_OVERLAP_TOLERANCE_S = 0.1
+
+
+def _attempt_window(records: list[dict]) -> tuple[float, float] | None:
+    """(first moment, last moment) that an attempt's records cover, None when they carry no time."""
+    starts, ends = [], []
+    for record in records:
+        end = as_number(record.get("end_time"))
+        start = as_number(record.get("start_time"))
+        if start is None and end is not None and record.get("type") == "step":
+            start = end - (as_number(record.get("interval_seconds")) or 0.0)
+        if start is not None:
+            starts.append(start)
+        if end is not None:
+            ends.append(end)
+    if not starts and not ends:
+        return None
+    return min(starts or ends), max(ends or starts)
+
+
+def believed_attempts(records: list[dict], *,
+                      tolerance_s: float = ATTEMPT_OVERLAP_TOLERANCE_S) -> tuple[list[dict], list[str]]:
+    """One rank's records with the attempts that cannot be real left out, and why, one line each.
+
+    An attempt is a process start of the rank, so two attempts of one rank cannot run at the same
+    time, and the higher number starts later. Records that reach a reader from a shared store
+    (ClickHouse: any holder of the ingest token can write rows) may claim any ``attempt``; believed
+    blindly, one forged "later attempt" makes the real steps after its step wasted progress and
+    rewrites the job's goodput. So the attempts are checked against their own times: the attempt
+    with the most steps is believed first, then the others in turn, each only when it neither
+    overlaps a believed attempt (beyond ``tolerance_s``) nor is out of order with one. The ones left
+    out are named in the returned lines. Attempt numbers that skip (attempt 0 then 5) are believed
+    (an attempt that crashed before its first step sent nothing) and named in a line as well.
+    """
+    groups = split_attempts(records)
+    if len(groups) < 2:
+        return records, []
+    windows = {attempt: _attempt_window(group) for attempt, group in groups}
+    step_count = {attempt: sum(1 for r in group if r.get("type") == "step") for attempt, group in groups}
+    believed: dict[int, tuple[float, float]] = {}
+    refused: list[int] = []
+    # Most steps first; on a tie the lower number (a forger cannot outnumber the real steps cheaply).
+    for attempt in sorted(windows, key=lambda a: (-step_count[a], a)):
+        window = windows[attempt]
+        if window is None:
+            refused.append(attempt)
+            continue
+        start, end = window
+        fits = all((other < attempt and start >= other_end - tolerance_s)
+                   or (other > attempt and end <= other_start + tolerance_s)
+                   for other, (other_start, other_end) in believed.items())
+        if fits:
+            believed[attempt] = window
+        else:
+            refused.append(attempt)
+    lines = []
+    rank = next((r.get("rank") for r in records if r.get("rank") is not None), "?")
+    for attempt in sorted(refused):
+        lines.append(f"rank {rank} attempt {attempt} ({step_count[attempt]} step(s)) overlaps or precedes in time "
+                     f"an attempt of the same rank numbered otherwise: not believed, left out of every table and "
+                     f"of the goodput (two process starts of one rank cannot overlap; docs/goodput.md)")
+    numbers = sorted(believed)
+    for low, high in zip(numbers, numbers[1:]):
+        if high > low + 1:
+            lines.append(f"rank {rank}: attempt {high} follows attempt {low}; attempts {low + 1}-{high - 1} sent "
+                         f"no step (crashed before their first step, or the numbers were set by hand)")
+    if not refused:
+        return records, lines
+    return [r for r in records if attempt_of(r) not in refused], lines
+
+
 def kept_and_wasted(records: list[dict]) -> tuple[list[dict], list[dict]]:
     """One rank's step records split into those kept and those whose progress was thrown away.
 
