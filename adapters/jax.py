@@ -99,7 +99,9 @@ def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any
     if runtime is None:
         return
     # Compilation on another thread (a background checkpointer, say) does not hold up the step.
-    if runtime.train_thread not in (None, threading.get_ident()):
+    # Before the first step the training thread is the one that called init().
+    train_thread = runtime.train_thread if runtime.train_thread is not None else runtime.init_thread
+    if train_thread != threading.get_ident():
         return
     # jax reports time.time(); steptrace runs on perf_counter.
     offset = runtime.resolver.unix_offset

@@ -181,6 +181,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             if callable(attach):
                 attach(drops)
         runtime = Runtime(config, resolver, backends)
+        backends.init_hooks(runtime, config.backend)
         for sink in built + sinks:
             # Exporters that say where the training thread is (a hung step) read it at scrape time.
             attach_position = getattr(sink, "attach_position", None)

@@ -141,6 +141,21 @@ class Backends:
         else:
             raise ValueError(f"backend: unknown backend {backend!r}")
 
+    # -- at init() -----------------------------------------------------------------------
+    def init_hooks(self, runtime: Any, backend: Any) -> None:
+        """Set up, at ``init()``, what must see the time before the first step: JAX's compile
+        listener, when the program has imported jax, so compilation before step 0 (state
+        initialisation, a first eval) is ``compile`` in the first step's time before it, not
+        ``startup`` or the span it fell in. A program that imports jax after ``init()`` gets the
+        listener at its first step (:meth:`framework_hooks`)."""
+        if "jax" in sys.modules and backend in ("auto", "jax"):
+            try:
+                from steptrace.adapters import jax as jax_adapter
+
+                jax_adapter.install_compile_listener(runtime)
+            except Exception:  # a jax without monitoring: the first step tries again, and says nothing
+                pass
+
     # -- at the first step --------------------------------------------------------------
     def framework_hooks(self, runtime: Any, backend: Any, annotate: bool) -> Callable[[int], Any] | None:
         """Set up, once at the first step, what depends on the frameworks the program imported: JAX's

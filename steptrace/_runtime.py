@@ -64,6 +64,8 @@ class Runtime:
         self.closed_spans: list[ClosedSpan] = []
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
+        #: The thread that called init(): the training thread until the first step says otherwise.
+        self.init_thread = threading.get_ident()
         self.annotate: Callable[[int], Any] | None = None
         self._setup_done = False
         self._device_errors = 0

@@ -131,6 +131,42 @@ def test_compile_inside_step_zero_is_idle_compile_not_compute(calibrated):
     assert "compile" not in steps[2]["idle_breakdown"]
 
 
+def test_compile_before_the_first_step_and_inside_an_eval_span_is_compile(calibrated):
+    """issue 34 #3: XLA compilation before step 0 (state initialisation, a first eval) was ``startup`` and
+    ``eval``, because the compile listener was installed at the first step. With jax imported before
+    ``init()`` it is installed at ``init()``: the first step's time before it names the compilation,
+    and an eval span keeps only what was not compilation."""
+    x, reps = calibrated
+
+    @jax.jit
+    def init_state(y):  # new functions: they really compile, before step 0
+        return jnp.tanh(y @ y.T) * 0.5
+
+    @jax.jit
+    def evaluate(y):
+        return jax.lax.fori_loop(0, 3, lambda i, z: jnp.sin(z @ z), y).mean()
+
+    with capture() as sink:
+        state = init_state(x).block_until_ready()
+        with steptrace.span("eval"):
+            evaluate(state).block_until_ready()
+        for n in range(2):
+            with steptrace.step(n) as s:
+                state = work(state, reps)
+                s.wait_for(state)
+    first = sink.steps()[0]
+    before = first["before_step_breakdown"]
+    compiles = [r for r in sink.spans() if r["name"] == "compile" and r["end_time"] <= first["host_start_time"]]
+    assert compiles and all(r["step"] is None for r in compiles)
+    compiled = sum(r["seconds"] for r in compiles)  # the listener's spans do not overlap
+    assert before["compile"] == pytest.approx(compiled, rel=1e-6)
+    (eval_span,) = [r for r in sink.spans() if r["name"] == "eval"]
+    inside_eval = sum(r["seconds"] for r in compiles if r["start_time"] >= eval_span["start_time"])
+    assert inside_eval > 0
+    assert before["eval"] == pytest.approx(eval_span["seconds"] - inside_eval, abs=1e-6)
+    assert first["before_step_seconds"] == pytest.approx(sum(before.values()), abs=1e-9)
+
+
 def test_donated_outputs_never_crash_training(calibrated):
     x, _ = calibrated
     step_fn = jax.jit(lambda y: jnp.tanh(y @ y), donate_argnums=0)
