@@ -77,6 +77,7 @@ ENV_STALL_WATCH = "STEPTRACE_STALL_WATCH"
 ENV_STALL_FACTOR = "STEPTRACE_STALL_FACTOR"
 #: ... and at least this many seconds (default 60).
 ENV_STALL_MIN_S = "STEPTRACE_STALL_MIN_S"
+ENV_JAX_SWITCH_INTERVAL_S = "STEPTRACE_JAX_SWITCH_INTERVAL_S"
 #: Which process start of the run this is (0 for the first); see :func:`launcher_attempt` for the fallbacks.
 ENV_ATTEMPT = "STEPTRACE_ATTEMPT"
 #: Launcher variables that count restarts, read in this order when no attempt is given.
@@ -142,6 +143,9 @@ class Config:
     stall_watch: bool = True
     stall_factor: float = 10.0
     stall_min_s: float = 60.0  # code | env | launcher:<VAR> | run_dir | default
+    # JAX: Python's GIL switch interval while the resolver waits for a step's outputs (None: leave it).
+    # The end is read when the resolver gets the GIL back; see docs/devices.md.
+    jax_switch_interval_s: float | None = None
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -287,6 +291,8 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         stall_watch=bool(_first(code.get("stall_watch"), _env_bool(ENV_STALL_WATCH, env), True)),
         stall_factor=_first(code.get("stall_factor"), _env_float(ENV_STALL_FACTOR, env), 10.0),
         stall_min_s=_first(code.get("stall_min_s"), _env_float(ENV_STALL_MIN_S, env), 60.0),
+        jax_switch_interval_s=_first(code.get("jax_switch_interval_s"), _env_float(ENV_JAX_SWITCH_INTERVAL_S, env),
+                                     None),
     )
     _validate(config)
     return config
@@ -455,6 +461,11 @@ def _validate(config: Config) -> None:
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
             raise ValueError(f"{field} must be a number in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    value = config.jax_switch_interval_s
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 1e-6 <= value <= 0.1):
+        raise ValueError(f"jax_switch_interval_s must be a number of seconds in [1e-06, 0.1] (Python's "
+                         f"default switch interval is 0.005), got {value!r}")
     if config.stall_factor < 1:
         raise ValueError(f"stall_factor must be >= 1 (a multiple of the median step), got {config.stall_factor!r}")
     if not 0 <= config.shutdown_timeout_s <= MAX_TIMEOUT_S:

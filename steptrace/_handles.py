@@ -57,6 +57,9 @@ class TimedUnit:
     host_start = 0.0
     host_end: float | None = None
     dispatch = 0.0
+    #: True once a wrapped jitted call (steptrace.adapters.jax.timed) said when the device was handed
+    #: the step's work: ``dispatch`` is then that moment, not inferred from the spans around it.
+    dispatch_seen = False
     values: tuple | None = None
     device: Any = HOST  # a Device: HOST, a ValueDevice or a StreamDevice (see _devices)
     stream: Any = None  # the stream device's stream the markers go on

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -417,6 +418,13 @@ class Resolver:
             return None, seen, END_OBSERVED
         if unit.values is None:
             return None, None, END_HOST
+        switch = self.config.jax_switch_interval_s if device.name == "jax" else None
+        restore = None
+        if switch is not None and sys.getswitchinterval() > switch:
+            # The end is read when this thread gets the GIL back after the wait: a thread asking for
+            # the GIL waits this long before the holder is asked to drop it (CPython's ceval_gil.c).
+            restore = sys.getswitchinterval()
+            sys.setswitchinterval(switch)
         try:
             done = device.wait_values(unit.values)
             observed = _perf()
@@ -431,6 +439,9 @@ class Resolver:
             return None, _perf(), END_OBSERVED
         finally:
             unit.values = None  # do not keep the user's arrays alive
+            # Unless the program changed it meanwhile (the interval is kept in whole microseconds).
+            if restore is not None and switch is not None and abs(sys.getswitchinterval() - switch) < 1e-6:
+                sys.setswitchinterval(restore)
         if done is None:
             return None, observed, END_OBSERVED
         return None, done, END_DEVICE

@@ -169,9 +169,24 @@ class Runtime:
             return
         # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
         # before that precedes the work. Host and stream devices know when the device drained.
+        # A dispatch the jitted call itself reported (dispatched()) is not inferred.
+        if current.dispatch_seen:
+            return
         moved = attribution.dispatch_after_span(current.dispatch, current.waited, end)
         if moved is not None:
             current.dispatch = moved
+
+    def dispatched(self) -> None:
+        """A jitted call wrapped by :func:`steptrace.adapters.jax.timed` returned on the training thread:
+        the device has been handed that work. The first such call in a step is the step's dispatch
+        point (its device work cannot start earlier); outside a step, or on another thread, nothing."""
+        step = self.current
+        if step is None or step.dispatch_seen or threading.get_ident() != self.train_thread:
+            return
+        if not self.active or self.pid != os.getpid():  # shut down, or a forked child's copy
+            return
+        step.dispatch = time.perf_counter()
+        step.dispatch_seen = True
 
     def flops_enter(self, step: StepHandle) -> None:
         """A flops="auto" step opens: its counters start (training thread; a failure is never the loop's)."""

@@ -3,6 +3,7 @@
 Ratios and generous tolerances only: the machine is small and shared.
 """
 
+import json
 import statistics
 import time
 
@@ -195,3 +196,112 @@ def test_profiler_trace_gets_step_annotations(tmp_path, calibrated):
     assert traces, "jax.profiler wrote no trace"
     # StepTraceAnnotation("train", step_num=n) shows up as the "train" step marker in XProf.
     assert any(b"train" in t.read_bytes() and b"step_num" in t.read_bytes() for t in traces)
+
+
+def test_a_timed_step_function_marks_the_dispatch_and_the_host_time_before_it_is_idle(calibrated):
+    """issue 34 #2: host work between the last span and the jitted call (JAX flattening a large state,
+    here a sleep outside any span) counted as compute: the dispatch point was inferred from the span. With
+    ``timed``, the step's dispatch is the moment its first wrapped call returned, on the training thread."""
+    from steptrace.adapters.jax import timed
+
+    x, reps = calibrated
+    step_fn = timed(work)
+    assert step_fn.__wrapped__ is work and step_fn.__name__ == work.__name__
+    marks = []
+    with capture() as sink:
+        y = step_fn(x, reps)  # outside a step: only the call
+        y.block_until_ready()
+        for n in range(3):
+            with steptrace.step(n) as s:
+                with steptrace.span("data"):
+                    time.sleep(0.005)
+                time.sleep(0.02)  # host work the device does not see (no span)
+                before = time.perf_counter()
+                y = step_fn(y, reps)
+                after = time.perf_counter()
+                assert s.dispatch_seen and before <= s.dispatch <= after
+                marks.append(s.dispatch - s.host_start)
+                y = step_fn(y, 1)  # a second call in the step does not move the dispatch
+                assert s.dispatch - s.host_start == marks[-1]
+                with steptrace.span("log"):  # a span closing after the dispatch does not move it either
+                    time.sleep(0.001)
+                assert s.dispatch - s.host_start == marks[-1]
+                s.wait_for(y)
+            y.block_until_ready()  # the device drains: the next step's host time before its call is idle
+            steptrace.flush(10)  # and its end is observed before the next step begins
+    steps = sink.steps()
+    for record, mark in zip(steps, marks):
+        assert record["dispatch_time"] - record["host_start_time"] == pytest.approx(mark, abs=1e-6)
+        # Nothing of the 25 ms before the call is compute: the step's compute starts at the dispatch at
+        # the earliest (the previous step's device work had ended before the step began).
+        assert record["compute_seconds"] <= record["end_time"] - record["dispatch_time"] + 1e-6
+        assert record["idle_seconds"] >= 0.02, json.dumps(record)
+    data = [r["seconds"] for r in sink.spans() if r["name"] == "data"]
+    for record, seconds in zip(steps, data):
+        # The span's own time is idle as data; the unmarked 20 ms after it, as "other".
+        assert record["idle_breakdown"]["data"] == pytest.approx(seconds, abs=1e-6)
+        assert record["idle_breakdown"]["other"] >= 0.02
+
+
+def test_without_timed_the_dispatch_is_the_last_spans_end_and_other_threads_mark_nothing(calibrated):
+    """The inferred dispatch (the end of the last span before ``wait_for``) is unchanged without the
+    wrapper, and a wrapped call on another thread, or outside any step, marks no step."""
+    import threading
+
+    from steptrace.adapters.jax import timed
+
+    x, reps = calibrated
+    step_fn = timed(work)
+    with capture():
+        with steptrace.step(0) as s:
+            with steptrace.span("data"):
+                time.sleep(0.002)
+            span_end = s.dispatch
+            assert span_end > s.host_start and not s.dispatch_seen
+            thread = threading.Thread(target=lambda: step_fn(x, 1).block_until_ready())
+            thread.start()
+            thread.join()
+            assert not s.dispatch_seen and s.dispatch == span_end
+            s.wait_for(work(x, reps))
+        # between steps: nothing to mark
+        step_fn(x, 1).block_until_ready()
+        assert steptrace.current_step() is None
+    # steptrace off: the wrapper only calls the function
+    assert float(step_fn(x, 1).sum()) == pytest.approx(float(work(x, 1).sum()))
+
+
+def test_jax_switch_interval_is_lowered_only_while_the_resolver_waits_and_checked_at_init(calibrated):
+    """``jax_switch_interval_s``: while the resolver waits for a JAX step's outputs, Python's switch interval
+    is lowered, so the resolver gets the GIL back (and reads the end) sooner; it is restored after each
+    wait, and left alone when the program set a lower one or changed it meanwhile."""
+    import sys
+    import threading
+
+    x, reps = calibrated
+    default = sys.getswitchinterval()
+    seen = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(sys.getswitchinterval())
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    with capture(jax_switch_interval_s=0.0002):
+        watcher.start()
+        try:
+            y = x
+            for n in range(4):
+                with steptrace.step(n) as s:
+                    y = work(y, reps)
+                    s.wait_for(y)
+            steptrace.flush(10)
+        finally:
+            stop.set()
+            watcher.join()
+    assert sys.getswitchinterval() == default
+    assert any(abs(v - 0.0002) < 1e-6 for v in seen) and any(v == default for v in seen)
+    for bad in (0.0, -1.0, 1.0, float("nan"), True, "fast"):
+        with pytest.raises(ValueError, match="jax_switch_interval_s"):
+            steptrace.init(jsonl=False, jax_switch_interval_s=bad)

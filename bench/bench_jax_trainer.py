@@ -1,0 +1,288 @@
+"""Accuracy of JAX per-step timings on a loop shaped like a real Flax trainer, against the device's
+own timeline from an in-run ``jax.profiler`` trace (issue 34).
+
+Usage::
+
+    .venv/bin/python bench/bench_jax_trainer.py            # 2 runs of each variant, interleaved
+    .venv/bin/python bench/bench_jax_trainer.py --quick    # 1 run of each
+    .venv/bin/python bench/bench_jax_trainer.py --json out.json
+
+The loop follows google-deepmind/nanodo's train loop (read, not copied), where issue 34 measured
+steptrace 5 % off per step (p90 13-15 %), instrumented as its user did with ``begin_step``/``end_step``::
+
+    for n in range(STEPS):
+        [every 20 steps: eval]            a jitted eval step, its first call compiles (between steps)
+        [every 20 steps: checkpoint(n)]   the state after n steps: block_until_ready, copy some arrays
+                                          to host, "write" (sleep)
+        steptrace.begin_step(n)
+        with steptrace.span("data"):      2 ms; every 12 steps a 40 ms stall
+        state, metrics = train_step(state, batch)     # a 300-leaf state pytree: dispatch costs
+        steptrace.end_step(wait_for=metrics)
+        float(previous metrics["loss"]); metrics bookkeeping in Python (~5 ms of bytecode, as clu's
+                                          metric merging), and a sorted() of 20k numbers (~2 ms in one
+                                          C call that holds the GIL, as a pytree flatten or pickling)
+
+Ground truth: the trace's XLA CPU thunk events of ``jit_train_step``, grouped by their ``run_id``: each
+execution's first start and last end (the JAX CPU "device" is one XLA thread, see
+``_workload.configure_xla``). Compared per step (60 steps, the first two left out: compile, warm-up):
+
+* ``compute_seconds`` vs the execution's length;
+* ``interval_seconds`` vs the time between consecutive executions' ends;
+* the step's idle time vs the device's gap before the execution (after data stalls, evals and
+  checkpoints: the rows ``idle after ...``);
+* when steptrace saw the step end, against the execution's end (clocks aligned through steptrace's
+  own ``StepTraceAnnotation`` of each step, which starts at ``begin_step``).
+
+Variants, run one after the other in this process, interleaved: ``documented`` (the loop above, as
+the README instruments it), ``timed`` (the same, with the jitted step wrapped in
+``steptrace.adapters.jax.timed``, which marks the dispatch moment) and ``timed+switch`` (and
+``init(jax_switch_interval_s=0.0002)``: the resolver gets the GIL back sooner after an end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _workload import configure_xla  # noqa: E402
+
+configure_xla()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import steptrace  # noqa: E402
+from steptrace.adapters.jax import timed  # noqa: E402
+
+STEPS = 60
+SKIP = 2
+LAYERS = 100  # w, b and a momentum per layer: a 300-leaf state
+WIDTH = 96
+BATCH = 64
+EVAL_EVERY = 20
+CKPT_EVERY = 20
+STALL_EVERY = 12
+DATA_S = 0.002
+STALL_S = 0.040
+WRITE_S = 0.030
+
+
+def make_state() -> dict[str, Any]:
+    key = jax.random.PRNGKey(0)
+    keys = jax.random.split(key, LAYERS)
+    return {f"layer{i:03d}": {"w": jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH ** 0.5,
+                              "b": jnp.zeros((WIDTH,)), "m": jnp.zeros((WIDTH, WIDTH))}
+            for i, k in enumerate(keys)}
+
+
+def make_train_step(reps: int) -> Any:
+    def train_step(state, batch):
+        def forward(x):
+            for name in sorted(state):
+                x = jnp.tanh(x @ state[name]["w"] + state[name]["b"])
+            return x
+
+        def body(_i, x):
+            return forward(x)
+
+        x = jax.lax.fori_loop(0, reps, body, batch)
+        loss = jnp.mean(x * x)
+        new = {name: {"w": layer["w"] * 0.9999 + 1e-6 * loss, "b": layer["b"], "m": layer["m"] * 0.9 + loss}
+               for name, layer in state.items()}
+        return new, {"loss": loss, "mean": jnp.mean(x)}
+
+    return jax.jit(train_step)
+
+
+def make_eval_step() -> Any:
+    def eval_step(state, batch):
+        x = batch
+        for name in sorted(state):
+            x = jnp.tanh(x @ state[name]["w"] + state[name]["b"])
+        return jnp.mean(x)
+
+    return jax.jit(eval_step)
+
+
+def calibrate(target_s: float) -> int:
+    """fori_loop trip count for a ~target_s step (compiled once; reps is static here)."""
+    state, batch = make_state(), jnp.ones((BATCH, WIDTH))
+    step = make_train_step(1)
+    jax.block_until_ready(step(state, batch))
+    t = time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(step(state, batch))
+    one = (time.perf_counter() - t) / 3
+    return max(1, round(target_s / one))
+
+
+def run_loop(variant: str, reps: int, trace_dir: str) -> list[dict]:
+    """One instrumented run under the profiler; the step records."""
+    records: list[dict] = []
+
+    class Keep:
+        def export(self, batch):
+            records.extend(batch)
+
+        def force_flush(self, timeout_s):
+            return True
+
+        def shutdown(self, timeout_s):
+            pass
+
+    train_step = make_train_step(reps)
+    if variant.startswith("timed"):
+        train_step = timed(train_step)
+    # timed+switch: the resolver lowers Python's switch interval to 0.2 ms while it waits for an end.
+    switch = 0.0002 if variant.endswith("switch") else None
+    eval_step = make_eval_step()
+    state = make_state()
+    batch = jnp.ones((BATCH, WIDTH))
+    jax.block_until_ready(state)
+    steptrace.init(jsonl=False, run_id=f"bench-{variant}", sinks=[Keep()], annotate=True, backend="jax",
+                   jax_switch_interval_s=switch)
+    # No Python tracer: its event per Python call would fill the trace buffer and drop executions.
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+    try:
+        previous = None
+        numbers = np.random.default_rng(0).random(20_000).tolist()
+        for n in range(STEPS):
+            if n and n % EVAL_EVERY == 0:
+                with steptrace.span("eval"):
+                    float(eval_step(state, batch))
+            if n and n % CKPT_EVERY == 0:
+                with steptrace.checkpoint(n):
+                    jax.block_until_ready(state)
+                    host = [np.asarray(layer["w"]) for layer in list(state.values())[:10]]
+                    time.sleep(WRITE_S)
+                    del host
+            steptrace.begin_step(n)
+            with steptrace.span("data"):
+                time.sleep(STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S)
+            state, metrics = train_step(state, batch)
+            steptrace.end_step(wait_for=metrics)
+            if previous is not None:
+                logged = {k: float(v) for k, v in previous.items()}
+                history: dict[str, float] = {}
+                for i in range(12_000):  # bytecode: the GIL changes hands at the switch interval
+                    key = f"m{i % 50}"
+                    history[key] = history.get(key, 0.0) + logged["loss"] * i
+                sorted(numbers)  # one C call that holds the GIL
+            previous = metrics
+        jax.block_until_ready(state)
+        steptrace.flush(30)
+    finally:
+        steptrace.shutdown()
+        jax.profiler.stop_trace()
+    return [r for r in records if r.get("type") == "step"]
+
+
+def device_windows(trace_dir: str, module: str = "jit_train_step") -> tuple[list[tuple[float, float]], dict]:
+    """(start, end) in seconds of every execution of ``module`` on the XLA CPU client, in order, and
+    the StepTraceAnnotation starts by step number (seconds, the trace's clock)."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    runs: dict[Any, list[float]] = {}
+    annotations: dict[int, float] = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        args = e.get("args") or {}
+        start, end = float(e["ts"]) / 1e6, (float(e["ts"]) + float(e.get("dur", 0.0))) / 1e6
+        if args.get("hlo_module") == module and "run_id" in args:
+            window = runs.setdefault(args["run_id"], [start, end])
+            window[0], window[1] = min(window[0], start), max(window[1], end)
+        elif e.get("name") == "train" and "step_num" in args:
+            annotations[int(args["step_num"])] = start
+    return sorted((s, e) for s, e in runs.values()), annotations
+
+
+def compare(steps: list[dict], windows: list[tuple[float, float]], annotations: dict[int, float]) -> dict:
+    if len(windows) != len(steps):
+        raise SystemExit(f"{len(windows)} executions in the trace for {len(steps)} steps")
+    by_step = sorted(steps, key=lambda r: r["step"])
+    # The trace's clock -> unix seconds: steptrace's host start of each step is its annotation's start.
+    offsets = [r["host_start_time"] - annotations[r["step"]] for r in by_step if r["step"] in annotations]
+    offset = statistics.median(offsets) if offsets else None
+    rows: dict[str, list[float]] = {"compute": [], "interval": [], "idle after data": [],
+                                    "idle after data stall": [], "idle after eval/checkpoint": [], "end seen late": []}
+    for n in range(SKIP, len(by_step)):
+        record, (start, end), (_, prev_end) = by_step[n], windows[n], windows[n - 1]
+        rows["compute"].append((record["compute_seconds"] - (end - start)) / (end - start))
+        rows["interval"].append((record["interval_seconds"] - (end - prev_end)) / (end - prev_end))
+        gap = start - prev_end
+        idle = record["interval_seconds"] - record["compute_seconds"]
+        if n % EVAL_EVERY == 0 or n % CKPT_EVERY == 0:
+            kind = "idle after eval/checkpoint"
+        elif n % STALL_EVERY == STALL_EVERY - 1:
+            kind = "idle after data stall"
+        else:
+            kind = "idle after data"
+        rows[kind].append(idle - gap)  # seconds: the gap can be ~0
+        if offset is not None:
+            rows["end seen late"].append(record["end_time"] - (end + offset))
+    return rows
+
+
+def summarize(values: list[float], *, relative: bool) -> dict:
+    absolute = sorted(abs(v) for v in values)
+    scale = 100 if relative else 1000
+    p90 = absolute[min(len(absolute) - 1, int(0.9 * len(absolute)))]
+    return {"n": len(values), "median": scale * statistics.median(values),
+            "median_abs": scale * statistics.median(absolute), "p90_abs": scale * p90, "max_abs": scale * absolute[-1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one run of each variant")
+    parser.add_argument("--json", help="write the numbers here")
+    parser.add_argument("--step-s", type=float, default=0.12, help="device time per step (default 0.12 s)")
+    args = parser.parse_args(argv)
+    reps = calibrate(args.step_s)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"{STEPS} steps, reps={reps} (~{args.step_s * 1000:.0f} ms of device time per step)")
+    variants = ("documented", "timed", "timed+switch")
+    pooled: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    for _ in range(1 if args.quick else 2):
+        for variant in variants:
+            with tempfile.TemporaryDirectory() as trace_dir:
+                steps = run_loop(variant, reps, trace_dir)
+                windows, annotations = device_windows(trace_dir)
+                for key, values in compare(steps, windows, annotations).items():
+                    pooled[variant].setdefault(key, []).extend(values)
+    table = {variant: {key: summarize(values, relative=key in ("compute", "interval"))
+                       for key, values in rows.items() if values} for variant, rows in pooled.items()}
+    print(f"\n{'':30}" + "".join(f"{v:>34}" for v in variants))
+    print(f"{'':30}" + "".join(f"{'median  |median|   p90|x|   max|x|':>34}" for _ in variants))
+    for key in pooled[variants[0]]:
+        unit = "%" if key in ("compute", "interval") else "ms"
+        cells = []
+        for variant in variants:
+            s = table[variant].get(key)
+            cells.append(f"{s['median']:+8.2f} {s['median_abs']:8.2f} {s['p90_abs']:8.2f} {s['max_abs']:8.2f}"
+                         if s else f"{'-':>34}")
+        print(f"{key + f' ({unit})':30}" + "".join(f"{c:>34}" for c in cells))
+    print("\nerrors: steptrace - the device's timeline (compute and interval relative to the truth, idle and "
+          "end in ms); goal (issue 34, CPU): compute median |x| <= 2 %, p90 <= 5 %; interval median <= 1 %; "
+          "idle after a stall within 10 % or 5 ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"reps": reps, "steps": STEPS, "table": table}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
