@@ -187,7 +187,12 @@ def run_loop(variant: str, reps: int, trace_dir: str) -> list[dict]:
     finally:
         steptrace.shutdown()
         jax.profiler.stop_trace()
-    return [r for r in records if r.get("type") == "step"]
+    (run,) = [r for r in records if r.get("type") == "run"]
+    steps = [r for r in records if r.get("type") == "step"]
+    cpu = run.get("background_cpu_seconds") or {}
+    for step in steps:  # the background threads' CPU per step, carried on each step for compare()
+        step["_background_cpu_per_step"] = {k: v / max(1, len(steps)) for k, v in cpu.items()}
+    return steps
 
 
 def device_windows(trace_dir: str, module: str = "jit_train_step") -> tuple[list[tuple[float, float]], dict]:
@@ -220,6 +225,8 @@ def compare(steps: list[dict], windows: list[tuple[float, float]], annotations: 
     offset = statistics.median(offsets) if offsets else None
     rows: dict[str, list[float]] = {"compute": [], "interval": [], "idle after data": [],
                                     "idle after data stall": [], "idle after eval/checkpoint": [], "end seen late": []}
+    for thread, seconds in by_step[0].get("_background_cpu_per_step", {}).items():
+        rows[f"CPU per step: {thread}"] = [seconds]  # ms in the table
     for n in range(SKIP, len(by_step)):
         record, (start, end), (_, prev_end) = by_step[n], windows[n], windows[n - 1]
         rows["compute"].append((record["compute_seconds"] - (end - start)) / (end - start))

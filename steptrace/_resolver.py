@@ -135,6 +135,8 @@ class Resolver:
         self._step_ends: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._wait_failures = 0
         self._clocks: dict[int, DeviceClock] = {}
+        #: CPU seconds the resolver spent inside a value device's wait (part of ``cpu_seconds``).
+        self.wait_cpu_seconds = 0.0
         self._clock_failures = 0
         self._new_bases: list[tuple[DeviceClock, Any, float]] = []
         self._prev_end_g: tuple[DeviceClock, float, int] | None = None
@@ -351,6 +353,10 @@ class Resolver:
     def background_cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used by steptrace's background threads, by thread (``resolver``, ``sink:<name>``)."""
         seconds = {"resolver": self.cpu_seconds}
+        if self.wait_cpu_seconds:
+            # Of the resolver's CPU, what the framework's own wait used (jaxlib's block_until_ready
+            # costs ~20 us of CPU per ms it waits on the CPU backend; measured, docs/records.md).
+            seconds["resolver:framework_wait"] = self.wait_cpu_seconds
         for worker in self.sinks:
             seconds[f"sink:{worker.name}"] = worker.cpu_seconds
         return seconds
@@ -430,6 +436,7 @@ class Resolver:
             # the GIL waits this long before the holder is asked to drop it (CPython's ceval_gil.c).
             restore = sys.getswitchinterval()
             sys.setswitchinterval(switch)
+        cpu_before = time.thread_time()
         try:
             done = device.wait_values(unit.values)
             observed = _perf()
@@ -443,6 +450,7 @@ class Resolver:
                     "the loss or metrics instead.", exc)
             return None, _perf(), END_OBSERVED
         finally:
+            self.wait_cpu_seconds += time.thread_time() - cpu_before
             unit.values = None  # do not keep the user's arrays alive
             # Unless the program changed it meanwhile (the interval is kept in whole microseconds).
             if restore is not None and switch is not None and abs(sys.getswitchinterval() - switch) < 1e-6:

@@ -305,3 +305,19 @@ def test_jax_switch_interval_is_lowered_only_while_the_resolver_waits_and_checke
     for bad in (0.0, -1.0, 1.0, float("nan"), True, "fast"):
         with pytest.raises(ValueError, match="jax_switch_interval_s"):
             steptrace.init(jsonl=False, jax_switch_interval_s=bad)
+
+
+def test_the_run_record_splits_the_resolvers_cpu_into_its_own_and_the_frameworks_wait(calibrated):
+    """The resolver's CPU on a JAX loop is mostly jaxlib's own wait (``block_until_ready`` polls: ~20 us of
+    CPU per ms it waits here); the run record says how much, so the resolver's own cost can be read."""
+    x, reps = calibrated
+    with capture() as sink:
+        y = x
+        for n in range(5):
+            with steptrace.step(n) as s:
+                y = work(y, reps)
+                s.wait_for(y)
+    (run,) = sink.of_type("run")
+    cpu = run["background_cpu_seconds"]
+    assert set(cpu) == {"resolver", "resolver:framework_wait", "sink:memory"}
+    assert 0 < cpu["resolver:framework_wait"] <= cpu["resolver"]
