@@ -26,6 +26,9 @@ Each variant is a loop of ``--iters`` iterations of one "step" and nothing else:
                            steptrace's defaults otherwise; because jax is imported in this process,
                            that includes ``annotate=True`` (a profiler-annotation check per step);
                            the ``annotate=False`` rows turn it off to show its share.
+* ``host value, Memory, ...`` one feature at a time against ``steptrace host value, MemorySink``
+                           (issue 35): the stall watch off, the stall watch and annotations off,
+                           one ``s.log(loss=0.5)`` per step, one empty ``steptrace.span("data")`` per step.
 * ``OpenTelemetry span``   ``with tracer.start_as_current_span("train_step"): pass`` with the SDK
                            ``TracerProvider`` + ``BatchSpanProcessor`` and an exporter that discards
                            (``max_queue_size`` raised so no span is dropped).
@@ -179,15 +182,32 @@ class Bench:
             return pc() - t
         return self._timed(loop), 0, None
 
-    def _steptrace_loop(self, value, base):
+    def _steptrace_loop(self, value, base, body=None):
         iters = self.iters
-
-        def loop():
-            t = pc()
-            for n in range(base, base + iters):
-                with steptrace.step(n) as s:
-                    s.wait_for(value)
-            return pc() - t
+        if body == "log":
+            def loop():
+                t = pc()
+                for n in range(base, base + iters):
+                    with steptrace.step(n) as s:
+                        s.log(loss=0.5)
+                        s.wait_for(value)
+                return pc() - t
+        elif body == "span":
+            def loop():
+                t = pc()
+                for n in range(base, base + iters):
+                    with steptrace.step(n) as s:
+                        with steptrace.span("data"):
+                            pass
+                        s.wait_for(value)
+                return pc() - t
+        else:
+            def loop():
+                t = pc()
+                for n in range(base, base + iters):
+                    with steptrace.step(n) as s:
+                        s.wait_for(value)
+                return pc() - t
         return loop
 
     def loop_disabled(self):
@@ -198,7 +218,7 @@ class Bench:
         steptrace.shutdown()
         return elapsed, 0, None
 
-    def _enabled(self, value, sink: str, **settings):
+    def _enabled(self, value, sink: str, body=None, **settings):
         base = self.next_step
         self.next_step += self.iters
         if sink == "memory":
@@ -214,7 +234,7 @@ class Bench:
         time.sleep(0.02)
         resolver = getattr(steptrace._active, "resolver", None)
         idle_at_start = getattr(resolver, "_sleeping", None)
-        elapsed = self._timed(self._steptrace_loop(value, base), collect=False)
+        elapsed = self._timed(self._steptrace_loop(value, base, body), collect=False)
         t = pc()
         ok = steptrace.flush(60.0)
         bg = pc() - t
@@ -248,6 +268,19 @@ class Bench:
 
     def loop_enabled_jax_memory_noannotate(self):
         return self._enabled(self.jax_value, "memory", annotate=False)
+
+    # -- one feature at a time, against "host value, MemorySink" (issue 35) ----------------
+    def loop_enabled_host_memory_nostall(self):
+        return self._enabled(self.host_value, "memory", stall_watch=False)
+
+    def loop_enabled_host_memory_bare(self):
+        return self._enabled(self.host_value, "memory", stall_watch=False, annotate=False)
+
+    def loop_enabled_host_memory_log(self):
+        return self._enabled(self.host_value, "memory", body="log")
+
+    def loop_enabled_host_memory_span(self):
+        return self._enabled(self.host_value, "memory", body="span")
 
     def _otel_setup(self):
         if self._otel is None:
@@ -309,6 +342,10 @@ VARIANTS = [
     ("steptrace jax.Array, MemorySink", "loop_enabled_jax_memory"),
     ("steptrace jax.Array, JSONL", "loop_enabled_jax_jsonl"),
     ("steptrace jax.Array, Memory, annotate=False", "loop_enabled_jax_memory_noannotate"),
+    ("host value, Memory, stall_watch=False", "loop_enabled_host_memory_nostall"),
+    ("host value, Memory, no stall watch, no annotate", "loop_enabled_host_memory_bare"),
+    ("host value, Memory, + s.log(loss=0.5)", "loop_enabled_host_memory_log"),
+    ("host value, Memory, + one span in the step", "loop_enabled_host_memory_span"),
     ("OpenTelemetry SDK span (batch, discard)", "loop_otel"),
 ]
 FLOOR = "loop_floor"
