@@ -127,8 +127,9 @@ def calibrate(target_s: float) -> int:
     return max(1, round(target_s / one))
 
 
-def run_loop(variant: str, reps: int, trace_dir: str) -> list[dict]:
-    """One instrumented run under the profiler; the step records."""
+def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[str, float]]:
+    """One instrumented run under the profiler: the step records, and the background threads' CPU
+    seconds per step (the run record's ``background_cpu_seconds`` over the steps)."""
     records: list[dict] = []
 
     class Keep:
@@ -190,9 +191,7 @@ def run_loop(variant: str, reps: int, trace_dir: str) -> list[dict]:
     (run,) = [r for r in records if r.get("type") == "run"]
     steps = [r for r in records if r.get("type") == "step"]
     cpu = run.get("background_cpu_seconds") or {}
-    for step in steps:  # the background threads' CPU per step, carried on each step for compare()
-        step["_background_cpu_per_step"] = {k: v / max(1, len(steps)) for k, v in cpu.items()}
-    return steps
+    return steps, {thread: seconds / max(1, len(steps)) for thread, seconds in cpu.items()}
 
 
 def device_windows(trace_dir: str, module: str = "jit_train_step") -> tuple[list[tuple[float, float]], dict]:
@@ -216,7 +215,8 @@ def device_windows(trace_dir: str, module: str = "jit_train_step") -> tuple[list
     return sorted((s, e) for s, e in runs.values()), annotations
 
 
-def compare(steps: list[dict], windows: list[tuple[float, float]], annotations: dict[int, float]) -> dict:
+def compare(steps: list[dict], cpu_per_step: dict[str, float], windows: list[tuple[float, float]],
+            annotations: dict[int, float]) -> dict:
     if len(windows) != len(steps):
         raise SystemExit(f"{len(windows)} executions in the trace for {len(steps)} steps")
     by_step = sorted(steps, key=lambda r: r["step"])
@@ -225,7 +225,7 @@ def compare(steps: list[dict], windows: list[tuple[float, float]], annotations: 
     offset = statistics.median(offsets) if offsets else None
     rows: dict[str, list[float]] = {"compute": [], "interval": [], "idle after data": [],
                                     "idle after data stall": [], "idle after eval/checkpoint": [], "end seen late": []}
-    for thread, seconds in by_step[0].get("_background_cpu_per_step", {}).items():
+    for thread, seconds in cpu_per_step.items():
         rows[f"CPU per step: {thread}"] = [seconds]  # ms in the table
     for n in range(SKIP, len(by_step)):
         record, (start, end), (_, prev_end) = by_step[n], windows[n], windows[n - 1]
@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(1 if args.quick else 2):
         for variant in variants:
             with tempfile.TemporaryDirectory() as trace_dir:
-                steps = run_loop(variant, reps, trace_dir)
+                steps, cpu_per_step = run_loop(variant, reps, trace_dir)
                 windows, annotations = device_windows(trace_dir)
-                for key, values in compare(steps, windows, annotations).items():
+                for key, values in compare(steps, cpu_per_step, windows, annotations).items():
                     pooled[variant].setdefault(key, []).extend(values)
     table = {variant: {key: summarize(values, relative=key in ("compute", "interval"))
                        for key, values in rows.items() if values} for variant, rows in pooled.items()}

@@ -183,6 +183,7 @@ class Bench:
         return self._timed(loop), 0, None
 
     def _steptrace_loop(self, value, base, body=None):
+        # One loop per body, not one loop with a branch: the timed loop holds only what it measures.
         iters = self.iters
         if body == "log":
             def loop():
