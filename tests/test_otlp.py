@@ -825,3 +825,42 @@ def test_a_record_that_is_not_a_mapping_costs_itself_alone(receiver):
         assert [s.attributes["train.step"] for s in receiver.spans() if s.name == "train.step"] == [3]
     finally:
         sink.shutdown(5)
+
+
+def test_a_bounded_export_that_fails_logs_one_line_and_nothing_once_its_caller_stopped_waiting(caplog):
+    """``_run_bounded``: a failure is one warning line without a traceback (an endpoint that is down is the
+    usual cause); a failure after the caller gave up waiting (``shutdown`` has returned) is at debug level
+    only. It used to log a traceback from a thread that outlived shutdown(), which crashed a CI session."""
+    import logging
+    import threading
+
+    from steptrace.otlp import _run_bounded
+
+    def fails():
+        raise RuntimeError("endpoint down")
+
+    with caplog.at_level(logging.WARNING, logger="steptrace"):
+        assert _run_bounded(fails, time.monotonic() + 10, "flush") is False
+    (line,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.getMessage() == "steptrace OTLP flush failed: RuntimeError('endpoint down')"
+    assert line.exc_info is None
+
+    caplog.clear()
+    release, done = threading.Event(), threading.Event()
+
+    def fails_late():
+        release.wait(10)
+        try:
+            raise RuntimeError("deadline already exceeded")
+        finally:
+            done.set()
+
+    with caplog.at_level(logging.DEBUG, logger="steptrace"):
+        assert _run_bounded(fails_late, time.monotonic() + 0.05, "metrics-shutdown") is False
+        release.set()
+        assert done.wait(10)
+        waited = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < waited:  # the thread logs just after raising
+            time.sleep(0.001)
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert "after its caller stopped waiting" in caplog.records[0].getMessage()
