@@ -139,7 +139,10 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
     ``annotate`` (profiler annotations), ``max_queue``, ``shutdown_timeout_s``,
     ``jsonl`` (write ``<run_dir>/<run_id>/rank-<rank>.jsonl``, default on; rotated at
     ``jsonl_max_bytes``, default 256 MiB).
-    ``sinks`` adds sink objects (``export``/``force_flush``/``shutdown``).
+    ``trackers`` (``"tensorboard"``, ``"mlflow"``, ``"wandb"``, comma-separated) writes each rank's
+    numbers to those trackers (``steptrace.trackers``; ``tensorboard_dir``).
+    ``sinks`` adds sink objects (``export``/``force_flush``/``shutdown``, and ``bind(config)``, called
+    here, where they have one).
 
     Bad settings raise ``ValueError`` naming the field. Calling ``init`` again
     shuts the previous run down first.
@@ -167,7 +170,7 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             warn_once(repeated, stacklevel=3)
         config = _active_config = settle_attempt(config)
         backends = Backends(config.backend)
-        built = _build_sinks(config)
+        built = _build_sinks(config, sinks)
         record_attempt(config)  # only once the sinks started: a failed init leaves no trace
         from steptrace._resolver import Resolver
 
@@ -209,10 +212,22 @@ def _after_fork_in_child() -> None:
         runtime.forked()
 
 
-def _build_sinks(config: Config) -> list[Any]:
-    """The sinks the configuration asks for; on a setup error, close the ones already opened."""
+def _build_sinks(config: Config, given: list[Any]) -> list[Any]:
+    """The sinks the configuration asks for, and the given sinks bound to it (a tracker opens its run
+    in ``bind``); on a setup error, close the ones already opened."""
     built: list[Any] = []
     try:
+        for sink in given:
+            bind = getattr(sink, "bind", None)
+            if callable(bind):
+                bind(config)
+        if config.trackers:
+            from steptrace.trackers import tracker_sink
+
+            for name in config.trackers:
+                tracker = tracker_sink(name)
+                tracker.bind(config)
+                built.append(tracker)
         if config.prometheus_port is not None:
             from steptrace.prometheus import PrometheusSink
 
@@ -229,7 +244,7 @@ def _build_sinks(config: Config) -> list[Any]:
             built.insert(0, JsonlSink(os.path.join(config.run_dir, config.run_id, f"rank-{config.rank}.jsonl"),
                                       max_bytes=config.jsonl_max_bytes))
     except BaseException:
-        for sink in built:
+        for sink in built + [g for g in given if callable(getattr(g, "bind", None))]:
             try:
                 sink.shutdown(0.5)
             except Exception:

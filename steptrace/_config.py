@@ -73,6 +73,12 @@ ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_TAGS = "STEPTRACE_TAGS"
 #: ``0`` turns off the stall watch (a ``stall`` record with every thread's stack when a rank stops moving).
 ENV_STALL_WATCH = "STEPTRACE_STALL_WATCH"
+#: Trackers each rank writes its numbers to, comma-separated: ``tensorboard``, ``mlflow``, ``wandb``.
+ENV_TRACKERS = "STEPTRACE_TRACKERS"
+#: Where the TensorBoard tracker writes ``rank_<r>/`` (default ``<run_dir>/<run_id>/tensorboard``).
+ENV_TENSORBOARD_DIR = "STEPTRACE_TENSORBOARD_DIR"
+#: The trackers ``init(trackers=...)`` knows (steptrace.trackers), each with the extra that installs it.
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 #: A step open this many times the run's median interval is a stall (default 10).
 ENV_STALL_FACTOR = "STEPTRACE_STALL_FACTOR"
 #: ... and at least this many seconds (default 60).
@@ -146,6 +152,8 @@ class Config:
     # JAX: Python's GIL switch interval while the resolver waits for a step's outputs (None: leave it).
     # The end is read when the resolver gets the GIL back; see docs/devices.md.
     jax_switch_interval_s: float | None = None
+    trackers: tuple[str, ...] = ()  # tensorboard, mlflow, wandb: see steptrace/trackers.py
+    tensorboard_dir: str | None = None  # None: <run_dir>/<run_id>/tensorboard
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -293,6 +301,8 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         stall_min_s=_first(code.get("stall_min_s"), _env_float(ENV_STALL_MIN_S, env), 60.0),
         jax_switch_interval_s=_first(code.get("jax_switch_interval_s"), _env_float(ENV_JAX_SWITCH_INTERVAL_S, env),
                                      None),
+        trackers=_parse_trackers(_first(code.get("trackers"), env.get(ENV_TRACKERS) or None, ())),
+        tensorboard_dir=_first(code.get("tensorboard_dir"), env.get(ENV_TENSORBOARD_DIR) or None),
     )
     _validate(config)
     return config
@@ -415,6 +425,21 @@ def _parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
         return tuple((str(k), str(v)) for k, v in value)
     except (TypeError, ValueError):
         raise ValueError(f"otlp_headers must be a dict, (key, value) pairs or 'k=v,k2=v2', got {value!r}") from None
+
+
+def _parse_trackers(value: Any) -> tuple[str, ...]:
+    """``"tensorboard,mlflow"`` or a list of names -> the names, in order, each once."""
+    if isinstance(value, str):
+        names = [part.strip().lower() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        names = [v.strip().lower() for v in value]
+    else:
+        raise ValueError(f"trackers must be a comma-separated string or a list of names, got {value!r}")
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"trackers: unknown tracker {name!r} (set by init(trackers=...) or {ENV_TRACKERS}); "
+                             f"known: {', '.join(TRACKERS)}")
+    return tuple(dict.fromkeys(names))
 
 
 def _validate(config: Config) -> None:

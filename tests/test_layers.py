@@ -3,7 +3,8 @@ circle and each layer can be read without the ones above it.
 
     leaf modules (with the device backends adapters.jax and adapters.torch, and the collective
     timing adapters.torch_distributed, which import no steptrace module) → handles → sinks (_sinks
-    and the exporters the API plugs in: prometheus, otlp) → resolver → runtime → public API (steptrace/__init__)
+    and the exporters the API plugs in: prometheus, otlp, trackers) → resolver → runtime → public API
+    (steptrace/__init__)
     analysis, testing and the CLI sit beside the API: they import leaf modules, the public API and
     each other, never the runtime's layers
 
@@ -30,7 +31,7 @@ LAYER = {
         "_devices", "_schema", "_metadata", "_ratelimit", "_attempts", "_stall", "_peaks", "_loops", "adapters.jax",
         "adapters.torch", "adapters.torch_distributed")},
     "steptrace._handles": 1,
-    "steptrace._sinks": 2, "steptrace.prometheus": 2, "steptrace.otlp": 2,
+    "steptrace._sinks": 2, "steptrace.prometheus": 2, "steptrace.otlp": 2, "steptrace.trackers": 2,
     "steptrace._resolver": 3,
     "steptrace._runtime": 4,
     "steptrace": 5,

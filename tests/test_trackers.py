@@ -1,0 +1,376 @@
+"""The tracker sinks (steptrace.trackers, issue 36): TensorBoard, MLflow and W&B, each read back with
+the tracker's own reader and compared with the rank's JSONL records at the same steps.
+
+What the trackers' documented rules require of a writer, and what these tests hold the sinks to:
+
+* TensorBoard: event files read by ``EventAccumulator``; an event carries its own ``step``; a
+  writer needs a directory of its own, since TensorBoard follows only the newest event file of a
+  directory (tensorflow/tensorboard#1011). With ``brain.Event:2`` files (``EventFileWriter``'s)
+  the reader keeps an out-of-order step (it purges only at a ``SessionLog.START``,
+  ``event_accumulator._CheckForRestartAndMaybePurge``).
+* MLflow: ``log_batch`` takes explicit steps and millisecond timestamps, at most 1000 metrics a
+  request (``MlflowClient.log_batch``); MLflow 3 refuses the file store unless
+  ``MLFLOW_ALLOW_FILE_STORE=true`` (mlflow-skinny has no SQL store), so the tests opt in to it.
+* W&B: ``log()`` without ``step=`` never hits "Tried to log to step N that is less than the current
+  step"; the x axis is ``steptrace/step`` by ``define_metric``; offline mode writes the run's
+  transaction log, read here with W&B's own protobuf records (tests/wandb_log.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import steptrace
+from steptrace import trackers
+from steptrace.trackers import MlflowSink, TensorBoardSink, WandbSink, tracker_points
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _records(run_dir: Path, run_id: str, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / run_id / f"rank-{rank}.jsonl").open()]
+
+
+def _train(run_dir: Path, run_id: str, **settings) -> list[dict]:
+    """Eight steps with tokens, a data span, a checkpoint after step 3 and a stall in step 5."""
+    steptrace.init(run_dir=str(run_dir), run_id=run_id, backend="host", stall_min_s=0.15, stall_factor=1.0,
+                   **settings)
+    try:
+        for n in range(8):
+            with steptrace.step(n, tokens=256, flops=1e9) as s:
+                with steptrace.span("data"):
+                    time.sleep(0.002)
+                time.sleep(0.6 if n == 5 else 0.01)
+                s.log(loss=1.0 / (n + 1))
+            if n == 3:
+                with steptrace.checkpoint(n):
+                    time.sleep(0.02)
+    finally:
+        steptrace.shutdown()
+    return _records(run_dir, run_id)
+
+
+def _expected(records: list[dict]) -> dict[str, dict[int, float]]:
+    """key (namespaced) -> step -> value, as the sinks map the records."""
+    out: dict[str, dict[int, float]] = {}
+    for point in tracker_points(records):
+        for key, value in point.values.items():
+            out.setdefault("steptrace/" + key, {})[point.step] = value
+    return out
+
+
+def test_the_points_are_the_records_own_numbers_at_their_own_steps():
+    records = [
+        {"type": "attempt", "start_time": 100.0},
+        {"type": "step", "step": 7, "status": "ok", "host_start_time": 101.0, "end_time": 102.0,
+         "interval_seconds": 1.0, "compute_seconds": 0.6, "idle_breakdown": {"data": 0.3, "other": 0.1},
+         "collective_wait_seconds": 0.25, "own_seconds": 0.75, "own_compute_seconds": 0.45,
+         "collective_wait_idle_breakdown": {"other": 0.1}, "tokens_per_second": 512.0, "mfu": 0.4,
+         "device_memory": {"in_use_bytes": 10, "peak_bytes": 20}, "before_step_seconds": 0.5},
+        {"type": "checkpoint", "step": 7, "after_step": 7, "end_time": 103.0, "blocking_seconds": 0.2,
+         "host_seconds": 0.3, "async_seconds": None},
+        {"type": "stall", "step": 8, "start_time": 103.0, "open_seconds": 60.0},
+        {"type": "stall_end", "step": 8, "start_time": 103.0, "lasted_seconds": 75.0},
+        {"type": "step", "step": "bad", "interval_seconds": 1.0},  # malformed: nothing written
+    ]
+    step, checkpoint, stall, stall_end = tracker_points(records)
+    assert step.step == 7 and step.wall_time == 102.0
+    # Waiting shown as waiting: own compute + wait + idle by reason (less the wait in it) = interval.
+    assert step.values == pytest.approx({
+        "interval_seconds": 1.0, "compute_seconds": 0.45, "collective_wait_seconds": 0.25,
+        "idle/data_seconds": 0.3, "idle/other_seconds": 0.0, "tokens_per_second": 512.0, "mfu": 0.4,
+        "device_memory_in_use_bytes": 10.0, "device_memory_peak_bytes": 20.0, "before_step_seconds": 0.5,
+        "goodput": 0.45 / 2.0})  # own compute over the wall from the process start (100) to the step's end
+    assert checkpoint == (7, 103.0, {"checkpoint/blocking_seconds": 0.2, "checkpoint/host_seconds": 0.3})
+    assert stall == (8, 163.0, {"stall/open_seconds": 60.0})
+    assert stall_end == (8, 178.0, {"stall/lasted_seconds": 75.0})
+
+
+def test_tensorboard_reads_back_every_value_at_its_step_in_a_directory_per_rank(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = _train(tmp_path, "tb", trackers="tensorboard")
+    rank_dir = tmp_path / "tb" / "tensorboard" / "rank_0"
+    (event_file,) = os.listdir(rank_dir)  # one writer, one file, in the rank's own directory
+    assert event_file.endswith(".steptrace-rank0")
+    reader = EventAccumulator(str(rank_dir), size_guidance={"scalars": 0})
+    reader.Reload()
+    expected = _expected(records)
+    assert set(reader.Tags()["scalars"]) == set(expected)
+    assert {"steptrace/checkpoint/blocking_seconds", "steptrace/stall/open_seconds",
+            "steptrace/idle/data_seconds", "steptrace/goodput", "steptrace/tflops_per_second"} <= set(expected)
+    for tag, by_step in expected.items():
+        got = {e.step: e.value for e in reader.Scalars(tag)}
+        assert got == pytest.approx(by_step, rel=1e-6), tag  # TensorBoard scalars are 32-bit floats
+    steps = {r["step"]: r for r in records if r.get("type") == "step"}
+    assert {e.step: e.value for e in reader.Scalars("steptrace/interval_seconds")} == \
+        pytest.approx({n: r["interval_seconds"] for n, r in steps.items()}, rel=1e-6)
+    assert reader.Scalars("steptrace/stall/open_seconds")[0].step == 5
+
+
+def _bound(sink, tmp_path, rank=0, world_size=1, run_id="late"):
+    sink.bind(SimpleNamespace(rank=rank, world_size=world_size, run_id=run_id, run_dir=str(tmp_path),
+                              tensorboard_dir=None))
+    return sink
+
+
+def _late_records() -> list[dict]:
+    """Steps 4 and 5 finalized, then step 3's values and a checkpoint of step 2: they arrive late."""
+    def step(n):
+        return {"type": "step", "step": n, "status": "ok", "end_time": 1000.0 + n, "interval_seconds": 0.1 * n,
+                "compute_seconds": 0.05 * n, "idle_breakdown": {"other": 0.05 * n}}
+    return [step(4), step(5), step(3), {"type": "checkpoint", "step": 2, "end_time": 1001.5, "blocking_seconds": 0.7}]
+
+
+def test_a_value_that_arrives_after_later_steps_is_written_at_its_own_step(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tb, ml = _bound(TensorBoardSink(), tmp_path), _bound(MlflowSink(), tmp_path)
+    for sink in (tb, ml):
+        for record in _late_records():
+            sink.export([record])
+        sink.force_flush(5)
+        sink.shutdown(5)
+    reader = EventAccumulator(tb.rank_dir)
+    reader.Reload()
+    assert {e.step: e.value for e in reader.Scalars("steptrace/interval_seconds")} == \
+        pytest.approx({3: 0.3, 4: 0.4, 5: 0.5})
+    history = MlflowClient().get_metric_history(ml.mlflow_run_id, "steptrace/interval_seconds")
+    assert {m.step: m.value for m in history} == pytest.approx({3: 0.3, 4: 0.4, 5: 0.5})
+    assert {m.step: m.timestamp for m in history} == {3: 1003000, 4: 1004000, 5: 1005000}
+    (checkpoint,) = MlflowClient().get_metric_history(ml.mlflow_run_id, "steptrace/checkpoint/blocking_seconds")
+    assert (checkpoint.step, checkpoint.value) == (2, 0.7)
+
+
+def test_mlflow_reads_back_every_value_in_the_ranks_own_run(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    records = _train(tmp_path, "ml", trackers="mlflow")
+    client = MlflowClient()
+    (run,) = client.search_runs(experiment_ids=["0"])
+    assert run.info.run_name == "ml/rank-0" and run.info.status == "FINISHED"
+    assert run.data.tags["steptrace.run_id"] == "ml" and run.data.tags["steptrace.rank"] == "0"
+    expected = _expected(records)
+    assert set(run.data.metrics) == set(expected)
+    for key, by_step in expected.items():
+        assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} == \
+            pytest.approx(by_step, rel=1e-12), key
+
+
+def test_mlflow_writes_beside_the_users_metrics_in_the_run_they_opened(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    with mlflow.start_run(run_name="users") as users:
+        mlflow.log_metric("loss", 2.5, step=0)
+        _train(tmp_path, "beside", trackers="mlflow")
+        mlflow.log_metric("loss", 1.5, step=8)
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs(experiment_ids=["0"])
+    assert run.info.run_id == users.info.run_id and run.info.status == "FINISHED"  # ended by the user, once
+    assert "loss" in run.data.metrics and "steptrace/interval_seconds" in run.data.metrics
+    assert len(client.get_metric_history(run.info.run_id, "steptrace/interval_seconds")) == 8
+
+
+def test_wandb_offline_run_holds_every_value_on_the_steptrace_step_axis(tmp_path, monkeypatch):
+    from wandb_log import history, run_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records = _train(tmp_path, "wb", sinks=[WandbSink(dir=tmp_path, project="steptrace-test")])
+    (log_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert run_config(log_file) == {"name": "rank-0", "group": "wb", "job_type": "steptrace"}
+    got: dict[str, dict[int, float]] = {}
+    for row in history(log_file):
+        for key, value in row.items():
+            if key.startswith("steptrace/") and key != "steptrace/step":
+                got.setdefault(key, {})[row["steptrace/step"]] = value
+    expected = _expected(records)
+    assert set(got) == set(expected)
+    for key, by_step in expected.items():
+        assert got[key] == pytest.approx(by_step, rel=1e-12), key
+
+
+def test_wandb_writes_late_values_at_their_own_step(tmp_path, monkeypatch):
+    from wandb_log import history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = _bound(WandbSink(dir=tmp_path), tmp_path)
+    for record in _late_records():
+        sink.export([record])
+    sink.shutdown(10)
+    (log_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = [r for r in history(log_file) if "steptrace/step" in r]
+    assert [r["steptrace/step"] for r in rows] == [4, 5, 3, 2]  # logged in arrival order ...
+    by_step = {r["steptrace/step"]: r for r in rows}  # ... each at its own step on the axis
+    assert by_step[3]["steptrace/interval_seconds"] == pytest.approx(0.3)
+    assert by_step[2]["steptrace/checkpoint/blocking_seconds"] == 0.7
+
+
+def test_unknown_or_uninstalled_trackers_fail_at_init_naming_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="unknown tracker 'neptune'.*known: tensorboard, mlflow, wandb"):
+        steptrace.init(run_dir=str(tmp_path), trackers="tensorboard,neptune")
+    monkeypatch.setenv("STEPTRACE_TRACKERS", "comet")
+    with pytest.raises(ValueError, match="STEPTRACE_TRACKERS"):
+        steptrace.init(run_dir=str(tmp_path))
+    monkeypatch.delenv("STEPTRACE_TRACKERS")
+    for module in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")] + ["tensorboard"]:
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    try:
+        with pytest.raises(ValueError, match=r"pip install 'steptrace\[tensorboard\]'"):
+            steptrace.init(run_dir=str(tmp_path), run_id="missing", trackers=["tensorboard"])
+    finally:
+        steptrace.shutdown()
+    # A failed init leaves nothing behind: no run file, no attempt recorded.
+    assert not (tmp_path / "missing").exists() or not any((tmp_path / "missing").glob("rank-*.jsonl"))
+
+
+def test_a_wandb_mode_wandb_does_not_have_fails_where_the_sink_is_made():
+    with pytest.raises(ValueError, match="'online', 'offline', 'disabled' or 'shared'"):
+        WandbSink(mode="ofline")
+
+
+def test_mlflow_naming_a_run_that_does_not_exist_fails_at_init(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    with pytest.raises(ValueError, match="trackers: mlflow cannot open its run"):
+        steptrace.init(run_dir=str(tmp_path), sinks=[MlflowSink(run_id="0" * 32)])
+
+
+class _Blocking(TensorBoardSink):
+    """A tracker whose writes block until released (a hung server)."""
+
+    def __init__(self, release):
+        super().__init__()
+        self.release = release
+
+    def _write(self, points):
+        self.release.wait()
+        super()._write(points)
+
+
+class _Failing(TensorBoardSink):
+    def _write(self, points):
+        raise ConnectionError("tracker unreachable")
+
+
+def test_a_hung_or_failing_tracker_never_holds_a_step_and_its_losses_are_counted(tmp_path):
+    release = threading.Event()
+    hung = _Blocking(release)
+    steptrace.init(run_dir=str(tmp_path), run_id="hung", backend="host", sinks=[hung], max_queue=16)
+    try:
+        for n in range(200):  # would never finish if a step waited for the tracker
+            with steptrace.step(n):
+                time.sleep(0.002)  # the resolver keeps up; only the hung tracker's queue fills
+        steptrace.flush(timeout_s=1.0)
+        dropped = steptrace.stats()["dropped"]
+    finally:
+        release.set()
+        steptrace.shutdown()
+    assert dropped.get("sink:tensorboard", 0) > 150 and "resolver_queue" not in dropped, dropped
+    assert len([r for r in _records(tmp_path, "hung") if r.get("type") == "step"]) == 200  # the JSONL has all
+
+    steptrace.init(run_dir=str(tmp_path), run_id="failing", backend="host", sinks=[_Failing()])
+    for n in range(5):
+        with steptrace.step(n):
+            pass
+    steptrace.flush()
+    dropped = steptrace.stats()["dropped"]
+    steptrace.shutdown()
+    assert dropped["sink:tensorboard"] >= 5  # every record it was given (steps, attempt, metadata)
+    run = [r for r in _records(tmp_path, "failing") if r.get("type") == "run"][0]
+    assert run["dropped"]["sink:tensorboard"] >= dropped["sink:tensorboard"]
+
+
+def test_ranks_sharing_an_mlflow_run_write_under_their_rank(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    shared = MlflowClient().create_run("0").info.run_id
+    for rank in (0, 1):
+        sink = _bound(MlflowSink(run_id=shared), tmp_path, rank=rank, world_size=2)
+        sink.export(_late_records()[:1])
+        sink.shutdown(5)
+    metrics = MlflowClient().get_run(shared).data.metrics
+    assert {"steptrace/rank_0/interval_seconds", "steptrace/rank_1/interval_seconds"} <= set(metrics)
+    assert MlflowClient().get_run(shared).info.status == "RUNNING"  # not ours to end
+
+
+TORCHRUN_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+import steptrace
+dist.init_process_group("gloo")
+steptrace.init(run_dir=sys.argv[1], run_id="ddp", backend="host", trackers="tensorboard,mlflow")
+rank = dist.get_rank()
+for n in range(6):
+    with steptrace.step(n):
+        time.sleep(0.01 * (1 + rank))
+        dist.all_reduce(torch.ones(1))
+steptrace.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_two_gloo_ranks_under_torchrun_each_write_their_own_numbers(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tb_dirs = sorted(os.listdir(tmp_path / "ddp" / "tensorboard"))
+    assert tb_dirs == ["rank_0", "rank_1"]
+    client = MlflowClient()
+    runs = {r.data.tags["steptrace.rank"]: r for r in client.search_runs(experiment_ids=["0"])}
+    assert sorted(runs) == ["0", "1"]
+    for rank in (0, 1):
+        records = _records(tmp_path, "ddp", rank)
+        waits = {r["step"]: r["collective_wait_seconds"] for r in records if r.get("type") == "step"}
+        assert sorted(waits) == list(range(6))
+        # Each writer holds only its own rank's files: one event file per directory.
+        assert len(os.listdir(tmp_path / "ddp" / "tensorboard" / f"rank_{rank}")) == 1
+        reader = EventAccumulator(str(tmp_path / "ddp" / "tensorboard" / f"rank_{rank}"))
+        reader.Reload()
+        assert {e.step: e.value for e in reader.Scalars("steptrace/collective_wait_seconds")} == \
+            pytest.approx(waits, rel=1e-6, abs=1e-9)
+        history = client.get_metric_history(runs[str(rank)].info.run_id, "steptrace/collective_wait_seconds")
+        assert {m.step: m.value for m in history} == pytest.approx(waits, rel=1e-12, abs=1e-12)
+    # Rank 0 is faster: it waits for rank 1 in the all-reduce, and the trackers show that wait.
+    rank0 = _records(tmp_path, "ddp", 0)
+    assert sum(r["collective_wait_seconds"] for r in rank0 if r.get("type") == "step" and r["step"] > 0) > 0.03
+
+
+def test_the_tracker_registry_names_an_extra_per_tracker():
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, extra in trackers.TRACKERS.items():
+        assert extra in extras, name
