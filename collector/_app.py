@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client.exposition import MetricsHandler
 
 from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
+from steptrace._config import TRACKERS
 from steptrace.collector._auth import ANY_RUN, Grant, Tokens, read_token_file
 from steptrace.collector._decode import (
     DEFAULT_MAX_STEP,
@@ -41,6 +42,7 @@ from steptrace.collector._http import ByteBudget
 from steptrace.collector._metrics import ClusterMetrics, served_registry
 from steptrace.collector._stalls import StallBoard
 from steptrace.collector._runlog import ClusterLog, JournalError
+from steptrace.collector._trackers import ClusterTrackers, require_trackers
 
 __all__ = ["ENV_TOKEN", "Collector", "CollectorConfig"]
 
@@ -107,6 +109,11 @@ class CollectorConfig:
     metrics_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: write each run's joined steps to these trackers (tensorboard, mlflow, wandb: steptrace.trackers'
+    #: aggregate mode; --trackers)
+    trackers: tuple[str, ...] = ()
+    #: where the TensorBoard tracker writes <run_id>/cluster/ (default: <run_dir>/<run_id>/tensorboard/cluster)
+    tensorboard_dir: str | None = None
 
     def __post_init__(self) -> None:
         def integer(name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
@@ -156,6 +163,12 @@ class CollectorConfig:
             raise ValueError("token must be a non-empty string (or None for no authentication)")
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a directory path, got {self.run_dir!r}")
+        if isinstance(self.trackers, str):  # "tensorboard,mlflow", as --trackers gives it
+            object.__setattr__(self, "trackers",
+                               tuple(t.strip().lower() for t in self.trackers.split(",") if t.strip()))
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise ValueError(f"trackers: unknown tracker {name!r}; known: {', '.join(TRACKERS)}")
 
     def tokens(self) -> Tokens | None:
         """The accepted tokens (``token`` and ``token_file``'s lines), or None when anyone may send."""
@@ -223,6 +236,13 @@ class Collector:
                               max_journal_bytes=config.max_journal_bytes, open_spans=self.joiner.open_spans)
         #: The ranks' stalls, per run: which rank is the cause of a hang (cluster_stall records).
         self.stalls = StallBoard(max_runs=config.max_runs)
+        #: Each run's joined steps in the trackers (--trackers), written off the join.
+        self.trackers: ClusterTrackers | None = None
+        if config.trackers:
+            require_trackers(config.trackers)  # a tracker that does not import fails here, naming the extra
+            self.trackers = ClusterTrackers(config.trackers, run_dir=config.run_dir,
+                                            tensorboard_dir=config.tensorboard_dir, max_runs=config.max_runs,
+                                            count_drop=self.metrics.tracker_dropped_records)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self._metrics_server: Any = None
@@ -312,6 +332,8 @@ class Collector:
         with self._lock:
             self._publish(self.joiner.flush())
             self.log.close()
+        if self.trackers is not None:
+            self.trackers.close(timeout_s)
         if self._metrics_server is not None:
             if self._metrics_thread is not None:
                 self._metrics_server.shutdown()
@@ -441,6 +463,8 @@ class Collector:
         written = self.log.write(result.records) if result.records else self.log.retry()
         if result.records:
             self.metrics.publish(result.records, own)
+            if self.trackers is not None:
+                self.trackers.offer(result.records)
         for run_id in written:
             if self.joiner.open_in(run_id) == 0:
                 self.log.reset_journal(run_id)

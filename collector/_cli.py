@@ -132,6 +132,13 @@ def add_collector_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="refuse step spans that ended this far before the collector's clock (default: 86400)")
     parser.add_argument("--no-journal", action="store_true",
                         help="do not journal open steps' spans (a killed collector then loses them)")
+    parser.add_argument("--trackers", default="",
+                        help="write each run's joined steps (min/median/max across ranks, the straggler and its "
+                             "cost, the slowest ranks) to these trackers, comma-separated: tensorboard, mlflow, wandb "
+                             "(docs/trackers.md; default: none)")
+    parser.add_argument("--tensorboard-dir", default=None,
+                        help="where the TensorBoard tracker writes <run_id>/... (default: "
+                             "<run-dir>/<run_id>/tensorboard/cluster)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="log level on stderr (default: INFO)")
     return parser
@@ -195,7 +202,8 @@ def run_collector(args: argparse.Namespace) -> int:
             max_spans_per_request=args.max_spans_per_request, max_emitted_steps=args.max_emitted_steps,
             max_journal_bytes_per_run=args.max_journal_bytes_per_run, max_journal_bytes=args.max_journal_bytes,
             max_inflight_body_bytes=args.max_inflight_body_bytes, max_clock_skew_s=args.max_clock_skew_s,
-            max_span_age_s=args.max_span_age_s, journal=not args.no_journal)
+            max_span_age_s=args.max_span_age_s, journal=not args.no_journal, trackers=args.trackers,
+            tensorboard_dir=args.tensorboard_dir)
         collector = Collector(config).start()
     except (ValueError, OSError) as exc:
         print(f"steptrace collector: {exc}", file=sys.stderr)

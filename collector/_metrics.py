@@ -213,6 +213,9 @@ class ClusterMetrics:
         self.dropped_labels.labels("stage")
         self.journal_skipped = counter("steptrace_collector_journal_skipped_lines",
                                        "Journal lines skipped at replay: torn, corrupt or not a span.", ())
+        self.tracker_dropped = counter("steptrace_collector_tracker_dropped_records",
+                                       "Joined steps a tracker (--trackers) did not get: its queue was full, it "
+                                       "could not open the run's tracker, or a write failed.", ("tracker", "reason"))
         self.open = Gauge("steptrace_collector_open_steps", "Steps waiting for more ranks.", registry=reg)
         if open_steps is not None:
             self.open.set_function(open_steps)
@@ -257,6 +260,10 @@ class ClusterMetrics:
             for run_id, count in by_run.items():
                 self._touch(run_id)
                 self.conflicts.labels(run_id).inc(count)
+
+    def tracker_dropped_records(self, tracker: str, reason: str, count: int) -> None:
+        """Joined steps a tracker did not get (called from the trackers' thread)."""
+        self.tracker_dropped.labels(tracker, reason).inc(count)
 
     def publish(self, records: Iterable[dict[str, Any]], own: dict[int, dict[int, float]] | None = None) -> None:
         """Update the cluster series from emitted ``cluster_step`` and ``late`` records.

@@ -221,7 +221,17 @@ def _build_sinks(config: Config, given: list[Any]) -> list[Any]:
             bind = getattr(sink, "bind", None)
             if callable(bind):
                 bind(config)
-        if config.trackers:
+        from steptrace._config import TRACKER_PER_RANK_MAX_WORLD_SIZE, tracker_writes_here
+
+        if config.trackers and config.tracker_ranks == "auto" and config.rank == 0 \
+                and config.world_size > TRACKER_PER_RANK_MAX_WORLD_SIZE:
+            from steptrace._config import warn_once
+
+            warn_once(f"steptrace trackers: {config.world_size} ranks, past {TRACKER_PER_RANK_MAX_WORLD_SIZE}: rank 0 "
+                      "alone writes its own numbers; the job's view across ranks is the collector's "
+                      "(steptrace collector --trackers). tracker_ranks='all' (STEPTRACE_TRACKER_RANKS) writes every "
+                      "rank's.", stacklevel=4)
+        if config.trackers and tracker_writes_here(config):
             from steptrace.trackers import tracker_sink
 
             for name in config.trackers:

@@ -79,6 +79,12 @@ ENV_TRACKERS = "STEPTRACE_TRACKERS"
 ENV_TENSORBOARD_DIR = "STEPTRACE_TENSORBOARD_DIR"
 #: The trackers ``init(trackers=...)`` knows (steptrace.trackers), each with the extra that installs it.
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+#: Which ranks write to the trackers: ``auto``, ``all`` or ranks (``0,7``).
+ENV_TRACKER_RANKS = "STEPTRACE_TRACKER_RANKS"
+#: Past this many ranks, ``tracker_ranks="auto"`` lets rank 0 alone write its own numbers: one run or
+#: directory per rank floods a tracker (NVIDIA/dllogger#9), and the job's view across ranks is the
+#: collector's (``steptrace collector --trackers``, the aggregate mode).
+TRACKER_PER_RANK_MAX_WORLD_SIZE = 64
 #: A step open this many times the run's median interval is a stall (default 10).
 ENV_STALL_FACTOR = "STEPTRACE_STALL_FACTOR"
 #: ... and at least this many seconds (default 60).
@@ -154,6 +160,7 @@ class Config:
     jax_switch_interval_s: float | None = None
     trackers: tuple[str, ...] = ()  # tensorboard, mlflow, wandb: see steptrace/trackers.py
     tensorboard_dir: str | None = None  # None: <run_dir>/<run_id>/tensorboard
+    tracker_ranks: str = "auto"  # "auto", "all" or "0,7": the ranks that write to the trackers
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -303,6 +310,8 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                                      None),
         trackers=_parse_trackers(_first(code.get("trackers"), env.get(ENV_TRACKERS) or None, ())),
         tensorboard_dir=_first(code.get("tensorboard_dir"), env.get(ENV_TENSORBOARD_DIR) or None),
+        tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
+                                                  "auto")),
     )
     _validate(config)
     return config
@@ -440,6 +449,32 @@ def _parse_trackers(value: Any) -> tuple[str, ...]:
             raise ValueError(f"trackers: unknown tracker {name!r} (set by init(trackers=...) or {ENV_TRACKERS}); "
                              f"known: {', '.join(TRACKERS)}")
     return tuple(dict.fromkeys(names))
+
+
+def _parse_tracker_ranks(value: Any) -> str:
+    """``auto``, ``all``, or ranks as ``"0,7"`` / ``[0, 7]`` -> the canonical text."""
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    text = str(value).strip().lower()
+    if text in ("auto", "all"):
+        return text
+    try:
+        ranks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        ranks = []
+    if not ranks or ranks[0] < 0:
+        raise ValueError(f"tracker_ranks must be 'auto', 'all' or ranks such as '0,7' (set by init(tracker_ranks=...) "
+                         f"or {ENV_TRACKER_RANKS}), got {value!r}")
+    return ",".join(map(str, ranks))
+
+
+def tracker_writes_here(config: Config) -> bool:
+    """Whether this rank writes its own numbers to the configured trackers (``tracker_ranks``)."""
+    if config.tracker_ranks == "all":
+        return True
+    if config.tracker_ranks == "auto":
+        return config.world_size <= TRACKER_PER_RANK_MAX_WORLD_SIZE or config.rank == 0
+    return str(config.rank) in config.tracker_ranks.split(",")
 
 
 def _validate(config: Config) -> None:

@@ -38,8 +38,8 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 from steptrace._attribution import GoodputTotals, split_step
 from steptrace._config import TRACKERS
 
-__all__ = ["MlflowSink", "TRACKERS", "TensorBoardSink", "TrackerPoint", "WandbSink", "tracker_points",
-           "tracker_sink"]
+__all__ = ["MlflowSink", "TRACKERS", "TensorBoardSink", "TrackerPoint", "WandbSink", "cluster_tracker_points",
+           "tracker_points", "tracker_sink"]
 
 log = logging.getLogger("steptrace")
 
@@ -176,6 +176,73 @@ def tracker_points(records: Iterable[Mapping[str, Any]]) -> list[TrackerPoint]:
     return _Points()(records)
 
 
+#: Slowest ranks of a joined step written by the aggregate mode (``slowest/<i>_rank``, ``slowest/<i>_own_seconds``).
+SLOWEST_RANKS = 3
+
+
+class _ClusterPoints:
+    """Maps the collector's ``cluster_step`` records (a step joined across ranks) to points under
+    ``cluster/``: what one writer shows for the whole job (aggregate mode)."""
+
+    def __call__(self, records: Iterable[Mapping[str, Any]]) -> list[TrackerPoint]:
+        points = []
+        for record in records:
+            if record.get("type") != "cluster_step":
+                continue
+            try:
+                point = self._step(record)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+            if point is not None and point.values:
+                points.append(point)
+        return points
+
+    @staticmethod
+    def _step(r: Mapping[str, Any]) -> TrackerPoint | None:
+        step = _step_number(r.get("step"))
+        if step is None:
+            return None
+        values: dict[str, float] = {}
+        for quantity in ("interval", "compute", "own", "collective_wait"):
+            for stat in ("min", "median", "max"):
+                value = _number(r.get(f"{quantity}_{stat}_seconds"))
+                if value is not None:
+                    values[f"cluster/{quantity}_seconds/{stat}"] = value
+        for field in ("skew_seconds", "ranks_reporting", "missing_rank_count"):
+            value = _number(r.get(field))
+            if value is not None:
+                values[f"cluster/{field}"] = value
+        own_sum, interval_sum = _number(r.get("own_compute_sum_seconds")), _number(r.get("interval_sum_seconds"))
+        if own_sum is None:
+            own_sum = _number(r.get("compute_sum_seconds"))
+        if own_sum is not None and interval_sum:
+            # Not goodput (own compute over the wall from the process start): the joined step's share.
+            values["cluster/compute_share"] = min(1.0, max(0.0, own_sum / interval_sum))
+        rank = r.get("straggler_rank")
+        if isinstance(rank, int) and not isinstance(rank, bool) and r.get("complete") is True:
+            values["cluster/straggler_rank"] = float(rank)
+            for field in ("straggler_cost_seconds", "straggler_excess_seconds", "straggler_threshold_seconds"):
+                value = _number(r.get(field))
+                if value is not None:
+                    values[f"cluster/{field}"] = value
+        if r.get("complete") is True:
+            values["cluster/straggler_steps"] = 1.0 if "cluster/straggler_rank" in values else 0.0
+        slowest = r.get("slowest_ranks")
+        if isinstance(slowest, list):
+            for place, entry in enumerate(slowest[:SLOWEST_RANKS], start=1):
+                if isinstance(entry, (list, tuple)) and len(entry) == 2 and _number(entry[1]) is not None \
+                        and _step_number(entry[0]) is not None:
+                    values[f"cluster/slowest/{place}_rank"] = float(entry[0])
+                    values[f"cluster/slowest/{place}_own_seconds"] = float(entry[1])
+        wall = _number(r.get("end_time")) or _number(r.get("joined_time")) or time.time()
+        return TrackerPoint(step, wall, values)
+
+
+def cluster_tracker_points(records: Iterable[Mapping[str, Any]]) -> list[TrackerPoint]:
+    """What a tracker sink in aggregate mode writes for the collector's ``cluster_step`` records."""
+    return _ClusterPoints()(records)
+
+
 def _missing(tracker: str, module: str, exc: ImportError) -> ValueError:
     return ValueError(f"trackers: {tracker} needs the {module!r} package, which does not import here ({exc}); "
                       f"pip install 'steptrace[{TRACKERS[tracker]}]'")
@@ -186,8 +253,11 @@ class _TrackerSink:
 
     name = "tracker"
 
-    def __init__(self, *, rank_in_key: bool | None = None):
-        self._points = _Points()
+    def __init__(self, *, rank_in_key: bool | None = None, aggregate: bool = False):
+        #: Aggregate mode: the sink takes the collector's ``cluster_step`` records (one writer for the
+        #: job) instead of a rank's own.
+        self.aggregate = aggregate
+        self._points: Any = _ClusterPoints() if aggregate else _Points()
         self._rank_in_key = rank_in_key
         self._prefix = NAMESPACE
         self.rank = 0
@@ -208,7 +278,8 @@ class _TrackerSink:
     def _keys(self, shared_run: bool) -> None:
         """Ranks sharing one tracker run write under ``steptrace/rank_<r>/``; a rank's own run needs no
         rank in its keys (the run says it), so one key compares across the ranks' runs."""
-        in_key = self._rank_in_key if self._rank_in_key is not None else (shared_run and self.world_size > 1)
+        in_key = not self.aggregate and (self._rank_in_key if self._rank_in_key is not None
+                                         else (shared_run and self.world_size > 1))
         self._prefix = f"{NAMESPACE}rank_{self.rank}/" if in_key else NAMESPACE
 
     def export(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -236,8 +307,9 @@ class TensorBoardSink(_TrackerSink):
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: str | os.PathLike[str] | None = None, *, flush_secs: float = 10.0):
-        super().__init__(rank_in_key=False)
+    def __init__(self, log_dir: str | os.PathLike[str] | None = None, *, flush_secs: float = 10.0,
+                 aggregate: bool = False):
+        super().__init__(rank_in_key=False, aggregate=aggregate)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.flush_secs = flush_secs
         self.rank_dir: str | None = None
@@ -250,15 +322,19 @@ class TensorBoardSink(_TrackerSink):
         except ImportError as exc:
             raise _missing("tensorboard", "tensorboard", exc) from exc
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
-        base = self.log_dir or getattr(config, "tensorboard_dir", None) or \
-            os.path.join(config.run_dir, config.run_id, "tensorboard")
-        self.rank_dir = os.path.join(base, f"rank_{config.rank}")
+        base = self.log_dir or getattr(config, "tensorboard_dir", None)
+        if base is None:
+            base = os.path.join(config.run_dir, config.run_id, "tensorboard")
+        elif self.aggregate:
+            base = os.path.join(base, config.run_id)  # one collector, many runs: a directory each
+        self.rank_dir = os.path.join(base, "cluster" if self.aggregate else f"rank_{config.rank}")
         try:
             os.makedirs(self.rank_dir, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"tensorboard_dir: cannot write {self.rank_dir}: {exc.strerror or exc}") from exc
         self._writer = EventFileWriter(self.rank_dir, max_queue_size=1000, flush_secs=self.flush_secs,
-                                       filename_suffix=f".steptrace-rank{config.rank}")
+                                       filename_suffix=".steptrace-cluster" if self.aggregate
+                                       else f".steptrace-rank{config.rank}")
         self._keys(shared_run=False)
 
     def _write(self, points: list[TrackerPoint]) -> None:
@@ -298,8 +374,8 @@ class MlflowSink(_TrackerSink):
     batch_delay_s = 1.0
 
     def __init__(self, *, tracking_uri: str | None = None, run_id: str | None = None,
-                 rank_in_key: bool | None = None):
-        super().__init__(rank_in_key=rank_in_key)
+                 rank_in_key: bool | None = None, aggregate: bool = False):
+        super().__init__(rank_in_key=rank_in_key, aggregate=aggregate)
         self.tracking_uri = tracking_uri
         self.mlflow_run_id = run_id
         self._client: Any = None
@@ -317,17 +393,17 @@ class MlflowSink(_TrackerSink):
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
             run_id = self.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID") or None
             shared = run_id is not None
-            if run_id is None:
+            if run_id is None and not self.aggregate:
                 active = mlflow.active_run()
                 if active is not None and (self.tracking_uri is None
                                            or self.tracking_uri == mlflow.get_tracking_uri()):
                     run_id = active.info.run_id
             if run_id is None:
                 experiment = mlflow.tracking.fluent._get_experiment_id()
+                who = {"steptrace.role": "cluster"} if self.aggregate else {"steptrace.rank": str(config.rank)}
                 run = self._client.create_run(
-                    experiment, run_name=f"{config.run_id}/rank-{config.rank}",
-                    tags={"steptrace.run_id": config.run_id, "steptrace.rank": str(config.rank),
-                          "steptrace.world_size": str(config.world_size)})
+                    experiment, run_name=f"{config.run_id}/{'cluster' if self.aggregate else f'rank-{config.rank}'}",
+                    tags={"steptrace.run_id": config.run_id, "steptrace.world_size": str(config.world_size), **who})
                 run_id = run.info.run_id
                 self._owns_run = True
             else:
@@ -372,8 +448,8 @@ class WandbSink(_TrackerSink):
     name = "wandb"
 
     def __init__(self, *, project: str | None = None, entity: str | None = None, mode: str | None = None,
-                 dir: str | os.PathLike[str] | None = None, group: str | None = None):
-        super().__init__(rank_in_key=False)
+                 dir: str | os.PathLike[str] | None = None, group: str | None = None, aggregate: bool = False):
+        super().__init__(rank_in_key=False, aggregate=aggregate)
         if mode not in (None, "online", "offline", "disabled", "shared"):
             raise ValueError(f"WandbSink mode must be 'online', 'offline', 'disabled' or 'shared' (W&B's modes), "
                              f"got {mode!r}")
@@ -391,9 +467,19 @@ class WandbSink(_TrackerSink):
         project = self.project or (users.project if users is not None else None)
         entity = self.entity or (users.entity if users is not None else None)
         group = self.group or (users.group if users is not None and users.group else None) or config.run_id
+        # Read here, not left to wandb: its settings are read once per process, at its first init.
+        directory = self.dir or os.environ.get("WANDB_DIR") or None
+        if directory is None and self.aggregate:
+            directory = os.path.join(config.run_dir, config.run_id)  # the collector's: beside cluster.jsonl
+        if directory is not None:
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"trackers: wandb cannot write {directory}: {exc.strerror or exc}") from exc
         try:
-            self.run = wandb.init(project=project, entity=entity, group=group, name=f"rank-{config.rank}",
-                                  job_type="steptrace", mode=self.mode, dir=self.dir, reinit="create_new",
+            name = "cluster" if self.aggregate else f"rank-{config.rank}"
+            self.run = wandb.init(project=project, entity=entity, group=group, name=name,
+                                  job_type="steptrace", mode=self.mode, dir=directory, reinit="create_new",
                                   config={"steptrace.run_id": config.run_id, "steptrace.rank": config.rank,
                                           "steptrace.world_size": config.world_size})
             self.run.define_metric(f"{NAMESPACE}step")
@@ -416,12 +502,13 @@ class WandbSink(_TrackerSink):
             self.run.finish()
 
 
-def tracker_sink(name: str) -> _TrackerSink:
-    """The sink ``init(trackers=...)`` builds for one tracker name (bound by ``init``)."""
+def tracker_sink(name: str, *, aggregate: bool = False, tensorboard_dir: str | None = None) -> _TrackerSink:
+    """The sink ``init(trackers=...)`` (or the collector's ``--trackers``, ``aggregate``) builds for one
+    tracker name; ``bind`` opens it."""
     if name == "tensorboard":
-        return TensorBoardSink()
+        return TensorBoardSink(tensorboard_dir, aggregate=aggregate)
     if name == "mlflow":
-        return MlflowSink()
+        return MlflowSink(aggregate=aggregate)
     if name == "wandb":
-        return WandbSink()
+        return WandbSink(aggregate=aggregate)
     raise ValueError(f"trackers: unknown tracker {name!r}; known: {', '.join(TRACKERS)}")

@@ -374,3 +374,182 @@ def test_the_tracker_registry_names_an_extra_per_tracker():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name, extra in trackers.TRACKERS.items():
         assert extra in extras, name
+
+
+# -- aggregate mode: the collector's joined steps, one writer for the job ---------------------------------
+
+
+def _joined_job(tmp_path, **config):
+    """A 3-rank job through a real collector: rank 2 spends 30 ms more on its own in steps 5..19, the others
+    wait for it in collectives. Returns the collector's cluster_step records."""
+    pytest.importorskip("opentelemetry.proto", reason="the collector needs steptrace[collector]")
+    from collector_helpers import PROTOBUF, body, post, read_records, step_span
+    from steptrace.collector import Collector, CollectorConfig
+
+    collector = Collector(CollectorConfig(port=0, metrics_port=0, world_size=3, window_s=60.0,
+                                          run_dir=str(tmp_path / "collector"), **config)).start()
+    try:
+        for step in range(20):
+            spans = []
+            for rank in range(3):
+                slow = rank == 2 and step >= 5
+                wait = 0.002 if slow else (0.032 if step >= 5 else 0.002 + 0.0005 * rank)
+                spans.append(step_span(run_id="job", step=step, rank=rank, compute=0.08, interval=0.1,
+                                       **{"train.collective_wait_seconds": wait,
+                                          "train.own_seconds": 0.1 - wait}))
+            status, _, _ = post(collector.port, "/v1/traces", body(*spans), PROTOBUF)
+            assert status == 200
+    finally:
+        collector.close()
+    return [r for r in read_records(tmp_path / "collector" / "job" / "cluster.jsonl")
+            if r.get("type") == "cluster_step"], collector
+
+
+def test_the_collector_writes_the_jobs_aggregates_and_its_straggler_to_tensorboard_and_mlflow(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from steptrace.trackers import cluster_tracker_points
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    records, collector = _joined_job(tmp_path, trackers=("tensorboard", "mlflow"))
+    assert sorted(r["step"] for r in records) == list(range(20))
+    expected: dict[str, dict[int, float]] = {}
+    for point in cluster_tracker_points(records):
+        for key, value in point.values.items():
+            expected.setdefault("steptrace/" + key, {})[point.step] = value
+    # The straggler is named from step 5 on (once the run's noise floor is known), with its cost.
+    named = expected["steptrace/cluster/straggler_rank"]
+    assert set(named.values()) == {2.0} and min(named) >= 5 and len(named) >= 12
+    assert all(v == pytest.approx(0.03) for v in expected["steptrace/cluster/straggler_cost_seconds"].values())
+    assert expected["steptrace/cluster/slowest/1_rank"][10] == 2.0
+    assert {"steptrace/cluster/interval_seconds/median", "steptrace/cluster/own_seconds/max",
+            "steptrace/cluster/collective_wait_seconds/min", "steptrace/cluster/compute_share"} <= set(expected)
+
+    reader = EventAccumulator(str(tmp_path / "collector" / "job" / "tensorboard" / "cluster"))
+    reader.Reload()
+    assert set(reader.Tags()["scalars"]) == set(expected)
+    for tag, by_step in expected.items():
+        assert {e.step: e.value for e in reader.Scalars(tag)} == pytest.approx(by_step, rel=1e-6), tag
+
+    client = MlflowClient()
+    (run,) = client.search_runs(experiment_ids=["0"])
+    assert run.info.run_name == "job/cluster" and run.data.tags["steptrace.role"] == "cluster"
+    for key, by_step in expected.items():
+        assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} == \
+            pytest.approx(by_step, rel=1e-12), key
+    assert run.info.status == "FINISHED"  # closed with the collector
+
+
+def test_a_collector_tracker_that_cannot_open_drops_and_counts_and_the_join_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///" + str(tmp_path / "no-sqlalchemy-here.db"))
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    records, collector = _joined_job(tmp_path, trackers=("mlflow",))
+    assert len(records) == 20  # the join and cluster.jsonl are untouched
+    samples = collector.metrics.tracker_dropped.labels("mlflow", "open_failed")._value.get()
+    try:
+        import sqlalchemy  # noqa: F401  (full mlflow: the sqlite store opens, nothing is dropped)
+        assert samples == 0
+    except ImportError:
+        assert samples == 20
+
+
+def test_the_collector_refuses_an_unknown_or_missing_tracker_at_setup(tmp_path, monkeypatch):
+    from steptrace.collector import CollectorConfig
+
+    with pytest.raises(ValueError, match="unknown tracker 'comet'"):
+        CollectorConfig(trackers=("comet",))
+    assert CollectorConfig(trackers="tensorboard, wandb").trackers == ("tensorboard", "wandb")
+    from steptrace.collector import Collector
+
+    for module in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")] + ["wandb"]:
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(ValueError, match=r"pip install 'steptrace\[wandb\]'"):
+        Collector(CollectorConfig(port=0, metrics_port=0, run_dir=str(tmp_path), trackers=("wandb",)))
+
+
+def test_the_collectors_tracker_queue_is_bounded_and_a_hung_tracker_never_holds_the_join():
+    from steptrace.collector._trackers import ClusterTrackers
+
+    release, drops, written = threading.Event(), [], []
+
+    class Hung:
+        def bind(self, config):
+            pass
+
+        def export(self, records):
+            release.wait()
+            written.extend(records)
+
+        def force_flush(self, timeout_s):
+            return True
+
+        def shutdown(self, timeout_s):
+            pass
+
+    trackers = ClusterTrackers(["tensorboard"], run_dir="unused", max_queue=10,
+                               count_drop=lambda *drop: drops.append(drop), make_sink=lambda name: Hung())
+    for step in range(40):  # returns at once every time: the join never waits for a tracker
+        trackers.offer([{"type": "cluster_step", "run_id": "r", "step": step}, {"type": "late", "run_id": "r"}])
+    assert sum(n for _, reason, n in drops if reason == "queue_full") >= 29
+    release.set()
+    assert trackers.close(10)
+    assert len(written) + sum(n for _, _, n in drops) == 40  # nothing lost silently
+
+
+def test_the_collector_writes_the_jobs_aggregates_to_a_wandb_run_of_its_own(tmp_path, monkeypatch):
+    from steptrace.trackers import cluster_tracker_points
+    from wandb_log import history, run_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    records, _ = _joined_job(tmp_path, trackers="wandb")
+    (log_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert run_config(log_file) == {"name": "cluster", "group": "job", "job_type": "steptrace"}
+    rows = {r["steptrace/step"]: r for r in history(log_file) if "steptrace/step" in r}
+    for point in cluster_tracker_points(records):
+        for key, value in point.values.items():
+            assert rows[point.step]["steptrace/" + key] == pytest.approx(value, rel=1e-12), (point.step, key)
+    assert rows[12]["steptrace/cluster/straggler_rank"] == 2
+
+
+@pytest.mark.parametrize(("world_size", "rank", "setting", "writes"), [
+    (8, 5, None, True),            # a small job: every rank writes its own numbers
+    (64, 63, None, True),
+    (128, 0, None, True),          # past 64 ranks: rank 0 alone (the collector writes the job's view)
+    (128, 37, None, False),
+    (128, 37, "all", True),
+    (128, 37, "0,37", True),
+    (8, 5, [0, 3], False),
+])
+def test_which_ranks_write_to_the_trackers(tmp_path, world_size, rank, setting, writes):
+    from steptrace.testing import MemorySink
+
+    settings = {} if setting is None else {"tracker_ranks": setting}
+    with warnings_caught() as caught:
+        config = steptrace.init(run_dir=str(tmp_path), run_id="ranks", rank=rank, world_size=world_size,
+                                trackers="tensorboard", jsonl=False, sinks=[MemorySink()], **settings)
+    steptrace.shutdown()
+    assert (tmp_path / "ranks" / "tensorboard" / f"rank_{rank}").exists() == writes
+    warned = [w for w in caught if "rank 0 alone writes" in str(w.message)]
+    assert bool(warned) == (world_size > 64 and rank == 0 and setting is None)
+    assert config.tracker_ranks == {None: "auto", "all": "all", "0,37": "0,37"}.get(
+        setting if isinstance(setting, str) or setting is None else "list", "0,3")
+
+
+def warnings_caught():
+    import warnings
+
+    class _Catch(warnings.catch_warnings):
+        def __enter__(self):
+            caught = super().__enter__()
+            warnings.simplefilter("always")
+            return caught
+
+    return _Catch(record=True)
+
+
+def test_a_bad_tracker_ranks_setting_fails_at_init(tmp_path):
+    with pytest.raises(ValueError, match="tracker_ranks must be 'auto', 'all' or ranks"):
+        steptrace.init(run_dir=str(tmp_path), trackers="tensorboard", tracker_ranks="rank0")
