@@ -233,7 +233,13 @@ class StepTrace(TrainerCallback):
         earlier when the Trainer restores a checkpoint first)."""
         if self._started:
             return
-        if start_steptrace_for_trainer(self.init_settings, rank=int(getattr(args, "process_index", 0) or 0),
+        # The Trainer logs (to its trackers) at global_step after the update; steptrace's step n is the
+        # update that makes global_step n + 1: a tracker of steptrace's writes on the Trainer's axis.
+        # (Only where this callback starts steptrace: a run the user started keeps the user's settings.)
+        settings = dict(self.init_settings)
+        if settings or not steptrace.enabled():
+            settings.setdefault("tracker_step_offset", 1)
+        if start_steptrace_for_trainer(settings, rank=int(getattr(args, "process_index", 0) or 0),
                                        world_size=int(getattr(args, "world_size", 1) or 1)):
             self._started = True
 

@@ -79,6 +79,8 @@ ENV_TRACKERS = "STEPTRACE_TRACKERS"
 ENV_TENSORBOARD_DIR = "STEPTRACE_TENSORBOARD_DIR"
 #: The trackers ``init(trackers=...)`` knows (steptrace.trackers), each with the extra that installs it.
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+#: Added to the step number the trackers write at (the framework's own logging axis).
+ENV_TRACKER_STEP_OFFSET = "STEPTRACE_TRACKER_STEP_OFFSET"
 #: Which ranks write to the trackers: ``auto``, ``all`` or ranks (``0,7``).
 ENV_TRACKER_RANKS = "STEPTRACE_TRACKER_RANKS"
 #: Past this many ranks, ``tracker_ranks="auto"`` lets rank 0 alone write its own numbers: one run or
@@ -161,6 +163,9 @@ class Config:
     trackers: tuple[str, ...] = ()  # tensorboard, mlflow, wandb: see steptrace/trackers.py
     tensorboard_dir: str | None = None  # None: <run_dir>/<run_id>/tensorboard
     tracker_ranks: str = "auto"  # "auto", "all" or "0,7": the ranks that write to the trackers
+    # Added to steptrace's step number where a tracker writes it: the axis the framework's own logging
+    # uses (HF Trainer logs at global_step after the update, steptrace's step n: 1; see docs/trackers.md).
+    tracker_step_offset: int = 0
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -310,6 +315,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                                      None),
         trackers=_parse_trackers(_first(code.get("trackers"), env.get(ENV_TRACKERS) or None, ())),
         tensorboard_dir=_first(code.get("tensorboard_dir"), env.get(ENV_TENSORBOARD_DIR) or None),
+        tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
         tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
                                                   "auto")),
     )
@@ -482,7 +488,7 @@ def _validate(config: Config) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{field} must be an integer, got {value!r}")
 
-    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt", "jsonl_max_bytes"):
+    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt", "jsonl_max_bytes", "tracker_step_offset"):
         need_int(field, getattr(config, field))
     if config.attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "

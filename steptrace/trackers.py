@@ -263,12 +263,14 @@ class _TrackerSink:
         self.rank = 0
         self.world_size = 1
         self.run_id = ""
+        self.step_offset = 0
         self._bound = False
 
     def bind(self, config: Any) -> None:
         """Called by ``steptrace.init()`` with the run's configuration, before the first record: opens
         the tracker (errors raise here, at setup, never in the loop)."""
         self.rank, self.world_size, self.run_id = config.rank, config.world_size, config.run_id
+        self.step_offset = int(getattr(config, "tracker_step_offset", 0) or 0)
         self._open(config)
         self._bound = True
 
@@ -286,6 +288,8 @@ class _TrackerSink:
         if not self._bound:
             raise RuntimeError(f"steptrace {self.name} sink used before steptrace.init() bound it")
         points = self._points(records)
+        if self.step_offset:
+            points = [point._replace(step=point.step + self.step_offset) for point in points]
         if points:
             self._write(points)
 

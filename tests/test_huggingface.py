@@ -51,12 +51,12 @@ class Sequences(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _train(tmp_path, callbacks):
+def _train(tmp_path, callbacks, report_to="none"):
     transformers.set_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=SEQ)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, seed=0, report_to="none", disable_tqdm=True,
+        output_dir=str(tmp_path / "out"), use_cpu=True, seed=0, report_to=report_to, disable_tqdm=True,
         per_device_train_batch_size=MICRO_BATCH, per_device_eval_batch_size=4,
         gradient_accumulation_steps=ACCUMULATE, max_steps=OPTIMIZER_STEPS, learning_rate=1e-2,
         logging_steps=1, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
@@ -164,3 +164,22 @@ def test_a_resumed_training_times_the_restore(tmp_path):
     assert len(steps) == OPTIMIZER_STEPS - 2  # resumed after global step 2
     assert steps[0]["before_step_breakdown"]["restore"] == pytest.approx(sum(sp["seconds"] for sp in restores),
                                                                          abs=1e-6)
+
+
+def test_with_the_trainer_reporting_to_mlflow_steptrace_writes_into_the_same_run(tmp_path, monkeypatch):
+    """The one line of docs/trackers.md: ``StepTrace(trackers="mlflow")`` beside ``report_to="mlflow"``.
+    The Trainer's MLflowCallback starts its run at train begin, before this callback (user callbacks come
+    after the reporting ones) starts steptrace: steptrace's keys go into that run, at the optimizer step."""
+    mlflow = pytest.importorskip("mlflow", reason="needs mlflow: pip install 'steptrace[mlflow]'")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    trainer, _ = _train(tmp_path, [hf_adapter.StepTrace(trackers="mlflow", run_dir=str(tmp_path / "runs"),
+                                                        run_id="hf-mlflow")], report_to="mlflow")
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs(experiment_ids=["0"])  # one run, not a second one for steptrace
+    assert "loss" in run.data.metrics and "steptrace/interval_seconds" in run.data.metrics
+    history = client.get_metric_history(run.info.run_id, "steptrace/interval_seconds")
+    assert sorted(m.step for m in history) == list(range(1, OPTIMIZER_STEPS + 1))
+    # The Trainer logs its loss at global_step: the same axis.
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "loss")} <= {m.step for m in history}

@@ -553,3 +553,19 @@ def warnings_caught():
 def test_a_bad_tracker_ranks_setting_fails_at_init(tmp_path):
     with pytest.raises(ValueError, match="tracker_ranks must be 'auto', 'all' or ranks"):
         steptrace.init(run_dir=str(tmp_path), trackers="tensorboard", tracker_ranks="rank0")
+
+
+def test_the_step_offset_moves_every_value_onto_the_frameworks_axis(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    sink = MlflowSink()
+    sink.bind(SimpleNamespace(rank=0, world_size=1, run_id="offset", run_dir=str(tmp_path), tensorboard_dir=None,
+                              tracker_step_offset=1))
+    sink.export(_late_records())
+    sink.shutdown(5)
+    history = MlflowClient().get_metric_history(sink.mlflow_run_id, "steptrace/interval_seconds")
+    assert {m.step: m.value for m in history} == pytest.approx({4: 0.3, 5: 0.4, 6: 0.5})
+    with pytest.raises(ValueError, match="tracker_step_offset must be an integer"):
+        steptrace.init(run_dir=str(tmp_path), tracker_step_offset=0.5)
