@@ -28,7 +28,8 @@ Each variant is a loop of ``--iters`` iterations of one "step" and nothing else:
                            the ``annotate=False`` rows turn it off to show its share.
 * ``host value, Memory, ...`` one feature at a time against ``steptrace host value, MemorySink``
                            (issue 35): the stall watch off, the stall watch and annotations off,
-                           one ``s.log(loss=0.5)`` per step, one empty ``steptrace.span("data")`` per step.
+                           one ``s.log(loss=0.5)`` per step, one empty ``steptrace.span("data")`` per step,
+                           deep capture armed with every trigger (issue 37; none fires).
 * ``OpenTelemetry span``   ``with tracer.start_as_current_span("train_step"): pass`` with the SDK
                            ``TracerProvider`` + ``BatchSpanProcessor`` and an exporter that discards
                            (``max_queue_size`` raised so no span is dropped).
@@ -283,6 +284,11 @@ class Bench:
     def loop_enabled_host_memory_span(self):
         return self._enabled(self.host_value, "memory", body="span")
 
+    def loop_enabled_host_memory_capture(self):
+        # Deep capture armed with every trigger (issue 37). The slow-step factor is set out of reach so
+        # no capture starts in a loop of microsecond steps: what is timed is the armed cost alone.
+        return self._enabled(self.host_value, "memory", capture="slow,stall,request", capture_slow_factor=1e9)
+
     def _otel_setup(self):
         if self._otel is None:
             from opentelemetry.sdk.trace import TracerProvider
@@ -347,6 +353,7 @@ VARIANTS = [
     ("host value, Memory, no stall watch, no annotate", "loop_enabled_host_memory_bare"),
     ("host value, Memory, + s.log(loss=0.5)", "loop_enabled_host_memory_log"),
     ("host value, Memory, + one span in the step", "loop_enabled_host_memory_span"),
+    ("host value, Memory, capture armed (slow,stall,request)", "loop_enabled_host_memory_capture"),
     ("OpenTelemetry SDK span (batch, discard)", "loop_otel"),
 ]
 FLOOR = "loop_floor"

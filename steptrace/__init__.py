@@ -49,6 +49,7 @@ __all__ = [
     "last_step",
     "log",
     "microbatch",
+    "request_capture",
     "restore",
     "shutdown",
     "span",
@@ -461,6 +462,18 @@ def last_step() -> int | None:
     """The number of the most recent step entered (open or closed), or None before the first one
     or when steptrace is not recording. Hooks use it to name the step a checkpoint saves."""
     return _active.last_step if isinstance(_active, Runtime) else None
+
+
+def request_capture(reason: str = "requested") -> bool:
+    """Take a profiler trace of the next steps (``capture_steps`` of them, from the next step boundary),
+    as the ``request`` trigger of deep capture does (docs/capture.md). Safe from any thread and from a
+    signal handler. False (and nothing armed) when capture is off (``init(capture=...)``) or steptrace
+    is not recording; a capture already armed or running covers this request."""
+    runtime = _active
+    if not isinstance(runtime, Runtime) or runtime.capture is None or "request" not in runtime.capture.triggers:
+        return False
+    runtime.capture.request(str(reason)[:200])
+    return True
 
 
 def config() -> Config | None:

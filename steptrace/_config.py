@@ -79,6 +79,17 @@ ENV_TRACKERS = "STEPTRACE_TRACKERS"
 ENV_TENSORBOARD_DIR = "STEPTRACE_TENSORBOARD_DIR"
 #: The trackers ``init(trackers=...)`` knows (steptrace.trackers), each with the extra that installs it.
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+#: Deep capture triggers, comma-separated: ``slow``, ``stall``, ``request`` (``off``: none). See steptrace/_capture.py.
+ENV_CAPTURE = "STEPTRACE_CAPTURE"
+ENV_CAPTURE_PROFILER = "STEPTRACE_CAPTURE_PROFILER"
+ENV_CAPTURE_STEPS = "STEPTRACE_CAPTURE_STEPS"
+ENV_CAPTURE_COOLDOWN_STEPS = "STEPTRACE_CAPTURE_COOLDOWN_STEPS"
+ENV_CAPTURE_MAX = "STEPTRACE_CAPTURE_MAX"
+ENV_CAPTURE_MAX_BYTES = "STEPTRACE_CAPTURE_MAX_BYTES"
+ENV_CAPTURE_SLOW_FACTOR = "STEPTRACE_CAPTURE_SLOW_FACTOR"
+ENV_CAPTURE_SLOW_MAD = "STEPTRACE_CAPTURE_SLOW_MAD"
+CAPTURE_TRIGGERS = ("slow", "stall", "request")
+CAPTURE_PROFILERS = ("auto", "torch", "jax")
 #: Added to the step number the trackers write at (the framework's own logging axis).
 ENV_TRACKER_STEP_OFFSET = "STEPTRACE_TRACKER_STEP_OFFSET"
 #: Which ranks write to the trackers: ``auto``, ``all`` or ranks (``0,7``).
@@ -166,6 +177,16 @@ class Config:
     # Added to steptrace's step number where a tracker writes it: the axis the framework's own logging
     # uses (HF Trainer logs at global_step after the update, steptrace's step n: 1; see docs/trackers.md).
     tracker_step_offset: int = 0
+    # Deep capture (steptrace/_capture.py, docs/capture.md): the triggers that arm a profiler trace.
+    capture: tuple[str, ...] = ()
+    capture_profiler: str = "auto"
+    capture_steps: int = 3
+    capture_cooldown_steps: int = 500
+    capture_max: int = 5
+    capture_max_bytes: int = 1 << 30
+    capture_window_steps: int = 100
+    capture_slow_factor: float = 2.0
+    capture_slow_mad: float = 6.0
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -315,6 +336,17 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
                                      None),
         trackers=_parse_trackers(_first(code.get("trackers"), env.get(ENV_TRACKERS) or None, ())),
         tensorboard_dir=_first(code.get("tensorboard_dir"), env.get(ENV_TENSORBOARD_DIR) or None),
+        capture=_parse_capture(_first(code.get("capture"), env.get(ENV_CAPTURE) or None, ())),
+        capture_profiler=str(_first(code.get("capture_profiler"), env.get(ENV_CAPTURE_PROFILER) or None,
+                                    "auto")).strip().lower(),
+        capture_steps=_first(code.get("capture_steps"), _env_int(ENV_CAPTURE_STEPS, env), 3),
+        capture_cooldown_steps=_first(code.get("capture_cooldown_steps"), _env_int(ENV_CAPTURE_COOLDOWN_STEPS, env),
+                                      500),
+        capture_max=_first(code.get("capture_max"), _env_int(ENV_CAPTURE_MAX, env), 5),
+        capture_max_bytes=_first(code.get("capture_max_bytes"), _env_int(ENV_CAPTURE_MAX_BYTES, env), 1 << 30),
+        capture_window_steps=_first(code.get("capture_window_steps"), 100),
+        capture_slow_factor=_first(code.get("capture_slow_factor"), _env_float(ENV_CAPTURE_SLOW_FACTOR, env), 2.0),
+        capture_slow_mad=_first(code.get("capture_slow_mad"), _env_float(ENV_CAPTURE_SLOW_MAD, env), 6.0),
         tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
         tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
                                                   "auto")),
@@ -457,6 +489,23 @@ def _parse_trackers(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _parse_capture(value: Any) -> tuple[str, ...]:
+    """``"slow,stall"`` / a list / ``"off"`` -> the capture triggers, each once."""
+    if isinstance(value, str):
+        names = [part.strip().lower() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        names = [v.strip().lower() for v in value]
+    else:
+        raise ValueError(f"capture must be a comma-separated string or a list of triggers, got {value!r}")
+    if names in (["off"], ["none"]):
+        return ()
+    for name in names:
+        if name not in CAPTURE_TRIGGERS:
+            raise ValueError(f"capture: unknown trigger {name!r} (set by init(capture=...) or {ENV_CAPTURE}); "
+                             f"known: {', '.join(CAPTURE_TRIGGERS)}, or 'off'")
+    return tuple(dict.fromkeys(names))
+
+
 def _parse_tracker_ranks(value: Any) -> str:
     """``auto``, ``all``, or ranks as ``"0,7"`` / ``[0, 7]`` -> the canonical text."""
     if isinstance(value, (list, tuple)):
@@ -488,8 +537,21 @@ def _validate(config: Config) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{field} must be an integer, got {value!r}")
 
-    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt", "jsonl_max_bytes", "tracker_step_offset"):
+    for field in ("rank", "world_size", "local_rank", "max_queue", "attempt", "jsonl_max_bytes", "tracker_step_offset",
+                  "capture_steps", "capture_cooldown_steps", "capture_max", "capture_max_bytes",
+                  "capture_window_steps"):
         need_int(field, getattr(config, field))
+    for field, low in (("capture_steps", 1), ("capture_cooldown_steps", 0), ("capture_max", 0),
+                       ("capture_max_bytes", 0), ("capture_window_steps", 20)):
+        if getattr(config, field) < low:
+            raise ValueError(f"{field} must be >= {low}, got {getattr(config, field)}")
+    if config.capture_profiler not in CAPTURE_PROFILERS:
+        raise ValueError(f"capture_profiler must be one of {', '.join(CAPTURE_PROFILERS)}, got "
+                         f"{config.capture_profiler!r} (set by init(capture_profiler=...) or {ENV_CAPTURE_PROFILER})")
+    for field, least in (("capture_slow_factor", 1.0), ("capture_slow_mad", 0.0)):
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
+            raise ValueError(f"{field} must be a number >= {least:g}, got {value!r}")
     if config.attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "
                          f"{'/'.join(LAUNCHER_ATTEMPT_VARIABLES)})")

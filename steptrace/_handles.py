@@ -89,6 +89,8 @@ class HandleRuntime(Protocol):
     @property
     def annotate(self) -> Callable[[int], Any] | None: ...  # a framework's per-step annotation, if any
     @property
+    def capture(self) -> Any: ...  # the deep capture (steptrace._capture.Capture), or None
+    @property
     def backends(self) -> Backends: ...
     @property
     def resolver(self) -> _Submits: ...
@@ -156,6 +158,9 @@ class StepHandle(TimedUnit):
             rt.misuse(f"step({self.step}) entered while step({rt.current.step}) is still open; "
                       "steps cannot nest: close the outer step first")
             return self
+        capture = rt.capture
+        if capture is not None and (capture.pending is not None or capture.active is not None):
+            capture.boundary(self.step)  # a profiler starts or stops between steps, never inside one
         rt.current = self
         if rt.annotate is not None:
             self._annotation = rt.annotate(self.step)

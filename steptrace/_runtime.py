@@ -87,6 +87,30 @@ class Runtime:
                                           unix_offset=resolver.unix_offset, factor=config.stall_factor,
                                           min_s=config.stall_min_s)
             resolver.on_step_interval = self.stall_watch.step_finalized
+        #: Deep capture (steptrace/_capture.py): armed by a trigger, run at step boundaries.
+        self.capture: Any = None
+        if config.capture:
+            from steptrace._capture import Capture
+
+            self.capture = Capture(
+                directory=os.path.join(config.run_dir, config.run_id, "captures", f"rank-{config.rank}"),
+                triggers=config.capture, profiler=config.capture_profiler, steps=config.capture_steps,
+                cooldown_steps=config.capture_cooldown_steps, max_captures=config.capture_max,
+                max_bytes=config.capture_max_bytes, window_steps=config.capture_window_steps,
+                slow_factor=config.capture_slow_factor, slow_mad=config.capture_slow_mad,
+                emit=resolver.emit_now, build=resolver.records, unix_offset=resolver.unix_offset,
+                span=lambda name, start, end: self.close_span(name, start, end, {}))
+            resolver.on_step_finalized = self.capture.step_finalized
+            if self.stall_watch is not None and "stall" in config.capture:
+                watch_emit, capture = self.stall_watch._emit, self.capture
+
+                def emit_and_arm(records: list[dict[str, Any]]) -> None:
+                    watch_emit(records)
+                    for record in records:
+                        if record.get("type") == "stall":
+                            capture.stalled(record["step"], record["open_seconds"])
+
+                self.stall_watch._emit = emit_and_arm
 
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
@@ -550,6 +574,8 @@ class Runtime:
         self.active = False
         if self.stall_watch is not None:
             self.stall_watch.close()
+        if self.capture is not None and self.current is None:
+            self.capture.close(self.last_step)  # a trace still running covers the steps up to here
         self.backends.framework_teardown(self)
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
@@ -557,6 +583,8 @@ class Runtime:
             loops.release(step.loop)
             step.loop = None
             step.__exit__(RuntimeError, RuntimeError("steptrace.shutdown() inside the step"), None)
+            if self.capture is not None:
+                self.capture.close(self.last_step)
         for ckpt in list(self.pending_async):
             ckpt.status = "incomplete"
             ckpt._submit()

@@ -22,7 +22,8 @@ from steptrace._attribution import collective_wait_placement, own_seconds
 from steptrace._ids import trace_id_hex
 
 
-RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "stall", "stall_end", "run")
+RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "stall", "stall_end", "capture",
+                "run")
 
 # -- drop reasons: records that never reached a sink, counted (stats()["dropped"], the run
 # record, steptrace_dropped_records_total, steptrace.dropped_records) ------------------------
@@ -245,6 +246,24 @@ class StallEndRecord(_Common):
     lasted_seconds: float
 
 
+class CaptureRecord(_Common):
+    """A deep capture (steptrace/_capture.py): a profiler trace taken, or why not."""
+
+    status: str  # ok, failed, skipped
+    trigger: str  # slow, stall, request
+    trigger_step: int | None
+    reason: str
+    first_step: int | None
+    last_step: int | None
+    path: str | None
+    profiler: str | None
+    bytes: int
+    start_time: float
+    end_time: float
+    skipped_because: NotRequired[str]
+    error: NotRequired[str]
+
+
 class RunRecord(_Common):
     world_size: int
     steps: int
@@ -438,6 +457,6 @@ def fields_of(record_type: str) -> Iterable[str]:
     """Every field a record of ``record_type`` can have (for docs and tests)."""
     cls = {"attempt": AttemptRecord, "metadata": MetadataRecord, "stall": StallRecord,
            "stall_end": StallEndRecord, "step": StepRecord, "microbatch": MicrobatchRecord,
-           "checkpoint": CheckpointRecord,
+           "checkpoint": CheckpointRecord, "capture": CaptureRecord,
            "span": SpanRecord, "run": RunRecord}[record_type]
     return tuple(cls.__annotations__)

@@ -1,5 +1,6 @@
 """Every record written matches the schema module, and the docs name every drop reason."""
 
+import sys
 import time
 import typing
 from pathlib import Path
@@ -15,7 +16,7 @@ def _check(record):
     cls = {"metadata": _schema.MetadataRecord, "step": _schema.StepRecord, "microbatch": _schema.MicrobatchRecord,
            "checkpoint": _schema.CheckpointRecord, "span": _schema.SpanRecord, "run": _schema.RunRecord,
            "attempt": _schema.AttemptRecord, "stall": _schema.StallRecord,
-           "stall_end": _schema.StallEndRecord}[record["type"]]
+           "stall_end": _schema.StallEndRecord, "capture": _schema.CaptureRecord}[record["type"]]
     hints = typing.get_type_hints(cls, include_extras=True)
     optional = {k for k, v in hints.items() if typing.get_origin(v) is typing.NotRequired}
     assert set(record) <= set(hints), set(record) - set(hints)
@@ -24,7 +25,10 @@ def _check(record):
 
 def test_every_record_type_matches_its_typed_definition():
     device = SimulatedDevice()
-    with capture(backend=device, stall_min_s=0.2, stall_factor=2.0) as sink:
+    # A capture that finds no profiler still writes its record (skipped, and why).
+    with capture(backend=device, stall_min_s=0.2, stall_factor=2.0, capture="request",
+                 capture_profiler="jax" if "jax" in sys.modules else "torch") as sink:
+        steptrace.request_capture()
         for n in range(4):
             with steptrace.step(n, tokens=100, flops=1e9) as s:
                 with steptrace.span("data"):

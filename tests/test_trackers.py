@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -321,15 +322,25 @@ import os, sys, time
 import torch, torch.distributed as dist
 import steptrace
 dist.init_process_group("gloo")
-steptrace.init(run_dir=sys.argv[1], run_id="ddp", backend="host", trackers="tensorboard,mlflow")
+steptrace.init(run_dir=sys.argv[1], run_id=sys.argv[2], backend="host", trackers=sys.argv[3])
 rank = dist.get_rank()
-for n in range(6):
+for n in range(int(sys.argv[4])):
     with steptrace.step(n):
-        time.sleep(0.01 * (1 + rank))
+        time.sleep(0.01 * (1 + rank) + (float(sys.argv[5]) if rank == 1 else 0.0))
         dist.all_reduce(torch.ones(1))
 steptrace.shutdown()
 dist.destroy_process_group()
 """
+
+
+def _torchrun(tmp_path, run_id, trackers, steps=6, slow_s=0.0, env=None):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path), run_id, trackers, str(steps), str(slow_s)],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_two_gloo_ranks_under_torchrun_each_write_their_own_numbers(tmp_path, monkeypatch):
@@ -337,15 +348,10 @@ def test_two_gloo_ranks_under_torchrun_each_write_their_own_numbers(tmp_path, mo
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     pytest.importorskip("torch.distributed")
-    script = tmp_path / "train.py"
-    script.write_text(TORCHRUN_SCRIPT)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    _torchrun(tmp_path, "ddp", "tensorboard,mlflow")
     tb_dirs = sorted(os.listdir(tmp_path / "ddp" / "tensorboard"))
     assert tb_dirs == ["rank_0", "rank_1"]
     client = MlflowClient()
@@ -569,3 +575,41 @@ def test_the_step_offset_moves_every_value_onto_the_frameworks_axis(tmp_path, mo
     assert {m.step: m.value for m in history} == pytest.approx({4: 0.3, 5: 0.4, 6: 0.5})
     with pytest.raises(ValueError, match="tracker_step_offset must be an integer"):
         steptrace.init(run_dir=str(tmp_path), tracker_step_offset=0.5)
+
+
+def test_two_gloo_ranks_under_torchrun_in_aggregate_mode_show_the_job_and_its_straggler(tmp_path):
+    """The ranks export OTLP to a real collector with --trackers tensorboard; no rank writes a tracker of its
+    own. Rank 1 spends 60 ms more per step on its own; rank 0 waits for it in the all-reduce."""
+    pytest.importorskip("torch.distributed")
+    pytest.importorskip("opentelemetry.exporter.otlp", reason="the ranks export OTLP: steptrace[otlp]")
+    from steptrace.collector import Collector, CollectorConfig
+    from steptrace.trackers import cluster_tracker_points
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from collector_helpers import read_records
+
+    collector = Collector(CollectorConfig(port=0, metrics_port=0, world_size=2, window_s=60.0,
+                                          run_dir=str(tmp_path / "collector"), trackers=("tensorboard",))).start()
+    try:
+        _torchrun(tmp_path, "agg", "", steps=14, slow_s=0.06,
+                  env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "STEPTRACE_OTLP_BATCH_DELAY_S": "0.1"})
+    finally:
+        collector.close()
+    assert not (tmp_path / "agg" / "tensorboard").exists()  # no per-rank writer
+    joined = [r for r in read_records(tmp_path / "collector" / "agg" / "cluster.jsonl")
+              if r.get("type") == "cluster_step"]
+    assert sorted(r["step"] for r in joined) == list(range(14)) and all(r["complete"] for r in joined)
+    reader = EventAccumulator(str(tmp_path / "collector" / "agg" / "tensorboard" / "cluster"))
+    reader.Reload()
+    expected: dict[str, dict[int, float]] = {}
+    for point in cluster_tracker_points(joined):
+        for key, value in point.values.items():
+            expected.setdefault("steptrace/" + key, {})[point.step] = value
+    assert set(reader.Tags()["scalars"]) == set(expected)
+    for tag, by_step in expected.items():
+        assert {e.step: e.value for e in reader.Scalars(tag)} == pytest.approx(by_step, rel=1e-6), tag
+    named = {e.step: e.value for e in reader.Scalars("steptrace/cluster/straggler_rank")}
+    steady = list(range(2, 14))
+    assert sum(named.get(step) == 1.0 for step in steady) >= 0.9 * len(steady), named
+    costs = [e.value for e in reader.Scalars("steptrace/cluster/straggler_cost_seconds")]
+    assert statistics.median(costs) == pytest.approx(0.07, rel=0.4)  # 60 ms more, and 10 ms less of rank 0's own

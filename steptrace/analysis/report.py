@@ -336,6 +336,31 @@ def _attempts_table(job: dict, rank: int):
     return table
 
 
+def capture_lines(run: Any) -> list[dict]:
+    """Every rank's deep captures (``capture`` records, docs/capture.md), in time order, each with the
+    one line the report prints (``sentence``)."""
+    out = []
+    for rank, records in sorted(run.records_by_rank.items()):
+        for record in records:
+            if record.get("type") != "capture":
+                continue
+            reason = str(record.get("reason") or record.get("trigger") or "capture")
+            if record.get("status") == "ok":
+                first, last = record.get("first_step"), record.get("last_step")
+                steps = f"step {first}" if first == last else f"steps {first}–{last}"
+                sentence = (f"rank {rank}: {reason}: {record.get('profiler')} trace at {record.get('path')} "
+                            f"({steps}, {int(record.get('bytes') or 0) / 2**20:.1f} MiB)")
+            elif record.get("status") == "skipped":
+                sentence = f"rank {rank}: {reason}: no trace ({record.get('skipped_because')})"
+            else:
+                sentence = f"rank {rank}: {reason}: the trace failed ({record.get('error')})"
+            out.append({"rank": rank, **{k: record.get(k) for k in (
+                "status", "trigger", "trigger_step", "first_step", "last_step", "path", "profiler", "bytes",
+                "start_time")}, "sentence": sentence})
+    out.sort(key=lambda c: (c["start_time"] or 0.0, c["rank"]))
+    return out
+
+
 def _stall_panel(view: dict):
     from rich.panel import Panel
 
@@ -562,6 +587,8 @@ def render_report(
         stalls = job_view(run)
         if stalls is not None:
             console.print(_stall_panel(stalls))
+        for line in capture_lines(run):
+            console.print(f"[bold]Capture[/] {markup(line['sentence'])}")
     elif rank is not None:
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
@@ -688,6 +715,8 @@ def run_report(args: argparse.Namespace) -> int:
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
             # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
             "stalls": job_view(run) if run.ranks else None,
+            # deep captures (docs/capture.md): the profiler traces taken, or why not
+            "captures": capture_lines(run) if run.ranks else [],
             # every second of the job across attempts and ranks (docs/goodput.md), with the shown
             # rank's attempts; null without rank files
             "job": ({**{k: v for k, v in job.items() if k != "ranks"}, "ranks": len(job["ranks"]),

@@ -1,0 +1,355 @@
+"""Deep capture: a profiler trace of the steps after something went wrong, taken without anyone watching.
+
+A trigger *arms* a capture; the training thread starts the profiler at the next step boundary (the
+start of the next step, never inside one) and stops it at the boundary ``capture_steps`` steps later
+(or at shutdown). Triggers:
+
+* ``slow``: a finalized step whose interval is above both ``capture_slow_factor`` × the run's median
+  and the median + ``capture_slow_mad`` robust standard deviations (1.4826 × MAD) over the last
+  ``capture_window_steps`` steps (ml-goodput-measurement's ideal step time uses median + 3·MAD; a
+  capture wants fewer false alarms). Judged on the resolver thread as steps are finalized; needs
+  ``MIN_STEPS`` steps first (the first ones compile).
+* ``stall``: the stall watch saw the rank stop moving. A profiler cannot start inside a hang (the
+  training thread is stuck), so the ``stall`` record's stacks are the hang's evidence, and the
+  capture covers the steps once the rank moves again.
+* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler).
+
+At most one capture at a time; then ``capture_cooldown_steps`` steps without one; at most
+``capture_max`` per run and ``capture_max_bytes`` of trace files. A profiler that is already running
+(the user's own) is detected and left alone: the capture is skipped and says so. Every capture, taken
+or not, is a ``capture`` record (``status``: ``ok``, ``failed``, ``skipped``; ``reason``), and a
+failure is never raised into the training loop.
+
+Profilers: ``torch.profiler`` (CPU, and CUDA where available; a Chrome trace, ``trace.json``) or
+``jax.profiler`` (an XProf trace under ``plugins/profile/``, and a Perfetto trace
+``perfetto_trace.json.gz``). Both hold steptrace's step annotations (``annotate=True``), so the
+trace's steps carry the recorded step numbers.
+
+A leaf-level module: the runtime hands it what it needs as callables.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("steptrace")
+_perf = time.perf_counter
+
+#: Steps finalized before the slow-step trigger judges any (the first steps compile).
+MIN_STEPS = 20
+#: Robust standard deviation from the median absolute deviation (normal consistency constant).
+MAD_TO_SIGMA = 1.4826
+PROFILERS = ("auto", "torch", "jax")
+TRIGGERS = ("slow", "stall", "request")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+#: The slow-step threshold is recomputed every this many steps (a median and a MAD of the window each
+#: time; in between a step costs one comparison on the resolver thread).
+RECOMPUTE_EVERY = 10
+
+
+class SlowStepRule:
+    """Is a finalized step's interval anomalous against the run's own recent steps?"""
+
+    def __init__(self, window_steps: int, factor: float, mad_k: float, min_steps: int = MIN_STEPS):
+        self._window: collections.deque[float] = collections.deque(maxlen=window_steps)
+        self.factor = factor
+        self.mad_k = mad_k
+        self.min_steps = min_steps
+        self._median = 0.0
+        self._threshold: float | None = None
+        self._since = 0
+
+    def _recompute(self) -> None:
+        values = list(self._window)
+        median = _median(values)
+        spread = MAD_TO_SIGMA * _median([abs(v - median) for v in values])
+        self._median = median
+        self._threshold = max(self.factor * median, median + self.mad_k * spread) if median > 0 else None
+        self._since = 0
+
+    def judge(self, interval: float) -> tuple[float, float] | None:
+        """``(ratio to the median, threshold)`` when ``interval`` is anomalous, else None; the interval
+        then joins the window (an anomaly too: a run that settles at a slower pace stops triggering)."""
+        if len(self._window) >= self.min_steps and (self._threshold is None or self._since >= RECOMPUTE_EVERY):
+            self._recompute()
+        threshold = self._threshold
+        verdict = None
+        if threshold is not None and interval > threshold:
+            verdict = (interval / self._median, threshold)
+        self._window.append(interval)
+        self._since += 1
+        return verdict
+
+
+class _Profiler:
+    """One running profiler: ``start()``, then ``stop()`` -> the path written."""
+
+    name = "none"
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    @staticmethod
+    def busy() -> bool:
+        return False
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> str:
+        raise NotImplementedError
+
+
+class _TorchProfiler(_Profiler):
+    name = "torch"
+
+    @staticmethod
+    def busy() -> bool:
+        import torch
+
+        return bool(torch.autograd._profiler_enabled())  # the C++ profiler's state: any torch profiler
+
+    def start(self) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.start()
+
+    def stop(self) -> str:
+        self._profile.stop()
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, "trace.json")
+        self._profile.export_chrome_trace(path)
+        return path
+
+
+class _JaxProfiler(_Profiler):
+    name = "jax"
+
+    def start(self) -> None:
+        import jax
+
+        os.makedirs(self.directory, exist_ok=True)
+        # jax.profiler raises if a trace is already running (the user's): that is the busy check.
+        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+
+    def stop(self) -> str:
+        import jax
+
+        jax.profiler.stop_trace()
+        return self.directory
+
+
+def directory_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+class Capture:
+    """The capture state of one runtime. ``pending`` and ``active`` are read by the training thread at
+    every step boundary (two attribute reads); everything else happens only when one is set."""
+
+    def __init__(self, *, directory: str, triggers: tuple[str, ...], profiler: str, steps: int,
+                 cooldown_steps: int, max_captures: int, max_bytes: int, window_steps: int, slow_factor: float,
+                 slow_mad: float, emit: Callable[[list[dict[str, Any]]], None], build: Any,
+                 unix_offset: float, span: Callable[[str, float, float], None] | None = None):
+        self.directory = directory
+        self.triggers = frozenset(triggers)
+        self.profiler_name = profiler
+        self.steps = steps
+        self.cooldown_steps = cooldown_steps
+        self.max_captures = max_captures
+        self.max_bytes = max_bytes
+        self._emit = emit
+        self._build = build
+        self._unix = unix_offset
+        self._span = span
+        self._rule = SlowStepRule(window_steps, slow_factor, slow_mad) if "slow" in triggers else None
+        self._lock = threading.Lock()
+        #: Set by a trigger: (trigger, step it fired at, reason). Read by the training thread.
+        self.pending: tuple[str, int | None, str] | None = None
+        #: The running capture, or None.
+        self.active: dict[str, Any] | None = None
+        self.taken = 0
+        self.bytes = 0
+        self._cooldown_until: int | None = None  # first step that may start a capture again
+        self.failures = 0
+        #: (first, last) steps the slow-step rule skips: a running capture's (last None) or the last one's.
+        self._ignored: tuple[int | None, int | None] = (None, None)
+
+    # -- triggers (any thread) ----------------------------------------------------------------
+    def _arm(self, trigger: str, step: int | None, reason: str) -> None:
+        with self._lock:
+            if self.pending is not None or self.active is not None:
+                return  # one at a time: the running (or armed) capture covers this too
+            self.pending = (trigger, step, reason)
+
+    def step_finalized(self, step: int, interval: float) -> None:
+        """The resolver, for each finalized ok step. Steps a capture profiled, and the one whose interval
+        holds the trace's write, are neither judged nor counted: a capture never triggers the next."""
+        if self._rule is None:
+            return
+        low, high = self._ignored
+        if low is not None and step >= low and (high is None or step <= high):
+            return
+        verdict = self._rule.judge(interval)
+        if verdict is not None:
+            ratio, threshold = verdict
+            self._arm("slow", step, f"step {step} took {interval * 1e3:.1f} ms, {ratio:.1f}x the run's median "
+                                    f"(threshold {threshold * 1e3:.1f} ms)")
+
+    def stalled(self, step: int, open_seconds: float) -> None:
+        """The stall watch, once per stall."""
+        if "stall" in self.triggers:
+            self._arm("stall", step, f"the rank stalled at step {step} for {open_seconds:.0f} s (the stall "
+                                     "record holds its stacks); the capture covers the steps once it moved again")
+
+    def request(self, reason: str = "requested") -> None:
+        """``steptrace.request_capture()``."""
+        self._arm("request", None, reason)
+
+    # -- the training thread, at a step boundary -------------------------------------------------
+    def boundary(self, next_step: int) -> None:
+        """Called before step ``next_step`` starts when ``pending`` or ``active`` is set."""
+        active = self.active
+        if active is not None:
+            if next_step >= active["first_step"] + self.steps:
+                self._finish(active, next_step - 1)
+            return
+        pending = self.pending
+        if pending is None:
+            return
+        self._start(pending, next_step)
+
+    def _record(self, **fields: Any) -> None:
+        record = {"type": "capture", "run_id": self._build.run_id, "rank": self._build.rank,
+                  "attempt": self._build.attempt, **fields}
+        try:
+            self._emit([record])
+        except Exception:
+            log.debug("steptrace capture: the record could not be emitted", exc_info=True)
+
+    def _skip(self, pending: tuple[str, int | None, str], step: int, why: str) -> None:
+        trigger, fired, reason = pending
+        with self._lock:
+            self.pending = None
+        self._record(status="skipped", trigger=trigger, trigger_step=fired, reason=reason, skipped_because=why,
+                     first_step=None, last_step=None, path=None, profiler=None, bytes=0,
+                     start_time=time.time(), end_time=time.time())
+
+    def _profiler(self, directory: str) -> _Profiler | None:
+        name = self.profiler_name
+        import sys
+
+        if name == "auto":
+            name = "torch" if "torch" in sys.modules else "jax" if "jax" in sys.modules else ""
+        if name == "torch":
+            return _TorchProfiler(directory)
+        if name == "jax":
+            return _JaxProfiler(directory)
+        return None
+
+    def _start(self, pending: tuple[str, int | None, str], step: int) -> None:
+        if self._cooldown_until is not None and step < self._cooldown_until:
+            with self._lock:
+                self.pending = None  # in the cooldown: dropped silently would hide it, so say it
+            trigger, fired, reason = pending
+            self._record(status="skipped", trigger=trigger, trigger_step=fired, reason=reason,
+                         skipped_because=f"cooldown until step {self._cooldown_until}", first_step=None,
+                         last_step=None, path=None, profiler=None, bytes=0, start_time=time.time(),
+                         end_time=time.time())
+            return
+        if self.taken >= self.max_captures:
+            self._skip(pending, step, f"capture_max ({self.max_captures}) reached")
+            return
+        if self.bytes >= self.max_bytes:
+            self._skip(pending, step, f"capture_max_bytes ({self.max_bytes}) reached")
+            return
+        directory = os.path.join(self.directory, f"step-{step}")
+        profiler = self._profiler(directory)
+        if profiler is None:
+            self._skip(pending, step, "no profiler: neither torch nor jax is imported (capture_profiler)")
+            return
+        try:
+            if profiler.busy():
+                self._skip(pending, step, f"a {profiler.name} profiler is already running (yours): left alone")
+                return
+            profiler.start()
+        except Exception as exc:
+            busy = "already" in str(exc).lower() or "only one" in str(exc).lower()
+            self._skip(pending, step, (f"a {profiler.name} trace is already running (yours): left alone" if busy
+                                       else f"the profiler did not start: {type(exc).__name__}: {exc}"))
+            if not busy:
+                self.failures += 1
+            return
+        with self._lock:
+            self.pending = None
+            self._ignored = (step, None)
+            self.active = {"trigger": pending[0], "trigger_step": pending[1], "reason": pending[2],
+                           "first_step": step, "profiler": profiler, "start": time.time()}
+        self.taken += 1
+
+    def _finish(self, active: dict[str, Any], last_step: int | None) -> None:
+        profiler: _Profiler = active["profiler"]
+        start = _perf()
+        status, path, size, error = "ok", None, 0, None
+        try:
+            path = profiler.stop()
+            size = directory_bytes(path)
+        except Exception as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            self.failures += 1
+            shutil.rmtree(profiler.directory, ignore_errors=True)
+        end = _perf()
+        if self._span is not None:
+            try:
+                self._span("capture", start, end)  # the trace's write is idle time of its own, named
+            except Exception:
+                pass
+        self.bytes += size
+        with self._lock:
+            self.active = None
+            # The next step's interval holds the write (its idle "capture"): skipped by the rule too.
+            self._ignored = (active["first_step"], (last_step if last_step is not None else active["first_step"]) + 1)
+        self._cooldown_until = (last_step if last_step is not None else active["first_step"]) + 1 + \
+            self.cooldown_steps
+        fields = {"status": status, "trigger": active["trigger"], "trigger_step": active["trigger_step"],
+                  "reason": active["reason"], "first_step": active["first_step"], "last_step": last_step,
+                  "path": path, "profiler": profiler.name, "bytes": size, "start_time": active["start"],
+                  "end_time": time.time()}
+        if error is not None:
+            fields["error"] = error
+        self._record(**fields)
+
+    def close(self, last_step: int | None) -> None:
+        """At shutdown: stop a running capture (it covered the steps up to ``last_step``); an armed one
+        that never started is recorded as skipped."""
+        active = self.active
+        if active is not None:
+            self._finish(active, max(active["first_step"], last_step if last_step is not None else -1))
+        elif self.pending is not None:
+            self._skip(self.pending, -1, "the run ended before the next step")

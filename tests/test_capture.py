@@ -1,0 +1,261 @@
+"""Deep capture (issue 37, steptrace/_capture.py): a profiler trace of the steps after a slow step, a stall
+or a request, taken at a step boundary, with the real torch.profiler and jax.profiler on CPU.
+
+The rules of the profilers relied on, and enforced here by using the real ones:
+
+* torch.profiler: ``profile.start()`` / ``stop()``; ``export_chrome_trace`` writes Chrome trace JSON
+  (``traceEvents``); ``record_function`` ranges (steptrace's step annotations, ``annotate=True``)
+  appear as events named as the range. A profiler already running sets
+  ``torch.autograd.profiler._is_profiler_enabled``.
+* jax.profiler: ``start_trace(dir, create_perfetto_trace=True)`` / ``stop_trace()`` write an XProf
+  trace under ``dir/plugins/profile/<run>/`` and ``perfetto_trace.json.gz``; a second
+  ``start_trace`` while one runs raises ("Only one profile may be run at a time").
+  ``StepTraceAnnotation`` steps appear with their ``step_num``.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import steptrace
+from steptrace._capture import SlowStepRule
+from steptrace.testing import MemorySink
+
+
+def _loop(n_steps: int, slow: dict[int, float], base_s: float = 0.004, work=None, sink=None):
+    for n in range(n_steps):
+        with steptrace.step(n):
+            if work is not None:
+                work()
+            time.sleep(slow.get(n, base_s))
+
+
+def test_the_slow_step_rule_needs_a_clear_outlier_against_the_runs_own_noise():
+    rule = SlowStepRule(100, factor=2.0, mad_k=6.0, min_steps=20)
+    import random
+
+    rnd = random.Random(0)
+    verdicts = [rule.judge(0.1 * (1 + 0.2 * rnd.random())) for _ in range(500)]  # 20 % noise, never 2x
+    assert not any(verdicts)
+    ratio, threshold = rule.judge(0.35)
+    assert ratio == pytest.approx(0.35 / 0.11, rel=0.1) and threshold == pytest.approx(0.22, rel=0.1)
+    assert SlowStepRule(100, 2.0, 6.0, min_steps=20).judge(10.0) is None  # nothing before the window fills
+
+
+def test_a_slow_step_triggers_exactly_one_torch_capture_of_the_next_steps(tmp_path):
+    torch = pytest.importorskip("torch")
+    sink = MemorySink()
+    # backend "auto": torch's step annotations (record_function while a profiler runs) are on.
+    steptrace.init(run_dir=str(tmp_path), run_id="slow", backend="auto", sinks=[sink], capture="slow",
+                   capture_profiler="torch", capture_steps=3)
+    try:
+        x = torch.ones(64, 64)
+        _loop(60, {30: 0.05}, work=lambda: x @ x)  # step 30 is ~10x the others
+        steptrace.flush()
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["status"] == "ok" and capture["trigger"] == "slow" and capture["trigger_step"] == 30
+    assert "step 30 took" in capture["reason"] and capture["profiler"] == "torch"
+    first = capture["first_step"]
+    # The first boundary after the resolver finalized step 30 (it polls at its own pace, the 5 ms steps run
+    # ahead): a few steps later, never inside a step.
+    assert 31 <= first <= 45
+    assert capture["last_step"] == first + 2
+    trace = json.loads(Path(capture["path"]).read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    # steptrace's own step annotations, in the trace, with the recorded step numbers.
+    assert {f"steptrace.step.{n}" for n in range(first, first + 3)} <= names, sorted(map(str, names))[:40]
+    assert f"steptrace.step.{first + 3}" not in names and f"steptrace.step.{first - 1}" not in names
+    assert capture["bytes"] == Path(capture["path"]).stat().st_size > 0
+    # The trace's write is named in the next step's idle time, not hidden in "other".
+    after = {s["step"]: s for s in sink.steps()}[first + 3]
+    assert after["idle_breakdown"].get("capture", 0) > 0
+
+
+def test_a_healthy_run_captures_nothing_and_slow_steps_in_a_row_capture_once_per_cooldown(tmp_path):
+    pytest.importorskip("torch")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="healthy", backend="host", sinks=[sink], jsonl=False,
+                   capture="slow", capture_profiler="torch", capture_steps=2, capture_cooldown_steps=30,
+                   capture_max=2)
+    try:
+        _loop(500, {}, base_s=0.01)
+        steptrace.flush()
+        assert sink.of_type("capture") == [], sink.of_type("capture")  # 500 steps of ordinary noise: nothing
+        for n in range(500, 560):  # 60 slow steps in a row (5x)
+            with steptrace.step(n):
+                time.sleep(0.05)
+        steptrace.flush()
+    finally:
+        steptrace.shutdown()
+    captures = sink.of_type("capture")
+    taken = [c for c in captures if c["status"] == "ok"]
+    # The window adapts: once the slow pace is the median it is no longer an anomaly.
+    assert 1 <= len(taken) <= 2, captures
+    assert all(c["status"] in ("ok", "skipped") for c in captures)
+    for earlier, later in zip(taken, taken[1:]):
+        assert later["first_step"] >= earlier["last_step"] + 1 + 30  # the cooldown
+
+
+def test_the_count_and_disk_budgets_hold_and_say_so(tmp_path):
+    pytest.importorskip("torch")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="budget", backend="host", sinks=[sink], jsonl=False,
+                   capture="request", capture_profiler="torch", capture_steps=1, capture_cooldown_steps=0,
+                   capture_max=2)
+    try:
+        for n in range(12):
+            if n % 3 == 0:
+                assert steptrace.request_capture(f"asked at {n}")
+            with steptrace.step(n):
+                time.sleep(0.001)
+    finally:
+        steptrace.shutdown()
+    captures = sink.of_type("capture")
+    assert [c["status"] for c in captures] == ["ok", "ok", "skipped", "skipped"]
+    assert all("capture_max (2)" in c["skipped_because"] for c in captures[2:])
+    assert [c["first_step"] for c in captures[:2]] == [0, 3] and captures[0]["reason"] == "asked at 0"
+
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="bytes", backend="host", sinks=[sink], jsonl=False,
+                   capture="request", capture_profiler="torch", capture_steps=1, capture_cooldown_steps=0,
+                   capture_max_bytes=1)  # the first trace is over budget: no second one
+    try:
+        for n in range(6):
+            if n % 3 == 0:
+                steptrace.request_capture()
+            with steptrace.step(n):
+                pass
+    finally:
+        steptrace.shutdown()
+    assert [c["status"] for c in sink.of_type("capture")] == ["ok", "skipped"]
+    assert "capture_max_bytes" in sink.of_type("capture")[1]["skipped_because"]
+
+
+def test_the_users_own_torch_profiler_is_left_alone(tmp_path):
+    torch = pytest.importorskip("torch")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="users", backend="host", sinks=[sink], jsonl=False,
+                   capture="request", capture_profiler="torch", capture_steps=1)
+    try:
+        with torch.profiler.profile() as users:
+            steptrace.request_capture()
+            for n in range(3):
+                with steptrace.step(n):
+                    torch.ones(8).sum()
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["status"] == "skipped" and "already running (yours)" in capture["skipped_because"]
+    assert users.events()  # the user's profile is intact
+
+
+def test_a_jax_capture_holds_the_steps_with_their_numbers(tmp_path):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="jax", sinks=[sink], jsonl=False, capture="request",
+                   capture_profiler="jax", capture_steps=2)
+    f = jax.jit(lambda x: (x @ x).sum())
+    x = jnp.ones((128, 128))
+    try:
+        for n in range(6):
+            if n == 2:
+                steptrace.request_capture()
+            with steptrace.step(n) as s:
+                s.wait_for(f(x))
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["status"] == "ok" and (capture["first_step"], capture["last_step"]) == (2, 3)
+    assert glob.glob(str(Path(capture["path"]) / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    (perfetto,) = glob.glob(str(Path(capture["path"]) / "**" / "perfetto_trace.json.gz"), recursive=True)
+    events = json.loads(gzip.decompress(Path(perfetto).read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps = {e.get("args", {}).get("step_num") for e in events if isinstance(e, dict) and e.get("args")}
+    assert {"2", "3"} <= {str(s) for s in steps if s is not None}, sorted(str(s) for s in steps)[:20]
+
+
+def test_a_stall_arms_a_capture_of_the_steps_once_the_rank_moves_again(tmp_path):
+    pytest.importorskip("torch")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="stall", backend="host", sinks=[sink], jsonl=False,
+                   capture="stall", capture_profiler="torch", capture_steps=2, stall_min_s=0.2, stall_factor=1.0)
+    try:
+        for n in range(8):
+            with steptrace.step(n):
+                time.sleep(1.0 if n == 4 else 0.005)
+        steptrace.flush()
+    finally:
+        steptrace.shutdown()
+    (stall,) = sink.of_type("stall")
+    (capture,) = sink.of_type("capture")
+    assert stall["step"] == 4 and capture["trigger"] == "stall" and capture["trigger_step"] == 4
+    assert capture["status"] == "ok" and capture["first_step"] == 5  # the next boundary after the hang
+
+
+def test_request_capture_is_false_when_capture_is_off_and_safe_from_another_thread(tmp_path):
+    steptrace.init(run_dir=str(tmp_path), run_id="off", backend="host", jsonl=False, sinks=[MemorySink()])
+    try:
+        assert steptrace.request_capture() is False
+    finally:
+        steptrace.shutdown()
+    assert steptrace.request_capture() is False  # not initialised
+    pytest.importorskip("torch")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="thread", backend="host", jsonl=False, sinks=[sink],
+                   capture="request", capture_profiler="torch", capture_steps=1)
+    try:
+        with steptrace.step(0):
+            t = threading.Thread(target=steptrace.request_capture, args=("from a thread",))
+            t.start()
+            t.join()
+        for n in range(1, 3):
+            with steptrace.step(n):
+                pass
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["first_step"] == 1 and capture["reason"] == "from a thread"  # not inside step 0
+
+
+def test_bad_capture_settings_fail_at_init(tmp_path):
+    with pytest.raises(ValueError, match="capture: unknown trigger 'loss'"):
+        steptrace.init(run_dir=str(tmp_path), capture="slow,loss")
+    with pytest.raises(ValueError, match="capture_profiler must be one of auto, torch, jax"):
+        steptrace.init(run_dir=str(tmp_path), capture="slow", capture_profiler="nsys")
+    with pytest.raises(ValueError, match="capture_steps must be >= 1"):
+        steptrace.init(run_dir=str(tmp_path), capture="slow", capture_steps=0)
+
+
+def test_the_report_says_which_step_was_slow_and_where_its_trace_is(tmp_path):
+    pytest.importorskip("torch")
+    steptrace.init(run_dir=str(tmp_path), run_id="report", backend="auto", capture="slow", capture_profiler="torch",
+                   capture_steps=2)
+    try:
+        _loop(40, {25: 0.08})
+    finally:
+        steptrace.shutdown()
+    out = subprocess.run([sys.executable, "-m", "steptrace", "report", str(tmp_path / "report"), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (capture,) = json.loads(out.stdout)["captures"]
+    assert capture["status"] == "ok" and capture["trigger_step"] == 25
+    assert capture["sentence"].startswith("rank 0: step 25 took ") and f"torch trace at {capture['path']}" in \
+        capture["sentence"]
+    assert Path(capture["path"]).is_relative_to(tmp_path / "report" / "captures" / "rank-0")
+    text = subprocess.run([sys.executable, "-m", "steptrace", "report", str(tmp_path / "report")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"})
+    assert "Capture rank 0: step 25 took" in " ".join(text.stdout.split())
