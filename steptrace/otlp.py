@@ -190,7 +190,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 
 #: The record types the sink turns into spans or metrics; the others (metadata, attempt, run) it skips.
-_EXPORTED_TYPES = frozenset(("step", "span", "microbatch", "checkpoint", "stall", "stall_end"))
+_EXPORTED_TYPES = frozenset(("step", "span", "microbatch", "checkpoint", "stall", "stall_end", "capture"))
 
 
 class OtlpExportError(RuntimeError):
@@ -648,6 +648,8 @@ class OtlpSink:
             spans = [self._microbatch_span(record)] if every and record["step"] % every == 0 else []
         elif kind == "checkpoint":
             spans = [self._checkpoint_span(record)]
+        elif kind == "capture":
+            spans = [self._capture_span(record)]
         else:  # "stall", "stall_end": export() passes only _EXPORTED_TYPES
             spans = [self._stall_span(record)]
         # Metrics after the spans: a record that fails above leaves no half-recorded metrics.
@@ -952,6 +954,24 @@ class OtlpSink:
                           span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]),
                           attrs, error)
 
+
+    def _capture_span(self, r: dict[str, Any]) -> ReadableSpan:
+        """A deep capture (docs/capture.md) on the trace of the step that fired it (else its first
+        step), with the trace file's path: a trace viewer links the slow step to its profile."""
+        n = r.get("trigger_step")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            n = r.get("first_step")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError("a capture record names no step")
+        attrs = self._attrs(n)
+        for field in ("status", "trigger", "trigger_step", "reason", "first_step", "last_step", "path", "profiler",
+                      "bytes", "skipped_because", "error"):
+            _put(attrs, f"train.capture.{field}", r.get(field))
+        run, rank, attempt = self.run_id, self.rank, self.attempt
+        return self._span("train.capture", trace_id(run, n, attempt),
+                          span_id(run, n, rank, f"capture/{round(r['start_time'] * 1e6)}", attempt),
+                          span_id(run, n, rank, "step", attempt), _ns(r["start_time"]), _ns(r["end_time"]), attrs,
+                          "capture failed" if r.get("status") == "failed" else None)
 
     def _stall_span(self, r: dict[str, Any]) -> ReadableSpan:
         """A stall (or its end) on the stalled step's trace: where the training thread was, as text."""

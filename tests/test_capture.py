@@ -259,3 +259,27 @@ def test_the_report_says_which_step_was_slow_and_where_its_trace_is(tmp_path):
     text = subprocess.run([sys.executable, "-m", "steptrace", "report", str(tmp_path / "report")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"})
     assert "Capture rank 0: step 25 took" in " ".join(text.stdout.split())
+
+
+def test_the_otlp_trace_of_the_slow_step_links_its_capture(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("opentelemetry.exporter.otlp", reason="needs steptrace[otlp]")
+    from otlp_receiver import OtlpHttpReceiver
+    from steptrace import _ids
+
+    with OtlpHttpReceiver() as receiver:
+        steptrace.init(run_dir=str(tmp_path), run_id="otlp", backend="auto", jsonl=False, sinks=[MemorySink()],
+                       capture="slow", capture_profiler="torch", capture_steps=2, otlp_endpoint=receiver.url,
+                       otlp_metrics_interval_s=0.2)
+        try:
+            _loop(40, {25: 0.08})
+        finally:
+            assert steptrace.shutdown(timeout_s=10)
+        spans = receiver.spans()
+    (capture,) = [s for s in spans if s.name == "train.capture"]
+    (step,) = [s for s in spans if s.name == "train.step" and s.attributes["train.step"] == 25]
+    assert capture.trace_id == step.trace_id == _ids.trace_id("otlp", 25)
+    assert capture.parent_span_id == step.span_id
+    assert capture.attributes["train.capture.status"] == "ok"
+    assert capture.attributes["train.capture.path"].endswith("trace.json")
+    assert capture.attributes["train.capture.first_step"] > 25
