@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client.exposition import MetricsHandler
 
 from steptrace._attribution import STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS
-from steptrace._config import TRACKERS
+from steptrace._config import TRACKERS, parse_names
 from steptrace.collector._auth import ANY_RUN, Grant, Tokens, read_token_file
 from steptrace.collector._decode import (
     DEFAULT_MAX_STEP,
@@ -163,12 +163,8 @@ class CollectorConfig:
             raise ValueError("token must be a non-empty string (or None for no authentication)")
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a directory path, got {self.run_dir!r}")
-        if isinstance(self.trackers, str):  # "tensorboard,mlflow", as --trackers gives it
-            object.__setattr__(self, "trackers",
-                               tuple(t.strip().lower() for t in self.trackers.split(",") if t.strip()))
-        for name in self.trackers:
-            if name not in TRACKERS:
-                raise ValueError(f"trackers: unknown tracker {name!r}; known: {', '.join(TRACKERS)}")
+        # "tensorboard,mlflow" as --trackers gives it, or a list of names.
+        object.__setattr__(self, "trackers", parse_names(self.trackers, "trackers", tuple(TRACKERS), "--trackers"))
 
     def tokens(self) -> Tokens | None:
         """The accepted tokens (``token`` and ``token_file``'s lines), or None when anyone may send."""

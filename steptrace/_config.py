@@ -16,7 +16,7 @@ import warnings
 import secrets
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from ._errors import SteptraceWarning
 from ._ids import run_id_problem
@@ -474,36 +474,32 @@ def _parse_headers(value: Any) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"otlp_headers must be a dict, (key, value) pairs or 'k=v,k2=v2', got {value!r}") from None
 
 
-def _parse_trackers(value: Any) -> tuple[str, ...]:
-    """``"tensorboard,mlflow"`` or a list of names -> the names, in order, each once."""
+def parse_names(value: Any, field: str, known: Sequence[str], env_name: str, *, off: bool = False) -> tuple[str, ...]:
+    """``"a,b"`` or a list of names -> the names, lower-cased, in order, each once; an unknown one is a
+    ``ValueError`` naming ``field``, ``env_name`` and the known names. With ``off``, ``"off"`` / ``"none"``
+    alone mean none."""
     if isinstance(value, str):
         names = [part.strip().lower() for part in value.split(",") if part.strip()]
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         names = [v.strip().lower() for v in value]
     else:
-        raise ValueError(f"trackers must be a comma-separated string or a list of names, got {value!r}")
+        raise ValueError(f"{field} must be a comma-separated string or a list of names, got {value!r}")
+    if off and names in (["off"], ["none"]):
+        return ()
     for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"trackers: unknown tracker {name!r} (set by init(trackers=...) or {ENV_TRACKERS}); "
-                             f"known: {', '.join(TRACKERS)}")
+        if name not in known:
+            raise ValueError(f"{field}: unknown {'trigger' if field == 'capture' else 'tracker'} {name!r} (set by "
+                             f"init({field}=...) or {env_name}); known: {', '.join(known)}"
+                             f"{', or off' if off else ''}")
     return tuple(dict.fromkeys(names))
+
+
+def _parse_trackers(value: Any) -> tuple[str, ...]:
+    return parse_names(value, "trackers", tuple(TRACKERS), ENV_TRACKERS)
 
 
 def _parse_capture(value: Any) -> tuple[str, ...]:
-    """``"slow,stall"`` / a list / ``"off"`` -> the capture triggers, each once."""
-    if isinstance(value, str):
-        names = [part.strip().lower() for part in value.split(",") if part.strip()]
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        names = [v.strip().lower() for v in value]
-    else:
-        raise ValueError(f"capture must be a comma-separated string or a list of triggers, got {value!r}")
-    if names in (["off"], ["none"]):
-        return ()
-    for name in names:
-        if name not in CAPTURE_TRIGGERS:
-            raise ValueError(f"capture: unknown trigger {name!r} (set by init(capture=...) or {ENV_CAPTURE}); "
-                             f"known: {', '.join(CAPTURE_TRIGGERS)}, or 'off'")
-    return tuple(dict.fromkeys(names))
+    return parse_names(value, "capture", CAPTURE_TRIGGERS, ENV_CAPTURE, off=True)
 
 
 def _parse_tracker_ranks(value: Any) -> str:
