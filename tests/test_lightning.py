@@ -206,3 +206,40 @@ def test_a_fit_resumed_from_a_checkpoint_times_the_restore(tmp_path):
     assert steps and steps[0]["before_step_breakdown"]["restore"] == pytest.approx(
         sum(sp["seconds"] for sp in restores), abs=1e-6)
     assert lightning_adapter.installed() == []
+
+
+def test_with_lightnings_mlflow_logger_steptrace_writes_into_its_run_on_its_step_axis(tmp_path, monkeypatch):
+    """docs/trackers.md: ``StepTrace(sinks=[MlflowSink(run_id=logger.run_id)])`` beside ``MLFlowLogger``.
+    With gradient accumulation Lightning logs a training-step metric at the optimizer steps taken
+    before it (0, 1, 2, 3 here), which is steptrace's ``n = global_step`` at the step's start: no
+    offset (the HF Trainer needs 1)."""
+    pytest.importorskip("mlflow", reason="needs mlflow: pip install 'steptrace[mlflow]'")
+    from mlflow.tracking import MlflowClient
+
+    from steptrace.trackers import MlflowSink
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    logger = pl.loggers.MLFlowLogger(experiment_name="pl", tracking_uri=uri)
+
+    class Logged(type(_tiny_regression(pl))):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss, on_step=True)
+            return loss
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, accumulate_grad_batches=ACCUMULATE,
+                         limit_val_batches=0, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                         callbacks=[lightning_adapter.StepTrace(
+                             jsonl=False, run_id="pl-mlflow",
+                             sinks=[MlflowSink(run_id=logger.run_id, tracking_uri=uri)])])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(Logged(), _loader(1))
+    client = MlflowClient(tracking_uri=uri)
+    ours = {m.step for m in client.get_metric_history(logger.run_id, "steptrace/interval_seconds")}
+    theirs = {m.step for m in client.get_metric_history(logger.run_id, "train_loss")}
+    assert ours == set(range(OPTIMIZER_STEPS))
+    assert theirs == ours
