@@ -13,6 +13,8 @@ start of the next step, never inside one) and stops it at the boundary ``capture
   training thread is stuck), so the ``stall`` record's stacks are the hang's evidence, and the
   capture covers the steps once the rank moves again.
 * ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler).
+* ``spike``: a logged scalar (``s.log(loss=...)``; ``capture_spike_scalar``) above the median +
+  ``capture_slow_mad`` robust standard deviations of its last values, or not finite (NaN, inf).
 
 At most one capture at a time; then ``capture_cooldown_steps`` steps without one; at most
 ``capture_max`` per run and ``capture_max_bytes`` of trace files. A profiler that is already running
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import shutil
 import threading
@@ -46,7 +49,7 @@ MIN_STEPS = 20
 #: Robust standard deviation from the median absolute deviation (normal consistency constant).
 MAD_TO_SIGMA = 1.4826
 PROFILERS = ("auto", "torch", "jax")
-TRIGGERS = ("slow", "stall", "request")
+TRIGGERS = ("slow", "stall", "request", "spike")
 
 
 def _median(values: list[float]) -> float:
@@ -176,7 +179,8 @@ class Capture:
     def __init__(self, *, directory: str, triggers: tuple[str, ...], profiler: str, steps: int,
                  cooldown_steps: int, max_captures: int, max_bytes: int, window_steps: int, slow_factor: float,
                  slow_mad: float, emit: Callable[[list[dict[str, Any]]], None], build: Any,
-                 unix_offset: float, span: Callable[[str, float, float], None] | None = None):
+                 unix_offset: float, span: Callable[[str, float, float], None] | None = None,
+                 spike_scalar: str = "loss"):
         self.directory = directory
         self.triggers = frozenset(triggers)
         self.profiler_name = profiler
@@ -189,6 +193,10 @@ class Capture:
         self._unix = unix_offset
         self._span = span
         self._rule = SlowStepRule(window_steps, slow_factor, slow_mad) if "slow" in triggers else None
+        #: The scalar (``s.log(name=...)``) whose spikes trigger ``spike``: above the median + ``slow_mad``
+        #: robust sigmas of its last values, or not finite.
+        self.spike_scalar = spike_scalar
+        self._spike = SlowStepRule(window_steps, 1.0, slow_mad) if "spike" in triggers else None
         self._lock = threading.Lock()
         #: Set by a trigger: (trigger, step it fired at, reason). Read by the training thread.
         self.pending: tuple[str, int | None, str] | None = None
@@ -198,6 +206,10 @@ class Capture:
         self.bytes = 0
         self._cooldown_until: int | None = None  # first step that may start a capture again
         self.failures = 0
+        #: Triggers that took no trace and were not recorded (the cooldown, a budget already said spent),
+        #: since the last capture record: its ``triggers_skipped``.
+        self.triggers_skipped = 0
+        self._said: set[str] = set()
         #: (first, last) steps the slow-step rule skips: a running capture's (last None) or the last one's.
         self._ignored: tuple[int | None, int | None] = (None, None)
 
@@ -208,14 +220,27 @@ class Capture:
                 return  # one at a time: the running (or armed) capture covers this too
             self.pending = (trigger, step, reason)
 
-    def step_finalized(self, step: int, interval: float) -> None:
-        """The resolver, for each finalized ok step. Steps a capture profiled, and the one whose interval
-        holds the trace's write, are neither judged nor counted: a capture never triggers the next."""
+    def step_finalized(self, record: dict[str, Any]) -> None:
+        """The resolver, for each finalized ok step's record. Steps a capture profiled, and the one whose
+        interval holds the trace's write, are not judged slow: a capture never triggers the next."""
+        step = record["step"]
+        if self._spike is not None:
+            value = (record.get("scalars") or {}).get(self.spike_scalar)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if not math.isfinite(value):
+                    self._arm("spike", step, f"{self.spike_scalar} was {value} at step {step}")
+                else:
+                    verdict = self._spike.judge(float(value))
+                    if verdict is not None:
+                        self._arm("spike", step, f"{self.spike_scalar} spiked to {value:.4g} at step {step} "
+                                                 f"(threshold {verdict[1]:.4g}, the last steps' median + "
+                                                 f"{self._spike.mad_k:g} robust sigmas)")
         if self._rule is None:
             return
         low, high = self._ignored
         if low is not None and step >= low and (high is None or step <= high):
             return
+        interval = record["interval_seconds"]
         verdict = self._rule.judge(interval)
         if verdict is not None:
             ratio, threshold = verdict
@@ -247,16 +272,25 @@ class Capture:
 
     def _record(self, **fields: Any) -> None:
         record = {"type": "capture", "run_id": self._build.run_id, "rank": self._build.rank,
-                  "attempt": self._build.attempt, **fields}
+                  "attempt": self._build.attempt, **fields, "triggers_skipped": self.triggers_skipped}
+        self.triggers_skipped = 0
         try:
             self._emit([record])
         except Exception:
             log.debug("steptrace capture: the record could not be emitted", exc_info=True)
 
-    def _skip(self, pending: tuple[str, int | None, str], step: int, why: str) -> None:
+    def _skip(self, pending: tuple[str, int | None, str], step: int, why: str, kind: str | None = None) -> None:
+        """A trigger that takes no trace. Said in a ``skipped`` record, except where it would repeat: in
+        the cooldown (counted in the next record's ``triggers_skipped``) and for a budget already said
+        to be spent (``kind``: said once)."""
         trigger, fired, reason = pending
         with self._lock:
             self.pending = None
+        if kind == "cooldown" or (kind is not None and kind in self._said):
+            self.triggers_skipped += 1
+            return
+        if kind is not None:
+            self._said.add(kind)
         self._record(status="skipped", trigger=trigger, trigger_step=fired, reason=reason, skipped_because=why,
                      first_step=None, last_step=None, path=None, profiler=None, bytes=0,
                      start_time=time.time(), end_time=time.time())
@@ -275,30 +309,28 @@ class Capture:
 
     def _start(self, pending: tuple[str, int | None, str], step: int) -> None:
         if self._cooldown_until is not None and step < self._cooldown_until:
-            with self._lock:
-                self.pending = None  # in the cooldown: dropped silently would hide it, so say it
-            trigger, fired, reason = pending
-            self._record(status="skipped", trigger=trigger, trigger_step=fired, reason=reason,
-                         skipped_because=f"cooldown until step {self._cooldown_until}", first_step=None,
-                         last_step=None, path=None, profiler=None, bytes=0, start_time=time.time(),
-                         end_time=time.time())
+            self._skip(pending, step, "cooldown", kind="cooldown")
             return
         if self.taken >= self.max_captures:
-            self._skip(pending, step, f"capture_max ({self.max_captures}) reached")
+            self._skip(pending, step, f"capture_max ({self.max_captures}) reached", kind="max")
             return
         if self.bytes >= self.max_bytes:
-            self._skip(pending, step, f"capture_max_bytes ({self.max_bytes}) reached")
+            self._skip(pending, step, f"capture_max_bytes ({self.max_bytes}) reached", kind="bytes")
             return
         directory = os.path.join(self.directory, f"step-{step}")
         profiler = self._profiler(directory)
         if profiler is None:
             self._skip(pending, step, "no profiler: neither torch nor jax is imported (capture_profiler)")
             return
+        started = _perf()
         try:
             if profiler.busy():
                 self._skip(pending, step, f"a {profiler.name} profiler is already running (yours): left alone")
                 return
             profiler.start()
+            if self._span is not None:
+                # Starting a profiler can take seconds (Kineto's first start): idle time of its own, named.
+                self._span("capture", started, _perf())
         except Exception as exc:
             busy = "already" in str(exc).lower() or "only one" in str(exc).lower()
             self._skip(pending, step, (f"a {profiler.name} trace is already running (yours): left alone" if busy

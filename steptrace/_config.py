@@ -88,7 +88,8 @@ ENV_CAPTURE_MAX = "STEPTRACE_CAPTURE_MAX"
 ENV_CAPTURE_MAX_BYTES = "STEPTRACE_CAPTURE_MAX_BYTES"
 ENV_CAPTURE_SLOW_FACTOR = "STEPTRACE_CAPTURE_SLOW_FACTOR"
 ENV_CAPTURE_SLOW_MAD = "STEPTRACE_CAPTURE_SLOW_MAD"
-CAPTURE_TRIGGERS = ("slow", "stall", "request")
+CAPTURE_TRIGGERS = ("slow", "stall", "request", "spike")
+ENV_CAPTURE_SPIKE_SCALAR = "STEPTRACE_CAPTURE_SPIKE_SCALAR"
 CAPTURE_PROFILERS = ("auto", "torch", "jax")
 #: Added to the step number the trackers write at (the framework's own logging axis).
 ENV_TRACKER_STEP_OFFSET = "STEPTRACE_TRACKER_STEP_OFFSET"
@@ -187,6 +188,7 @@ class Config:
     capture_window_steps: int = 100
     capture_slow_factor: float = 2.0
     capture_slow_mad: float = 6.0
+    capture_spike_scalar: str = "loss"  # the s.log scalar whose spikes the "spike" trigger watches
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -347,6 +349,8 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         capture_window_steps=_first(code.get("capture_window_steps"), 100),
         capture_slow_factor=_first(code.get("capture_slow_factor"), _env_float(ENV_CAPTURE_SLOW_FACTOR, env), 2.0),
         capture_slow_mad=_first(code.get("capture_slow_mad"), _env_float(ENV_CAPTURE_SLOW_MAD, env), 6.0),
+        capture_spike_scalar=str(_first(code.get("capture_spike_scalar"), env.get(ENV_CAPTURE_SPIKE_SCALAR) or None,
+                                        "loss")),
         tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
         tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
                                                   "auto")),

@@ -125,7 +125,7 @@ class Resolver:
         self._emit_lock = threading.Lock()
         #: Told each finalized step's interval (the stall watch's pace), when one runs.
         self.on_step_interval: Any = None
-        #: Told each finalized ok step's number and interval (the capture's slow-step trigger), when one runs.
+        #: Told each finalized ok step's record (the capture's slow-step and spike triggers), when one runs.
         self.on_step_finalized: Any = None
         self._wake = Wakeup()
         self._sleeping = False
@@ -620,11 +620,6 @@ class Resolver:
         self._prev_end = timing.end
         if self.on_step_interval is not None:
             self.on_step_interval(timing.interval_seconds)
-        if self.on_step_finalized is not None and step.status == "ok":
-            try:
-                self.on_step_finalized(step.step, timing.interval_seconds)
-            except Exception:
-                log.debug("steptrace: the capture trigger failed", exc_info=True)
         self._step_ends[step.step] = timing.end
         if len(self._step_ends) > _STEP_ENDS_KEPT:
             self._step_ends.popitem(last=False)
@@ -637,6 +632,11 @@ class Resolver:
         if before is not None:
             self.records.add_before_steps(record, before)
         records.append(record)
+        if self.on_step_finalized is not None and step.status == "ok":
+            try:
+                self.on_step_finalized(record)
+            except Exception:
+                log.debug("steptrace: the capture trigger failed", exc_info=True)
         return records
 
     @staticmethod

@@ -99,7 +99,8 @@ class Runtime:
                 max_bytes=config.capture_max_bytes, window_steps=config.capture_window_steps,
                 slow_factor=config.capture_slow_factor, slow_mad=config.capture_slow_mad,
                 emit=resolver.emit_now, build=resolver.records, unix_offset=resolver.unix_offset,
-                span=lambda name, start, end: self.close_span(name, start, end, {}))
+                span=lambda name, start, end: self.close_span(name, start, end, {}),
+                spike_scalar=config.capture_spike_scalar)
             resolver.on_step_finalized = self.capture.step_finalized
             if self.stall_watch is not None and "stall" in config.capture:
                 watch_emit, capture = self.stall_watch._emit, self.capture

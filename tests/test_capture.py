@@ -60,7 +60,7 @@ def test_a_slow_step_triggers_exactly_one_torch_capture_of_the_next_steps(tmp_pa
                    capture_profiler="torch", capture_steps=3)
     try:
         x = torch.ones(64, 64)
-        _loop(60, {30: 0.05}, work=lambda: x @ x)  # step 30 is ~10x the others
+        _loop(60, {30: 0.2}, base_s=0.02, work=lambda: x @ x)  # step 30 is 10x the others
         steptrace.flush()
     finally:
         steptrace.shutdown()
@@ -68,9 +68,9 @@ def test_a_slow_step_triggers_exactly_one_torch_capture_of_the_next_steps(tmp_pa
     assert capture["status"] == "ok" and capture["trigger"] == "slow" and capture["trigger_step"] == 30
     assert "step 30 took" in capture["reason"] and capture["profiler"] == "torch"
     first = capture["first_step"]
-    # The first boundary after the resolver finalized step 30 (it polls at its own pace, the 5 ms steps run
-    # ahead): a few steps later, never inside a step.
-    assert 31 <= first <= 45
+    # The first boundary after the resolver finalized step 30 (it polls at its own pace while the loop
+    # runs ahead): a step or two later, never inside a step.
+    assert 31 <= first <= 40
     assert capture["last_step"] == first + 2
     trace = json.loads(Path(capture["path"]).read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
@@ -90,12 +90,14 @@ def test_a_healthy_run_captures_nothing_and_slow_steps_in_a_row_capture_once_per
                    capture="slow", capture_profiler="torch", capture_steps=2, capture_cooldown_steps=30,
                    capture_max=2)
     try:
-        _loop(500, {}, base_s=0.01)
+        # 500 steps of 20 ms: this VM's ordinary noise (a few ms, now and then 10 ms more when it is busy)
+        # stays below both bars (2x the median and the median + 6 robust sigmas); nothing is captured.
+        _loop(500, {}, base_s=0.02)
         steptrace.flush()
-        assert sink.of_type("capture") == [], sink.of_type("capture")  # 500 steps of ordinary noise: nothing
+        assert sink.of_type("capture") == [], sink.of_type("capture")
         for n in range(500, 560):  # 60 slow steps in a row (5x)
             with steptrace.step(n):
-                time.sleep(0.05)
+                time.sleep(0.1)
         steptrace.flush()
     finally:
         steptrace.shutdown()
@@ -103,7 +105,9 @@ def test_a_healthy_run_captures_nothing_and_slow_steps_in_a_row_capture_once_per
     taken = [c for c in captures if c["status"] == "ok"]
     # The window adapts: once the slow pace is the median it is no longer an anomaly.
     assert 1 <= len(taken) <= 2, captures
-    assert all(c["status"] in ("ok", "skipped") for c in captures)
+    assert all(c["status"] == "ok" for c in captures)  # the cooldown's refusals are counted, not recorded
+    if len(taken) == 2:
+        assert taken[1]["triggers_skipped"] >= 1
     for earlier, later in zip(taken, taken[1:]):
         assert later["first_step"] >= earlier["last_step"] + 1 + 30  # the cooldown
 
@@ -123,8 +127,8 @@ def test_the_count_and_disk_budgets_hold_and_say_so(tmp_path):
     finally:
         steptrace.shutdown()
     captures = sink.of_type("capture")
-    assert [c["status"] for c in captures] == ["ok", "ok", "skipped", "skipped"]
-    assert all("capture_max (2)" in c["skipped_because"] for c in captures[2:])
+    assert [c["status"] for c in captures] == ["ok", "ok", "skipped"]  # a spent budget is said once
+    assert "capture_max (2)" in captures[2]["skipped_because"]
     assert [c["first_step"] for c in captures[:2]] == [0, 3] and captures[0]["reason"] == "asked at 0"
 
     sink = MemorySink()
@@ -283,3 +287,30 @@ def test_the_otlp_trace_of_the_slow_step_links_its_capture(tmp_path):
     assert capture.attributes["train.capture.status"] == "ok"
     assert capture.attributes["train.capture.path"].endswith("trace.json")
     assert capture.attributes["train.capture.first_step"] > 25
+
+
+def test_a_loss_spike_or_a_nan_triggers_a_capture(tmp_path):
+    pytest.importorskip("torch")
+    import random
+
+    rnd = random.Random(0)
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="spike", backend="host", sinks=[sink], jsonl=False,
+                   capture="spike", capture_profiler="torch", capture_steps=1, capture_cooldown_steps=5)
+    try:
+        for n in range(80):
+            loss = 2.0 - 0.005 * n + 0.02 * rnd.random()  # a slowly falling, noisy loss
+            if n == 40:
+                loss = 9.0
+            if n == 60:
+                loss = float("nan")
+            with steptrace.step(n) as s:
+                s.log(loss=loss)
+            time.sleep(0.002)
+    finally:
+        steptrace.shutdown()
+    captures = [c for c in sink.of_type("capture") if c["status"] == "ok"]
+    assert [(c["trigger"], c["trigger_step"]) for c in captures] == [("spike", 40), ("spike", 60)], \
+        sink.of_type("capture")
+    assert captures[0]["reason"].startswith("loss spiked to 9 at step 40")
+    assert captures[1]["reason"] == "loss was nan at step 60"
