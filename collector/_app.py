@@ -42,6 +42,7 @@ from steptrace.collector._http import ByteBudget
 from steptrace.collector._metrics import ClusterMetrics, served_registry
 from steptrace.collector._stalls import StallBoard
 from steptrace.collector._runlog import ClusterLog, JournalError
+from steptrace.collector._captures import CaptureRequests
 from steptrace.collector._trackers import ClusterTrackers, require_trackers
 
 __all__ = ["ENV_TOKEN", "Collector", "CollectorConfig"]
@@ -232,6 +233,9 @@ class Collector:
                               max_journal_bytes=config.max_journal_bytes, open_spans=self.joiner.open_spans)
         #: The ranks' stalls, per run: which rank is the cause of a hang (cluster_stall records).
         self.stalls = StallBoard(max_runs=config.max_runs)
+        #: Capture requests for the ranks a new straggler verdict names (GET /v1/steptrace/capture).
+        self.captures = CaptureRequests(max_runs=config.max_runs)
+        self.metrics.on_verdict = self.captures.verdict
         #: Each run's joined steps in the trackers (--trackers), written off the join.
         self.trackers: ClusterTrackers | None = None
         if config.trackers:

@@ -60,6 +60,7 @@ server carries on.
 from __future__ import annotations
 
 import errno
+import json
 import io
 import logging
 import socket
@@ -68,7 +69,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from steptrace.collector._auth import Tokens, authorized_grant
 from steptrace.collector._decode import (
@@ -91,6 +92,8 @@ log = logging.getLogger("steptrace.collector")
 refusal_log = RateLimitedLog(log, 10.0)
 
 _PATHS = {"/v1/traces": "traces", "/v1/metrics": "metrics"}
+#: The ranks' capture requests (collector/_captures.py): GET only.
+CAPTURE_PATH = "/v1/steptrace/capture"
 _DRAIN_SMALL = 1 << 20  # a refused body this small is read before answering, and the connection kept
 _DRAIN_LIMIT = 64 << 20  # a larger one is read (after answering) up to this, then the connection closed
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
@@ -526,6 +529,9 @@ class _Handler(DeadlineHandler):
         body_read = False
         grant = None
         try:
+            if urlsplit(self.path).path == CAPTURE_PATH:
+                self._capture_request(post)
+                return
             signal = _PATHS.get(urlsplit(self.path).path)
             if signal is None:
                 raise Rejected(404, "not_found", f"no such path: {self.path[:200]!r} (POST /v1/traces or /v1/metrics)")
@@ -570,6 +576,29 @@ class _Handler(DeadlineHandler):
             server.collector.metrics.reject("internal")
             payload, content_type = encode_error(media, 500, "internal error")
             self._reply(500, payload, content_type, close=True)
+
+    def _capture_request(self, post: bool) -> None:
+        """``GET /v1/steptrace/capture?run_id=<run>&rank=<r>``: this rank's pending capture request (the
+        collector's straggler verdict, collector/_captures.py), once. Same bearer token and run scope
+        as the rank's OTLP export; no body is read."""
+        server = self.server
+        if post:
+            raise Rejected(405, "method_not_allowed", f"{self.command} {CAPTURE_PATH}: use GET")
+        grant = authorized_grant(server.tokens, self.headers.get("Authorization"))
+        if grant is None:
+            raise Rejected(401, "unauthorized", "missing or wrong bearer token")
+        query = parse_qs(urlsplit(self.path).query, max_num_fields=4)
+        run_id = (query.get("run_id") or [""])[0]
+        rank_text = (query.get("rank") or [""])[0]
+        if not run_id or len(run_id) > 256 or not rank_text.isdigit() or len(rank_text) > 9:
+            raise Rejected(400, "malformed", f"{CAPTURE_PATH} needs run_id=<run> and rank=<integer>")
+        if not grant.allows(run_id):
+            raise Rejected(403, "forbidden", "this token may not read that run")
+        self._hold()  # answered from here: the connection is not taken back between the take and the reply
+        request = server.collector.captures.take(run_id, int(rank_text))
+        payload = json.dumps({"capture": request is not None, **(request or {})}).encode()
+        self._progressed()
+        self._reply(200, payload, "application/json")
 
     def _content_length(self) -> int:
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():

@@ -107,6 +107,9 @@ class ClusterMetrics:
         self._max_runs = max_runs
         self._lock = threading.Lock()
         self._runs: collections.OrderedDict[str, _RunState] = collections.OrderedDict()
+        #: Told (run_id, culprit, reference rank or None, step, detail) when a run's straggler verdict
+        #: changes to a rank (the capture requests, collector/_captures.py).
+        self.on_verdict: Callable[[str, int, int | None, int, str], None] | None = None
         self.registry = reg = CollectorRegistry()
         run = ("run_id",)
 
@@ -316,7 +319,7 @@ class ClusterMetrics:
         state.scores.add(own)
         state.persistence.add(None if named is None else Straggler(
             named, r.get("straggler_excess_seconds") or 0.0, cost, r.get("straggler_threshold_seconds") or 0.0))
-        self._persistent(run_id, state)
+        self._persistent(run_id, state, step)
         # Only the lowest scores of each kind get a series (a bounded top-k, not one per rank); a
         # rank that leaves them loses its series.
         scores = state.scores.scores()
@@ -362,10 +365,19 @@ class ClusterMetrics:
         for stage, ratio in stages.items():
             self.bubble.labels(run_id, stage).set(ratio)
 
-    def _persistent(self, run_id: str, state: _RunState) -> None:
+    def _persistent(self, run_id: str, state: _RunState, step: int) -> None:
         """The run's straggler series: the persistent rank's, no other (at most three series a run)."""
         found = state.persistence.persistent()
         rank = None if found is None else str(found.rank)
+        if found is not None and rank != state.persistent and self.on_verdict is not None:
+            means = state.scores.means()
+            others = sorted((seconds, r) for r, seconds in means.items() if r != found.rank)
+            reference = others[(len(others) - 1) // 2][1] if others else None
+            cost = "" if found.cost_median_seconds is None else \
+                f", median cost {found.cost_median_seconds * 1e3:.0f} ms"
+            self.on_verdict(run_id, found.rank, reference, step,
+                            f"named in {found.share_of_steps * 100:.0f} % of its last {found.complete_steps} "
+                            f"complete steps{cost}")
         if state.persistent is not None and state.persistent != rank:
             for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
                 try:

@@ -13,6 +13,9 @@ start of the next step, never inside one) and stops it at the boundary ``capture
   training thread is stuck), so the ``stall`` record's stacks are the hang's evidence, and the
   capture covers the steps once the rank moves again.
 * ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler).
+* ``straggler``: the collector named this rank the run's straggler, or the reference rank to compare
+  it with (``collector/_captures.py``). A daemon thread asks the collector every ``capture_poll_s``
+  (``GET /v1/steptrace/capture``, the OTLP endpoint and headers); a failed poll is counted, never raised.
 * ``spike``: a logged scalar (``s.log(loss=...)``; ``capture_spike_scalar``) above the median +
   ``capture_slow_mad`` robust standard deviations of its last values, or not finite (NaN, inf).
 
@@ -49,7 +52,9 @@ MIN_STEPS = 20
 #: Robust standard deviation from the median absolute deviation (normal consistency constant).
 MAD_TO_SIGMA = 1.4826
 PROFILERS = ("auto", "torch", "jax")
-TRIGGERS = ("slow", "stall", "request", "spike")
+TRIGGERS = ("slow", "stall", "request", "spike", "straggler")
+#: Where a steptrace collector hands out capture requests (collector/_captures.py).
+CAPTURE_PATH = "/v1/steptrace/capture"
 
 
 def _median(values: list[float]) -> float:
@@ -180,7 +185,8 @@ class Capture:
                  cooldown_steps: int, max_captures: int, max_bytes: int, window_steps: int, slow_factor: float,
                  slow_mad: float, emit: Callable[[list[dict[str, Any]]], None], build: Any,
                  unix_offset: float, span: Callable[[str, float, float], None] | None = None,
-                 spike_scalar: str = "loss"):
+                 spike_scalar: str = "loss", collector_url: str | None = None,
+                 headers: tuple[tuple[str, str], ...] = (), poll_s: float = 5.0):
         self.directory = directory
         self.triggers = frozenset(triggers)
         self.profiler_name = profiler
@@ -210,6 +216,17 @@ class Capture:
         #: since the last capture record: its ``triggers_skipped``.
         self.triggers_skipped = 0
         self._said: set[str] = set()
+        #: Polls of the collector that failed (unreachable, refused, malformed), and requests it gave.
+        self.poll_failures = 0
+        self.requests_received = 0
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if "straggler" in triggers and collector_url:
+            self._poll_url = collector_url.rstrip("/") + CAPTURE_PATH
+            self._poll_headers = dict(headers)
+            self._poll_s = poll_s
+            self._poller = threading.Thread(target=self._poll_loop, name="steptrace-capture-poll", daemon=True)
+            self._poller.start()
         #: (first, last) steps the slow-step rule skips: a running capture's (last None) or the last one's.
         self._ignored: tuple[int | None, int | None] = (None, None)
 
@@ -252,6 +269,29 @@ class Capture:
         if "stall" in self.triggers:
             self._arm("stall", step, f"the rank stalled at step {step} for {open_seconds:.0f} s (the stall "
                                      "record holds its stacks); the capture covers the steps once it moved again")
+
+    def _poll_loop(self) -> None:
+        import json
+        import urllib.parse
+        import urllib.request
+
+        query = urllib.parse.urlencode({"run_id": self._build.run_id, "rank": self._build.rank})
+        request = urllib.request.Request(f"{self._poll_url}?{query}", headers=self._poll_headers)
+        while not self._stop.wait(self._poll_s):
+            try:
+                with urllib.request.urlopen(request, timeout=min(5.0, self._poll_s)) as response:
+                    answer = json.loads(response.read(65536))
+            except Exception as exc:
+                self.poll_failures += 1
+                if self.poll_failures == 1:
+                    log.warning("steptrace capture: cannot ask the collector for capture requests at %s (%s); "
+                                "further failures are counted", self._poll_url, exc)
+                continue
+            if isinstance(answer, dict) and answer.get("capture") is True:
+                self.requests_received += 1
+                step = answer.get("step")
+                self._arm("straggler", step if isinstance(step, int) and not isinstance(step, bool) else None,
+                          str(answer.get("reason") or "the collector asked")[:300])
 
     def request(self, reason: str = "requested") -> None:
         """``steptrace.request_capture()``."""
@@ -380,6 +420,7 @@ class Capture:
     def close(self, last_step: int | None) -> None:
         """At shutdown: stop a running capture (it covered the steps up to ``last_step``); an armed one
         that never started is recorded as skipped."""
+        self._stop.set()
         active = self.active
         if active is not None:
             self._finish(active, max(active["first_step"], last_step if last_step is not None else -1))

@@ -88,7 +88,8 @@ ENV_CAPTURE_MAX = "STEPTRACE_CAPTURE_MAX"
 ENV_CAPTURE_MAX_BYTES = "STEPTRACE_CAPTURE_MAX_BYTES"
 ENV_CAPTURE_SLOW_FACTOR = "STEPTRACE_CAPTURE_SLOW_FACTOR"
 ENV_CAPTURE_SLOW_MAD = "STEPTRACE_CAPTURE_SLOW_MAD"
-CAPTURE_TRIGGERS = ("slow", "stall", "request", "spike")
+CAPTURE_TRIGGERS = ("slow", "stall", "request", "spike", "straggler")
+ENV_CAPTURE_POLL_S = "STEPTRACE_CAPTURE_POLL_S"
 ENV_CAPTURE_SPIKE_SCALAR = "STEPTRACE_CAPTURE_SPIKE_SCALAR"
 CAPTURE_PROFILERS = ("auto", "torch", "jax")
 #: Added to the step number the trackers write at (the framework's own logging axis).
@@ -189,6 +190,7 @@ class Config:
     capture_slow_factor: float = 2.0
     capture_slow_mad: float = 6.0
     capture_spike_scalar: str = "loss"  # the s.log scalar whose spikes the "spike" trigger watches
+    capture_poll_s: float = 5.0  # the "straggler" trigger asks the collector (otlp_endpoint) this often
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -349,6 +351,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         capture_window_steps=_first(code.get("capture_window_steps"), 100),
         capture_slow_factor=_first(code.get("capture_slow_factor"), _env_float(ENV_CAPTURE_SLOW_FACTOR, env), 2.0),
         capture_slow_mad=_first(code.get("capture_slow_mad"), _env_float(ENV_CAPTURE_SLOW_MAD, env), 6.0),
+        capture_poll_s=_first(code.get("capture_poll_s"), _env_float(ENV_CAPTURE_POLL_S, env), 5.0),
         capture_spike_scalar=str(_first(code.get("capture_spike_scalar"), env.get(ENV_CAPTURE_SPIKE_SCALAR) or None,
                                         "loss")),
         tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
@@ -548,6 +551,12 @@ def _validate(config: Config) -> None:
     if config.capture_profiler not in CAPTURE_PROFILERS:
         raise ValueError(f"capture_profiler must be one of {', '.join(CAPTURE_PROFILERS)}, got "
                          f"{config.capture_profiler!r} (set by init(capture_profiler=...) or {ENV_CAPTURE_PROFILER})")
+    if "straggler" in config.capture and (config.otlp_endpoint is None or config.otlp_protocol != "http/protobuf"):
+        raise ValueError("capture: the 'straggler' trigger asks the steptrace collector the ranks export to: it needs "
+                         "otlp_endpoint (OTEL_EXPORTER_OTLP_ENDPOINT) with otlp_protocol 'http/protobuf'")
+    poll = config.capture_poll_s
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0.05 <= poll <= 3600:
+        raise ValueError(f"capture_poll_s must be a number of seconds in [0.05, 3600], got {poll!r}")
     for field, least in (("capture_slow_factor", 1.0), ("capture_slow_mad", 0.0)):
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:

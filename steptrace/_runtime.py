@@ -100,7 +100,8 @@ class Runtime:
                 slow_factor=config.capture_slow_factor, slow_mad=config.capture_slow_mad,
                 emit=resolver.emit_now, build=resolver.records, unix_offset=resolver.unix_offset,
                 span=lambda name, start, end: self.close_span(name, start, end, {}),
-                spike_scalar=config.capture_spike_scalar)
+                spike_scalar=config.capture_spike_scalar, collector_url=config.otlp_endpoint,
+                headers=config.otlp_headers, poll_s=config.capture_poll_s)
             resolver.on_step_finalized = self.capture.step_finalized
             if self.stall_watch is not None and "stall" in config.capture:
                 watch_emit, capture = self.stall_watch._emit, self.capture

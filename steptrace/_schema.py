@@ -250,7 +250,7 @@ class CaptureRecord(_Common):
     """A deep capture (steptrace/_capture.py): a profiler trace taken, or why not."""
 
     status: str  # ok, failed, skipped
-    trigger: str  # slow, stall, request
+    trigger: str  # slow, stall, spike, straggler, request
     trigger_step: int | None
     reason: str
     first_step: int | None

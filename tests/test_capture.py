@@ -314,3 +314,120 @@ def test_a_loss_spike_or_a_nan_triggers_a_capture(tmp_path):
         sink.of_type("capture")
     assert captures[0]["reason"].startswith("loss spiked to 9 at step 40")
     assert captures[1]["reason"] == "loss was nan at step 60"
+
+
+# -- the straggler trigger: the collector's verdict handed back to the culprit and a reference rank ------------
+
+
+def test_capture_requests_are_given_once_to_each_rank_and_bounded():
+    from steptrace.collector._captures import CaptureRequests
+
+    requests = CaptureRequests(max_runs=2, ttl_s=600)
+    requests.verdict("a", culprit=3, reference=1, step=40, detail="named in 60 % of its last 20 complete steps")
+    got = requests.take("a", 3)
+    assert "rank 3 the run's straggler at step 40" in got["reason"] and "culprit" in got["reason"]
+    assert requests.take("a", 3) is None  # once
+    assert "reference" in requests.take("a", 1)["reason"]
+    assert requests.take("a", 2) is None and requests.take("nope", 0) is None
+    requests.verdict("a", culprit=0, reference=None, step=2, detail="")
+    for run in ("b", "c"):  # a third run with requests: the least recently asked ("a") is dropped
+        requests.verdict(run, culprit=0, reference=None, step=1, detail="")
+    assert requests.take("a", 0) is None
+    assert requests.take("b", 0) is not None and requests.take("c", 0) is not None
+    stale = CaptureRequests(ttl_s=0.0)
+    stale.verdict("a", culprit=0, reference=None, step=1, detail="")
+    time.sleep(0.01)
+    assert stale.take("a", 0) is None  # nobody polled in time: its capture is off
+
+
+def test_the_capture_endpoint_needs_the_runs_token_and_a_get(tmp_path):
+    pytest.importorskip("opentelemetry.proto", reason="the collector needs steptrace[collector]")
+    import http.client
+
+    from steptrace.collector import Collector, CollectorConfig
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("job-a-token job-a-*\n")
+    collector = Collector(CollectorConfig(port=0, metrics_port=0, run_dir=str(tmp_path),
+                                          token_file=str(tokens))).start()
+    try:
+        collector.captures.verdict("job-a-1", culprit=1, reference=0, step=9, detail="")
+
+        def ask(path, token="job-a-token", method="GET"):
+            conn = http.client.HTTPConnection("127.0.0.1", collector.port, timeout=10)
+            conn.request(method, path, headers={"Authorization": f"Bearer {token}"} if token else {})
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            return response.status, body
+
+        assert ask("/v1/steptrace/capture?run_id=job-a-1&rank=1", token=None)[0] == 401
+        assert ask("/v1/steptrace/capture?run_id=job-b-1&rank=1")[0] == 403
+        assert ask("/v1/steptrace/capture?run_id=job-a-1&rank=x")[0] == 400
+        assert ask("/v1/steptrace/capture?run_id=job-a-1&rank=1", method="POST")[0] == 405
+        status, body = ask("/v1/steptrace/capture?run_id=job-a-1&rank=1")
+        assert status == 200 and json.loads(body)["capture"] is True and "culprit" in json.loads(body)["reason"]
+        assert json.loads(ask("/v1/steptrace/capture?run_id=job-a-1&rank=1")[1]) == {"capture": False}
+    finally:
+        collector.close()
+
+
+def test_the_straggler_trigger_needs_an_http_collector(tmp_path):
+    with pytest.raises(ValueError, match="'straggler' trigger asks the steptrace collector"):
+        steptrace.init(run_dir=str(tmp_path), capture="straggler")
+
+
+STRAGGLER_SCRIPT = """
+import sys, time
+import torch, torch.distributed as dist
+import steptrace
+dist.init_process_group("gloo")
+steptrace.init(run_dir=sys.argv[1], run_id="strag", backend="auto", capture="straggler", capture_profiler="torch",
+               capture_steps=2, capture_poll_s=0.2, stall_watch=False)
+rank = dist.get_rank()
+x = torch.ones(32, 32)
+for n in range(45):
+    with steptrace.step(n):
+        x @ x
+        time.sleep(0.01 + (0.06 if rank == 1 else 0.0))
+        dist.all_reduce(torch.ones(1))
+steptrace.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_a_straggler_verdict_captures_the_culprit_and_a_reference_rank(tmp_path):
+    """Two gloo ranks under torchrun, OTLP to a real collector; rank 1 is 60 ms slower every step. Once the
+    collector's verdict names it, rank 1 (the culprit) and rank 0 (the reference) each take one trace of the
+    same steps."""
+    pytest.importorskip("torch.distributed")
+    pytest.importorskip("opentelemetry.exporter.otlp", reason="the ranks export OTLP: steptrace[otlp]")
+    from steptrace.collector import Collector, CollectorConfig
+
+    script = tmp_path / "train.py"
+    script.write_text(STRAGGLER_SCRIPT)
+    collector = Collector(CollectorConfig(port=0, metrics_port=0, world_size=2, window_s=60.0,
+                                          run_dir=str(tmp_path / "collector"))).start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                  "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+                                  "STEPTRACE_OTLP_BATCH_DELAY_S": "0.1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        collector.close()
+    assert collector.captures.issued == 2 and collector.captures.fetched == 2
+    captures = {}
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (tmp_path / "strag" / f"rank-{rank}.jsonl").open()]
+        (captures[rank],) = [r for r in records if r.get("type") == "capture"]
+    culprit, reference = captures[1], captures[0]
+    assert culprit["status"] == reference["status"] == "ok"
+    assert culprit["trigger"] == reference["trigger"] == "straggler"
+    assert "rank 1 the run's straggler" in culprit["reason"] and "this rank is the culprit" in culprit["reason"]
+    assert "this rank is the reference" in reference["reason"]
+    assert culprit["trigger_step"] == reference["trigger_step"]
+    assert abs(culprit["first_step"] - reference["first_step"]) <= 3  # the two traces cover the same steps
+    for capture in (culprit, reference):
+        assert Path(capture["path"]).stat().st_size > 0
