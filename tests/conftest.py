@@ -1,5 +1,6 @@
 import ast
 import importlib.util
+import sys
 import threading
 
 import pytest
@@ -35,6 +36,29 @@ def _no_leftover_run():
     steptrace.shutdown(timeout_s=5)
     yield
     steptrace.shutdown(timeout_s=5)
+
+
+def _reset_mlflow_globals() -> None:
+    """MLflow keeps a process-wide tracking URI, active experiment and run stack: the HF Trainer's
+    MLflowCallback sets the URI (``mlflow.set_tracking_uri``) and it outlives the test, so a later test's
+    ``MLFLOW_TRACKING_URI`` would be ignored. Private names, in tests only; MLflow has no public reset."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return
+    try:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.tracking._tracking_service.utils._tracking_uri = None
+        mlflow.tracking.fluent._active_experiment_id = None
+    except Exception:  # a future MLflow without these names: the tests say what broke
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_mlflow_state():
+    _reset_mlflow_globals()
+    yield
+    _reset_mlflow_globals()
 
 
 @pytest.fixture
