@@ -15,6 +15,7 @@ The rules of the profilers relied on, and enforced here by using the real ones:
 
 from __future__ import annotations
 
+import gc
 import glob
 import gzip
 import json
@@ -86,15 +87,19 @@ def test_a_slow_step_triggers_exactly_one_torch_capture_of_the_next_steps(tmp_pa
 def test_a_healthy_run_captures_nothing_and_slow_steps_in_a_row_capture_once_per_cooldown(tmp_path):
     pytest.importorskip("torch")
     sink = MemorySink()
+    # The issue's bar: a step 3x the normal one is an anomaly. This VM (and CI's) now and then delays a
+    # 20 ms sleep by 20 ms or more when busy, which the default 2x calls slow, rightly for a real job's
+    # 100 ms+ steps; here the factor is 3, and the slow stretch below is 5x.
     steptrace.init(run_dir=str(tmp_path), run_id="healthy", backend="host", sinks=[sink], jsonl=False,
                    capture="slow", capture_profiler="torch", capture_steps=2, capture_cooldown_steps=30,
-                   capture_max=2)
+                   capture_max=2, capture_slow_factor=3.0)
     try:
-        # 500 steps of 20 ms: this VM's ordinary noise (a few ms, now and then 10 ms more when it is busy)
-        # stays below both bars (2x the median and the median + 6 robust sigmas); nothing is captured.
+        # 500 steps of 20 ms: ordinary noise stays below both bars (3x the median and the median + 6
+        # robust sigmas); nothing is captured.
+        gc.collect()  # an earlier test's profile (a large object graph) is not this run's noise
         _loop(500, {}, base_s=0.02)
         steptrace.flush()
-        assert sink.of_type("capture") == [], sink.of_type("capture")
+        assert sink.of_type("capture") == [], [(c["trigger_step"], c["reason"]) for c in sink.of_type("capture")]
         for n in range(500, 560):  # 60 slow steps in a row (5x)
             with steptrace.step(n):
                 time.sleep(0.1)
@@ -383,7 +388,7 @@ import torch, torch.distributed as dist
 import steptrace
 dist.init_process_group("gloo")
 steptrace.init(run_dir=sys.argv[1], run_id="strag", backend="auto", capture="straggler", capture_profiler="torch",
-               capture_steps=2, capture_poll_s=0.2, stall_watch=False)
+               capture_steps=2, capture_poll_s=0.1, stall_watch=False)
 rank = dist.get_rank()
 x = torch.ones(32, 32)
 for n in range(45):
@@ -428,6 +433,7 @@ def test_a_straggler_verdict_captures_the_culprit_and_a_reference_rank(tmp_path)
     assert "rank 1 the run's straggler" in culprit["reason"] and "this rank is the culprit" in culprit["reason"]
     assert "this rank is the reference" in reference["reason"]
     assert culprit["trigger_step"] == reference["trigger_step"]
-    assert abs(culprit["first_step"] - reference["first_step"]) <= 3  # the two traces cover the same steps
+    # The two traces cover the same steps, but for the two ranks' poll phases (0.1 s: a step or two).
+    assert abs(culprit["first_step"] - reference["first_step"]) <= 4
     for capture in (culprit, reference):
         assert Path(capture["path"]).stat().st_size > 0
