@@ -71,6 +71,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+from steptrace._capture import CAPTURE_PATH  # the ranks' capture requests (collector/_captures.py): GET only
 from steptrace.collector._auth import Tokens, authorized_grant
 from steptrace.collector._decode import (
     Rejected,
@@ -92,8 +93,7 @@ log = logging.getLogger("steptrace.collector")
 refusal_log = RateLimitedLog(log, 10.0)
 
 _PATHS = {"/v1/traces": "traces", "/v1/metrics": "metrics"}
-#: The ranks' capture requests (collector/_captures.py): GET only.
-CAPTURE_PATH = "/v1/steptrace/capture"
+
 _DRAIN_SMALL = 1 << 20  # a refused body this small is read before answering, and the connection kept
 _DRAIN_LIMIT = 64 << 20  # a larger one is read (after answering) up to this, then the connection closed
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"

@@ -40,27 +40,20 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import threading
 import time
 from typing import Any, Callable
+
+from steptrace._attribution import MAD_TO_SIGMA
 
 log = logging.getLogger("steptrace")
 _perf = time.perf_counter
 
 #: Steps finalized before the slow-step trigger judges any (the first steps compile).
 MIN_STEPS = 20
-#: Robust standard deviation from the median absolute deviation (normal consistency constant).
-MAD_TO_SIGMA = 1.4826
-PROFILERS = ("auto", "torch", "jax")
-TRIGGERS = ("slow", "stall", "request", "spike", "straggler")
 #: Where a steptrace collector hands out capture requests (collector/_captures.py).
 CAPTURE_PATH = "/v1/steptrace/capture"
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 #: The slow-step threshold is recomputed every this many steps (a median and a MAD of the window each
@@ -82,8 +75,8 @@ class SlowStepRule:
 
     def _recompute(self) -> None:
         values = list(self._window)
-        median = _median(values)
-        spread = MAD_TO_SIGMA * _median([abs(v - median) for v in values])
+        median = statistics.median(values)
+        spread = MAD_TO_SIGMA * statistics.median([abs(v - median) for v in values])
         self._median = median
         self._threshold = max(self.factor * median, median + self.mad_k * spread) if median > 0 else None
         self._since = 0
@@ -184,7 +177,7 @@ class Capture:
     def __init__(self, *, directory: str, triggers: tuple[str, ...], profiler: str, steps: int,
                  cooldown_steps: int, max_captures: int, max_bytes: int, window_steps: int, slow_factor: float,
                  slow_mad: float, emit: Callable[[list[dict[str, Any]]], None], build: Any,
-                 unix_offset: float, span: Callable[[str, float, float], None] | None = None,
+                 span: Callable[[str, float, float], None] | None = None,
                  spike_scalar: str = "loss", collector_url: str | None = None,
                  headers: tuple[tuple[str, str], ...] = (), poll_s: float = 5.0):
         self.directory = directory
@@ -196,7 +189,6 @@ class Capture:
         self.max_bytes = max_bytes
         self._emit = emit
         self._build = build
-        self._unix = unix_offset
         self._span = span
         self._rule = SlowStepRule(window_steps, slow_factor, slow_mad) if "slow" in triggers else None
         #: The scalar (``s.log(name=...)``) whose spikes trigger ``spike``: above the median + ``slow_mad``

@@ -98,7 +98,7 @@ class Runtime:
                 cooldown_steps=config.capture_cooldown_steps, max_captures=config.capture_max,
                 max_bytes=config.capture_max_bytes, window_steps=config.capture_window_steps,
                 slow_factor=config.capture_slow_factor, slow_mad=config.capture_slow_mad,
-                emit=resolver.emit_now, build=resolver.records, unix_offset=resolver.unix_offset,
+                emit=resolver.emit_now, build=resolver.records,
                 span=lambda name, start, end: self.close_span(name, start, end, {}),
                 spike_scalar=config.capture_spike_scalar, collector_url=config.otlp_endpoint,
                 headers=config.otlp_headers, poll_s=config.capture_poll_s)
