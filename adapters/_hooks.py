@@ -24,6 +24,35 @@ from typing import Any, Callable, Iterable
 
 import steptrace
 from steptrace._errors import SteptraceWarning
+from steptrace._handles import SpanHandle
+
+
+def timed_restore(restore: Callable[[], Any], restored_step: Callable[[Any], int | None]) -> Any:
+    """Run a framework's checkpoint restore (``restore()``) as ``steptrace.restore()``, the record
+    Lightning's and HF's hooks write: a ``restore`` span (before the first step, the attempt's
+    ``restore`` time in the job's accounting), ``attrs["restored_step"]`` read from what the restore
+    returned (``restored_step(result)``; None: unknown). A restore that found nothing to restore
+    (``restored_step`` raises :class:`NothingRestored`) keeps its span (looking for a checkpoint is
+    restore time) with ``attrs["restored"] = False``, and the next step is not marked
+    ``first_after_restore``. An exception in the restore propagates unchanged."""
+    with steptrace.restore() as span:
+        result = restore()
+        attrs = getattr(span, "attrs", None) if isinstance(span, SpanHandle) else None
+        if attrs is not None:
+            try:
+                step = restored_step(result)
+            except NothingRestored:
+                attrs["restored"] = False
+            except Exception:  # reading the step must never fail the restore
+                pass
+            else:
+                if step is not None:
+                    attrs["restored_step"] = step
+    return result
+
+
+class NothingRestored(Exception):
+    """Raised by a hook's ``restored_step`` when the framework found no checkpoint to restore."""
 
 
 def start_steptrace(init_settings: dict[str, Any]) -> None:

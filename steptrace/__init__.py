@@ -31,6 +31,7 @@ from steptrace._config import Config, resolve_config
 from steptrace._errors import SteptraceWarning
 from steptrace._handles import NULL_CHECKPOINT, NULL_MICROBATCH, NULL_STEP, null_span
 from steptrace._runtime import Runtime
+from steptrace._schema import RESTORE_SPAN
 from steptrace._version import __version__ as __version__
 
 __all__ = [
@@ -370,10 +371,12 @@ def log(**scalars: Any) -> None:
 
 def restore(step: int | None = None, **attrs: Any) -> Any:
     """Time restoring a checkpoint (of ``step``) as a ``restore`` span: before the first step it is
-    the attempt's restore time in the job's accounting (``steptrace report``'s badput table)."""
+    the attempt's restore time in the job's accounting (``steptrace report``'s badput table). The
+    next step's record carries ``first_after_restore: true``. A hook that learns the step only from
+    the restore sets ``attrs["restored_step"]`` on the span it entered, before it closes."""
     if step is not None:
         attrs["restored_step"] = step
-    return span("restore", **attrs)
+    return span(RESTORE_SPAN, **attrs)
 
 
 def span(name: str, **attrs: Any) -> Any:

@@ -142,6 +142,8 @@ class StepHandle(TimedUnit):
     loop: Any = None
     #: its body raised an exception not read yet: the resolver holds the record until it is (_loops)
     error_pending = False
+    #: the first step after a ``restore`` span (set by the runtime as the step is made)
+    first_after_restore = False
 
     def __init__(self, rt: "HandleRuntime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
         self._rt = rt

@@ -789,7 +789,7 @@ class Resolver:
             scalars=self._read_scalars(step), device_memory=self._memory(step.device),
             placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,
             collective_wait=step.collective_wait, collective_source=step.collective_source or self.collective_source,
-            collective_windows=step.collective_windows)
+            collective_windows=step.collective_windows, first_after_restore=step.first_after_restore)
 
     def _read_scalars(self, step: "StepHandle") -> dict[str, float] | None:
         # The step has ended on the device, so device scalars' copies (queued before its end) are done.

@@ -35,7 +35,7 @@ from steptrace._handles import (
     null_span,
 )
 from steptrace._resolver import Resolver, RunStart
-from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE
+from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE, RESTORE_SPAN
 
 _perf = time.perf_counter
 _get_ident = threading.get_ident
@@ -62,6 +62,9 @@ class Runtime:
         self.open_spans: list[SpanHandle] = []
         self.open_checkpoint: CheckpointHandle | None = None
         self.closed_spans: list[ClosedSpan] = []
+        #: A ``restore`` span closed between steps: the next step is the first after a restore
+        #: (its record says so; its one-off cost is separated in the analysis, docs/goodput.md).
+        self.restored = False
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
         #: The thread that called init(): the training thread until the first step says otherwise.
@@ -192,6 +195,8 @@ class Runtime:
         self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
                                             marker, end_marker))
         if current is None:
+            if name == RESTORE_SPAN and attrs.get("restored") is not False:  # False: nothing was restored
+                self.restored = True
             return
         # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
         # before that precedes the work. Host and stream devices know when the device drained.
@@ -343,6 +348,9 @@ class Runtime:
         if samples is not None:
             samples = self._number("samples", samples)
         handle = StepHandle(self, n, tokens, flops, samples, attrs)
+        if self.restored:
+            self.restored = False
+            handle.first_after_restore = True
         if auto:
             handle.auto_flops = True
         return handle

@@ -90,6 +90,11 @@ ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank'
 ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step
 
 
+#: The span a checkpoint restore is timed as (``steptrace.restore``); the step after one is marked
+#: ``first_after_restore``.
+RESTORE_SPAN = "restore"
+
+
 def step_field_attribute(field: str) -> str:
     """The attribute a step record's field is exported as: ``train.<field>``."""
     return ATTR_PREFIX + field
@@ -159,6 +164,11 @@ class StepRecord(_Common):
     own_compute_seconds: NotRequired[float]
     collective_wait_idle_breakdown: NotRequired[dict[str, float]]
     collective_wait_source: NotRequired[str]
+    # True on the first step after a restore (a ``restore`` span closed between steps): it carries
+    # the restart's one-off costs (compile, graph capture, warm-up). Absent on every other step.
+    # Its one_off_seconds (interval less the run's typical step interval) is computed by the
+    # analysis, which sees the whole run (steptrace.analysis.summary.after_restore_costs).
+    first_after_restore: NotRequired[bool]
 
 
 class MicrobatchRecord(_Common):
@@ -313,7 +323,8 @@ class RecordBuilder:
              device_memory: dict[str, float] | None = None, hardware_flops: float | None = None,
              flops_source: str | None = None, placement_uncertainty: float | None = None,
              collective_wait: float = 0.0, collective_source: str | None = None,
-             collective_windows: Sequence[tuple[float, float]] = ()) -> StepRecord:
+             collective_windows: Sequence[tuple[float, float]] = (),
+             first_after_restore: bool = False) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         model_flops = flops
@@ -356,6 +367,8 @@ class RecordBuilder:
             record["device_memory"] = memory
         if placement_uncertainty is not None:
             record["placement_uncertainty_seconds"] = placement_uncertainty
+        if first_after_restore:
+            record["first_after_restore"] = True
         if collective_source is not None:
             # The wait happened within the step's interval (during its compute, or in a host span
             # or between steps: idle time); it cannot be longer. Where it fell splits the step into

@@ -805,7 +805,8 @@ class OtlpSink:
         for key in ("status", "error", "backend", "interval_seconds", "compute_seconds", "idle_seconds", "tokens",
                     "samples", "flops", "model_flops", "hardware_flops", "flops_source", "peak_flops",
                     "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu",
-                    "collective_wait_seconds", "own_seconds", "own_compute_seconds", "collective_wait_source"):
+                    "collective_wait_seconds", "own_seconds", "own_compute_seconds", "collective_wait_source",
+                    "first_after_restore"):
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("collective_wait_idle_breakdown") or {}).items():
             _put(attrs, f"{ATTR_COLLECTIVE_WAIT_IDLE_PREFIX}{reason}_seconds", seconds)

@@ -1016,6 +1016,9 @@ def _step_record(attrs: Mapping[str, str], unit: tuple[int, int, int], end_ns: i
         if attrs.get("train." + key):
             record[key] = attrs["train." + key]
     record.setdefault("status", "ok")
+    # A boolean attribute comes back as the exporter's text ("true"); absent on every other step.
+    if str(attrs.get("train.first_after_restore", "")).lower() in ("true", "1"):
+        record["first_after_restore"] = True
     if record["status"] == "error" and "error" not in record and status_message:
         record["error"] = status_message
     idle: dict[str, float] = {}

@@ -29,7 +29,8 @@ smallest change the comparison could detect; :func:`headline` says the ``--metri
 in words, and ``--fail-on-regression`` acts on exactly that verdict.
 
 Steady state, by construction: a step counts when its status is ``ok``, it is not the rank's
-first step (which carries compilation and warm-up), and no compile, checkpoint or eval time fell
+first step nor the first after a restore (``first_after_restore``: both carry compilation and
+warm-up; the restarts' one-off cost has a row of its own), and no compile, checkpoint or eval time fell
 in its idle window. Intervals, compute, steady tokens/s, TFLOP/s and MFU rows use steady-state steps of
 the default rank (rank 0 when present); run-wide totals (idle by reason, compile, checkpoints) use
 every step. Goodput is the run's one goodput (:func:`steptrace.analysis.goodput.job_goodput`: every
@@ -56,7 +57,7 @@ from typing import Any, Callable, Sequence
 from steptrace.analysis._text import code_span, literal_text, visible
 from steptrace.analysis.runs import Run, RunDirError, find_run, load_run
 from steptrace.analysis.goodput import job_goodput
-from steptrace.analysis.summary import as_number, present_values, percentile, step_split
+from steptrace.analysis.summary import after_restore_costs, as_number, present_values, percentile, step_split
 
 __all__ = ["Change", "Row", "block_change", "block_test_p", "block_values", "compare_runs", "headline",
            "mann_whitney_p", "paired_block_change", "paired_block_test_p", "runs_change", "runs_test_p", "steady_steps",
@@ -415,7 +416,8 @@ def steady_steps(steps: Sequence[dict]) -> list[dict]:
     ordered = sorted(steps, key=lambda s: as_number(s.get("step")) or 0)
     steady = []
     for index, step in enumerate(ordered):
-        if index == 0 or step.get("status") != "ok":
+        # The first step after a restore carries the restart's one-off cost, like the first step.
+        if index == 0 or step.get("status") != "ok" or step.get("first_after_restore"):
             continue
         breakdown = step.get("idle_breakdown") or {}
         if any((as_number(breakdown.get(reason)) or 0.0) > 0 for reason in UNSTEADY_REASONS):
@@ -810,6 +812,12 @@ def compare_runs(run_a: Run | Sequence[Run], run_b: Run | Sequence[Run], *, alph
         for bucket in ("wasted", "downtime", "startup", "restore"):
             single(f"job_{bucket}", f"job badput: {bucket}",
                    lambda side, bucket=bucket: ((jobs[id(side)] or {}).get("badput") or {}).get(bucket), "s")
+    if any(s.get("first_after_restore") for side in As + Bs for s in side.steps):
+        def one_off(side: _Side) -> float | None:
+            costs = [c["one_off_seconds"] for c in after_restore_costs(side.steps) if c["one_off_seconds"] is not None]
+            return math.fsum(costs) if costs else None
+
+        single("after_restore_one_off", "first steps after a restore: one-off cost (total)", one_off, "s")
     blocking_a = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in As) if v]
     blocking_b = [v for v in (present_values(side.checkpoints, "blocking_seconds") for side in Bs) if v]
     if blocking_a or blocking_b:

@@ -24,9 +24,10 @@ start to the last record, and each second lands in exactly one place::
 Within an attempt: process start -> init() is startup; init() -> the first step is the first step's
 ``before_step_breakdown`` (``startup`` for what no span covers, ``restore``, ``eval``, ...); each kept
 step's interval is its own compute (productive), its wait in collectives and its ``idle_breakdown``
-by reason less the wait that fell in it; a wasted step's whole interval is wasted progress; after
-the attempt's last step, checkpoints and spans by name and ``other`` for the rest. Reasons map to
-buckets by name; span names of your own are ``custom``.
+by reason less the wait that fell in it (the first step after a restore: its own compute above the
+run's typical step interval is ``startup``, see ``summary.after_restore_costs``); a wasted step's
+whole interval is wasted progress; after the attempt's last step, checkpoints and spans by name and
+``other`` for the rest. Reasons map to buckets by name; span names of your own are ``custom``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 from steptrace._attribution import HostSpan, breakdown, idle_segments
 from steptrace.analysis.runs import kept_and_wasted, split_attempts
-from steptrace.analysis.summary import as_number, step_split
+from steptrace.analysis.summary import after_restore_costs, as_number, step_split
 
 #: The badput buckets, in the order reports list them.
 BUCKETS = ("startup", "compile", "data", "checkpoint", "restore", "eval", "custom", "other", "collective_wait",
@@ -102,6 +103,13 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
     # wasted progress, never productive, however the loop was written (with step(), steps()).
     failed = [s for s in kept if s.get("status") == "error"]
     wasted_ids = {id(s) for s in wasted} | {id(s) for s in failed}
+    # The first step after a restore carries the restart's one-off cost (compile, graph capture,
+    # warm-up): the part of its own compute above the run's typical step interval is start-up
+    # (GMG's program startup: the first step's excess over the normal step), not productive.
+    good = [s for s in kept if id(s) not in wasted_ids]
+    after_restore = after_restore_costs(good)
+    one_off_compute = {id(step): cost["one_off_compute_seconds"] or 0.0
+                       for step, cost in zip([s for s in good if s.get("first_after_restore")], after_restore)}
     badput = {bucket: [] for bucket in BUCKETS}  # lists of pieces, summed with fsum at the end
     custom: dict[str, float] = {}
     productive: list[float] = []
@@ -155,7 +163,10 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
                 mine["wasted"].append(interval)
                 continue
             split = step_split(step)
-            own_productive.append(split.own_compute_seconds)
+            one_off = one_off_compute.get(id(step), 0.0)
+            own_productive.append(split.own_compute_seconds - one_off)
+            if one_off:
+                mine["startup"].append(one_off)
             if split.collective_wait_seconds:
                 mine["collective_wait"].append(split.collective_wait_seconds)
             for reason, seconds in split.idle_breakdown.items():
@@ -194,6 +205,8 @@ def job_accounting(records: Sequence[dict]) -> dict[str, Any]:
         "attempts": attempts,
         "kept_steps": len(kept) - len(failed),
         "wasted_steps": len(wasted) + len(failed),
+        # each first step after a restore, with its one-off cost (summary.after_restore_costs)
+        "after_restore": after_restore,
     }
 
 

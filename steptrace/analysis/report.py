@@ -336,6 +336,16 @@ def _attempts_table(job: dict, rank: int):
     return table
 
 
+def after_restore_line(cost: dict) -> str:
+    """One first step after a restore, in words: its interval = the run's typical step + its one-off cost."""
+    head = f"step {cost['step']} (attempt {cost['attempt']}): interval {_fmt(cost['interval_seconds'])} s"
+    if cost["one_off_seconds"] is None:
+        return head + " (no typical step to compare with)"
+    return (f"{head} = typical step {_fmt(cost['typical_step_interval_seconds'])} s + one-off "
+            f"{_fmt(cost['one_off_seconds'])} s (compile, warm-up; {_fmt(cost['one_off_compute_seconds'])} s of "
+            f"it compute, charged to startup)")
+
+
 def capture_lines(run: Any) -> list[dict]:
     """Every rank's deep captures (``capture`` records, docs/capture.md), in time order, each with the
     one line the report prints (``sentence``)."""
@@ -580,6 +590,8 @@ def render_report(
         console.print(_summary_panel(summary, mine, f"Summary (rank {rank})"))
         if len(mine["attempts"]) > 1:
             console.print(_attempts_table(mine, rank))
+        for cost in mine.get("after_restore") or ():
+            console.print(f"[bold]First step after a restore[/] (rank {rank}): {escape(after_restore_line(cost))}")
         if len(run.ranks) > 1:
             _print_table(console, _rank_table(run, job["ranks"]))
         if job["ranks"]:
@@ -722,7 +734,9 @@ def run_report(args: argparse.Namespace) -> int:
             "job": ({**{k: v for k, v in job.items() if k != "ranks"}, "ranks": len(job["ranks"]),
                      "attempts": mine["attempts"] if mine else [],
                      "kept_steps": mine["kept_steps"] if mine else 0,
-                     "wasted_steps": mine["wasted_steps"] if mine else 0} if job else None),
+                     "wasted_steps": mine["wasted_steps"] if mine else 0,
+                     # the shown rank's first steps after a restore, with their one-off cost
+                     "after_restore": mine["after_restore"] if mine else []} if job else None),
         }
         stragglers = _stragglers(run)
         payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}

@@ -228,3 +228,52 @@ def _scalar_summary(steps: Sequence[dict]) -> dict[str, dict[str, float]]:
                 if number is not None:
                     values.setdefault(str(name), []).append(number)
     return {name: {"last": v[-1], "mean": sum(v) / len(v)} for name, v in values.items()}
+
+
+def _attempt_firsts(steps: Sequence[dict]) -> set[int]:
+    """ids of each attempt's first step in ``steps`` (in record order)."""
+    seen: set[Any] = set()
+    firsts = set()
+    for step in steps:
+        attempt = step.get("attempt", 0)
+        if attempt not in seen:
+            seen.add(attempt)
+            firsts.add(id(step))
+    return firsts
+
+
+def typical_step_interval(steps: Sequence[dict]) -> float | None:
+    """The run's typical step interval (seconds), one rank's: the median ``interval_seconds`` of its
+    ``ok`` steps that carry no one-off cost, i.e. neither the first step of an attempt nor the first
+    after a restore (compile, graph capture, warm-up). ``steps``: the rank's kept steps. None when
+    no such step is left."""
+    firsts = _attempt_firsts(steps)
+    intervals = [as_number(s.get("interval_seconds")) for s in steps
+                 if s.get("status", "ok") == "ok" and id(s) not in firsts and not s.get("first_after_restore")]
+    return percentile([v for v in intervals if v is not None], 50)
+
+
+def after_restore_costs(steps: Sequence[dict]) -> list[dict]:
+    """Each step marked ``first_after_restore`` in one rank's kept ``steps``, with its one-off cost::
+
+        one_off_seconds = max(0, interval_seconds - typical_step_interval_seconds)
+
+    (:func:`typical_step_interval`; None when the run has no typical step). ``one_off_compute_seconds``
+    is the part the step's own compute held, ``max(0, own compute - typical interval)``: the job's
+    accounting charges it to ``startup`` instead of productive time (the rest of the one-off is idle
+    by reason, already badput; docs/goodput.md)."""
+    marked = [s for s in steps if s.get("first_after_restore")]
+    if not marked:
+        return []
+    typical = typical_step_interval(steps)
+    costs = []
+    for step in marked:
+        interval = as_number(step.get("interval_seconds"))
+        own = step_split(step).own_compute_seconds
+        costs.append({
+            "attempt": step.get("attempt", 0), "step": step.get("step"), "interval_seconds": interval,
+            "typical_step_interval_seconds": typical,
+            "one_off_seconds": None if typical is None or interval is None else max(0.0, interval - typical),
+            "one_off_compute_seconds": None if typical is None else max(0.0, own - typical),
+        })
+    return costs
