@@ -32,6 +32,13 @@ What each hook touches:
   ``maybe_save_checkpoint``): a ``checkpoint`` record for the saved step. Its
   blocking part is the save's host time after the step's loss was ready; it
   lands in the next step's ``idle_breakdown["checkpoint"]``, never in compute.
+* ``maxtext.common.checkpointing.load_state_if_possible`` (called as a module attribute by
+  ``setup_training_state``, inside MaxText's ``TRAINING_PREPARATION`` goodput window): a restore
+  (``steptrace.restore()``, the record Lightning's and HF's hooks write) with
+  ``attrs["restored_step"]`` = the checkpoint step it loaded (``step``, or ``latest_step`` for
+  ``-1``); a params-only load (``load_parameters_path``, ``load_full_state_path``) has no step of
+  this run. Nothing to load: ``attrs["restored"] = False``. Orbax returns the restored arrays when
+  they are read, so the restore is its blocking time; the next step is ``first_after_restore``.
 
 Why wait on the loss at dispatch: MaxText's own ``seconds`` is the host time
 between two dispatches (``datetime.now()`` after ``p_train_step`` returns), so
@@ -41,15 +48,17 @@ a checkpoint save (which blocks on the state) is charged to the next step.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Sequence
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, installed_version, start_steptrace
+from steptrace.adapters._hooks import Hooks, NothingRestored, installed_version, start_steptrace, timed_restore
 
 __all__ = ["install", "installed", "main", "uninstall"]
 
 TRAIN_MODULE = "maxtext.trainers.pre_train.train"
+CHECKPOINTING = "maxtext.common.checkpointing"
 # jax_device_state entries that run a training step and return (state, metrics).
 _TRAIN_PROGRAMS = ("p_train_step", "p_train_step_dropless", "p_train_step_first_phase")
 
@@ -194,6 +203,34 @@ def _make_save_checkpoint(original: Any) -> Any:
     return save_checkpoint
 
 
+def _make_load_state(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    def load_state_if_possible(*args: Any, **kwargs: Any) -> Any:
+        if not steptrace.enabled():
+            return original(*args, **kwargs)
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # the call is MaxText's to reject
+            return original(*args, **kwargs)
+        manager, step = arguments.get("checkpoint_manager"), arguments.get("step", -1)
+
+        def restored_step(result: Any) -> int | None:
+            restored, params = result
+            if restored is None and params is None:
+                raise NothingRestored
+            if restored is None or manager is None:
+                return None  # parameters or state from another run's checkpoint path
+            if isinstance(step, int) and step >= 0:
+                return step
+            latest = sys.modules[CHECKPOINTING].latest_step(manager)  # what MaxText restored for -1
+            return None if latest is None else int(latest)
+
+        return timed_restore(lambda: original(*args, **kwargs), restored_step)
+
+    return load_state_if_possible
+
+
 _HOOKS = (
     # name, module, attribute, expected parameters, wrapper factory
     ("training_loop_iteration", TRAIN_MODULE, "training_loop_iteration",
@@ -221,6 +258,9 @@ def install(**init_settings: Any) -> list[str]:
     start_steptrace(init_settings)
     for name, module, attr, expected, make in _HOOKS:
         _hooks.patch(name, module, attr, make, exact=expected)
+    # Called with MaxText's config spelled out as keywords: the hook reads two of them by name.
+    _hooks.patch("load_state_if_possible", CHECKPOINTING, "load_state_if_possible", _make_load_state,
+                 requires=("checkpoint_manager", "step"))
     return installed()
 
 

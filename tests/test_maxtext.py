@@ -179,3 +179,66 @@ print("ok")
     proc = subprocess.run([str(VENV_PYTHON), "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _resumed_run(tmp: Path) -> list[dict]:
+    """A hooked run killed (SIGKILL) once MaxText logged step 3, after its save of step 2, then
+    launched again with the same run id: MaxText restores its latest checkpoint by itself."""
+    out, env = tmp / "resumed", {k: v for k, v in os.environ.items() if not k.startswith("STEPTRACE_")}
+    env.update(STEPTRACE_RUN_DIR=str(tmp / "runs"), STEPTRACE_RUN_ID="resumed", JAX_PLATFORMS="cpu")
+    cmd = [str(VENV_PYTHON), "-m", "steptrace.adapters.maxtext", *_maxtext_args(out)]
+    first = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in first.stdout:  # type: ignore[union-attr]
+            log.append(line)
+            if re.search(r"completed step: 3\b", line):
+                first.kill()
+                break
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert any("completed step: 3" in line for line in log), "".join(log)[-4000:]
+    second = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    return [json.loads(line) for line in (tmp / "runs" / "resumed" / "rank-0.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_and_resumed_run_times_maxtexts_restore_and_the_first_step_after_it(tmp_path):
+    """Nothing wrapped by hand: the hook on load_state_if_possible times the restore of step 2
+    (MaxText's TRAINING_PREPARATION), the step after it is marked with its one-off cost separated,
+    and the job's accounting adds up exactly across the two attempts."""
+    from steptrace.analysis.goodput import BUCKETS, job_accounting
+
+    records = _resumed_run(tmp_path)
+    by_attempt = {a: [r for r in records if r["attempt"] == a] for a in (0, 1)}
+    assert [r["attempt"] for r in records if r["type"] == "attempt"] == [0, 1]
+    # The first launch found no checkpoint: its look is a restore span that says so, and its first
+    # step is not marked.
+    (looked,) = [r for r in by_attempt[0] if r["type"] == "span" and r["name"] == "restore"]
+    assert looked["attrs"] == {"restored": False}
+    assert not any(r.get("first_after_restore") for r in by_attempt[0] if r["type"] == "step")
+    (restore,) = [r for r in by_attempt[1] if r["type"] == "span" and r["name"] == "restore"]
+    # MaxText logs step n once step n+1 is dispatched: the kill can come after step 4's save too.
+    restored = restore["attrs"]["restored_step"]
+    assert restore["attrs"] == {"restored_step": restored} and restored in (2, 4)
+    assert restore["step"] is None and restore["seconds"] > 0
+    steps = [r for r in by_attempt[1] if r["type"] == "step"]
+    first = steps[0]
+    assert first["first_after_restore"] is True and not any(s.get("first_after_restore") for s in steps[1:])
+    assert first["step"] == restored + 1  # MaxText resumes after the restored step
+    # Before the first step the restore is start-up time by reason (a compile inside it would be
+    # `compile`: the innermost span wins), so its `restore` share is at most the span.
+    assert 0 < first["before_step_breakdown"]["restore"] <= restore["seconds"] + 1e-6
+    firsts = [next(r for r in by_attempt[a] if r["type"] == "step") for a in (0, 1)]
+    job = job_accounting(records)
+    # Both launches' restores (the first one's look for a checkpoint too) are restore time.
+    assert job["badput"]["restore"] == pytest.approx(sum(f["before_step_breakdown"].get("restore", 0.0)
+                                                         for f in firsts), abs=1e-6)
+    (cost,) = job["after_restore"]
+    assert cost["step"] == restored + 1 and cost["attempt"] == 1
+    # Defined once (summary.after_restore_costs); on this small shared machine it can be 0.
+    assert cost["one_off_seconds"] == pytest.approx(max(0.0, first["interval_seconds"]
+                                                        - cost["typical_step_interval_seconds"]), abs=1e-9)
+    assert set(job["badput"]) == set(BUCKETS)
+    assert job["productive_seconds"] + sum(job["badput"].values()) == pytest.approx(job["total_seconds"], abs=1e-6)
