@@ -37,7 +37,12 @@ user guide is ``docs/megatron.md``:
   part) and ``async_utils.maybe_finalize_async_save`` (a ``checkpoint`` span
   when it has work: a blocking wait, or a non-blocking call while a save is in
   flight; the async commit ends when Megatron's queue finalized the save, not
-  after the worker shutdown of ``terminate=True``).
+  after the worker shutdown of ``terminate=True``), and ``checkpointing.load_checkpoint`` (also
+  rebound in ``training``, which imported it by name; ``setup_model_and_optimizer`` calls it for
+  ``--load``): a ``steptrace.restore()`` with ``attrs["restored_step"]`` = the iteration it loaded
+  (the checkpoint's name), ``attrs["restored"] = False`` when it found none (it returns ``(0, 0)``).
+  The load is synchronous; Megatron's barrier after it (``timers('load-checkpoint').stop(barrier=True)``)
+  is outside the span, in start-up. The next ``train_step`` is ``first_after_restore``.
 
 Per step and stage the record carries ``pipeline_bubble_ratio`` over the
 pipeline window (step start to the stage's last microbatch) and
@@ -66,7 +71,14 @@ from typing import Any, Callable
 
 import steptrace
 from steptrace._errors import SteptraceWarning
-from steptrace.adapters._hooks import Hooks, installed_version, parameters, start_steptrace
+from steptrace.adapters._hooks import (
+    Hooks,
+    NothingRestored,
+    installed_version,
+    parameters,
+    start_steptrace,
+    timed_restore,
+)
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -74,6 +86,7 @@ _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _PIPELINE_PACKAGE = "megatron.core.pipeline_parallel"
 _TRAINING = "megatron.training.training"
 _ASYNC_UTILS = "megatron.training.async_utils"
+_CHECKPOINTING = "megatron.training.checkpointing"
 
 # Parameters each hook reads, by target. A target lacking one is a different API.
 _EXPECTED = {
@@ -83,6 +96,7 @@ _EXPECTED = {
     "train_step": (),
     "save_checkpoint_and_time": ("iteration",),
     "maybe_finalize_async_save": ("blocking",),
+    "load_checkpoint": ("ddp_model", "optimizer", "opt_param_scheduler", "load_arg"),
 }
 
 _hooks = Hooks("Megatron", lambda: _megatron_version())
@@ -492,6 +506,27 @@ def _hook_maybe_finalize_async_save(original: Callable[..., Any], module: Any) -
     return maybe_finalize_async_save
 
 
+def _hook_load_checkpoint(original: Callable[..., Any], checkpointing: Any) -> Callable[..., Any]:
+    """``load_checkpoint`` (``--load``, ``--pretrained-checkpoint``) as ``steptrace.restore()``.
+    It returns ``(iteration, num_floating_point_operations_so_far)``, ``(0, 0)`` when it found no
+    checkpoint (then ``get_loaded_iteration()`` is None where Megatron-LM has it)."""
+
+    def restored_step(result: Any) -> int | None:
+        iteration = int(result[0])
+        if iteration == 0:
+            loaded = getattr(checkpointing, "get_loaded_iteration", None)
+            if not callable(loaded) or loaded() is None:
+                raise NothingRestored
+        return iteration
+
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        if not steptrace.enabled():
+            return original(*args, **kwargs)
+        return timed_restore(lambda: original(*args, **kwargs), restored_step)
+
+    return load_checkpoint
+
+
 # -- installation ---------------------------------------------------------------------
 def _patch(module: Any, name: str, make: Callable[[Any], Any], rebind_in: tuple = ()) -> bool:
     # Megatron-LM's modules are optional (not in the megatron-core wheel): absent is not a changed API.
@@ -552,6 +587,11 @@ def install(**init_settings: Any) -> list[str]:
         if async_utils is not None:
             _patch(async_utils, "maybe_finalize_async_save",
                    lambda fn: _hook_maybe_finalize_async_save(fn, async_utils), rebind_in=(training,))
+        checkpointing = _import_megatron_lm(_CHECKPOINTING)
+        if checkpointing is not None:
+            # training.py imported it by name: setup_model_and_optimizer calls that binding.
+            _patch(checkpointing, "load_checkpoint", lambda fn: _hook_load_checkpoint(fn, checkpointing),
+                   rebind_in=(training,))
     return installed()
 
 

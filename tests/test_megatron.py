@@ -577,6 +577,51 @@ def test_async_finalize_work_is_checkpoint_and_commit_time_ends_with_the_write(h
     assert au.WRITE_S <= last["async_seconds"] < au.SHUTDOWN_S
 
 
+def test_a_resumed_megatron_run_times_load_checkpoint_and_the_first_iteration_after_it(hooks, megatron_lm, tmp_path):
+    """Nothing wrapped by hand: attempt 0 trains iterations 0-5 and saves after 3 (the tracker file
+    names iteration 4), then stops (in this process: the killed run is test_maxtext's); attempt 1's
+    setup_model_and_optimizer loads iteration 4 through the hooked load_checkpoint, and its first
+    train_step (iteration 4) is marked with its warm-up separated. The job's accounting adds up."""
+    from steptrace.analysis.goodput import BUCKETS, job_accounting
+    from steptrace.analysis.runs import load_run
+
+    lm = megatron_lm
+    lm.args.save = lm.args.load = str(tmp_path / "ckpt")
+    run_dir = tmp_path / "runs"
+    model, _ = _tiny_model()
+    for attempt, iterations in ((0, range(0, 6)), (1, None)):
+        steptrace.init(run_dir=str(run_dir), run_id="megatron", attempt=attempt)
+        hooks.install()
+        lm.training._warm = False  # a new process: its first iteration warms up again
+        lm.training.FIRST_ITERATION_S = 0.2
+        lm.training.setup_model_and_optimizer(model)
+        if iterations is None:
+            iterations = range(lm.args.iteration, lm.args.iteration + 4)
+        for n in iterations:
+            _train(lm, [n])
+            if n == 3:
+                lm.training.save_checkpoint_and_time(n + 1, None, None, None, 0, None)
+        steptrace.shutdown()
+        hooks.uninstall()
+    records = load_run(run_dir / "megatron").records_by_rank[0]
+    restores = [r for r in records if r["type"] == "span" and r["name"] == "restore"]
+    assert [(r["attempt"], r["attrs"]) for r in restores] == [(0, {"restored": False}), (1, {"restored_step": 4})]
+    assert restores[1]["seconds"] >= lm.training.checkpointing.LOAD_S
+    steps = [r for r in records if r["type"] == "step" and r["attempt"] == 1]
+    assert [s["step"] for s in steps] == [4, 5, 6, 7]
+    assert [bool(s.get("first_after_restore")) for s in steps] == [True, False, False, False]
+    assert not any(r.get("first_after_restore") for r in records if r["type"] == "step" and r["attempt"] == 0)
+    job = job_accounting(records)
+    (cost,) = job["after_restore"]
+    assert (cost["attempt"], cost["step"]) == (1, 4)
+    assert cost["one_off_seconds"] == pytest.approx(
+        max(0.0, steps[0]["interval_seconds"] - cost["typical_step_interval_seconds"]), abs=1e-9)
+    assert job["badput"]["restore"] == pytest.approx(sum(r["seconds"] for r in restores), abs=1e-6)
+    assert job["badput"]["wasted"] > 0  # iterations 4 and 5 of attempt 0, redone
+    assert set(job["badput"]) == set(BUCKETS)
+    assert job["productive_seconds"] + sum(job["badput"].values()) == pytest.approx(job["total_seconds"], abs=1e-6)
+
+
 # -- the hooks' contracts against Megatron-LM's real source ----------------------------------
 def megatron_lm_source() -> Path | None:
     """A Megatron-LM checkout: $MEGATRON_LM_PATH, else .cache/Megatron-LM in the repository."""
@@ -606,7 +651,7 @@ def test_hooks_match_megatron_lm_source():
     if "skip" in result:
         pytest.skip(result["skip"])
     assert proc.returncode == 0 and "failed" not in result, result
-    assert len(result["hooked"]) == 6
+    assert len(result["hooked"]) == 7
 
 
 def test_the_stage_that_slows_megatrons_real_pipeline_is_named_with_its_cost(tmp_path):

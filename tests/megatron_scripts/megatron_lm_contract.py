@@ -23,6 +23,7 @@ try:
         warnings.simplefilter("ignore")
         import megatron.core.package_info as package_info
         import megatron.training.async_utils as async_utils
+        import megatron.training.checkpointing as checkpointing
         import megatron.training.training as training
         from megatron.core.dist_checkpointing.strategies.async_utils import (
             AsyncCallsQueue,
@@ -53,8 +54,9 @@ with warnings.catch_warnings():
     names = hooks.install()
 expected = {f"{schedules.__name__}.{n}" for n in ("forward_step", "backward_step", "get_forward_backward_func")}
 expected |= {"megatron.training.training.train_step", "megatron.training.training.save_checkpoint_and_time",
-             "megatron.training.async_utils.maybe_finalize_async_save"}
-check("all six hooks install without a warning", expected <= set(names))
+             "megatron.training.async_utils.maybe_finalize_async_save",
+             "megatron.training.checkpointing.load_checkpoint"}
+check("all seven hooks install without a warning", expected <= set(names))
 result["hooked"] = sorted(names)
 check("training's get_forward_backward_func (imported by name) is rebound to the hook",
       getattr(training.get_forward_backward_func, "__steptrace_hook__", False))
@@ -93,6 +95,16 @@ check("an AsyncCallsQueue's maybe_finalize_async_calls can be timed per call", u
 check("...and called through the timing", queue.maybe_finalize_async_calls(False, no_dist=True) == [])
 undo()
 check("...and undone", "maybe_finalize_async_calls" not in vars(queue))
+
+check("training's load_checkpoint (imported by name) is rebound to the hook",
+      getattr(training.load_checkpoint, "__steptrace_hook__", False))
+setup_src = inspect.getsource(training.setup_model_and_optimizer)
+check("setup_model_and_optimizer sets args.iteration from load_checkpoint(model, optimizer, ...)",
+      "args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(" in setup_src)
+load_src = inspect.getsource(checkpointing.load_checkpoint.__wrapped__)
+check("load_checkpoint returns (0, 0) when no checkpoint was loaded", "return 0, 0" in load_src)
+check("load_checkpoint returns (iteration, num_floating_point_operations_so_far)",
+      "return iteration, num_floating_point_operations_so_far" in load_src)
 
 fwd_src = inspect.getsource(schedules.forward_step.__wrapped__)
 check("forward_step returns (output, num_tokens)", "return output_tensor, num_tokens" in fwd_src
