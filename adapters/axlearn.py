@@ -29,6 +29,12 @@ What each hook touches:
 * ``SpmdTrainer._prepare_training``: after it (and after a restore that replaced the input
   iterator) the trainer's input iterator is wrapped so each ``next()`` is a ``data`` span. Not
   when ``save_input_iterator`` is set: the iterator itself goes into the checkpoint.
+* ``SpmdTrainer.restore_checkpoint`` (called by ``_prepare_training`` between AXLearn's
+  ``START_TRAINING_PREPARATION`` and ``END_TRAINING_PREPARATION`` events): a restore
+  (``steptrace.restore()``, the record Lightning's and HF's hooks write) with
+  ``attrs["restored_step"]`` = the step it returns; ``attrs["restored"] = False`` when it found no
+  checkpoint (it returns None). The checkpointer's restore reads the state before it returns, so
+  the span is the whole restore; the next step (restored step + 1) is ``first_after_restore``.
 * ``SpmdTrainer._maybe_stop_or_start_tracing``: starting or stopping the profiler is a
   ``profile`` span, and the steps inside the trace carry ``attrs["profiler_trace"] = True``.
 * ``SpmdEvaler.eval_step``: an ``eval`` span when the evaler's policy runs it (the policy is
@@ -51,7 +57,7 @@ import sys
 from typing import Any, Sequence
 
 import steptrace
-from steptrace.adapters._hooks import Hooks, installed_version, start_steptrace
+from steptrace.adapters._hooks import Hooks, NothingRestored, installed_version, start_steptrace, timed_restore
 
 __all__ = ["RECORDER_NAME", "install", "installed", "main", "uninstall"]
 
@@ -379,6 +385,20 @@ def _register_recorder() -> bool:
     return True
 
 
+def _make_restore_checkpoint(original: Any) -> Any:
+    def restored_step(step: Any) -> int:
+        if step is None:
+            raise NothingRestored
+        return int(step)
+
+    def restore_checkpoint(self: Any, restore_step: Any = None) -> Any:
+        if not steptrace.enabled():
+            return original(self, restore_step)
+        return timed_restore(lambda: original(self, restore_step), restored_step)
+
+    return restore_checkpoint
+
+
 _HOOKS = (
     # name, module, attribute, expected parameters, wrapper factory, missing_ok
     ("SpmdTrainer._run_step", TRAINER, "SpmdTrainer._run_step",
@@ -388,6 +408,8 @@ _HOOKS = (
      ("self", "trainer_state", "input_batch", "with_xsc"), _make_get_compiled, True),
     ("SpmdTrainer._prepare_training", TRAINER, "SpmdTrainer._prepare_training",
      ("self", "prng_key"), _make_prepare_training, False),
+    ("SpmdTrainer.restore_checkpoint", TRAINER, "SpmdTrainer.restore_checkpoint", ("self", "restore_step"),
+     _make_restore_checkpoint, False),
     ("SpmdTrainer._maybe_stop_or_start_tracing", TRAINER, "SpmdTrainer._maybe_stop_or_start_tracing",
      ("self", "stop_trace_step", "output"), _make_tracing, False),
     ("SpmdEvaler.eval_step", EVALER, "SpmdEvaler.eval_step",

@@ -80,7 +80,8 @@ def test_every_hook_installs_and_every_step_is_device_timed(runs):
     assert "SteptraceWarning" not in hooked["log"], "a hook disabled itself against this axlearn"
     installed = json.loads(hooked["log"].split("installed: ", 1)[1].splitlines()[0])
     assert {"SpmdTrainer._run_step", "SpmdTrainer._prepare_training", "SpmdTrainer._maybe_stop_or_start_tracing",
-            "SpmdEvaler.eval_step", "Checkpointer.save", "Checkpointer.wait_until_finished"} <= set(installed)
+            "SpmdEvaler.eval_step", "Checkpointer.save", "Checkpointer.wait_until_finished",
+            "SpmdTrainer.restore_checkpoint"} <= set(installed)
     steps = {r["step"]: r for r in _of(hooked["records"], "step")}
     assert sorted(steps) == list(range(1, STEPS + 1))  # steptrace's numbers are AXLearn's
     for record in steps.values():
@@ -212,3 +213,56 @@ print("ok")
         pytest.skip(f"axlearn {AXLEARN_VERSION} has no measurement recorder registry (no PyPI release has); "
                     "AXLearn's GitHub source has it: AXLEARN_PYTHON=<an env built from it>")
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_a_killed_and_resumed_run_times_axlearns_restore_and_the_first_step_after_it(tmp_path):
+    """Nothing wrapped by hand: a hooked run (saves every 2 steps) is killed (SIGKILL) once AXLearn
+    logged step 5, then launched again with the same run id; AXLearn's restore_checkpoint (between
+    its training-preparation events) restores the latest committed checkpoint by itself. The hook
+    times it, the step after it is marked with its one-off cost separated, and the job's
+    accounting adds up exactly across the two attempts."""
+    from steptrace.analysis.goodput import BUCKETS, job_accounting
+
+    cmd = [str(VENV_PYTHON), str(SCRIPT), str(tmp_path / "resumed"), "--hooked", "--max-step", "8"]
+    env = _env(tmp_path, "resumed")
+    first = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in first.stdout:  # type: ignore[union-attr]
+            log.append(line)
+            if re.search(r"step\s+5\] loss=", line):
+                break
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert any(re.search(r"step\s+5\] loss=", line) for line in log), "".join(log)[-4000:]
+    second = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "resumed" / "rank-0.jsonl").read_text().splitlines()]
+
+    assert [r["attempt"] for r in records if r["type"] == "attempt"] == [0, 1]
+    restores = _of(records, "span", "restore")
+    assert [r["attempt"] for r in restores] == [0, 1]
+    looked, restore = restores
+    assert looked["attrs"] == {"restored": False}  # the first launch found no checkpoint
+    restored = restore["attrs"]["restored_step"]
+    # The commit of step 4's save is asynchronous: the kill can come before it.
+    assert restore["attrs"] == {"restored_step": restored} and restored in (2, 4)
+    assert restore["step"] is None and restore["seconds"] > 0
+    steps = [r for r in records if r["type"] == "step" and r["attempt"] == 1]
+    assert [s["step"] for s in steps] == list(range(restored + 1, 9))
+    assert [bool(s.get("first_after_restore")) for s in steps] == [True] + [False] * (len(steps) - 1)
+    assert not any(r.get("first_after_restore") for r in records if r["type"] == "step" and r["attempt"] == 0)
+    # Before the first step the restore is start-up time by reason; AXLearn compiles inside it
+    # (innermost span wins), so its `restore` share is at most the span.
+    assert 0 < steps[0]["before_step_breakdown"]["restore"] <= restore["seconds"] + 1e-6
+    firsts = [next(r for r in records if r["type"] == "step" and r["attempt"] == a) for a in (0, 1)]
+    job = job_accounting(records)
+    (cost,) = job["after_restore"]
+    assert (cost["attempt"], cost["step"]) == (1, restored + 1)
+    assert cost["one_off_seconds"] == pytest.approx(
+        max(0.0, steps[0]["interval_seconds"] - cost["typical_step_interval_seconds"]), abs=1e-9)
+    assert job["badput"]["restore"] == pytest.approx(sum(f["before_step_breakdown"].get("restore", 0.0)
+                                                         for f in firsts), abs=1e-6)
+    assert set(job["badput"]) == set(BUCKETS)
+    assert job["productive_seconds"] + sum(job["badput"].values()) == pytest.approx(job["total_seconds"], abs=1e-6)

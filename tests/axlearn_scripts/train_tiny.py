@@ -19,6 +19,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
+# What AXLearn's launcher sets up (axlearn/common/utils_spmd.py, setup()): the trainer's state spec
+# has a 4-word rbg key, so a checkpoint saved with the default 2-word key does not restore.
+jax.config.update("jax_default_prng_impl", "rbg")
+
 BATCH, DIM, HIDDEN = 256, 512, 2048
 CHECKPOINT_EVERY = 2
 EVAL_EVERY = 3
