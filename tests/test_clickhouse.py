@@ -746,6 +746,28 @@ def test_a_real_restart_is_believed_and_a_forged_attempt_inside_it_is_not(capsys
     assert "rank 1 attempt" not in got["stderr"]
 
 
+def test_the_first_step_after_a_restore_reads_back_from_clickhouse_with_its_one_off_cost(capsys):
+    """A restart's first step, exported with train.first_after_restore (a bool: "true" in otel_traces),
+    is read back marked: report --clickhouse separates its one-off cost as the JSONL report does."""
+    client = fresh_client()
+    t = HOSTILE_T0 + 0.12 * HOSTILE_STEPS + 5.0
+    restart = []
+    for n in range(15):
+        first = n == 0
+        compute, interval = (0.5, 0.52) if first else (0.1, 0.12)
+        t += interval
+        extra = {"train__first_after_restore": True} if first else {}
+        restart += [_hostile_span("ar", rank, 10 + n, compute, interval, t, span=(1 << 20) + n * 2 + rank,
+                                  train__attempt=1, **extra) for rank in (0, 1)]
+    load(client, [_hostile_run("ar", *restart)])
+    got = _report_json(client, "ar", capsys)
+    (cost,) = got["job"]["after_restore"]
+    assert (cost["attempt"], cost["step"]) == (1, 10)
+    assert cost["typical_step_interval_seconds"] == pytest.approx(0.12, abs=1e-9)
+    assert cost["one_off_seconds"] == pytest.approx(0.4, abs=1e-9)
+    assert cost["one_off_compute_seconds"] == pytest.approx(0.38, abs=1e-9)
+
+
 def test_attempt_numbers_that_skip_are_believed_and_named(capsys):
     """An attempt that crashed before its first step sent nothing: attempt 0, then attempt 3, is a real
     restart sequence. It is believed, and the warning names the attempts that sent no step."""
