@@ -256,6 +256,22 @@ def _off_thread(torch: Any, index: int) -> _OffThread:
     return state
 
 
+def nvml_uuid(index: int) -> str | None:
+    """The NVML UUID (``GPU-<uuid>``) of CUDA device ``index`` as this process numbers it, or None.
+
+    CUDA_VISIBLE_DEVICES renumbers devices for CUDA but not for NVML, which numbers every GPU on the
+    node: the sampler finds the GPU by UUID, never by index. torch reports the UUID CUDA gives
+    (``cudaDeviceProp.uuid``, ``torch.cuda.get_device_properties(i).uuid``); NVML spells the same
+    bytes with a ``GPU-`` prefix (nvmlDeviceGetUUID; the ``nvidia-smi -L`` form)."""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
 def _event_done(event: Any) -> bool:
     """Whether ``event`` has completed (an off-training thread prepared by ``_off_thread``)."""
     handle = event.cuda_event if _OFF_THREAD.driver else 0

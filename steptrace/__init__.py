@@ -171,6 +171,11 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             warn_once(repeated, stacklevel=3)
         config = _active_config = settle_attempt(config)
         backends = Backends(config.backend)
+        if config.health == "nvml":
+            # A setup error (no pynvml, no driver) before anything is opened; one nvmlInit per process.
+            from steptrace import _health
+
+            _health.init_nvml(_health.import_nvml())
         built = _build_sinks(config, sinks)
         record_attempt(config)  # only once the sinks started: a failed init leaves no trace
         from steptrace._resolver import Resolver

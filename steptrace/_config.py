@@ -91,6 +91,16 @@ ENV_CAPTURE_SLOW_MAD = "STEPTRACE_CAPTURE_SLOW_MAD"
 CAPTURE_TRIGGERS = ("slow", "stall", "request", "spike", "straggler")
 ENV_CAPTURE_POLL_S = "STEPTRACE_CAPTURE_POLL_S"
 ENV_CAPTURE_SPIKE_SCALAR = "STEPTRACE_CAPTURE_SPIKE_SCALAR"
+#: GPU health per step window (steptrace/_health.py, docs/health.md): ``nvml`` or ``off`` (default).
+ENV_HEALTH = "STEPTRACE_HEALTH"
+#: The GPU to read, by NVML UUID (``GPU-...``) or PCI bus id (default: the GPU the rank's steps are timed on).
+ENV_HEALTH_DEVICE = "STEPTRACE_HEALTH_DEVICE"
+#: Seconds between health samples (default and least: 1).
+ENV_HEALTH_PERIOD_S = "STEPTRACE_HEALTH_PERIOD_S"
+HEALTH_SOURCES = ("off", "nvml")
+#: The shortest health sampling period: NVML's power is a 1 s average, its counters are cumulative,
+#: so a faster reader adds calls and no information (docs/health.md).
+MIN_HEALTH_PERIOD_S = 1.0
 CAPTURE_PROFILERS = ("auto", "torch", "jax")
 #: Added to the step number the trackers write at (the framework's own logging axis).
 ENV_TRACKER_STEP_OFFSET = "STEPTRACE_TRACKER_STEP_OFFSET"
@@ -191,6 +201,10 @@ class Config:
     capture_slow_mad: float = 6.0
     capture_spike_scalar: str = "loss"  # the s.log scalar whose spikes the "spike" trigger watches
     capture_poll_s: float = 5.0  # the "straggler" trigger asks the collector (otlp_endpoint) this often
+    # GPU health per step window (steptrace/_health.py, docs/health.md): "nvml" or "off".
+    health: str = "off"
+    health_device: str | None = None  # NVML UUID or PCI bus id; None: the GPU the steps are timed on
+    health_period_s: float = 1.0
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -354,6 +368,9 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         capture_poll_s=_first(code.get("capture_poll_s"), _env_float(ENV_CAPTURE_POLL_S, env), 5.0),
         capture_spike_scalar=str(_first(code.get("capture_spike_scalar"), env.get(ENV_CAPTURE_SPIKE_SCALAR) or None,
                                         "loss")),
+        health=str(_first(code.get("health"), env.get(ENV_HEALTH) or None, "off")).strip().lower(),
+        health_device=_first(code.get("health_device"), env.get(ENV_HEALTH_DEVICE) or None),
+        health_period_s=_first(code.get("health_period_s"), _env_float(ENV_HEALTH_PERIOD_S, env), 1.0),
         tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
         tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
                                                   "auto")),
@@ -561,6 +578,18 @@ def _validate(config: Config) -> None:
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
             raise ValueError(f"{field} must be a number >= {least:g}, got {value!r}")
+    if config.health not in HEALTH_SOURCES:
+        raise ValueError(f"health must be one of {', '.join(HEALTH_SOURCES)}, got {config.health!r} (set by "
+                         f"init(health=...) or {ENV_HEALTH})")
+    period = config.health_period_s
+    if isinstance(period, bool) or not isinstance(period, (int, float)) or \
+            not MIN_HEALTH_PERIOD_S <= period <= MAX_TIMEOUT_S:
+        raise ValueError(f"health_period_s must be a number of seconds in [{MIN_HEALTH_PERIOD_S:g}, "
+                         f"{MAX_TIMEOUT_S:g}], got {period!r} (NVML's power is a 1 s average: docs/health.md)")
+    device = config.health_device
+    if device is not None and not (isinstance(device, str) and device.strip() and device.isprintable()):
+        raise ValueError(f"health_device must be an NVML UUID (GPU-...) or a PCI bus id, got {device!r} "
+                         f"(set by init(health_device=...) or {ENV_HEALTH_DEVICE})")
     if config.attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "
                          f"{'/'.join(LAUNCHER_ATTEMPT_VARIABLES)})")

@@ -159,6 +159,12 @@ class StepRecord(_Common):
     own_compute_seconds: NotRequired[float]
     collective_wait_idle_breakdown: NotRequired[dict[str, float]]
     collective_wait_source: NotRequired[str]
+    # health="nvml" (steptrace/_health.py, docs/health.md): the GPU's health over the sampling window
+    # that ended in this step (the steps since the previous window share it: window_steps). Counters
+    # as deltas (violation_ms / violation_percent per policy, energy_joules, error counts), gauges as
+    # min/mean/max (sm_clock_mhz_*, temperature_c_max, power_watts_mean), clocks_event_reasons OR-ed;
+    # a field the GPU does not support is null and named in unsupported (field -> NVML error).
+    health: NotRequired[dict[str, Any]]
 
 
 class MicrobatchRecord(_Common):

@@ -1,0 +1,244 @@
+"""GPU health per step window (issue 38): the NVML sampler on the fake NVML (tests/fake_nvml.py), its
+windows in the step records, the exporters, the report's per-rank health and the straggler verdict's
+cause, the collector's join and alert. The real GPU's fields are read in tests/gpu/test_nvml.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("pynvml", reason="the health sampler needs nvidia-ml-py (steptrace[nvml])")
+
+import fake_nvml  # noqa: E402
+import steptrace  # noqa: E402
+from steptrace import _health  # noqa: E402
+from steptrace._config import resolve_config  # noqa: E402
+from steptrace.testing import capture  # noqa: E402
+
+
+def _sampler(fake, device="GPU-fake-0"):
+    _health.init_nvml(fake)
+    sampler = _health.HealthSampler(fake, device, period_s=1.0, unix_offset=0.0)
+    sampler._open()
+    return sampler
+
+
+def _window(sampler, gap_s=0.02):
+    """Take a sample, let the fake's counters run ``gap_s``, take another: the window between them."""
+    sampler.sample()
+    time.sleep(gap_s)
+    sampler.sample()
+    return sampler.window(time.perf_counter())
+
+
+# -- the fake enforces NVML's rules --------------------------------------------------------------------
+
+
+def test_fake_nvml_raises_before_init_and_after_shutdown_and_counts_inits(monkeypatch):
+    gpu = fake_nvml.gpu(0)
+    fake = fake_nvml.install(monkeypatch, [gpu])
+    with pytest.raises(fake.NVMLError) as before:
+        fake.nvmlDeviceGetPowerUsage(gpu)
+    assert before.value.value == fake.NVML_ERROR_UNINITIALIZED
+    fake.nvmlInit()
+    assert fake.nvmlDeviceGetPowerUsage(gpu) == 350_000  # mW
+    fake.nvmlShutdown()
+    with pytest.raises(fake.NVMLError):
+        fake.nvmlDeviceGetTotalEnergyConsumption(gpu)
+    assert fake.init_calls == 1
+
+
+def test_fake_nvml_coalesces_xids_and_counters_are_cumulative(monkeypatch):
+    gpu = fake_nvml.gpu(0)
+    fake = fake_nvml.install(monkeypatch, [gpu])
+    fake.nvmlInit()
+    events = fake.nvmlEventSetCreate()
+    fake.nvmlDeviceRegisterEvents(gpu, fake.nvmlEventTypeXidCriticalError, events)
+    gpu.xid(48)
+    gpu.xid(79)
+    assert fake.nvmlEventSetWait_v2(events, 0).eventData == 79  # only the latest
+    with pytest.raises(fake.NVMLError) as none:
+        fake.nvmlEventSetWait_v2(events, 0)
+    assert none.value.value == fake.NVML_ERROR_TIMEOUT
+    gpu.set_violation("thermal", 0.5)
+    first = fake.nvmlDeviceGetViolationStatus(gpu, fake.NVML_PERF_POLICY_THERMAL).violationTime
+    time.sleep(0.02)
+    second = fake.nvmlDeviceGetViolationStatus(gpu, fake.NVML_PERF_POLICY_THERMAL).violationTime
+    assert second - first >= 0.5 * 0.02 * 1e9 * 0.9  # ns, growing at half the wall time
+
+
+# -- the sampler -----------------------------------------------------------------------------------------
+
+
+def test_window_deltas_and_units_violation_ns_to_ms_and_percent_energy_mj_to_joules(monkeypatch):
+    gpu = fake_nvml.gpu(0, power_mw=400_000)
+    fake = fake_nvml.install(monkeypatch, [gpu])
+    sampler = _sampler(fake)
+    gpu.set_violation("thermal", 0.4)
+    gpu.set_violation("power", 0.1)
+    sampler.sample()
+    time.sleep(0.05)
+    sampler.window(time.perf_counter())  # counts a step, no window yet (one sample)
+    sampler.sample()
+    window = sampler.window(time.perf_counter())
+    seconds = window["window_seconds"]
+    assert window["window_steps"] == 2 and window["samples"] == 1
+    # 40 % of the window's wall time under the thermal policy, 10 % under power.
+    assert window["violation_percent"]["thermal"] == pytest.approx(40.0, abs=1.0)
+    assert window["violation_ms"]["thermal"] == pytest.approx(0.4 * seconds * 1e3, rel=0.03)
+    assert window["violation_percent"]["power"] == pytest.approx(10.0, abs=1.0)
+    assert window["violation_percent"]["low_utilization"] == 0.0
+    # 400 W for the window: mJ counter delta / 1000 J, half per step; power in W, not mW.
+    assert window["energy_joules"] == pytest.approx(400.0 * seconds, rel=0.03)
+    assert window["energy_joules_per_step"] == pytest.approx(window["energy_joules"] / 2)
+    assert window["power_watts_mean"] == 400.0
+    assert window["sm_clock_mhz_min"] == 1980 and window["temperature_c_max"] == 55
+    assert window["xid_events"] == 0 and window["ecc_uncorrected_volatile_errors"] == 0
+    assert window["nvlink_errors"] == 0 and window["unsupported"] == {}
+
+
+def test_no_sample_since_the_last_window_gives_no_window_and_the_step_shares_the_next():
+    fake = fake_nvml.FakeNvml([fake_nvml.gpu(0)])
+    sampler = _sampler(fake)
+    sampler.sample()
+    assert sampler.window(time.perf_counter()) is None
+    sampler.sample()
+    before = time.perf_counter()
+    sampler.sample()  # taken after ``before``: not in a window that ends there
+    window = sampler.window(before)
+    assert window is not None and window["window_steps"] == 2 and window["samples"] == 1
+    assert sampler.window(time.perf_counter())["window_steps"] == 1
+
+
+def test_reasons_are_ored_gpu_idle_masked_unknown_bits_kept_and_a_lone_hw_slowdown_dropped():
+    gpu = fake_nvml.gpu(0)
+    fake = fake_nvml.FakeNvml([gpu])
+    sampler = _sampler(fake)
+    sampler.sample()
+    gpu.reasons = fake_nvml.GPU_IDLE | fake_nvml.SW_THERMAL | 0x4000
+    gpu.pstate_change()  # HwSlowdown in one read only
+    window = _window(sampler)
+    assert window["clocks_event_reasons"] == fake_nvml.SW_THERMAL | 0x4000
+    assert window["clocks_event_reason_names"] == ["sw_thermal", "unknown_0x4000"]
+    gpu.reasons = fake_nvml.HW_SLOWDOWN  # persists across samples: counted
+    window = _window(sampler)
+    assert window["clocks_event_reasons"] == fake_nvml.HW_SLOWDOWN
+    assert window["clocks_event_reason_names"] == ["hw_slowdown"]
+
+
+def test_unsupported_fields_are_null_with_the_nvml_error_never_zero():
+    gpu = fake_nvml.gpu(0, unsupported={"energy", "violation:thermal", "remapped_rows", "nvlink", "xid", "ecc"})
+    fake = fake_nvml.FakeNvml([gpu])
+    sampler = _sampler(fake)
+    window = _window(sampler)
+    assert window["energy_joules"] is None and window["energy_joules_per_step"] is None
+    assert window["violation_ms"]["thermal"] is None and window["violation_percent"]["thermal"] is None
+    assert window["violation_ms"]["power"] == 0.0
+    for field in ("remapped_rows_uncorrectable", "nvlink_errors", "xid_events", "ecc_uncorrected_volatile_errors"):
+        assert window[field] is None, field
+    assert window["unsupported"] == {"energy": "NVML_ERROR_NOT_SUPPORTED",
+                                     "violation:thermal": "NVML_ERROR_NOT_SUPPORTED",
+                                     "remapped_rows": "NVML_ERROR_NOT_SUPPORTED", "nvlink": "NVML_ERROR_NOT_SUPPORTED",
+                                     "xid": "NVML_ERROR_NOT_SUPPORTED", "ecc": "NVML_ERROR_NOT_SUPPORTED"}
+    calls = fake.calls
+    sampler.sample()
+    # A field the GPU does not support is not asked again (power, 5 policies, reasons, 2 clocks, temperature).
+    assert fake.calls - calls == 10
+
+
+def test_an_old_driver_reads_reasons_under_the_throttle_name():
+    gpu = fake_nvml.gpu(0)
+    gpu.reasons = fake_nvml.SW_POWER_CAP
+    fake = fake_nvml.FakeNvml([gpu], driver_version="525.60.13")
+    sampler = _sampler(fake)
+    window = _window(sampler)
+    assert window["clocks_event_reason_names"] == ["sw_power_cap"] and "reasons" not in window["unsupported"]
+
+
+def test_error_counters_give_deltas_and_xids_the_latest_code():
+    gpu = fake_nvml.gpu(0)
+    fake = fake_nvml.FakeNvml([gpu])
+    sampler = _sampler(fake)
+    gpu.ecc_uncorrected_volatile = 3  # before the window: not this window's
+    sampler.sample()
+    gpu.ecc_uncorrected_volatile = 5
+    gpu.remapped_rows = [0, 1, 1, 0]
+    gpu.nvlink_errors[2][1] = 4
+    gpu.xid(13)
+    gpu.xid(79)
+    sampler.sample()
+    window = sampler.window(time.perf_counter())
+    assert window["ecc_uncorrected_volatile_errors"] == 2
+    assert window["remapped_rows_uncorrectable"] == 1 and window["remapped_rows_pending"] is True
+    assert window["nvlink_errors"] == 4
+    assert window["xid_events"] == 1 and window["last_xid"] == 79  # coalesced: the latest
+
+
+# -- configuration and the runtime ---------------------------------------------------------------------
+
+
+def test_health_config_validation_and_environment():
+    assert resolve_config(environ={}).health == "off"
+    config = resolve_config(environ={"STEPTRACE_HEALTH": "NVML", "STEPTRACE_HEALTH_DEVICE": "GPU-x",
+                                     "STEPTRACE_HEALTH_PERIOD_S": "2"})
+    assert (config.health, config.health_device, config.health_period_s) == ("nvml", "GPU-x", 2.0)
+    with pytest.raises(ValueError, match="health must be one of off, nvml"):
+        resolve_config(environ={}, health="dcgm")
+    with pytest.raises(ValueError, match=r"health_period_s must be .* \[1,"):
+        resolve_config(environ={}, health_period_s=0.1)
+
+
+def test_missing_pynvml_is_a_setup_error_naming_the_pip_install(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'steptrace\[nvml\]'"):
+        steptrace.init(health="nvml", run_dir=str(tmp_path), prometheus_port=None)
+    assert not list(tmp_path.iterdir())  # nothing was opened
+
+
+def test_steps_carry_their_window_and_nvml_is_initialised_once_per_process(monkeypatch):
+    monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
+    gpu = fake_nvml.gpu(1, power_mw=300_000)
+    fake = fake_nvml.install(monkeypatch, [fake_nvml.gpu(0), gpu])
+    gpu.set_violation("thermal", 0.25)
+    for _ in range(2):  # init() twice in one process: one nvmlInit
+        with capture(health="nvml", health_device="00000000:20:00.0", health_period_s=0.02) as sink:
+            for n in range(12):
+                with steptrace.step(n):
+                    time.sleep(0.01)
+        steps = sink.steps()
+        windows = [s["health"] for s in steps if "health" in s]
+        assert windows, "no step took a window"
+        # Every finalized step is counted in exactly one window, but the steps after the last sample.
+        assert sum(w["window_steps"] for w in windows) <= len(steps)
+        assert all(w["device"] == "00000000:20:00.0" and w["power_watts_mean"] == 300.0 for w in windows)
+        thermal = sum(w["violation_ms"]["thermal"] for w in windows)
+        seconds = sum(w["window_seconds"] for w in windows)
+        assert thermal / 1e3 / seconds == pytest.approx(0.25, abs=0.02)
+    assert fake.init_calls == 1
+    assert fake.calls > 0 and not any(t.name == "steptrace-health" for t in __import__("threading").enumerate())
+
+
+def test_health_off_never_imports_nvml(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    with capture() as sink:
+        with steptrace.step(0):
+            pass
+    assert "health" not in sink.steps()[0] and "pynvml" not in sys.modules
+
+
+def test_a_device_nvml_does_not_know_is_said_and_steps_go_on(monkeypatch, caplog):
+    monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
+    fake_nvml.install(monkeypatch, [fake_nvml.gpu(0)])
+    with caplog.at_level("WARNING", logger="steptrace"):
+        with capture(health="nvml", health_device="GPU-nope", health_period_s=0.02) as sink:
+            for n in range(3):
+                with steptrace.step(n):
+                    time.sleep(0.02)
+    assert len(sink.steps()) == 3 and not any("health" in s for s in sink.steps())
+    assert "cannot open GPU 'GPU-nope' in NVML: NVML_ERROR_NOT_FOUND" in caplog.text
