@@ -242,3 +242,124 @@ def test_a_device_nvml_does_not_know_is_said_and_steps_go_on(monkeypatch, caplog
                     time.sleep(0.02)
     assert len(sink.steps()) == 3 and not any("health" in s for s in sink.steps())
     assert "cannot open GPU 'GPU-nope' in NVML: NVML_ERROR_NOT_FOUND" in caplog.text
+
+
+# -- the report and the straggler verdict ------------------------------------------------------------------
+
+
+def _train_rank(tmp_path, rank, gpu_index, *, slow, steps=24):
+    """One rank of a synchronous 4-rank job, run here with its own init(): the straggler's steps take
+    as long as the others' (they wait for it in the collective) but it barely waits."""
+    steptrace.init(run_dir=str(tmp_path), run_id="job", rank=rank, world_size=4, health="nvml",
+                   health_device=f"GPU-fake-{gpu_index}", health_period_s=0.05, stall_watch=False)
+    try:
+        for n in range(steps):
+            with steptrace.step(n) as s:
+                time.sleep(0.03)
+                s.collective_wait += 0.001 if slow else 0.02
+                s.collective_source = "torch.distributed"
+    finally:
+        steptrace.shutdown()
+
+
+def _job(tmp_path, monkeypatch, gpus, straggler=2):
+    monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
+    fake_nvml.install(monkeypatch, gpus)
+    for rank in range(4):
+        _train_rank(tmp_path, rank, rank, slow=rank == straggler)
+    return tmp_path / "job"
+
+
+def test_a_thermal_straggler_is_named_with_its_gpu_cause_in_the_report(tmp_path, monkeypatch, capsys):
+    from steptrace.analysis.report import main
+
+    gpus = [fake_nvml.gpu(i, power_mw=350_000) for i in range(4)]
+    gpus[2].sm_clock_mhz = 1410
+    gpus[2].temperature_c = 87
+    gpus[2].set_violation("thermal", 0.45)
+    run = _job(tmp_path, monkeypatch, gpus)
+    assert main([str(run), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    stragglers = payload["stragglers"]
+    assert stragglers["top"] == "2"
+    gpu = stragglers["gpu"]
+    assert gpu["rank"] == 2 and gpu["gpu_anomaly"] is True
+    assert gpu["causes"][0].startswith("thermal violation in 100 % of its steps")
+    assert "SM clock 1410 vs 1980 MHz on the others" in gpu["causes"]
+    assert stragglers["sentence"].startswith("rank 2 cost the job")
+    assert stragglers["sentence"].endswith("; its GPU: thermal violation in 100 % of its steps, "
+                                           "SM clock 1410 vs 1980 MHz on the others")
+    health = payload["health"]
+    assert set(health) == {"0", "1", "2", "3"}
+    assert health["2"]["violation_percent"]["thermal"] == pytest.approx(45.0, abs=3.0)
+    assert health["0"]["violation_percent"]["thermal"] == 0.0
+    assert health["2"]["temperature_c_max"] == 87 and health["0"]["power_watts_mean"] == 350.0
+    assert main([str(run)]) == 0
+    text = capsys.readouterr().out.replace("\n", " ")
+    assert "its GPU: thermal violation in 100 % of its steps" in " ".join(text.split())
+
+
+def test_a_slow_host_straggler_is_reported_as_no_gpu_anomaly(tmp_path, monkeypatch, capsys):
+    from steptrace.analysis.report import main
+
+    run = _job(tmp_path, monkeypatch, [fake_nvml.gpu(i) for i in range(4)], straggler=1)
+    assert main([str(run), "--json"]) == 0
+    stragglers = json.loads(capsys.readouterr().out)["stragglers"]
+    assert stragglers["top"] == "1" and stragglers["gpu"]["gpu_anomaly"] is False
+    assert stragglers["sentence"].endswith("; its GPU shows no throttling or errors (no GPU anomaly): look at its "
+                                           "host (data, CPU)")
+
+
+def test_the_report_prints_power_in_watts_never_milliwatts(tmp_path, monkeypatch, capsys):
+    """Megatron's straggler log printed "601796W" for NVML's milliwatts (issue 38)."""
+    from steptrace.analysis.report import main
+
+    gpus = [fake_nvml.gpu(i, power_mw=601_796) for i in range(4)]
+    run = _job(tmp_path, monkeypatch, gpus)
+    assert main([str(run), "--width", "400"]) == 0
+    text = capsys.readouterr().out
+    lines = [line for line in text.splitlines() if line.startswith("GPU health rank")]
+    assert len(lines) == 4
+    assert all("power 601.8 W mean" in line for line in lines)
+    assert "601796" not in text and "601796.0" not in text
+
+
+def test_unsupported_fields_are_null_in_the_report_json_and_named(tmp_path, monkeypatch, capsys):
+    from steptrace.analysis.report import main
+
+    gpus = [fake_nvml.gpu(i, unsupported={"energy", "remapped_rows"}) for i in range(4)]
+    run = _job(tmp_path, monkeypatch, gpus, straggler=0)
+    records = [json.loads(line) for line in (run / "rank-0.jsonl").read_text().splitlines()]
+    windows = [r["health"] for r in records if r.get("type") == "step" and "health" in r]
+    assert windows and all(w["energy_joules"] is None and w["remapped_rows_uncorrectable"] is None for w in windows)
+    assert main([str(run), "--json"]) == 0
+    health = json.loads(capsys.readouterr().out)["health"]["0"]
+    assert health["energy_joules_per_step"] is None and health["errors"]["remapped_rows_uncorrectable"] is None
+    assert health["unsupported"] == {"energy": "NVML_ERROR_NOT_SUPPORTED", "remapped_rows": "NVML_ERROR_NOT_SUPPORTED"}
+
+
+def test_the_cause_is_claimed_only_above_the_other_ranks():
+    from steptrace.analysis.health import straggler_cause, summarize_health
+
+    def window(thermal, clock, steps=1):
+        return {"window_seconds": 1.0, "window_steps": steps, "violation_percent": {"thermal": thermal, "power": 0.0},
+                "clocks_event_reasons": 0, "sm_clock_mhz_mean": clock, "sm_clock_mhz_min": clock,
+                "xid_events": 0, "ecc_uncorrected_volatile_errors": 0}
+
+    # Every rank throttles in a hot room: the straggler's share is no higher than the others'.
+    hot = {r: summarize_health([window(30.0, 1700)] * 10) for r in range(4)}
+    assert straggler_cause("1", hot)["gpu_anomaly"] is False
+    # 3 % lower clock than the others: within the deficit the rule needs.
+    close = {r: summarize_health([window(0.0, 1980 if r else 1921)] * 10) for r in range(4)}
+    assert straggler_cause("0", close)["causes"] == []
+    # Thermal in 3 of 10 steps (others none), and an Xid: both named.
+    mixed = {r: summarize_health([window(0.0, 1980)] * 10) for r in range(4)}
+    mine = [window(20.0 if i < 3 else 0.0, 1980) for i in range(10)]
+    mine[5]["xid_events"], mine[5]["last_xid"] = 1, 79
+    mixed[3] = summarize_health(mine)
+    assert straggler_cause("3", mixed)["causes"] == ["thermal violation in 30 % of its steps",
+                                                     "1 Xid event (latest Xid 79)"]
+    # Window steps weigh the share: one window of 8 steps throttled, two of 1 step not.
+    weighted = summarize_health([window(50.0, 1980, steps=8), window(0.0, 1980), window(0.0, 1980)])
+    assert weighted["throttled_share_of_steps"]["thermal"] == pytest.approx(0.8)
+    assert straggler_cause(None, mixed) is None and straggler_cause("7", mixed) is None

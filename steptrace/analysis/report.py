@@ -24,6 +24,7 @@ from steptrace.analysis.goodput import job_accounting, job_goodput
 from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
+from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
 from steptrace.analysis.summary import as_number, percent_text, percentile, step_split, summarize, summarize_cluster
 
@@ -539,6 +540,19 @@ def _stragglers(run: Run) -> dict:
     return summarize_stragglers(straggler_steps(run.records_by_rank, run.world_size))
 
 
+def _health(run: Run, stragglers: dict | None) -> tuple[dict[int, dict], dict | None]:
+    """Each rank's GPU health (docs/health.md) and what it says of the run's straggler, if any."""
+    windows = rank_windows(run.records_by_rank, run.cluster_steps())
+    health = {rank: summarize_health(found) for rank, found in windows.items()}
+    return health, straggler_cause(stragglers.get("top") if stragglers else None, health)
+
+
+def _straggler_line(stragglers: dict, cause: dict | None) -> str | None:
+    """The straggler sentence, with its GPU's cause (or its absence) where the GPU was sampled."""
+    sentence = straggler_sentence(stragglers)
+    return sentence if sentence is None or cause is None else f"{sentence}; {cause['clause']}"
+
+
 def render_report(
     run: Run,
     *,
@@ -596,9 +610,13 @@ def render_report(
         joined_by = str(getattr(run.path, "joined_by", "steptrace collector"))
         _print_table(console, _cluster_table(cluster_steps, max_rows, joined_by))
         console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
-    sentence = straggler_sentence(_stragglers(run)) if len(run.ranks) > 1 or cluster_steps else None
+    stragglers = _stragglers(run) if len(run.ranks) > 1 or cluster_steps else None
+    health, cause = _health(run, stragglers)
+    sentence = _straggler_line(stragglers, cause) if stragglers is not None else None
     if sentence is not None:
         console.print(f"[bold]Straggler:[/] {escape(sentence)}")
+    for line in health_lines(health):
+        console.print(f"[bold]GPU health[/] {escape(line)}")
 
     dropped = {k: v for k, v in run.dropped.items() if v}
     if dropped:
@@ -725,7 +743,11 @@ def run_report(args: argparse.Namespace) -> int:
                      "wasted_steps": mine["wasted_steps"] if mine else 0} if job else None),
         }
         stragglers = _stragglers(run)
-        payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}
+        health, cause = _health(run, stragglers)
+        # the straggler's GPU cause (docs/health.md): null without a straggler or its GPU's health
+        payload["stragglers"] = {**stragglers, "sentence": _straggler_line(stragglers, cause), "gpu": cause}
+        # per rank, its GPU's health over the run (health="nvml"); {} when no rank sampled it
+        payload["health"] = {str(rank): summary for rank, summary in health.items()}
         print(json.dumps(payload, indent=2))
     else:
         from rich.console import Console
