@@ -62,6 +62,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by users without the
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
 from steptrace._attribution import ComputeShareWindow, Straggler, StragglerPersistence, StragglerScores
+from steptrace._health import window_errors, window_throttled
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
@@ -80,8 +81,8 @@ DEFAULT_SCORE_RANKS = 10
 
 
 class _RunState:
-    __slots__ = ("last_complete", "last_step", "persistence", "persistent", "scored", "scores", "stages",
-                 "straggler_ranks", "window")
+    __slots__ = ("health", "health_window", "last_complete", "last_step", "persistence", "persistent", "scored",
+                 "scores", "stages", "straggler_ranks", "window")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = ComputeShareWindow(window_steps)
@@ -93,6 +94,9 @@ class _RunState:
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
         self.scored: set[tuple[str, str]] = set()  # (rank, kind) with a score series
+        #: per rank, its last GPU health windows: (steps sharing it, throttled 0/1 or None, errors)
+        self.health: dict[int, collections.deque[tuple[float, float | None, int]]] = {}
+        self.health_window = straggler_window_steps
 
 
 class ClusterMetrics:
@@ -161,6 +165,18 @@ class ClusterMetrics:
         self.persistent_own = gauge("steptrace_cluster_persistent_straggler_own_ratio",
                                     f"The run's straggler's mean time on its own over the median rank's, over "
                                     f"the last {window} complete steps.", ("rank",))
+        self.persistent_gpu_throttled = gauge(
+            "steptrace_cluster_persistent_straggler_gpu_throttled_ratio",
+            f"The run's straggler's GPU: the share of its steps, over its last {window} health windows, whose "
+            "clocks a thermal, power, board-limit, reliability or sync-boost policy held down for >= 1 % of the "
+            "window, or a slowing clocks-event reason showed (health='nvml', docs/health.md).", ("rank",))
+        self.persistent_gpu_others_throttled = gauge(
+            "steptrace_cluster_persistent_straggler_gpu_others_throttled_ratio",
+            "The same share for the median other rank: the straggler's GPU is a cause only above it.", ("rank",))
+        self.persistent_gpu_errors = gauge(
+            "steptrace_cluster_persistent_straggler_gpu_errors",
+            f"The run's straggler's GPU errors over its last {window} health windows: Xid events, uncorrected "
+            "ECC errors, uncorrectable remapped rows, NVLink errors.", ("rank",))
         self.straggler_score = gauge("steptrace_cluster_straggler_score",
                                      "Per-rank straggler score over the last straggler_window_steps complete "
                                      "steps: relative (median rank's mean time on its own / this rank's) and "
@@ -300,6 +316,13 @@ class ClusterMetrics:
             self.ranks_reporting.labels(run_id).set(r["ranks_reporting"])
             if r["world_size"] is not None:
                 self.world_size.labels(run_id).set(r["world_size"])
+        for rank, health in (r.get("rank_health") or {}).items():
+            if isinstance(health, dict):
+                steps = health.get("window_steps")
+                weight = float(steps) if isinstance(steps, (int, float)) and steps >= 1 else 1.0
+                throttled = window_throttled(health)
+                state.health.setdefault(int(rank), collections.deque(maxlen=state.health_window)).append(
+                    (weight, None if throttled is None else float(throttled), window_errors(health)))
         if not r["complete"]:
             return
         # A rank's straggler counters appear when it is first named (at their first value), never
@@ -379,7 +402,9 @@ class ClusterMetrics:
                             f"named in {found.share_of_steps * 100:.0f} % of its last {found.complete_steps} "
                             f"complete steps{cost}")
         if state.persistent is not None and state.persistent != rank:
-            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
+            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own,
+                           self.persistent_gpu_throttled, self.persistent_gpu_others_throttled,
+                           self.persistent_gpu_errors):
                 try:
                     metric.remove(run_id, state.persistent)
                 except KeyError:
@@ -395,6 +420,26 @@ class ClusterMetrics:
             middle = statistics.median(means.values())
             if middle > 0:
                 self.persistent_own.labels(run_id, rank).set(means[found.rank] / middle)
+        self._persistent_gpu(run_id, state, found.rank)
+
+    def _persistent_gpu(self, run_id: str, state: _RunState, straggler: int) -> None:
+        """The run's straggler's GPU health beside the others' (only where its GPU is sampled)."""
+        def share(windows: Iterable[tuple[float, float | None, int]]) -> float | None:
+            known = [(weight, throttled) for weight, throttled, _ in windows if throttled is not None]
+            total = sum(weight for weight, _ in known)
+            return sum(weight * throttled for weight, throttled in known) / total if total else None
+
+        windows = state.health.get(straggler)
+        if not windows:
+            return
+        label = str(straggler)
+        mine = share(windows)
+        if mine is not None:
+            self.persistent_gpu_throttled.labels(run_id, label).set(mine)
+            others = [v for r, w in state.health.items() if r != straggler and (v := share(w)) is not None]
+            self.persistent_gpu_others_throttled.labels(run_id, label).set(statistics.median(others) if others
+                                                                            else 0.0)
+        self.persistent_gpu_errors.labels(run_id, label).set(sum(errors for _, _, errors in windows))
 
     # -- the bound on runs ---------------------------------------------------------------------
 
@@ -421,7 +466,9 @@ class ClusterMetrics:
                 pass
 
         if state.persistent is not None:
-            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
+            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own,
+                           self.persistent_gpu_throttled, self.persistent_gpu_others_throttled,
+                           self.persistent_gpu_errors):
                 remove(metric, state.persistent)
         for metric in (self.skew, self.straggler, self.straggler_cost, self.straggler_threshold,
                        self.ranks_reporting, self.world_size,

@@ -146,6 +146,7 @@ class HealthSampler:
         self._reasons_fn: Any = None
         self._stop = threading.Event()
         self.samples_taken = 0
+        self._first_window_taken = False
         self.cpu_seconds = 0.0
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="steptrace-health", daemon=True)
@@ -293,7 +294,9 @@ class HealthSampler:
             while self._samples and self._samples[0].time <= taken[-1].time:
                 self._samples.popleft()
         steps, self._steps = self._steps, 0
-        return window_record(base, taken, steps, self.unix_offset, self.device)
+        # The first sample's events (Xids since registration) were seen before any window: the first has them.
+        first, self._first_window_taken = not self._first_window_taken, True
+        return window_record(base, taken, steps, self.unix_offset, self.device, base_events=first)
 
     def close(self) -> None:
         self._stop.set()
@@ -331,8 +334,9 @@ def reason_names(mask: int) -> list[str]:
 
 
 def window_record(base: _Sample, samples: list[_Sample], steps: int, unix_offset: float,
-                  device: str) -> dict[str, Any]:
-    """The ``health`` of a step record: the window from ``base`` to ``samples[-1]`` (docs/records.md)."""
+                  device: str, base_events: bool = False) -> dict[str, Any]:
+    """The ``health`` of a step record: the window from ``base`` to ``samples[-1]`` (docs/records.md).
+    ``base_events``: the events ``base`` saw count too (the run's first window)."""
     last = samples[-1]
     seconds = last.time - base.time
     unsupported: dict[str, str] = {}
@@ -357,8 +361,9 @@ def window_record(base: _Sample, samples: list[_Sample], steps: int, unix_offset
     mask = 0
     for value in reasons_seen:
         mask |= value
-    xid_known = all(s.xid_events >= 0 for s in samples)
-    last_xids = [s.last_xid for s in samples if s.last_xid is not None]
+    with_events = [base, *samples] if base_events else samples
+    xid_known = all(s.xid_events >= 0 for s in with_events)
+    last_xids = [s.last_xid for s in with_events if s.last_xid is not None]
     pending = [s.pending for s in samples if s.pending is not None]
     return {
         "source": "nvml",
@@ -379,7 +384,7 @@ def window_record(base: _Sample, samples: list[_Sample], steps: int, unix_offset
         "sm_clock_mhz_mean": sum(sm) / len(sm) if sm else None,
         "memory_clock_mhz_mean": sum(mem) / len(mem) if mem else None,
         "temperature_c_max": max(temp) if temp else None,
-        "xid_events": sum(s.xid_events for s in samples) if xid_known else None,
+        "xid_events": sum(s.xid_events for s in with_events) if xid_known else None,
         "last_xid": last_xids[-1] if last_xids else None,
         "ecc_uncorrected_volatile_errors": _delta(base.ecc, last.ecc),
         "remapped_rows_uncorrectable": _delta(base.remapped, last.remapped),
@@ -387,6 +392,40 @@ def window_record(base: _Sample, samples: list[_Sample], steps: int, unix_offset
         "nvlink_errors": _delta(base.nvlink, last.nvlink),
         "unsupported": unsupported,
     }
+
+
+#: A window counts as throttled when a clock-reducing policy held the clocks this much of it (%).
+THROTTLED_PERCENT = 1.0
+_ERROR_FIELDS = ("xid_events", "ecc_uncorrected_volatile_errors", "remapped_rows_uncorrectable", "nvlink_errors")
+
+
+def window_throttled(window: dict[str, Any]) -> bool | None:
+    """Whether a health window's clocks were held down: a clock-reducing policy's violation time
+    reached ``THROTTLED_PERCENT`` of it, or a slowing clocks-event reason showed; None when the GPU
+    reported neither. The one rule the report and the collector use."""
+    known = False
+    for policy in SLOWING_POLICIES:
+        value = (window.get("violation_percent") or {}).get(policy)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            known = True
+            if value >= THROTTLED_PERCENT:
+                return True
+    mask = window.get("clocks_event_reasons")
+    if isinstance(mask, int) and not isinstance(mask, bool):
+        known = True
+        if mask & SLOWING_REASONS:
+            return True
+    return False if known else None
+
+
+def window_errors(window: dict[str, Any]) -> int:
+    """The GPU errors a health window counted (Xid events, uncorrected ECC, remapped rows, NVLink)."""
+    total = 0
+    for field in _ERROR_FIELDS:
+        value = window.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            total += int(value)
+    return total
 
 
 def start(config: Any, cuda_device: str | None, unix_offset: float) -> HealthSampler | None:

@@ -88,6 +88,7 @@ ATTR_COLLECTIVE_WAIT_IDLE_PREFIX = "train.collective_wait_idle."  # + reason + "
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
 ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step
+ATTR_HEALTH_PREFIX = "train.health."  # + field, or field + "." + key: a step's GPU health window
 
 
 def step_field_attribute(field: str) -> str:

@@ -60,7 +60,9 @@ a bounded queue). Per rank and step ``n``::
   on an attempt's first step ``train.before_step_seconds``, ``train.before_step.<reason>_seconds``
   and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
-  attributes). ``train.compute``: ``train.compute_seconds``. ``train.idle``:
+  attributes), ``train.health.<field>`` and ``train.health.<field>.<key>`` (the GPU's health
+  window, health="nvml": docs/health.md; null fields left out).
+  ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
   ``train.microbatch``, ``train.stage``, ``train.chunk``, ``train.kind``,
   ``train.compute_seconds``. ``train.checkpoint``: ``train.status``,
@@ -161,6 +163,7 @@ from steptrace._schema import (
     ATTR_BUBBLE_PREFIX,
     ATTR_COLLECTIVE_WAIT_IDLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
+    ATTR_HEALTH_PREFIX,
     ATTR_PROCESS_START_TIME,
     ATTR_RANK,
     ATTR_RUN_ID,
@@ -826,6 +829,16 @@ class OtlpSink:
             _put(attrs, f"train.device_memory.{key}", value)
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
+        health = r.get("health")
+        if isinstance(health, dict):
+            # The GPU's health window (docs/health.md), flat: train.health.<field>, a dict's entries as
+            # train.health.<field>.<key>; a null (unsupported) field is left out, never sent as 0.
+            for key, value in health.items():
+                if isinstance(value, dict):
+                    for inner, item in value.items():
+                        _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}.{inner}", item)
+                else:
+                    _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}", value)
         self._put_microbatch_summary(attrs, n)
         spans = [self._span(SPAN_STEP, trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
                             error)]

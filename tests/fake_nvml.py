@@ -76,6 +76,7 @@ class FakeGpu:
         self.unsupported = set(unsupported or ())
         self._transient_hw_slowdown = False
         self._pending_xids: list[int] = []
+        self._registered = False
         self._last = time.perf_counter()
         self._lock = threading.Lock()
 
@@ -101,7 +102,9 @@ class FakeGpu:
         self._transient_hw_slowdown = True
 
     def xid(self, code: int) -> None:
-        self._pending_xids.append(code)
+        """An Xid error: delivered to the event sets registered for it before it happened, else lost."""
+        if self._registered:
+            self._pending_xids.append(code)
 
     def check(self, field: str) -> None:
         if field in self.unsupported:
@@ -286,6 +289,7 @@ class FakeNvml(types.ModuleType):
         gpu = self._query(handle)
         gpu.check("xid")
         event_set.gpus.append(gpu)
+        gpu._registered = True
 
     def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
         self._initialised()

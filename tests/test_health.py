@@ -363,3 +363,68 @@ def test_the_cause_is_claimed_only_above_the_other_ranks():
     weighted = summarize_health([window(50.0, 1980, steps=8), window(0.0, 1980), window(0.0, 1980)])
     assert weighted["throttled_share_of_steps"]["thermal"] == pytest.approx(0.8)
     assert straggler_cause(None, mixed) is None and straggler_cause("7", mixed) is None
+
+
+# -- the exporters and the collector ---------------------------------------------------------------------
+
+
+def test_a_thermal_straggler_flows_through_the_collector_to_its_sentence_and_gauges(tmp_path, monkeypatch, capsys):
+    """Ranks export OTLP (health as train.health.*) to a real collector, which joins the windows
+    (cluster_step ``rank_health``, kept without --cluster-per-rank), publishes the straggler's GPU
+    gauges, and whose cluster.jsonl alone gives the report's sentence with the cause."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs steptrace[otlp]")
+    pytest.importorskip("prometheus_client", reason="the collector needs steptrace[prometheus]")
+    from collector_helpers import scrape, value
+    from collector_process import CollectorProcess
+    from steptrace.analysis.report import main
+
+    monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
+    gpus = [fake_nvml.gpu(i) for i in range(4)]
+    gpus[3].sm_clock_mhz = 1410
+    gpus[3].set_violation("thermal", 0.45)
+    fake_nvml.install(monkeypatch, gpus)
+    run_dir = tmp_path / "cluster"
+    collector = CollectorProcess(run_dir, 4, window_s=60.0)
+    steps = 24
+    try:
+        for rank in range(4):
+            steptrace.init(run_id="job", rank=rank, world_size=4, jsonl=False, health="nvml",
+                           health_device=f"GPU-fake-{rank}", health_period_s=0.05, stall_watch=False,
+                           otlp_endpoint=f"http://127.0.0.1:{collector.port}", otlp_batch_delay_s=0.05)
+            try:
+                for n in range(steps):
+                    with steptrace.step(n) as s:
+                        time.sleep(0.03)
+                        s.collective_wait += 0.001 if rank == 3 else 0.02
+                        s.collective_source = "torch.distributed"
+                        if rank == 3 and n == 5:
+                            gpus[3].xid(79)
+            finally:
+                assert steptrace.shutdown(timeout_s=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            text = scrape(collector.metrics_url)
+            if value(text, "steptrace_cluster_persistent_straggler_gpu_errors", run_id="job", rank="3") is not None \
+                    and value(text, "steptrace_cluster_steps_joined_total", run_id="job") == steps:
+                break
+            time.sleep(0.2)
+    finally:
+        assert collector.stop() == 0
+    job = {"run_id": "job", "rank": "3"}
+    assert value(text, "steptrace_cluster_persistent_straggler_gpu_throttled_ratio", **job) == 1.0
+    assert value(text, "steptrace_cluster_persistent_straggler_gpu_others_throttled_ratio", **job) == 0.0
+    assert value(text, "steptrace_cluster_persistent_straggler_gpu_errors", **job) == 1  # the Xid
+
+    clusters = [json.loads(line) for line in (run_dir / "job" / "cluster.jsonl").read_text().splitlines()]
+    health = [r["rank_health"] for r in clusters if r.get("type") == "cluster_step" and r.get("rank_health")]
+    assert health and all(set(h["3"]["violation_percent"]) == {"power", "thermal", "sync_boost", "board_limit",
+                                                               "low_utilization", "reliability"}
+                          for h in health if "3" in h)
+    assert not any((run_dir / "job").glob("rank-*.jsonl"))  # the sentence below is the collector's alone
+    capsys.readouterr()
+    assert main([str(run_dir / "job"), "--json"]) == 0
+    stragglers = json.loads(capsys.readouterr().out)["stragglers"]
+    assert stragglers["top"] == "3"
+    assert stragglers["gpu"]["causes"][:2] == ["thermal violation in 100 % of its steps",
+                                               "SM clock 1410 vs 1980 MHz on the others"]
+    assert stragglers["gpu"]["causes"][2] == "1 Xid event (latest Xid 79)"

@@ -22,10 +22,10 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
+from steptrace._health import THROTTLED_PERCENT
+
 __all__ = ["health_lines", "rank_windows", "straggler_cause", "summarize_health"]
 
-#: A window counts as throttled by a policy when the policy held the clocks this much of it (%).
-THROTTLED_PERCENT = 1.0
 #: The share of the straggler's steps a throttle must cover to be named ...
 CLAIM_MIN_SHARE = 0.2
 #: ... and how much more than on the median other rank.
