@@ -42,6 +42,14 @@ name                                                   type       extra labels
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
 ``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
+``steptrace_gpu_violation_seconds_total``              counter    ``policy`` (health="nvml": docs/health.md)
+``steptrace_gpu_energy_joules_total``                  counter    (health="nvml")
+``steptrace_gpu_power_watts``                          gauge      (health="nvml", last window's mean)
+``steptrace_gpu_sm_clock_hertz``                       gauge      (health="nvml", last window's mean)
+``steptrace_gpu_memory_clock_hertz``                   gauge      (health="nvml", last window's mean)
+``steptrace_gpu_temperature_celsius``                  gauge      (health="nvml", last window's max)
+``steptrace_gpu_clocks_event_reasons``                 gauge      (health="nvml", bitmask)
+``steptrace_gpu_errors_total``                         counter    ``kind`` (xid, ecc_uncorrected, remapped_rows, nvlink)
 ``steptrace_microbatch_seconds``                       summary    ``kind, stage, chunk``
 ``steptrace_checkpoint_blocking_seconds``              summary
 ``steptrace_checkpoint_async_seconds``                 summary
@@ -117,6 +125,11 @@ log = logging.getLogger("steptrace")
 _RUN_LABELS = ("run_id", "rank")
 _MAX_SCALAR_NAMES = 64
 _MAX_SPAN_NAMES = 32
+
+
+_HEALTH_POLICIES = frozenset(("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability"))
+_HEALTH_ERRORS = (("xid_events", "xid"), ("ecc_uncorrected_volatile_errors", "ecc_uncorrected"),
+                  ("remapped_rows_uncorrectable", "remapped_rows"), ("nvlink_errors", "nvlink"))
 
 
 def _observe(metric: Any, value: float, exemplar: dict[str, str]) -> None:
@@ -286,6 +299,26 @@ class PrometheusSink:
         self._scalar_names: set[str] = set()
         self._memory = Gauge("steptrace_device_memory_bytes", "Device memory after the last step: in use, "
                              "peak, and the device's limit.", run + ("kind",), registry=reg)
+        # GPU health (health="nvml", docs/health.md): NVML's units converted to Prometheus' base units.
+        self._gpu_violation = Counter("steptrace_gpu_violation_seconds", "Time an NVML perf policy held the GPU's "
+                                      "clocks down (nvmlDeviceGetViolationStatus), by policy.", run + ("policy",),
+                                      registry=reg)
+        self._gpu_energy = Counter("steptrace_gpu_energy_joules", "GPU energy used (NVML's mJ counter) over the "
+                                   "health windows.", run, registry=reg)
+        self._gpu_power = Gauge("steptrace_gpu_power_watts", "GPU power, mean of the last health window (NVML "
+                                "reports mW).", run, registry=reg)
+        self._gpu_sm_clock = Gauge("steptrace_gpu_sm_clock_hertz", "SM clock, mean of the last health window.", run,
+                                   registry=reg)
+        self._gpu_memory_clock = Gauge("steptrace_gpu_memory_clock_hertz", "Memory clock, mean of the last health "
+                                       "window.", run, registry=reg)
+        self._gpu_temperature = Gauge("steptrace_gpu_temperature_celsius", "GPU temperature, max of the last "
+                                      "health window.", run, registry=reg)
+        self._gpu_reasons = Gauge("steptrace_gpu_clocks_event_reasons", "NVML clocks-event reasons of the last "
+                                  "health window, OR-ed (a bitmask; GpuIdle masked, a lone HwSlowdown dropped).", run,
+                                  registry=reg)
+        self._gpu_errors = Counter("steptrace_gpu_errors", "GPU errors seen by the health sampler, by kind: xid "
+                                   "(events; NVML coalesces bursts), ecc_uncorrected (volatile), remapped_rows "
+                                   "(uncorrectable), nvlink.", run + ("kind",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
         self._interval_median = Gauge("steptrace_step_interval_median_seconds", "Median interval of the last "
@@ -440,9 +473,39 @@ class PrometheusSink:
                 self._scalar.labels(*labels, name).set(value)
         for kind, value in memory.items():
             self._memory.labels(*labels, kind).set(value)
+        if isinstance(r.get("health"), dict):
+            self._health(r["health"])
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
         self._intervals.append(interval)
+
+    def _health(self, h: dict[str, Any]) -> None:
+        """A GPU health window (docs/health.md): counters add its deltas, gauges show it; a null
+        (unsupported) field leaves its series alone. 16 series at most, created by the first window."""
+        labels = self._labels
+        # Every value is checked before any series moves: a bad window is dropped whole (ValueError).
+        violation = {str(p): _optional(ms, nonnegative=True) for p, ms in (h.get("violation_ms") or {}).items()
+                     if str(p) in _HEALTH_POLICIES}
+        values = {field: _optional(h.get(field), nonnegative=True)
+                  for field in ("energy_joules", "power_watts_mean", "sm_clock_mhz_mean", "memory_clock_mhz_mean",
+                                "temperature_c_max", "clocks_event_reasons")}
+        errors = {kind: _optional(h.get(field), nonnegative=True) for field, kind in _HEALTH_ERRORS}
+        for policy, ms in violation.items():
+            if ms is not None:
+                self._gpu_violation.labels(*labels, policy).inc(ms / 1e3)
+        if values["energy_joules"] is not None:
+            self._gpu_energy.labels(*labels).inc(values["energy_joules"])
+        for field, series, scale in (("power_watts_mean", self._gpu_power, 1.0),
+                                     ("sm_clock_mhz_mean", self._gpu_sm_clock, 1e6),
+                                     ("memory_clock_mhz_mean", self._gpu_memory_clock, 1e6),
+                                     ("temperature_c_max", self._gpu_temperature, 1.0),
+                                     ("clocks_event_reasons", self._gpu_reasons, 1.0)):
+            value = values[field]
+            if value is not None:
+                series.labels(*labels).set(value * scale)
+        for kind, count in errors.items():
+            if count is not None:
+                self._gpu_errors.labels(*labels, kind).inc(count)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])

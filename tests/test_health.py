@@ -428,3 +428,73 @@ def test_a_thermal_straggler_flows_through_the_collector_to_its_sentence_and_gau
     assert stragglers["gpu"]["causes"][:2] == ["thermal violation in 100 % of its steps",
                                                "SM clock 1410 vs 1980 MHz on the others"]
     assert stragglers["gpu"]["causes"][2] == "1 Xid event (latest Xid 79)"
+
+
+def _recorded_windows(monkeypatch, gpu):
+    """Step records with health windows from the real runtime on ``gpu``."""
+    monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
+    fake_nvml.install(monkeypatch, [gpu])
+    with capture(health="nvml", health_device=gpu.uuid, health_period_s=0.02) as sink:
+        for n in range(10):
+            with steptrace.step(n):
+                time.sleep(0.015)
+    return [s for s in sink.steps() if "health" in s]
+
+
+def test_prometheus_serves_health_in_base_units_within_sixteen_series(monkeypatch):
+    pytest.importorskip("prometheus_client", reason="needs steptrace[prometheus]")
+    from collector_helpers import scrape, value
+    from prometheus_client.parser import text_string_to_metric_families
+    from steptrace.prometheus import PrometheusSink
+
+    gpu = fake_nvml.gpu(0, power_mw=601_796, sm_clock_mhz=1410, temperature_c=83)
+    gpu.set_violation("thermal", 0.3)
+    gpu.reasons = fake_nvml.SW_THERMAL
+    steps = _recorded_windows(monkeypatch, gpu)
+    steps[-1]["health"]["xid_events"] = 2
+    sink = PrometheusSink(0, run_id="r", rank=0)
+    try:
+        sink.export(steps)
+        text = scrape(sink.endpoint)
+    finally:
+        sink.shutdown(1)
+    run = {"run_id": "r", "rank": "0"}
+    windows = [s["health"] for s in steps]
+    assert value(text, "steptrace_gpu_power_watts", **run) == pytest.approx(601.796)  # mW -> W
+    assert value(text, "steptrace_gpu_sm_clock_hertz", **run) == 1410e6
+    assert value(text, "steptrace_gpu_temperature_celsius", **run) == 83
+    assert value(text, "steptrace_gpu_clocks_event_reasons", **run) == fake_nvml.SW_THERMAL
+    assert value(text, "steptrace_gpu_violation_seconds_total", policy="thermal", **run) == pytest.approx(
+        sum(w["violation_ms"]["thermal"] for w in windows) / 1e3)
+    assert value(text, "steptrace_gpu_energy_joules_total", **run) == pytest.approx(
+        sum(w["energy_joules"] for w in windows))
+    assert value(text, "steptrace_gpu_errors_total", kind="xid", **run) == 2
+    gpu_series = [s for family in text_string_to_metric_families(text) if family.name.startswith("steptrace_gpu_")
+                  for s in family.samples if not s.name.endswith("_created")]
+    assert len(gpu_series) == 16
+
+
+def test_otlp_step_span_carries_health_flat_and_leaves_nulls_out(monkeypatch):
+    pytest.importorskip("opentelemetry.sdk", reason="needs steptrace[otlp]")
+    from otlp_receiver import OtlpHttpReceiver
+
+    gpu = fake_nvml.gpu(0, unsupported={"energy"})
+    gpu.set_violation("power", 0.2)
+    monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
+    fake_nvml.install(monkeypatch, [gpu])
+    with OtlpHttpReceiver() as receiver:
+        with capture(health="nvml", health_device=gpu.uuid, health_period_s=0.02, otlp_endpoint=receiver.url,
+                     otlp_batch_delay_s=0.05) as sink:
+            for n in range(10):
+                with steptrace.step(n):
+                    time.sleep(0.015)
+        spans = {s.attributes["train.step"]: s.attributes for s in receiver.spans() if s.name == "train.step"}
+    records = [s for s in sink.steps() if "health" in s]
+    assert records
+    for record in records:
+        attrs, health = spans[record["step"]], record["health"]
+        assert attrs["train.health.violation_percent.power"] == health["violation_percent"]["power"]
+        assert attrs["train.health.power_watts_mean"] == health["power_watts_mean"]
+        assert attrs["train.health.window_steps"] == health["window_steps"]
+        assert "train.health.energy_joules" not in attrs  # null: unsupported, never 0
+        assert attrs["train.health.unsupported.energy"] == "NVML_ERROR_NOT_SUPPORTED"
