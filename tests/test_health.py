@@ -498,3 +498,28 @@ def test_otlp_step_span_carries_health_flat_and_leaves_nulls_out(monkeypatch):
         assert attrs["train.health.window_steps"] == health["window_steps"]
         assert "train.health.energy_joules" not in attrs  # null: unsupported, never 0
         assert attrs["train.health.unsupported.energy"] == "NVML_ERROR_NOT_SUPPORTED"
+
+
+def test_a_forked_child_inits_nvml_for_itself_once_and_its_copy_of_the_sampler_reads_nothing():
+    import os
+
+    fake = fake_nvml.FakeNvml([fake_nvml.gpu(0)])
+    sampler = _sampler(fake)  # nvmlInit in this process
+    sampler.start()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's init is not its own; the sampler's thread did not follow
+            code = 0
+            try:
+                sampler.forked()
+                _health.init_nvml(fake)
+                _health.init_nvml(fake)
+                code = fake.init_calls * 10 + (1 if sampler._stop.is_set() else 0)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 21  # one more init in the child (2 in its copy), its sampler stopped
+        _health.init_nvml(fake)
+        assert fake.init_calls == 1  # the parent's stays one
+    finally:
+        sampler.close()
