@@ -118,7 +118,7 @@ def main() -> None:
         rows = results[variant]
         ratio = statistics.median(r["loop"] / b["loop"] for r, b in zip(rows, results["off"]))
 
-        def med(key: str, scale: float = 1e6) -> float:
+        def med(key: str, scale: float = 1e6, rows: list[dict] = rows) -> float:
             return statistics.median(r[key] for r in rows) * scale
 
         print(f"| {variant} | {med('loop', 1e3):.3f} ms | {ratio:.3f} | {med('train_cpu', 1e3):.3f} ms | "
