@@ -244,7 +244,7 @@ class HealthSampler:
         if "nvlink" in self._unsupported:
             sample.errors["nvlink"] = self._unsupported["nvlink"]
             return None
-        nvml, total, links = self.nvml, 0, 0
+        nvml, total, links, read, failure = self.nvml, 0, 0, 0, None
         for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
             try:
                 nvml.nvmlDeviceGetNvLinkState(self._handle, link)
@@ -259,8 +259,15 @@ class HealthSampler:
             for counter in range(NVLINK_COUNTERS):
                 try:
                     total += int(nvml.nvmlDeviceGetNvLinkErrorCounter(self._handle, link, counter))
-                except Exception:
-                    pass
+                    read += 1
+                except Exception as exc:
+                    failure = error_name(nvml, exc)
+        if links and not read:
+            # Links, but no counter NVML will give (newer GPUs report them as field values): unknown, not 0.
+            sample.errors["nvlink"] = failure or "NVML_ERROR_NOT_SUPPORTED"
+            if failure in ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND"):
+                self._unsupported["nvlink"] = failure
+            return None
         return total if links else None
 
     def _xids(self, sample: _Sample) -> None:

@@ -72,7 +72,8 @@ class FakeGpu:
         self.remapped_rows = [0, 0, 0, 0]  # corrected, uncorrected, pending, failure
         self.nvlink_errors = [[0, 0, 0, 0] for _ in range(nvlinks)]  # per link: replay, recovery, crc flit, crc data
         #: Fields this GPU (or driver) does not support: "power", "energy", "violation:<policy>",
-        #: "reasons", "clocks", "memory_clock", "temperature", "ecc", "remapped_rows", "nvlink", "xid".
+        #: "reasons", "sm_clock", "memory_clock", "temperature", "ecc", "remapped_rows", "nvlink", "xid",
+        #: "nvlink_counters" (links up, their error counters not given).
         self.unsupported = set(unsupported or ())
         self._transient_hw_slowdown = False
         self._pending_xids: list[int] = []
@@ -240,7 +241,7 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetClockInfo(self, handle: Any, clock: int) -> int:
         gpu = self._query(handle)
         if clock == _real.NVML_CLOCK_SM:
-            gpu.check("clocks")
+            gpu.check("sm_clock")
             return gpu.sm_clock_mhz
         if clock == _real.NVML_CLOCK_MEM:
             gpu.check("memory_clock")
@@ -276,6 +277,7 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: int, counter: int) -> int:
         gpu = self._query(handle)
         gpu.check("nvlink")
+        gpu.check("nvlink_counters")  # links up, counters not given (newer GPUs: field values instead)
         if not 0 <= link < len(gpu.nvlink_errors) or not 0 <= counter < 4:
             raise _error(_real.NVML_ERROR_INVALID_ARGUMENT)
         return gpu.nvlink_errors[link][counter]

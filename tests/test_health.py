@@ -148,6 +148,13 @@ def test_unsupported_fields_are_null_with_the_nvml_error_never_zero():
     assert fake.calls - calls == 10
 
 
+def test_nvlink_links_whose_counters_nvml_does_not_give_are_null_not_zero():
+    gpu = fake_nvml.gpu(0, unsupported={"nvlink_counters"})
+    sampler = _sampler(fake_nvml.FakeNvml([gpu]))
+    window = _window(sampler)
+    assert window["nvlink_errors"] is None and window["unsupported"]["nvlink"] == "NVML_ERROR_NOT_SUPPORTED"
+
+
 def test_an_old_driver_reads_reasons_under_the_throttle_name():
     gpu = fake_nvml.gpu(0)
     gpu.reasons = fake_nvml.SW_POWER_CAP
