@@ -308,7 +308,7 @@ class HealthSampler:
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self.pid == os.getpid():
-            self._thread.join(2 * self.period_s + 1.0)
+            self._thread.join(5.0)  # the stop wakes its wait at once; only a sample in flight is waited for
         if self._events is not None:
             try:
                 self.nvml.nvmlEventSetFree(self._events)
