@@ -168,8 +168,12 @@ def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_wi
     mbs = {(m["step"], m["microbatch"]): m for m in sink.microbatches()}
     assert len(mbs) == 200 * 32
     for n in range(1, 200):
-        for i in range(1, 32):
-            if kernels[n][i].start_time == kernels[n][i - 1].end_time:
+        for i in range(1, 31):
+            # Its window is its kernel alone only where the device ran straight through both of its
+            # markers: a host held up before the end marker (preempted on a loaded machine: 9.3 ms
+            # seen) lets the queue drain, and the marker then completes when it is recorded.
+            k = kernels[n]
+            if k[i].start_time == k[i - 1].end_time and k[i + 1].start_time == k[i].end_time:
                 assert mbs[n, i]["compute_seconds"] == pytest.approx(0.4 * MS, abs=US), (n, i)
     assert longest_poll[0] <= 1 * MS, longest_poll[0]
 
