@@ -628,7 +628,9 @@ def test_with_cuda_malloc_async_the_gpu_with_a_context_is_timed_and_no_other_is_
             time.sleep(MS)
     steps = {r["step"]: r for r in sink.steps()}
     for n in range(1, 5):
-        assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
+        # GPU 1's kernel, not GPU 0's idle stream (~0.02 ms); more where the host was preempted between
+        # the start marker and the launch (the GPU idled inside the step; it failed so under load).
+        assert 3.5 * MS <= steps[n]["compute_seconds"] <= steps[n]["interval_seconds"], (n, steps[n])
     assert fake.contexts[0] == 0, fake.context_made_by
     assert sum("CUDA context only on cuda:1" in r.getMessage() for r in caplog.records) == 1
 
