@@ -636,3 +636,37 @@ def test_a_profiler_that_does_not_start_is_a_failed_capture_not_a_skipped_one(tm
     assert record["status"] == "failed" and record["trigger"] == "request" and record["profiler"] == "torch"
     assert record["error"] == "the profiler did not start: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
     assert capture_state.failures == 1 and capture_state.taken == 0
+
+
+def test_the_collector_counts_the_capture_requests_it_issued_handed_out_and_let_expire(tmp_path):
+    """steptrace_cluster_capture_requests_total{state}: issued = fetched + expired + pending, per run, from
+    the run's first span at 0, through the collector's own wiring and its real capture endpoint."""
+    pytest.importorskip("opentelemetry.proto", reason="the collector needs steptrace[collector]")
+    import http.client
+
+    from steptrace.collector import Collector, CollectorConfig
+
+    collector = Collector(CollectorConfig(port=0, metrics_port=0, run_dir=str(tmp_path))).start()
+
+    def counted(run_id="job-1"):
+        return {s.labels["state"]: s.value for f in collector.metrics.registry.collect() for s in f.samples
+                if s.name == "steptrace_cluster_capture_requests_total" and s.labels["run_id"] == run_id}
+
+    try:
+        assert counted() == {}
+        collector.metrics.publish([{"type": "late", "run_id": "job-1"}])  # the run's first record
+        assert counted() == {"issued": 0.0, "fetched": 0.0, "expired": 0.0}
+        collector.captures.verdict("job-1", culprit=3, reference=1, step=40, detail="")
+        conn = http.client.HTTPConnection("127.0.0.1", collector.port, timeout=10)
+        conn.request("GET", "/v1/steptrace/capture?run_id=job-1&rank=3")
+        assert json.loads(conn.getresponse().read())["capture"] is True
+        conn.close()
+        assert counted() == {"issued": 2.0, "fetched": 1.0, "expired": 0.0}
+        # A new verdict before rank 1 asked replaces its request: that one expired unfetched.
+        collector.captures.verdict("job-1", culprit=2, reference=1, step=80, detail="")
+        assert counted() == {"issued": 4.0, "fetched": 1.0, "expired": 1.0}
+        # A run the metrics do not track (never sent a span) gets no series.
+        collector.captures.verdict("ghost", culprit=0, reference=None, step=1, detail="")
+        assert counted("ghost") == {}
+    finally:
+        collector.close()
