@@ -12,7 +12,9 @@ start of the next step, never inside one) and stops it at the boundary ``capture
 * ``stall``: the stall watch saw the rank stop moving. A profiler cannot start inside a hang (the
   training thread is stuck), so the ``stall`` record's stacks are the hang's evidence, and the
   capture covers the steps once the rank moves again.
-* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler).
+* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler), or ``POST
+  /v1/steptrace/capture`` with the ``capture_token`` on the rank's ``/metrics`` server
+  (``steptrace.prometheus.CaptureRoute``).
 * ``straggler``: the collector named this rank the run's straggler, or the reference rank to compare
   it with (``collector/_captures.py``). A daemon thread asks the collector every ``capture_poll_s``
   (``GET /v1/steptrace/capture``, the OTLP endpoint and headers); a failed poll is counted, never raised.
