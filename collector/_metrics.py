@@ -40,6 +40,11 @@ so far (a step completed out of order does not move them back):
   ``..._own_ratio{rank}`` (its mean time on its own over the median rank's, the window's): at most
   one rank per run, its series gone when it stops being one. The alert reads these
   (collector/alerts.yml ``SteptraceStraggler``), not a rule of its own.
+* ``steptrace_cluster_capture_requests_total{state}``: the profiler captures this collector asked of
+  the run's ranks when its straggler verdict changed (collector/_captures.py, docs/capture.md):
+  ``issued`` (the culprit and a reference rank), ``fetched`` by the rank named, ``expired`` (never
+  fetched: the rank's capture is off, a newer verdict replaced it, or the run was dropped). All three
+  exist from a run's first span, at 0.
 
 A run's series are removed when more than ``max_runs`` runs have been seen
 since (least recently active first), so a stream of run ids cannot grow the
@@ -73,6 +78,8 @@ JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
                       120.0, 300.0)
 
 _STATS = ("min", "median", "max")
+#: ``state`` of ``steptrace_cluster_capture_requests_total`` (collector/_captures.py).
+_CAPTURE_STATES = ("issued", "fetched", "expired")
 #: ``stage`` label values of ``steptrace_cluster_pipeline_bubble_ratio`` per run (the last complete step's).
 MAX_STAGES_PER_RUN = 64
 #: Ranks per run and kind with a ``steptrace_cluster_straggler_score`` series: the lowest scores
@@ -109,7 +116,8 @@ class ClusterMetrics:
         self._score_ranks = straggler_score_ranks
         self._straggler_window_steps = straggler_window_steps
         self._max_runs = max_runs
-        self._lock = threading.Lock()
+        # Re-entrant: a verdict (under the lock) issues capture requests, which count themselves here.
+        self._lock = threading.RLock()
         self._runs: collections.OrderedDict[str, _RunState] = collections.OrderedDict()
         #: Told (run_id, culprit, reference rank or None, step, detail) when a run's straggler verdict
         #: changes to a rank (the capture requests, collector/_captures.py).
@@ -202,6 +210,11 @@ class ClusterMetrics:
         self.join_lag = Histogram("steptrace_cluster_join_lag_seconds",
                                   "Time from a step's first span arriving to its joined record.", run,
                                   registry=reg, buckets=JOIN_LAG_BUCKETS_S)
+        self.capture_requests = counter("steptrace_cluster_capture_requests",
+                                        "Profiler captures asked of the run's ranks when its straggler verdict "
+                                        "changed: issued (the culprit and a reference rank), fetched by the rank "
+                                        "named, expired (never fetched: its capture is off, a newer verdict "
+                                        "replaced it, or the run was dropped).", run + ("state",))
         self.received = counter("steptrace_collector_received_spans",
                                 "Spans received (all kinds), by the run of the resource that sent them.")
         self.skipped = counter("steptrace_collector_skipped_spans",
@@ -279,6 +292,13 @@ class ClusterMetrics:
             for run_id, count in by_run.items():
                 self._touch(run_id)
                 self.conflicts.labels(run_id).inc(count)
+
+    def capture_requests_counted(self, run_id: str, state: str, n: int) -> None:
+        """Capture requests of ``run_id`` that changed ``state`` (collector/_captures.py); a run no longer
+        tracked (dropped past ``max_runs``) gets no series back."""
+        with self._lock:
+            if run_id in self._runs and state in _CAPTURE_STATES:
+                self.capture_requests.labels(run_id, state).inc(n)
 
     def tracker_dropped_records(self, tracker: str, reason: str, count: int) -> None:
         """Joined steps a tracker did not get (called from the trackers' thread)."""
@@ -451,6 +471,8 @@ class ClusterMetrics:
             for metric in (self.joined, self.incomplete, self.late, self.duplicates, self.evicted, self.received,
                            self.conflicts):
                 metric.labels(run_id)
+            for state_name in _CAPTURE_STATES:
+                self.capture_requests.labels(run_id, state_name)
             while len(self._runs) > self._max_runs:
                 old_id, old = self._runs.popitem(last=False)
                 self._forget(old_id, old)
@@ -475,6 +497,8 @@ class ClusterMetrics:
                        self.compute_share, self.last_step, self.last_complete, self.joined, self.incomplete,
                        self.join_lag, self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)
+        for state_name in _CAPTURE_STATES:
+            remove(self.capture_requests, state_name)
         for stat in _STATS:
             remove(self.compute, stat)
             remove(self.interval, stat)

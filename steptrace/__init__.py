@@ -196,6 +196,10 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             attach_position = getattr(sink, "attach_position", None)
             if callable(attach_position):
                 attach_position(runtime.position)
+            # The HTTP capture trigger on the rank's /metrics server arms what request_capture() arms.
+            attach_capture = getattr(sink, "attach_capture", None)
+            if callable(attach_capture) and runtime.capture is not None and "request" in runtime.capture.triggers:
+                attach_capture(runtime.capture.request)
         _install(runtime)
         if not _process_hooks_registered:
             atexit.register(_shutdown_at_exit)
