@@ -673,8 +673,8 @@ class _FakeDriver:
         self.exchanges: list[tuple[str, str]] = []
         #: (thread, call) of every event call made through the driver.
         self.calls: list[tuple[str, str]] = []
-        #: (thread, "PyDLL" or "CDLL") of every cuEventRecord: whether it kept the GIL.
-        self.record_routes: list[tuple[str, str]] = []
+        #: (thread, "PyDLL" or "CDLL", whether the device had no work left) of every cuEventRecord.
+        self.record_routes: list[tuple[str, str, bool]] = []
         self._local = threading.local()
 
     def exchange_capture_mode(self, mode: int) -> int:
@@ -758,7 +758,8 @@ class _FakeDriver:
         fake, target = self.fake, self._stream(stream)
         marker = fake._handles.get(event) if event else None
         self.calls.append((threading.current_thread().name, "cuEventRecord"))
-        self.record_routes.append((threading.current_thread().name, "PyDLL" if holds_gil else "CDLL"))
+        device_idle = marker is not None and fake.gpus[marker._device]._queue_until <= time.perf_counter()
+        self.record_routes.append((threading.current_thread().name, "PyDLL" if holds_gil else "CDLL", device_idle))
         if marker is not None:
             fake._wait_for_sync(marker._device, "cuEventRecord", holds_gil=holds_gil, table=fake._in_copy)
         if marker is None or target is None:
