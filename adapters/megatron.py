@@ -547,6 +547,10 @@ def install(**init_settings: Any) -> list[str]:
             flops_fn = None
         _throughput = _Throughput(flops_fn)
         _patch(training, "train_step", _hook_train_step)
+        # Megatron's own OpenTelemetry export: its per-step spans join steptrace's step traces.
+        from steptrace.adapters.megatron_otel import install_join
+
+        install_join(_hooks, training, lambda: _state.next_step)
         _patch(training, "save_checkpoint_and_time", _hook_save_checkpoint_and_time)
         async_utils = _import_megatron_lm(_ASYNC_UTILS)
         if async_utils is not None:
