@@ -38,6 +38,8 @@ user guide is ``docs/megatron.md``:
   when it has work: a blocking wait, or a non-blocking call while a save is in
   flight; the async commit ends when Megatron's queue finalized the save, not
   after the worker shutdown of ``terminate=True``).
+- With Megatron-LM's own OpenTelemetry export, ``training._otel_managed_span``: Megatron's per-step
+  spans open under steptrace's step span, one trace per step (``steptrace.adapters.megatron_otel``).
 
 Per step and stage the record carries ``pipeline_bubble_ratio`` over the
 pipeline window (step start to the stage's last microbatch) and

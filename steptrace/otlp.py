@@ -72,6 +72,10 @@ a bounded queue). Per rank and step ``n``::
   ``OTEL_RESOURCE_ATTRIBUTES``, else ``steptrace``; ``service.instance.id`` =
   ``<run_id>/rank-<rank>`` always (all ranks share the environment, so a value
   from ``OTEL_RESOURCE_ATTRIBUTES`` would make them indistinguishable).
+  With nemo-lens's export on (``MEGATRON_OTEL_ENABLED``/``NEMO_LENS_ENABLED``: Megatron-LM's own
+  OpenTelemetry), its identity instead (:func:`nemo_lens_resource`): ``nemo.run.id``,
+  ``service.instance.id`` = ``<nemo.run.id>-rank<rank>``, ``dl.rank``, ``dl.world_size``, its
+  ``service.name``; one resource per rank for both exporters.
 
 Metrics
 -------
