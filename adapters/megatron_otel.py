@@ -63,6 +63,40 @@ def _exporting(training: Any) -> bool:
     return handle is not None and bool(getattr(handle, "is_exporting", False))
 
 
+_api: list[Any] = []  # opentelemetry's trace API and steptrace's ids, imported at the first join
+
+
+def _otel_api() -> Any:
+    if not _api:
+        from opentelemetry import context, trace
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+        from steptrace._ids import span_id, trace_id
+
+        _api.append((context, trace, NonRecordingSpan, SpanContext, TraceFlags, trace_id, span_id))
+    return _api[0]
+
+
+_checked_resource: list[Any] = []  # the configurations whose resource join was checked (once each)
+
+
+def _check_resource(config: Any) -> None:
+    """Warn once when Megatron exports but steptrace's resource did not join nemo-lens's (its export was
+    turned on by ``--otel-enabled`` alone, after steptrace made its resource)."""
+    if _checked_resource and _checked_resource[-1] is config:
+        return
+    _checked_resource[:] = [config]
+    if config.service_name is not None:
+        return  # a resource named in code: the user's choice
+    from steptrace.otlp import nemo_lens_resource
+
+    if nemo_lens_resource(os.environ, config.run_id, config.rank, config.world_size, None) is None:
+        _warn_once("resource", "steptrace: Megatron's OpenTelemetry export is on, but neither "
+                   "MEGATRON_OTEL_ENABLED nor NEMO_LENS_ENABLED was set when steptrace started (--otel-enabled "
+                   "alone): steptrace's spans join Megatron's traces, not its resource (nemo.run.id, "
+                   "service.instance.id). Set MEGATRON_OTEL_ENABLED=1 (docs/megatron.md)")
+
+
 def _step_parent(training: Any, iteration: Any, next_step: int) -> Any:
     """The OpenTelemetry context to open Megatron's span of ``iteration`` in (steptrace's step span as a
     remote parent), or None to leave it where Megatron puts it."""
@@ -71,25 +105,14 @@ def _step_parent(training: Any, iteration: Any, next_step: int) -> Any:
             or steptrace.current_step() is not None or not isinstance(iteration, int)
             or isinstance(iteration, bool) or not _exporting(training)):
         return None
-    from opentelemetry import trace
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
-    from steptrace._ids import span_id, trace_id
-
+    _, trace, NonRecordingSpan, SpanContext, TraceFlags, trace_id, span_id = _otel_api()  # noqa: N806
     # The step train_step's hook is about to open: Megatron's iteration, unless behind the numbering.
     n = iteration if iteration >= next_step else next_step
     step_trace = trace_id(config.run_id, n, config.attempt)
     current = trace.get_current_span().get_span_context()
     if current.is_valid and current.trace_id == step_trace:
         return None  # inside the step's trace already (the iteration span within first_iteration)
-    if config.service_name is None:
-        from steptrace.otlp import nemo_lens_resource
-
-        if nemo_lens_resource(os.environ, config.run_id, config.rank, config.world_size, None) is None:
-            _warn_once("resource", "steptrace: Megatron's OpenTelemetry export is on, but neither "
-                       "MEGATRON_OTEL_ENABLED nor NEMO_LENS_ENABLED was set when steptrace started (--otel-enabled "
-                       "alone): steptrace's spans join Megatron's traces, not its resource (nemo.run.id, "
-                       "service.instance.id). Set MEGATRON_OTEL_ENABLED=1 (docs/megatron.md)")
+    _check_resource(config)
     flags = current.trace_flags if current.is_valid else TraceFlags(TraceFlags.SAMPLED)
     parent = SpanContext(step_trace, span_id(config.run_id, n, config.rank, "step", config.attempt), is_remote=True,
                          trace_flags=flags)
@@ -98,8 +121,7 @@ def _step_parent(training: Any, iteration: Any, next_step: int) -> Any:
 
 @contextlib.contextmanager
 def _within(context: Any, span_cm: Any) -> Iterator[Any]:
-    from opentelemetry import context as otel_context
-
+    otel_context = _otel_api()[0]
     token = otel_context.attach(context)
     try:
         with span_cm as span:
