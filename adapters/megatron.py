@@ -38,6 +38,8 @@ user guide is ``docs/megatron.md``:
   when it has work: a blocking wait, or a non-blocking call while a save is in
   flight; the async commit ends when Megatron's queue finalized the save, not
   after the worker shutdown of ``terminate=True``).
+- With Megatron-LM's own OpenTelemetry export, ``training._otel_managed_span``: Megatron's per-step
+  spans open under steptrace's step span, one trace per step (``steptrace.adapters.megatron_otel``).
 
 Per step and stage the record carries ``pipeline_bubble_ratio`` over the
 pipeline window (step start to the stage's last microbatch) and
@@ -547,6 +549,10 @@ def install(**init_settings: Any) -> list[str]:
             flops_fn = None
         _throughput = _Throughput(flops_fn)
         _patch(training, "train_step", _hook_train_step)
+        # Megatron's own OpenTelemetry export: its per-step spans join steptrace's step traces.
+        from steptrace.adapters.megatron_otel import install_join
+
+        install_join(_hooks, training, lambda: _state.next_step)
         _patch(training, "save_checkpoint_and_time", _hook_save_checkpoint_and_time)
         async_utils = _import_megatron_lm(_ASYNC_UTILS)
         if async_utils is not None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from steptrace.analysis._text import markup, visible
 from steptrace.analysis.goodput import job_accounting, job_goodput
+from steptrace.analysis.goodput_gmg import GMG_BADPUT_TYPES, gmg_view
 from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
@@ -321,6 +322,42 @@ def goodput_line(job: dict) -> str:
             f"wall {job['total_seconds']:.3f} s\n[dim]  {job['definition']}[/]")
 
 
+def _gmg_panel(view: dict):
+    """The shown rank's badput in ml-goodput-measurement's names (``--vocabulary gmg``), each with the
+    steptrace buckets it holds, and GMG's ideal step time beside steptrace's median interval."""
+    from rich.panel import Panel
+
+    grid = _panel_grid()
+    total = view["total_seconds"]
+
+    def share(seconds: float) -> str:
+        return f"{seconds / total * 100:.1f}% of wall" if total > 0 else ""
+
+    productive = view["productive_seconds"]
+    grid.add_row("productive (GoodputType.TOTAL)", f"{productive:.3f} s", share(productive))
+    for name in GMG_BADPUT_TYPES:
+        value = view["badput_seconds"][name]
+        sources = view["sources"].get(name, {})
+        if isinstance(value, dict):
+            for event, seconds in sorted(value.items(), key=lambda kv: -kv[1]):
+                grid.add_row(f"{name}/{markup(event)}", f"{seconds:.3f} s", share(seconds))
+            continue
+        if value is None:
+            grid.add_row(name, "—", f"[dim]{view['not_separated'][name]}[/]")
+            continue
+        parts = ", ".join(f"{markup(bucket)} {seconds:.3f}" for bucket, seconds in sources.items() if seconds)
+        grid.add_row(name, f"{value:.3f} s", share(value) + (f" [dim](steptrace: {parts})[/]" if parts else ""))
+    ideal = view["ideal_step_time"]
+    grid.add_row("ideal step time (GMG)", "—" if ideal["gmg_seconds"] is None else f"{ideal['gmg_seconds']:.3f} s",
+                 f"host step starts, {ideal['steps']} steps"
+                 + (f", {ideal['steps_under_min']} under {ideal['min_step_seconds']:g} s ignored"
+                    if ideal["steps_under_min"] else ""))
+    grid.add_row("GMG's rule on device intervals", _fmt(ideal["gmg_rule_on_intervals_seconds"]) + " s", "")
+    grid.add_row("steptrace interval p50", _fmt(ideal["steptrace_interval_p50_seconds"]) + " s", "")
+    return Panel(grid, title=f"Badput in ml-goodput-measurement's words (rank {view['rank']})",
+                 title_align="left", expand=False)
+
+
 def _attempts_table(job: dict, rank: int):
     from rich.table import Table
 
@@ -560,6 +597,7 @@ def render_report(
     max_rows: int = 40,
     console: Console | None = None,
     show_warnings: bool = True,
+    vocabulary: str = "steptrace",
 ) -> None:
     """Print a report of *run* for one rank (default rank 0) to *console*.
 
@@ -567,7 +605,8 @@ def render_report(
     summary table is added; with a collector's ``cluster.jsonl``, the
     cluster view (slowest rank, skew and ranks reporting per step, how often
     each rank was the straggler).  ``show_warnings=False`` omits load warnings
-    (the CLI prints them to stderr instead).
+    (the CLI prints them to stderr instead). ``vocabulary="gmg"`` adds the badput in
+    ml-goodput-measurement's names (docs/goodput.md).
     """
     from rich.console import Console
     from steptrace.analysis._text import markup as escape
@@ -598,6 +637,9 @@ def render_report(
             _print_table(console, _rank_table(run, job["ranks"]))
         if job["ranks"]:
             console.print(goodput_line(job))
+        if vocabulary == "gmg" and mine["attempts"]:
+            console.print(_gmg_panel(gmg_view(run.records_by_rank.get(rank, []), mine, job, rank,
+                                              summary["interval_p50"])))
         stalls = job_view(run)
         if stalls is not None:
             console.print(_stall_panel(stalls))
@@ -657,6 +699,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="also write a per-step timeline PNG")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON instead of tables")
+    parser.add_argument("--vocabulary", choices=("steptrace", "gmg"), default="steptrace",
+                        help="gmg: also print the badput in ml-goodput-measurement's names and its ideal step "
+                             "time (docs/goodput.md); --json always has them (gmg)")
     return parser
 
 
@@ -742,6 +787,10 @@ def run_report(args: argparse.Namespace) -> int:
                      "kept_steps": mine["kept_steps"] if mine else 0,
                      "wasted_steps": mine["wasted_steps"] if mine else 0} if job else None),
         }
+        # the shown rank's (and the job's) badput in ml-goodput-measurement's names, and its ideal step
+        # time (docs/goodput.md); null without rank files
+        payload["gmg"] = (gmg_view(run.records_by_rank.get(rank, []), mine, job, rank, summary.get("interval_p50"))
+                          if rank is not None and job and mine and mine["attempts"] else None)
         stragglers = _stragglers(run)
         health, cause = _health(run, stragglers)
         # the straggler's GPU cause (docs/health.md): null without a straggler or its GPU's health
@@ -753,7 +802,8 @@ def run_report(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         render_report(run, rank=rank, max_rows=args.max_rows, show_warnings=False,
-                      console=Console(width=report_width(args.width)))
+                      console=Console(width=report_width(args.width)),
+                      vocabulary=getattr(args, "vocabulary", "steptrace"))
 
     if args.plot:
         if rank is None:
