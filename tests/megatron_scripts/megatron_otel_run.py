@@ -18,7 +18,9 @@ sys.path.insert(0, str(here))
 
 import megatron  # noqa: E402
 
-megatron.__path__.append(str(here / "fake_megatron_lm" / "megatron"))
+# A plain list, as tests/test_megatron.py sets it: megatron is a namespace package, and a _NamespacePath
+# recomputes itself from sys.path when that changes, dropping an entry appended to it.
+megatron.__path__ = list(megatron.__path__) + [str(here / "fake_megatron_lm" / "megatron")]
 from megatron.core import num_microbatches_calculator  # noqa: E402
 
 import megatron.training.training as training  # noqa: E402
