@@ -43,6 +43,8 @@ user guide is ``docs/megatron.md``:
   (the checkpoint's name), ``attrs["restored"] = False`` when it found none (it returns ``(0, 0)``).
   The load is synchronous; Megatron's barrier after it (``timers('load-checkpoint').stop(barrier=True)``)
   is outside the span, in start-up. The next ``train_step`` is ``first_after_restore``.
+- With Megatron-LM's own OpenTelemetry export, ``training._otel_managed_span``: Megatron's per-step
+  spans open under steptrace's step span, one trace per step (``steptrace.adapters.megatron_otel``).
 
 Per step and stage the record carries ``pipeline_bubble_ratio`` over the
 pipeline window (step start to the stage's last microbatch) and
@@ -582,6 +584,10 @@ def install(**init_settings: Any) -> list[str]:
             flops_fn = None
         _throughput = _Throughput(flops_fn)
         _patch(training, "train_step", _hook_train_step)
+        # Megatron's own OpenTelemetry export: its per-step spans join steptrace's step traces.
+        from steptrace.adapters.megatron_otel import install_join
+
+        install_join(_hooks, training, lambda: _state.next_step)
         _patch(training, "save_checkpoint_and_time", _hook_save_checkpoint_and_time)
         async_utils = _import_megatron_lm(_ASYNC_UTILS)
         if async_utils is not None:

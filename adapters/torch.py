@@ -84,6 +84,7 @@ class _Driver:
             for name in ("cuEventQuery", "cuEventSynchronize"):
                 function = getattr(lib, name)
                 function.argtypes, function.restype = [ctypes.c_void_p], ctypes.c_int
+            lib.cuEventRecord.argtypes, lib.cuEventRecord.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
             # The _v2 symbol (CUDA 12.8+) where the unsuffixed one is gone; both measured equal.
             elapsed = getattr(lib, "cuEventElapsedTime", None) or lib.cuEventElapsedTime_v2
             elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
@@ -162,6 +163,28 @@ class _Driver:
     def event_synchronize(self, handle: int) -> None:
         self._check(self._cuda().cuEventSynchronize(ctypes.c_void_p(handle)), "cuEventSynchronize")
 
+    def record_releasing_gil(self, event: int, stream: int) -> int:
+        """``cuEventRecord(event, stream)`` through ``ctypes.CDLL``, which releases the GIL; a CUresult.
+
+        For the resolver's calibration anchors. ``cuEventRecord`` waits while another thread is inside a
+        synchronous copy (measured on an H200, driver 580.159.04: 769-820 ms from a second thread while
+        the training thread was in ``.item()``, ``.cpu()`` or a pageable ``.to("cuda")`` behind a 1 s
+        kernel; ``cuEventQuery``, ``cuStreamQuery`` and ``cuEventElapsedTime`` waited at most 1.7 ms,
+        and nothing waited during ``torch.cuda.synchronize``). Through ``PyDLL`` that wait held the GIL
+        and froze every Python thread, the stall watch included, for the rest of the copy (1.6 s seen).
+        The anchor's bracket does not need the GIL kept across the record: its lower bound is the last
+        query that saw it incomplete."""
+        return self._cuda().cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream))
+
+    def stream_idle_keeping_gil(self, stream: int) -> bool:
+        """``cuStreamQuery`` through ``PyDLL``: True when ``stream`` has no work left. It did not wait
+        while another thread was inside a synchronous copy (at most 0.06 ms, measured)."""
+        rc = self._keeping_gil().cuStreamQuery(stream)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(rc, "cuStreamQuery")
+        return True
+
     def load_keeping_gil(self) -> None:
         self._keeping_gil()
 
@@ -173,6 +196,8 @@ class _Driver:
             lib.cuEventRecord.restype = ctypes.c_int
             lib.cuEventQuery.argtypes = [ctypes.c_void_p]
             lib.cuEventQuery.restype = ctypes.c_int
+            lib.cuStreamQuery.argtypes = [ctypes.c_void_p]
+            lib.cuStreamQuery.restype = ctypes.c_int
             self._gil_lib = lib
         return lib
 
@@ -254,6 +279,22 @@ def _off_thread(torch: Any, index: int) -> _OffThread:
                     log.warning("steptrace could not use the CUDA driver library (%r): its background thread "
                                 "queries events through torch, which holds the GIL while a call waits", exc)
     return state
+
+
+def nvml_uuid(index: int) -> str | None:
+    """The NVML UUID (``GPU-<uuid>``) of CUDA device ``index`` as this process numbers it, or None.
+
+    CUDA_VISIBLE_DEVICES renumbers devices for CUDA but not for NVML, which numbers every GPU on the
+    node: the sampler finds the GPU by UUID, never by index. torch reports the UUID CUDA gives
+    (``cudaDeviceProp.uuid``, ``torch.cuda.get_device_properties(i).uuid``); NVML spells the same
+    bytes with a ``GPU-`` prefix (nvmlDeviceGetUUID; the ``nvidia-smi -L`` form)."""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
 def _event_done(event: Any) -> bool:
@@ -554,6 +595,7 @@ class TorchCudaGpu:
         #: The newest allocator sample (training thread): in use and peak bytes; replaced, never mutated.
         self.memory_sample: dict[str, int] | None = None
         self._anchor_stream_handle = 0
+        self._last_stream_handle: int | None = None  # the stream of the newest marker (training thread)
         # Markers are recorded through the driver keeping the GIL (see _Driver.record_keeping_gil);
         # None: no driver here, torch's record.
         self._record_raw: Any = None
@@ -595,6 +637,7 @@ class TorchCudaGpu:
         else:
             marker.record(stream.stream)
         self._last = marker
+        self._last_stream_handle = stream.handle
         return marker
 
     def sample_memory(self) -> None:
@@ -692,13 +735,31 @@ class TorchCudaGpu:
         # Not behind self._last: the training thread's work is not queued before it.
         handle = marker.cuda_event
         if self._record_raw is not None and handle:
-            rc = self._record_raw(handle, self._anchor_stream_handle)
+            # Keeping the GIL (a tight bracket) only while the training stream is idle: a synchronous
+            # copy the training thread may be inside then ends at once. While that stream is busy, the
+            # record can wait for such a copy to the end of the queued work, or of a hang: through
+            # CDLL the other Python threads run meanwhile (see _Driver.record_releasing_gil).
+            if self._training_stream_idle():
+                rc = self._record_raw(handle, self._anchor_stream_handle)
+            else:
+                rc = _DRIVER.record_releasing_gil(handle, self._anchor_stream_handle)
             if rc:
                 self._free.append(marker)
                 raise OSError(f"cuEventRecord failed (CUresult {rc})")
         else:
             marker.record(self._anchor_stream)
         return marker
+
+    def _training_stream_idle(self) -> bool:
+        """Whether the stream of the newest marker has no work left (``cuStreamQuery`` keeping the GIL,
+        which never waits on another thread's copy: measured). False when it cannot say."""
+        stream = self._last_stream_handle
+        if stream is None:
+            return True  # no marker yet: the training thread has queued nothing steptrace knows of
+        try:
+            return bool(_DRIVER.stream_idle_keeping_gil(stream))
+        except Exception:
+            return False
 
     def _make_anchor_stream(self) -> Any:
         """A non-blocking, highest-priority stream of steptrace's own on this GPU (never a pool stream:

@@ -236,6 +236,7 @@ class Collector:
         #: Capture requests for the ranks a new straggler verdict names (GET /v1/steptrace/capture).
         self.captures = CaptureRequests(max_runs=config.max_runs)
         self.metrics.on_verdict = self.captures.verdict
+        self.captures.count = self.metrics.capture_requests_counted
         #: Each run's joined steps in the trackers (--trackers), written off the join.
         self.trackers: ClusterTrackers | None = None
         if config.trackers:

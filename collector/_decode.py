@@ -50,6 +50,7 @@ from steptrace._schema import (
     ATTR_BUBBLE_PREFIX,
     ATTR_COLLECTIVE_WAIT_SECONDS,
     ATTR_COMPUTE_SECONDS,
+    ATTR_HEALTH_PREFIX,
     ATTR_IDLE_SECONDS,
     ATTR_INTERVAL_SECONDS,
     ATTR_OWN_COMPUTE_SECONDS,
@@ -391,6 +392,10 @@ class StepSpan:
     own_seconds: float | None = None
     #: compute less the wait in collectives inside it (the rank's own compute); last, for the journals
     own_compute_seconds: float | None = None
+    #: the GPU's health window that ended in this step (``train.health.*``, docs/health.md): the
+    #: fields the straggler's cause needs (HEALTH_FIELDS), None where the rank sent none; last, for
+    #: the journals
+    health: dict[str, Any] | None = None
 
 
 @dataclass
@@ -467,10 +472,40 @@ _STEP_ATTRS = frozenset((ATTR_RUN_ID, ATTR_STEP, ATTR_RANK, ATTR_ATTEMPT, ATTR_W
                          ATTR_OWN_COMPUTE_SECONDS))
 
 
+#: The ``train.health.<field>`` attributes decoded (a fixed set: one peer cannot make a span hold
+#: more), each a finite number >= 0; the straggler's GPU cause needs no others (docs/health.md).
+HEALTH_FIELDS = ("window_seconds", "window_steps", "sm_clock_mhz_mean", "sm_clock_mhz_min", "temperature_c_max",
+                 "power_watts_mean", "energy_joules", "clocks_event_reasons", "xid_events", "last_xid",
+                 "ecc_uncorrected_volatile_errors", "remapped_rows_uncorrectable", "nvlink_errors")
+HEALTH_POLICIES = ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability")
+_HEALTH_KEYS = frozenset({ATTR_HEALTH_PREFIX + f for f in HEALTH_FIELDS}
+                         | {f"{ATTR_HEALTH_PREFIX}violation_percent.{p}" for p in HEALTH_POLICIES})
+
+
+def _health(attrs: dict[str, Any]) -> dict[str, Any] | None:
+    """The span's health window in the shape of the step record's (numbers only, bad ones left out)."""
+    health: dict[str, Any] = {}
+    percent: dict[str, float] = {}
+    for key, value in attrs.items():
+        if key not in _HEALTH_KEYS or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value < math.inf:
+            continue
+        name = key[len(ATTR_HEALTH_PREFIX):]
+        if name.startswith("violation_percent."):
+            percent[name.removeprefix("violation_percent.")] = min(100.0, float(value))
+        else:
+            health[name] = value
+    if not health and not percent:
+        return None
+    if percent:
+        health["violation_percent"] = percent
+    return health
+
+
 def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
                max_step: int = DEFAULT_MAX_STEP, ends: tuple[float, float] | None = None) -> StepSpan:
     attrs = {kv.key: _scalar(kv.value) for kv in span.attributes
-             if kv.key in _STEP_ATTRS or kv.key.startswith(_BUBBLE_PREFIX)}
+             if kv.key in _STEP_ATTRS or kv.key.startswith(_BUBBLE_PREFIX) or kv.key in _HEALTH_KEYS}
     run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
         raise _Invalid("missing_attribute")
@@ -518,7 +553,7 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     interval_seconds=interval, idle_seconds=idle, status=status,
                     end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt,
                     collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait),
-                    own_compute_seconds=own_compute)
+                    own_compute_seconds=own_compute, health=_health(attrs))
 
 
 #: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).

@@ -579,6 +579,12 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "slowest_ranks": [[rank, seconds] for rank, seconds in
                           heapq.nsmallest(SLOWEST_LISTED, own.items(), key=lambda kv: (-kv[1], kv[0]))],
     }
+    health = {str(s.rank): s.health for s in spans if s.health is not None}
+    if health:
+        # The GPU health windows that ended in this step, by rank (health="nvml", docs/health.md): one
+        # per rank per sampling period (1 s) whatever the step rate, so kept without --cluster-per-rank:
+        # the straggler's GPU cause is read from them. Absent where no rank sent one.
+        record["rank_health"] = health
     if not per_rank:
         for key in ("rank_compute_seconds", "rank_interval_seconds", "rank_collective_wait_seconds",
                     "rank_own_seconds"):

@@ -40,6 +40,11 @@ so far (a step completed out of order does not move them back):
   ``..._own_ratio{rank}`` (its mean time on its own over the median rank's, the window's): at most
   one rank per run, its series gone when it stops being one. The alert reads these
   (collector/alerts.yml ``SteptraceStraggler``), not a rule of its own.
+* ``steptrace_cluster_capture_requests_total{state}``: the profiler captures this collector asked of
+  the run's ranks when its straggler verdict changed (collector/_captures.py, docs/capture.md):
+  ``issued`` (the culprit and a reference rank), ``fetched`` by the rank named, ``expired`` (never
+  fetched: the rank's capture is off, a newer verdict replaced it, or the run was dropped). All three
+  exist from a run's first span, at 0.
 
 A run's series are removed when more than ``max_runs`` runs have been seen
 since (least recently active first), so a stream of run ids cannot grow the
@@ -62,6 +67,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by users without the
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
 from steptrace._attribution import ComputeShareWindow, Straggler, StragglerPersistence, StragglerScores
+from steptrace._health import window_errors, window_throttled
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
 
@@ -72,6 +78,8 @@ JOIN_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
                       120.0, 300.0)
 
 _STATS = ("min", "median", "max")
+#: ``state`` of ``steptrace_cluster_capture_requests_total`` (collector/_captures.py).
+_CAPTURE_STATES = ("issued", "fetched", "expired")
 #: ``stage`` label values of ``steptrace_cluster_pipeline_bubble_ratio`` per run (the last complete step's).
 MAX_STAGES_PER_RUN = 64
 #: Ranks per run and kind with a ``steptrace_cluster_straggler_score`` series: the lowest scores
@@ -80,8 +88,8 @@ DEFAULT_SCORE_RANKS = 10
 
 
 class _RunState:
-    __slots__ = ("last_complete", "last_step", "persistence", "persistent", "scored", "scores", "stages",
-                 "straggler_ranks", "window")
+    __slots__ = ("health", "health_window", "last_complete", "last_step", "persistence", "persistent", "scored",
+                 "scores", "stages", "straggler_ranks", "window")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = ComputeShareWindow(window_steps)
@@ -93,6 +101,9 @@ class _RunState:
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
         self.scored: set[tuple[str, str]] = set()  # (rank, kind) with a score series
+        #: per rank, its last GPU health windows: (steps sharing it, throttled 0/1 or None, errors)
+        self.health: dict[int, collections.deque[tuple[float, float | None, int]]] = {}
+        self.health_window = straggler_window_steps
 
 
 class ClusterMetrics:
@@ -105,7 +116,8 @@ class ClusterMetrics:
         self._score_ranks = straggler_score_ranks
         self._straggler_window_steps = straggler_window_steps
         self._max_runs = max_runs
-        self._lock = threading.Lock()
+        # Re-entrant: a verdict (under the lock) issues capture requests, which count themselves here.
+        self._lock = threading.RLock()
         self._runs: collections.OrderedDict[str, _RunState] = collections.OrderedDict()
         #: Told (run_id, culprit, reference rank or None, step, detail) when a run's straggler verdict
         #: changes to a rank (the capture requests, collector/_captures.py).
@@ -161,6 +173,18 @@ class ClusterMetrics:
         self.persistent_own = gauge("steptrace_cluster_persistent_straggler_own_ratio",
                                     f"The run's straggler's mean time on its own over the median rank's, over "
                                     f"the last {window} complete steps.", ("rank",))
+        self.persistent_gpu_throttled = gauge(
+            "steptrace_cluster_persistent_straggler_gpu_throttled_ratio",
+            f"The run's straggler's GPU: the share of its steps, over its last {window} health windows, whose "
+            "clocks a thermal, power, board-limit, reliability or sync-boost policy held down for >= 1 % of the "
+            "window, or a slowing clocks-event reason showed (health='nvml', docs/health.md).", ("rank",))
+        self.persistent_gpu_others_throttled = gauge(
+            "steptrace_cluster_persistent_straggler_gpu_others_throttled_ratio",
+            "The same share for the median other rank: the straggler's GPU is a cause only above it.", ("rank",))
+        self.persistent_gpu_errors = gauge(
+            "steptrace_cluster_persistent_straggler_gpu_errors",
+            f"The run's straggler's GPU errors over its last {window} health windows: Xid events, uncorrected "
+            "ECC errors, uncorrectable remapped rows, NVLink errors.", ("rank",))
         self.straggler_score = gauge("steptrace_cluster_straggler_score",
                                      "Per-rank straggler score over the last straggler_window_steps complete "
                                      "steps: relative (median rank's mean time on its own / this rank's) and "
@@ -186,6 +210,11 @@ class ClusterMetrics:
         self.join_lag = Histogram("steptrace_cluster_join_lag_seconds",
                                   "Time from a step's first span arriving to its joined record.", run,
                                   registry=reg, buckets=JOIN_LAG_BUCKETS_S)
+        self.capture_requests = counter("steptrace_cluster_capture_requests",
+                                        "Profiler captures asked of the run's ranks when its straggler verdict "
+                                        "changed: issued (the culprit and a reference rank), fetched by the rank "
+                                        "named, expired (never fetched: its capture is off, a newer verdict "
+                                        "replaced it, or the run was dropped).", run + ("state",))
         self.received = counter("steptrace_collector_received_spans",
                                 "Spans received (all kinds), by the run of the resource that sent them.")
         self.skipped = counter("steptrace_collector_skipped_spans",
@@ -264,6 +293,13 @@ class ClusterMetrics:
                 self._touch(run_id)
                 self.conflicts.labels(run_id).inc(count)
 
+    def capture_requests_counted(self, run_id: str, state: str, n: int) -> None:
+        """Capture requests of ``run_id`` that changed ``state`` (collector/_captures.py); a run no longer
+        tracked (dropped past ``max_runs``) gets no series back."""
+        with self._lock:
+            if run_id in self._runs and state in _CAPTURE_STATES:
+                self.capture_requests.labels(run_id, state).inc(n)
+
     def tracker_dropped_records(self, tracker: str, reason: str, count: int) -> None:
         """Joined steps a tracker did not get (called from the trackers' thread)."""
         self.tracker_dropped.labels(tracker, reason).inc(count)
@@ -300,6 +336,13 @@ class ClusterMetrics:
             self.ranks_reporting.labels(run_id).set(r["ranks_reporting"])
             if r["world_size"] is not None:
                 self.world_size.labels(run_id).set(r["world_size"])
+        for rank, health in (r.get("rank_health") or {}).items():
+            if isinstance(health, dict):
+                steps = health.get("window_steps")
+                weight = float(steps) if isinstance(steps, (int, float)) and steps >= 1 else 1.0
+                throttled = window_throttled(health)
+                state.health.setdefault(int(rank), collections.deque(maxlen=state.health_window)).append(
+                    (weight, None if throttled is None else float(throttled), window_errors(health)))
         if not r["complete"]:
             return
         # A rank's straggler counters appear when it is first named (at their first value), never
@@ -379,7 +422,9 @@ class ClusterMetrics:
                             f"named in {found.share_of_steps * 100:.0f} % of its last {found.complete_steps} "
                             f"complete steps{cost}")
         if state.persistent is not None and state.persistent != rank:
-            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
+            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own,
+                           self.persistent_gpu_throttled, self.persistent_gpu_others_throttled,
+                           self.persistent_gpu_errors):
                 try:
                     metric.remove(run_id, state.persistent)
                 except KeyError:
@@ -395,6 +440,26 @@ class ClusterMetrics:
             middle = statistics.median(means.values())
             if middle > 0:
                 self.persistent_own.labels(run_id, rank).set(means[found.rank] / middle)
+        self._persistent_gpu(run_id, state, found.rank)
+
+    def _persistent_gpu(self, run_id: str, state: _RunState, straggler: int) -> None:
+        """The run's straggler's GPU health beside the others' (only where its GPU is sampled)."""
+        def share(windows: Iterable[tuple[float, float | None, int]]) -> float | None:
+            known = [(weight, throttled) for weight, throttled, _ in windows if throttled is not None]
+            total = sum(weight for weight, _ in known)
+            return sum(weight * throttled for weight, throttled in known) / total if total else None
+
+        windows = state.health.get(straggler)
+        if not windows:
+            return
+        label = str(straggler)
+        mine = share(windows)
+        if mine is not None:
+            self.persistent_gpu_throttled.labels(run_id, label).set(mine)
+            others = [v for r, w in state.health.items() if r != straggler and (v := share(w)) is not None]
+            self.persistent_gpu_others_throttled.labels(run_id, label).set(statistics.median(others) if others
+                                                                            else 0.0)
+        self.persistent_gpu_errors.labels(run_id, label).set(sum(errors for _, _, errors in windows))
 
     # -- the bound on runs ---------------------------------------------------------------------
 
@@ -406,6 +471,8 @@ class ClusterMetrics:
             for metric in (self.joined, self.incomplete, self.late, self.duplicates, self.evicted, self.received,
                            self.conflicts):
                 metric.labels(run_id)
+            for state_name in _CAPTURE_STATES:
+                self.capture_requests.labels(run_id, state_name)
             while len(self._runs) > self._max_runs:
                 old_id, old = self._runs.popitem(last=False)
                 self._forget(old_id, old)
@@ -421,13 +488,17 @@ class ClusterMetrics:
                 pass
 
         if state.persistent is not None:
-            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own):
+            for metric in (self.persistent_share, self.persistent_cost, self.persistent_own,
+                           self.persistent_gpu_throttled, self.persistent_gpu_others_throttled,
+                           self.persistent_gpu_errors):
                 remove(metric, state.persistent)
         for metric in (self.skew, self.straggler, self.straggler_cost, self.straggler_threshold,
                        self.ranks_reporting, self.world_size,
                        self.compute_share, self.last_step, self.last_complete, self.joined, self.incomplete,
                        self.join_lag, self.received, self.late, self.duplicates, self.evicted, self.conflicts):
             remove(metric)
+        for state_name in _CAPTURE_STATES:
+            remove(self.capture_requests, state_name)
         for stat in _STATS:
             remove(self.compute, stat)
             remove(self.interval, stat)

@@ -172,6 +172,11 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             warn_once(repeated, stacklevel=3)
         config = _active_config = settle_attempt(config)
         backends = Backends(config.backend)
+        if config.health == "nvml":
+            # A setup error (no pynvml, no driver) before anything is opened; one nvmlInit per process.
+            from steptrace import _health
+
+            _health.init_nvml(_health.import_nvml())
         built = _build_sinks(config, sinks)
         record_attempt(config)  # only once the sinks started: a failed init leaves no trace
         from steptrace._resolver import Resolver
@@ -192,6 +197,10 @@ def init(*, sinks: Iterable[Any] = (), **settings: Any) -> Config:
             attach_position = getattr(sink, "attach_position", None)
             if callable(attach_position):
                 attach_position(runtime.position)
+            # The HTTP capture trigger on the rank's /metrics server arms what request_capture() arms.
+            attach_capture = getattr(sink, "attach_capture", None)
+            if callable(attach_capture) and runtime.capture is not None and "request" in runtime.capture.triggers:
+                attach_capture(runtime.capture.request)
         _install(runtime)
         if not _process_hooks_registered:
             atexit.register(_shutdown_at_exit)

@@ -12,7 +12,9 @@ start of the next step, never inside one) and stops it at the boundary ``capture
 * ``stall``: the stall watch saw the rank stop moving. A profiler cannot start inside a hang (the
   training thread is stuck), so the ``stall`` record's stacks are the hang's evidence, and the
   capture covers the steps once the rank moves again.
-* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler).
+* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler), or ``POST
+  /v1/steptrace/capture`` with the ``capture_token`` on the rank's ``/metrics`` server
+  (``steptrace.prometheus.CaptureRoute``).
 * ``straggler``: the collector named this rank the run's straggler, or the reference rank to compare
   it with (``collector/_captures.py``). A daemon thread asks the collector every ``capture_poll_s``
   (``GET /v1/steptrace/capture``, the OTLP endpoint and headers); a failed poll is counted, never raised.
@@ -223,11 +225,13 @@ class Capture:
         self._ignored: tuple[int | None, int | None] = (None, None)
 
     # -- triggers (any thread) ----------------------------------------------------------------
-    def _arm(self, trigger: str, step: int | None, reason: str) -> None:
+    def _arm(self, trigger: str, step: int | None, reason: str) -> bool:
+        """Whether this trigger armed the next capture (False: one armed or running covers it)."""
         with self._lock:
             if self.pending is not None or self.active is not None:
-                return  # one at a time: the running (or armed) capture covers this too
+                return False  # one at a time: the running (or armed) capture covers this too
             self.pending = (trigger, step, reason)
+            return True
 
     def step_finalized(self, record: dict[str, Any]) -> None:
         """The resolver, for each finalized ok step's record. Steps a capture profiled, and the one whose
@@ -285,9 +289,10 @@ class Capture:
                 self._arm("straggler", step if isinstance(step, int) and not isinstance(step, bool) else None,
                           str(answer.get("reason") or "the collector asked")[:300])
 
-    def request(self, reason: str = "requested") -> None:
-        """``steptrace.request_capture()``."""
-        self._arm("request", None, reason)
+    def request(self, reason: str = "requested") -> bool:
+        """``steptrace.request_capture()`` and the HTTP trigger: whether it armed the next capture (False: one
+        already armed or running covers it)."""
+        return self._arm("request", None, reason)
 
     # -- the training thread, at a step boundary -------------------------------------------------
     def boundary(self, next_step: int) -> None:
@@ -364,11 +369,18 @@ class Capture:
                 # Starting a profiler can take seconds (Kineto's first start): idle time of its own, named.
                 self._span("capture", started, _perf())
         except Exception as exc:
-            busy = "already" in str(exc).lower() or "only one" in str(exc).lower()
-            self._skip(pending, step, (f"a {profiler.name} trace is already running (yours): left alone" if busy
-                                       else f"the profiler did not start: {type(exc).__name__}: {exc}"))
-            if not busy:
-                self.failures += 1
+            if "already" in str(exc).lower() or "only one" in str(exc).lower():
+                self._skip(pending, step, f"a {profiler.name} trace is already running (yours): left alone")
+                return
+            # A profiler that would not start is a failure (status "failed", counted like a failed stop), not
+            # a skip: steptrace_captures_total{status="failed"} is then every failure.
+            self.failures += 1
+            with self._lock:
+                self.pending = None
+            self._record(status="failed", trigger=pending[0], trigger_step=pending[1], reason=pending[2],
+                         first_step=None, last_step=None, path=None, profiler=profiler.name, bytes=0,
+                         start_time=time.time(), end_time=time.time(),
+                         error=f"the profiler did not start: {type(exc).__name__}: {exc}")
             return
         with self._lock:
             self.pending = None

@@ -91,6 +91,21 @@ ENV_CAPTURE_SLOW_MAD = "STEPTRACE_CAPTURE_SLOW_MAD"
 CAPTURE_TRIGGERS = ("slow", "stall", "request", "spike", "straggler")
 ENV_CAPTURE_POLL_S = "STEPTRACE_CAPTURE_POLL_S"
 ENV_CAPTURE_SPIKE_SCALAR = "STEPTRACE_CAPTURE_SPIKE_SCALAR"
+#: The bearer token of the HTTP capture trigger (``POST /v1/steptrace/capture`` on the rank's ``/metrics``
+#: server); unset, that trigger is off. See docs/capture.md.
+ENV_CAPTURE_TOKEN = "STEPTRACE_CAPTURE_TOKEN"
+#: The shortest capture token accepted (a guessable one would let any peer that reaches the port take traces).
+CAPTURE_TOKEN_MIN_CHARS = 16
+#: GPU health per step window (steptrace/_health.py, docs/health.md): ``nvml`` or ``off`` (default).
+ENV_HEALTH = "STEPTRACE_HEALTH"
+#: The GPU to read, by NVML UUID (``GPU-...``) or PCI bus id (default: the GPU the rank's steps are timed on).
+ENV_HEALTH_DEVICE = "STEPTRACE_HEALTH_DEVICE"
+#: Seconds between health samples (default and least: 1).
+ENV_HEALTH_PERIOD_S = "STEPTRACE_HEALTH_PERIOD_S"
+HEALTH_SOURCES = ("off", "nvml")
+#: The shortest health sampling period: NVML's power is a 1 s average, its counters are cumulative,
+#: so a faster reader adds calls and no information (docs/health.md).
+MIN_HEALTH_PERIOD_S = 1.0
 CAPTURE_PROFILERS = ("auto", "torch", "jax")
 #: Added to the step number the trackers write at (the framework's own logging axis).
 ENV_TRACKER_STEP_OFFSET = "STEPTRACE_TRACKER_STEP_OFFSET"
@@ -191,6 +206,13 @@ class Config:
     capture_slow_mad: float = 6.0
     capture_spike_scalar: str = "loss"  # the s.log scalar whose spikes the "spike" trigger watches
     capture_poll_s: float = 5.0  # the "straggler" trigger asks the collector (otlp_endpoint) this often
+    # The bearer token POST /v1/steptrace/capture on the rank's /metrics server needs (None: that route is off).
+    # Kept out of repr(): a config printed in a log must not hand the token out.
+    capture_token: str | None = dataclasses.field(default=None, repr=False)
+    # GPU health per step window (steptrace/_health.py, docs/health.md): "nvml" or "off".
+    health: str = "off"
+    health_device: str | None = None  # NVML UUID or PCI bus id; None: the GPU the steps are timed on
+    health_period_s: float = 1.0
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -354,6 +376,10 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         capture_poll_s=_first(code.get("capture_poll_s"), _env_float(ENV_CAPTURE_POLL_S, env), 5.0),
         capture_spike_scalar=str(_first(code.get("capture_spike_scalar"), env.get(ENV_CAPTURE_SPIKE_SCALAR) or None,
                                         "loss")),
+        health=str(_first(code.get("health"), env.get(ENV_HEALTH) or None, "off")).strip().lower(),
+        health_device=_first(code.get("health_device"), env.get(ENV_HEALTH_DEVICE) or None),
+        health_period_s=_first(code.get("health_period_s"), _env_float(ENV_HEALTH_PERIOD_S, env), 1.0),
+        capture_token=_first(code.get("capture_token"), env.get(ENV_CAPTURE_TOKEN) or None),
         tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
         tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
                                                   "auto")),
@@ -554,6 +580,18 @@ def _validate(config: Config) -> None:
     if "straggler" in config.capture and (config.otlp_endpoint is None or config.otlp_protocol != "http/protobuf"):
         raise ValueError("capture: the 'straggler' trigger asks the steptrace collector the ranks export to: it needs "
                          "otlp_endpoint (OTEL_EXPORTER_OTLP_ENDPOINT) with otlp_protocol 'http/protobuf'")
+    token = config.capture_token
+    if token is not None:
+        # Never the token itself in a message: it ends up in logs.
+        if not isinstance(token, str) or len(token) < CAPTURE_TOKEN_MIN_CHARS or any(c.isspace() for c in token) \
+                or not token.isprintable():
+            raise ValueError(f"capture_token must be a string of at least {CAPTURE_TOKEN_MIN_CHARS} printable "
+                             f"characters without spaces (e.g. `openssl rand -hex 16`) (set by "
+                             f"init(capture_token=...) or {ENV_CAPTURE_TOKEN})")
+        if "request" not in config.capture or config.prometheus_port is None:
+            raise ValueError(f"capture_token (set by init(capture_token=...) or {ENV_CAPTURE_TOKEN}) is the token of "
+                             "POST /v1/steptrace/capture on the rank's /metrics server: it needs capture to include "
+                             "'request' and prometheus_port to be set")
     poll = config.capture_poll_s
     if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0.05 <= poll <= 3600:
         raise ValueError(f"capture_poll_s must be a number of seconds in [0.05, 3600], got {poll!r}")
@@ -561,6 +599,18 @@ def _validate(config: Config) -> None:
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
             raise ValueError(f"{field} must be a number >= {least:g}, got {value!r}")
+    if config.health not in HEALTH_SOURCES:
+        raise ValueError(f"health must be one of {', '.join(HEALTH_SOURCES)}, got {config.health!r} (set by "
+                         f"init(health=...) or {ENV_HEALTH})")
+    period = config.health_period_s
+    if isinstance(period, bool) or not isinstance(period, (int, float)) or \
+            not MIN_HEALTH_PERIOD_S <= period <= MAX_TIMEOUT_S:
+        raise ValueError(f"health_period_s must be a number of seconds in [{MIN_HEALTH_PERIOD_S:g}, "
+                         f"{MAX_TIMEOUT_S:g}], got {period!r} (NVML's power is a 1 s average: docs/health.md)")
+    device = config.health_device
+    if device is not None and not (isinstance(device, str) and device.strip() and device.isprintable()):
+        raise ValueError(f"health_device must be an NVML UUID (GPU-...) or a PCI bus id, got {device!r} "
+                         f"(set by init(health_device=...) or {ENV_HEALTH_DEVICE})")
     if config.attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {config.attempt} (init(attempt=...), {ENV_ATTEMPT} or "
                          f"{'/'.join(LAUNCHER_ATTEMPT_VARIABLES)})")

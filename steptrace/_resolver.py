@@ -127,6 +127,8 @@ class Resolver:
         self.on_step_interval: Any = None
         #: Told each finalized ok step's record (the capture's slow-step and spike triggers), when one runs.
         self.on_step_finalized: Any = None
+        #: The GPU health sampler (steptrace/_health.py), when one runs: each step takes its window.
+        self.health: Any = None
         self._wake = Wakeup()
         self._sleeping = False
         self._stopping = False
@@ -355,6 +357,8 @@ class Resolver:
     def background_cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used by steptrace's background threads, by thread (``resolver``, ``sink:<name>``)."""
         seconds = {"resolver": self.cpu_seconds}
+        if self.health is not None:
+            seconds["health"] = self.health.cpu_seconds
         if self.wait_cpu_seconds:
             # Of the resolver's CPU, what the framework's own wait used (jaxlib's block_until_ready
             # costs ~20 us of CPU per ms it waits on the CPU backend; measured, docs/records.md).
@@ -631,6 +635,15 @@ class Resolver:
         record = self._step_record(step, timing, segments, mb_compute, end_source)
         if before is not None:
             self.records.add_before_steps(record, before)
+        health = self.health
+        if health is not None:
+            try:
+                window = health.window(timing.end)
+            except Exception:
+                log.debug("steptrace: the health window failed", exc_info=True)
+                window = None
+            if window is not None:
+                record["health"] = window
         records.append(record)
         if self.on_step_finalized is not None and step.status == "ok":
             try:

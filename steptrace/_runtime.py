@@ -90,6 +90,8 @@ class Runtime:
                                           unix_offset=resolver.unix_offset, factor=config.stall_factor,
                                           min_s=config.stall_min_s)
             resolver.on_step_interval = self.stall_watch.step_finalized
+        #: GPU health (steptrace/_health.py): its sampler starts at the first step, once the GPU is known.
+        self.health: Any = None
         #: Deep capture (steptrace/_capture.py): armed by a trigger, run at step boundaries.
         self.capture: Any = None
         if config.capture:
@@ -545,7 +547,28 @@ class Runtime:
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
         # The GPU this rank's steps are timed on, chosen here on the training thread (the resolver's own
         # current device is 0 whatever the rank's is): the run's device kind, so its peak FLOP/s.
-        self.resolver.submit(RunStart(_perf(), dict(self.config.tags), cuda_index=self.backends.cuda_index()))
+        cuda_index = self.backends.cuda_index()
+        self.resolver.submit(RunStart(_perf(), dict(self.config.tags), cuda_index=cuda_index))
+        if self.config.health == "nvml":
+            self._start_health(cuda_index)
+
+    def _start_health(self, cuda_index: int | None) -> None:
+        """The health sampler of the GPU this rank is timed on (its own thread reads NVML); a failure
+        is said once and never the loop's."""
+        from steptrace import _health
+
+        uuid = None
+        if cuda_index is not None and self.config.health_device is None:
+            from steptrace.adapters.torch import nvml_uuid
+
+            uuid = nvml_uuid(cuda_index)
+        try:
+            self.health = _health.start(self.config, uuid, self.resolver.unix_offset)
+        except Exception as exc:
+            misuse(f"steptrace could not start GPU health sampling ({exc}); steps are recorded without it",
+                   strict=False, stacklevel=6)
+            return
+        self.resolver.health = self.health
 
     def flush(self, timeout_s: float | None) -> bool:
         if os.getpid() != self.pid:
@@ -571,6 +594,8 @@ class Runtime:
         self.open_spans.clear()
         self.closed_spans.clear()
         self.pending_async.clear()
+        if self.health is not None:
+            self.health.forked()
         self.resolver.forked()
 
     def shutdown(self, timeout_s: float) -> bool:
@@ -598,4 +623,7 @@ class Runtime:
         for ckpt in list(self.pending_async):
             ckpt.status = "incomplete"
             ckpt._submit()
-        return self.resolver.shutdown(self.take_closed_spans(), timeout_s)
+        complete = self.resolver.shutdown(self.take_closed_spans(), timeout_s)
+        if self.health is not None:
+            self.health.close()  # after the last step took its window
+        return complete

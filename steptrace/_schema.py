@@ -88,6 +88,7 @@ ATTR_COLLECTIVE_WAIT_IDLE_PREFIX = "train.collective_wait_idle."  # + reason + "
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
 ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step
+ATTR_HEALTH_PREFIX = "train.health."  # + field, or field + "." + key: a step's GPU health window
 
 
 #: The span a checkpoint restore is timed as (``steptrace.restore``); the step after one is marked
@@ -169,6 +170,12 @@ class StepRecord(_Common):
     # Its one_off_seconds (interval less the run's typical step interval) is computed by the
     # analysis, which sees the whole run (steptrace.analysis.summary.after_restore_costs).
     first_after_restore: NotRequired[bool]
+    # health="nvml" (steptrace/_health.py, docs/health.md): the GPU's health over the sampling window
+    # that ended in this step (the steps since the previous window share it: window_steps). Counters
+    # as deltas (violation_ms / violation_percent per policy, energy_joules, error counts), gauges as
+    # min/mean/max (sm_clock_mhz_*, temperature_c_max, power_watts_mean), clocks_event_reasons OR-ed;
+    # a field the GPU does not support is null and named in unsupported (field -> NVML error).
+    health: NotRequired[dict[str, Any]]
 
 
 class MicrobatchRecord(_Common):

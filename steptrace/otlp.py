@@ -60,7 +60,9 @@ a bounded queue). Per rank and step ``n``::
   on an attempt's first step ``train.before_step_seconds``, ``train.before_step.<reason>_seconds``
   and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
-  attributes). ``train.compute``: ``train.compute_seconds``. ``train.idle``:
+  attributes), ``train.health.<field>`` and ``train.health.<field>.<key>`` (the GPU's health
+  window, health="nvml": docs/health.md; null fields left out).
+  ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
   ``train.microbatch``, ``train.stage``, ``train.chunk``, ``train.kind``,
   ``train.compute_seconds``. ``train.checkpoint``: ``train.status``,
@@ -72,6 +74,10 @@ a bounded queue). Per rank and step ``n``::
   ``OTEL_RESOURCE_ATTRIBUTES``, else ``steptrace``; ``service.instance.id`` =
   ``<run_id>/rank-<rank>`` always (all ranks share the environment, so a value
   from ``OTEL_RESOURCE_ATTRIBUTES`` would make them indistinguishable).
+  With nemo-lens's export on (``MEGATRON_OTEL_ENABLED``/``NEMO_LENS_ENABLED``: Megatron-LM's own
+  OpenTelemetry), its identity instead (:func:`nemo_lens_resource`): ``nemo.run.id``,
+  ``service.instance.id`` = ``<nemo.run.id>-rank<rank>``, ``dl.rank``, ``dl.world_size``, its
+  ``service.name``; one resource per rank for both exporters.
 
 Metrics
 -------
@@ -128,6 +134,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -161,6 +168,7 @@ from steptrace._schema import (
     ATTR_BUBBLE_PREFIX,
     ATTR_COLLECTIVE_WAIT_IDLE_PREFIX,
     ATTR_COMPUTE_SECONDS,
+    ATTR_HEALTH_PREFIX,
     ATTR_PROCESS_START_TIME,
     ATTR_RANK,
     ATTR_RUN_ID,
@@ -523,6 +531,12 @@ class OtlpSink:
 
         self.resource = _resource(service_name, f"{self.run_id}/rank-{self.rank}").merge(
             Resource({ATTR_ATTEMPT: self.attempt}))
+        # Megatron-LM's own OpenTelemetry export on (nemo-lens): one resource for both, so a backend
+        # shows one service instance per rank with both sets of spans and metrics (docs/megatron.md).
+        #: nemo-lens's resource identity this sink joined (``nemo_lens_resource``), or None.
+        self.nemo_lens = nemo_lens_resource(os.environ, self.run_id, self.rank, self.world_size, service_name)
+        if self.nemo_lens is not None:
+            self.resource = self.resource.merge(Resource(self.nemo_lens))
         self._scope = InstrumentationScope("steptrace", __version__)
         self._answers = threading.local()  # the last ExportTraceServiceResponse, per exporting thread
         self._span_exporter, self._metric_exporter = _exporters(
@@ -827,6 +841,16 @@ class OtlpSink:
             _put(attrs, f"train.device_memory.{key}", value)
         for key, value in (r.get("attrs") or {}).items():
             _put(attrs, f"train.attrs.{key}", value)
+        health = r.get("health")
+        if isinstance(health, dict):
+            # The GPU's health window (docs/health.md), flat: train.health.<field>, a dict's entries as
+            # train.health.<field>.<key>; a null (unsupported) field is left out, never sent as 0.
+            for key, value in health.items():
+                if isinstance(value, dict):
+                    for inner, item in value.items():
+                        _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}.{inner}", item)
+                else:
+                    _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}", value)
         self._put_microbatch_summary(attrs, n)
         spans = [self._span(SPAN_STEP, trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
                             error)]
@@ -1020,6 +1044,47 @@ def _summary_key(value: Any) -> str:
 
 #: The stalled training thread's innermost frames, as one attribute of at most this many characters.
 _STACK_ATTR_CHARS = 4096
+
+
+#: nemo-lens (NVIDIA NeMo's OpenTelemetry library, behind Megatron-LM's own export) reads each setting from
+#: ``MEGATRON_OTEL_<KEY>`` in Megatron-LM, falling back to ``NEMO_LENS_<KEY>`` when that is empty
+#: (``NemoLensConfig.from_env(prefix="MEGATRON_OTEL", fallback_prefix="NEMO_LENS")`` in Megatron-LM's
+#: ``megatron/training/global_vars.py:_set_telemetry``; nemo-lens 0.1.0 ``config.py``).
+NEMO_LENS_PREFIXES = ("MEGATRON_OTEL", "NEMO_LENS")
+_NEMO_LENS_TRUE = ("1", "true", "yes", "on")
+
+
+def _nemo_lens_setting(env: Mapping[str, str], key: str) -> tuple[str, str]:
+    """(value, the prefix it came from) of nemo-lens setting ``key``; ("", "") when unset."""
+    for prefix in NEMO_LENS_PREFIXES:
+        value = (env.get(f"{prefix}_{key}") or "").strip()
+        if value:
+            return value, prefix
+    return "", ""
+
+
+def nemo_lens_resource(env: Mapping[str, str], run_id: str, rank: int, world_size: int,
+                       service_name: str | None) -> dict[str, Any] | None:
+    """The resource identity nemo-lens gives this rank's telemetry when its export is on in ``env``
+    (``MEGATRON_OTEL_ENABLED``/``NEMO_LENS_ENABLED``), for steptrace's spans and metrics to join the same
+    resource; None when it is off.
+
+    As nemo-lens 0.1.0 builds it (``setup_telemetry``, ``providers.build_providers``): ``nemo.run.id`` =
+    ``MEGATRON_OTEL_RUN_ID``/``NEMO_LENS_RUN_ID``, else ``SLURM_JOB_ID``, else (where nemo-lens draws a
+    random id per process) steptrace's ``run_id``, which Megatron's steptrace hook hands to Megatron;
+    ``service.instance.id`` = ``<nemo.run.id>-rank<rank>``; ``dl.rank``, ``dl.world_size``;
+    ``service.name``: steptrace's ``service_name`` given in code, else ``OTEL_SERVICE_NAME``, else
+    Megatron-LM's ``megatron-lm`` (``_set_telemetry``) when ``MEGATRON_OTEL_ENABLED`` turned it on,
+    nemo-lens's ``nemo`` otherwise.
+    """
+    enabled, prefix = _nemo_lens_setting(env, "ENABLED")
+    if enabled.lower() not in _NEMO_LENS_TRUE:
+        return None
+    nemo_run_id = _nemo_lens_setting(env, "RUN_ID")[0] or (env.get("SLURM_JOB_ID") or "").strip() or run_id
+    name = service_name or (env.get("OTEL_SERVICE_NAME") or "").strip() or (
+        "megatron-lm" if prefix == "MEGATRON_OTEL" else "nemo")
+    return {"nemo.run.id": nemo_run_id, SERVICE_INSTANCE_ID: f"{nemo_run_id}-rank{rank}",
+            SERVICE_NAME: name, "dl.rank": rank, "dl.world_size": world_size}
 
 
 def _resource(service_name: str | None, instance_id: str) -> Resource:

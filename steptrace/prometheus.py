@@ -42,6 +42,14 @@ name                                                   type       extra labels
 ``steptrace_pipeline_bubble_ratio``                    gauge      ``stage``
 ``steptrace_step_scalar``                              gauge      ``name`` (``s.log``; first 64 names)
 ``steptrace_device_memory_bytes``                      gauge      ``kind`` (in_use, peak, limit)
+``steptrace_gpu_violation_seconds_total``              counter    ``policy`` (health="nvml": docs/health.md)
+``steptrace_gpu_energy_joules_total``                  counter    (health="nvml")
+``steptrace_gpu_power_watts``                          gauge      (health="nvml", last window's mean)
+``steptrace_gpu_sm_clock_hertz``                       gauge      (health="nvml", last window's mean)
+``steptrace_gpu_memory_clock_hertz``                   gauge      (health="nvml", last window's mean)
+``steptrace_gpu_temperature_celsius``                  gauge      (health="nvml", last window's max)
+``steptrace_gpu_clocks_event_reasons``                 gauge      (health="nvml", bitmask)
+``steptrace_gpu_errors_total``                         counter    ``kind`` (xid, ecc_uncorrected, remapped_rows, nvlink)
 ``steptrace_microbatch_seconds``                       summary    ``kind, stage, chunk``
 ``steptrace_checkpoint_blocking_seconds``              summary
 ``steptrace_checkpoint_async_seconds``                 summary
@@ -53,6 +61,7 @@ name                                                   type       extra labels
 ``steptrace_attempt``                                  gauge      (which process start of the run)
 ``steptrace_stall_seconds``                            gauge      ``span`` (0 unless a stall is open)
 ``steptrace_open_seconds``                             gauge      ``span`` (read at scrape time)
+``steptrace_captures_total``                           counter    ``trigger, status`` (deep capture records)
 =====================================================  =========  ======================
 
 Goodput (docs/goodput.md) is ``steptrace_productive_seconds_total / steptrace_wall_seconds_total``:
@@ -82,10 +91,18 @@ record too); drops before any sink (the resolver's queue, misuse, steps still
 unresolved at shutdown, failed device waits) are ``{sink="resolver",
 reason="<reason>"}``. Before any drop, the resolver's reasons and those of the
 sinks that exist are exported at 0; a sink that is not configured has no series.
+
+``steptrace_captures_total`` counts the deep capture records (docs/capture.md) by ``trigger`` and
+``status`` (``ok``: a trace taken, ``failed``: the profiler failed to start or stop, ``skipped``);
+with capture on, ``ok`` and ``failed`` of each configured trigger exist from the start at 0 (two
+series a trigger). With ``capture_token`` the same server takes ``POST /v1/steptrace/capture`` (the
+HTTP capture trigger, :class:`CaptureRoute`); without it that path answers 404.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 import logging
 import collections
 import math
@@ -106,7 +123,9 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
 from steptrace._version import __version__
 from steptrace._attribution import GoodputTotals, split_step
 from steptrace._buckets import CHECKPOINT_BUCKETS_S, MICROBATCH_BUCKETS_S, STEP_BUCKETS_S
-from steptrace._config import ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, ENV_PROMETHEUS_PORT
+from steptrace._capture import CAPTURE_PATH
+from steptrace._config import CAPTURE_TRIGGERS, ENV_CAPTURE_TOKEN, ENV_LOCAL_RANK, ENV_PROMETHEUS_ADDR, \
+    ENV_PROMETHEUS_PORT
 from steptrace._ids import trace_id_hex
 from steptrace._schema import usual_drop_reasons
 
@@ -117,6 +136,15 @@ log = logging.getLogger("steptrace")
 _RUN_LABELS = ("run_id", "rank")
 _MAX_SCALAR_NAMES = 64
 _MAX_SPAN_NAMES = 32
+#: The statuses of a capture record (steptrace/_capture.py): the ``status`` of ``steptrace_captures_total``.
+_CAPTURE_STATUSES = ("ok", "failed", "skipped")
+#: The largest body ``POST /v1/steptrace/capture`` takes: ``{"reason": "..."}``, the reason cut at 200 characters.
+CAPTURE_BODY_MAX_BYTES = 4096
+
+
+_HEALTH_POLICIES = frozenset(("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability"))
+_HEALTH_ERRORS = (("xid_events", "xid"), ("ecc_uncorrected_volatile_errors", "ecc_uncorrected"),
+                  ("remapped_rows_uncorrectable", "remapped_rows"), ("nvlink_errors", "nvlink"))
 
 
 def _observe(metric: Any, value: float, exemplar: dict[str, str]) -> None:
@@ -151,7 +179,8 @@ class PrometheusSink:
 
     def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
                  rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None,
-                 attempt: int = 0, histograms: bool = False):
+                 attempt: int = 0, histograms: bool = False, capture_triggers: tuple[str, ...] = (),
+                 capture_token: str | None = None):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535 - local_rank:
             raise ValueError(f"prometheus_port must be an integer in [0, 65535 - local_rank], got {port!r}")
         if peak_tflops is not None and not peak_tflops > 0:
@@ -185,8 +214,18 @@ class PrometheusSink:
         self._lock = threading.Lock()
         self._closed = False
 
+        unknown = [t for t in capture_triggers if t not in CAPTURE_TRIGGERS]
+        if unknown:
+            raise ValueError(f"capture_triggers: unknown trigger(s) {unknown} (known: {', '.join(CAPTURE_TRIGGERS)})")
+        #: The HTTP capture trigger (POST /v1/steptrace/capture), served only with a token.
+        self.capture_route = CaptureRoute(capture_token) if capture_token is not None else None
         self._metrics = CollectorRegistry()
         self._define_metrics(peak_tflops)
+        # With capture on, a trace taken and a failure of each configured trigger read 0 before the first
+        # (increase() cannot see the first count of a series that appears with it); skips appear when they do.
+        for trigger in capture_triggers:
+            for status in ("ok", "failed"):
+                self._captures.labels(*self._labels, trigger, status)
         # Counters restart with each attempt (a new process); Prometheus's reset handling expects that.
         self._attempt.labels(*self._labels).set(attempt)
         # The served registry wraps ours: it drops `_created` series (which would double the series
@@ -197,7 +236,7 @@ class PrometheusSink:
 
         bind_port = port + local_rank if port else 0
         try:
-            self._server = MetricsServer(addr, bind_port, served)
+            self._server = MetricsServer(addr, bind_port, served, capture=self.capture_route)
         except OSError as exc:
             raise _bind_error(exc, addr, port, local_rank) from exc
         bound = self._server.port
@@ -213,7 +252,8 @@ class PrometheusSink:
         return cls(config.prometheus_port, addr=config.prometheus_addr, local_rank=config.local_rank,
                    run_id=config.run_id, rank=config.rank, goodput_window_steps=config.goodput_window_steps,
                    peak_tflops=config.peak_tflops, attempt=config.attempt,
-                   histograms=config.prometheus_histograms)
+                   histograms=config.prometheus_histograms, capture_triggers=tuple(config.capture),
+                   capture_token=config.capture_token)
 
     def _define_metrics(self, peak_tflops: float | None) -> None:
         reg = self._metrics
@@ -286,11 +326,36 @@ class PrometheusSink:
         self._scalar_names: set[str] = set()
         self._memory = Gauge("steptrace_device_memory_bytes", "Device memory after the last step: in use, "
                              "peak, and the device's limit.", run + ("kind",), registry=reg)
+        # GPU health (health="nvml", docs/health.md): NVML's units converted to Prometheus' base units.
+        self._gpu_violation = Counter("steptrace_gpu_violation_seconds", "Time an NVML perf policy held the GPU's "
+                                      "clocks down (nvmlDeviceGetViolationStatus), by policy.", run + ("policy",),
+                                      registry=reg)
+        self._gpu_energy = Counter("steptrace_gpu_energy_joules", "GPU energy used (NVML's mJ counter) over the "
+                                   "health windows.", run, registry=reg)
+        self._gpu_power = Gauge("steptrace_gpu_power_watts", "GPU power, mean of the last health window (NVML "
+                                "reports mW).", run, registry=reg)
+        self._gpu_sm_clock = Gauge("steptrace_gpu_sm_clock_hertz", "SM clock, mean of the last health window.", run,
+                                   registry=reg)
+        self._gpu_memory_clock = Gauge("steptrace_gpu_memory_clock_hertz", "Memory clock, mean of the last health "
+                                       "window.", run, registry=reg)
+        self._gpu_temperature = Gauge("steptrace_gpu_temperature_celsius", "GPU temperature, max of the last "
+                                      "health window.", run, registry=reg)
+        self._gpu_reasons = Gauge("steptrace_gpu_clocks_event_reasons", "NVML clocks-event reasons of the last "
+                                  "health window, OR-ed (a bitmask; GpuIdle masked, a lone HwSlowdown dropped).", run,
+                                  registry=reg)
+        self._gpu_errors = Counter("steptrace_gpu_errors", "GPU errors seen by the health sampler, by kind: xid "
+                                   "(events; NVML coalesces bursts), ecc_uncorrected (volatile), remapped_rows "
+                                   "(uncorrectable), nvlink.", run + ("kind",), registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
         self._interval_median = Gauge("steptrace_step_interval_median_seconds", "Median interval of the last "
                                       f"{self._window_steps} steps: the run's pace, which the stall alert "
                                       "scales.", run, registry=reg)
+
+        self._captures = Counter("steptrace_captures", "Deep captures (profiler traces, docs/capture.md) by the "
+                                 "trigger that armed them and status: ok (a trace taken), failed (the profiler "
+                                 "failed to start or stop), skipped (cooldown, budget, your own profiler).",
+                                 run + ("trigger", "status"), registry=reg)
 
         # Series that exist from the start read as 0 instead of missing, so rate() and sum() work
         # before the first step (and a run with no errors still has an error series).
@@ -320,6 +385,15 @@ class PrometheusSink:
         self._drop_counter = fn
         names = tuple(getattr(fn, "sink_names", ())) or (self.name,)
         self._usual_drops = dict.fromkeys(usual_drop_reasons(names), 0)
+
+    def attach_capture(self, arm: Callable[[str], bool]) -> None:
+        """Serve the HTTP capture trigger with ``arm(reason)`` (whether it armed the next capture).
+
+        ``steptrace.init`` attaches the run's capture when its triggers include ``request``; without a
+        ``capture_token`` there is no route and this does nothing.
+        """
+        if self.capture_route is not None:
+            self.capture_route.arm = arm
 
     def attach_position(self, fn: Callable[[], tuple[int, bool, float, str | None] | None]) -> None:
         """Publish where the training thread is (``steptrace_current_step``, ``steptrace_open_seconds``).
@@ -440,9 +514,39 @@ class PrometheusSink:
                 self._scalar.labels(*labels, name).set(value)
         for kind, value in memory.items():
             self._memory.labels(*labels, kind).set(value)
+        if isinstance(r.get("health"), dict):
+            self._health(r["health"])
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
         self._intervals.append(interval)
+
+    def _health(self, h: dict[str, Any]) -> None:
+        """A GPU health window (docs/health.md): counters add its deltas, gauges show it; a null
+        (unsupported) field leaves its series alone. 16 series at most, created by the first window."""
+        labels = self._labels
+        # Every value is checked before any series moves: a bad window is dropped whole (ValueError).
+        violation = {str(p): _optional(ms, nonnegative=True) for p, ms in (h.get("violation_ms") or {}).items()
+                     if str(p) in _HEALTH_POLICIES}
+        values = {field: _optional(h.get(field), nonnegative=True)
+                  for field in ("energy_joules", "power_watts_mean", "sm_clock_mhz_mean", "memory_clock_mhz_mean",
+                                "temperature_c_max", "clocks_event_reasons")}
+        errors = {kind: _optional(h.get(field), nonnegative=True) for field, kind in _HEALTH_ERRORS}
+        for policy, ms in violation.items():
+            if ms is not None:
+                self._gpu_violation.labels(*labels, policy).inc(ms / 1e3)
+        if values["energy_joules"] is not None:
+            self._gpu_energy.labels(*labels).inc(values["energy_joules"])
+        for field, series, scale in (("power_watts_mean", self._gpu_power, 1.0),
+                                     ("sm_clock_mhz_mean", self._gpu_sm_clock, 1e6),
+                                     ("memory_clock_mhz_mean", self._gpu_memory_clock, 1e6),
+                                     ("temperature_c_max", self._gpu_temperature, 1.0),
+                                     ("clocks_event_reasons", self._gpu_reasons, 1.0)):
+            value = values[field]
+            if value is not None:
+                series.labels(*labels).set(value * scale)
+        for kind, count in errors.items():
+            if count is not None:
+                self._gpu_errors.labels(*labels, kind).inc(count)
 
     def _checkpoint(self, r: dict[str, Any]) -> None:
         step = _int(r["step"])
@@ -476,9 +580,16 @@ class PrometheusSink:
     def _attempt_record(self, record: dict[str, Any]) -> None:
         self._goodput_totals.started(_seconds(record["start_time"]))
 
+    def _capture_record(self, record: dict[str, Any]) -> None:
+        trigger, status = record["trigger"], record["status"]
+        # Label values from a record: only the known ones, so a bad record cannot grow the series.
+        if trigger not in CAPTURE_TRIGGERS or status not in _CAPTURE_STATUSES:
+            raise ValueError(f"a capture record with trigger {trigger!r} and status {status!r}")
+        self._captures.labels(*self._labels, trigger, status).inc()
+
     _HANDLERS: dict[Any, Callable[["PrometheusSink", dict[str, Any]], None]] = {
         "step": _step, "checkpoint": _checkpoint, "microbatch": _microbatch, "stall": _stall,
-        "stall_end": _stall_end, "attempt": _attempt_record,
+        "stall_end": _stall_end, "attempt": _attempt_record, "capture": _capture_record,
     }
 
     # -- scrape (the HTTP server's threads) --------------------------------------------------------
@@ -565,12 +676,15 @@ class MetricsServer:
     connection must send its request within ``timeout_s`` or is closed. One request per
     connection (HTTP/1.0, as Prometheus scrapes); ``GET``/``HEAD`` of any path serves
     prometheus_client's exposition of ``registry`` (text or OpenMetrics by ``Accept``,
-    ``name[]`` filters, gzip by ``Accept-Encoding``).
+    ``name[]`` filters, gzip by ``Accept-Encoding``), but ``/v1/steptrace/capture``: ``POST`` there
+    is the HTTP capture trigger when ``capture`` (a :class:`CaptureRoute`) is given, its body
+    (at most ``CAPTURE_BODY_MAX_BYTES``) read within the same ``timeout_s``; 404 without one.
     """
 
     def __init__(self, addr: str, port: int, registry: Any, *, workers: int = 4, max_connections: int = 32,
-                 timeout_s: float = 5.0):
+                 timeout_s: float = 5.0, capture: "CaptureRoute | None" = None):
         self._registry = registry
+        self._capture = capture
         self._timeout_s = timeout_s
         self._max = max_connections
         self._per_peer = max(1, max_connections // 2)
@@ -686,24 +800,30 @@ class MetricsServer:
                     return
                 data += chunk
             conn.settimeout(self._timeout_s)
-            conn.sendall(self._answer(data))
+            conn.sendall(self._answer(data, conn, host, deadline))
         except OSError:
             pass
         finally:
             conn.close()
             self._release(host)
 
-    def _answer(self, data: bytes) -> bytes:
+    def _answer(self, data: bytes, conn: socket.socket | None = None, host: str = "", deadline: float = 0.0) -> bytes:
         import gzip
         from urllib.parse import parse_qs, urlsplit
 
-        lines = data.decode("latin-1").replace("\r\n", "\n").split("\n")
+        # The head ends at the first blank line; what follows is the start of a body (a capture request's).
+        ends = [(i, len(sep)) for sep in (b"\r\n\r\n", b"\n\n") if (i := data.find(sep)) >= 0]
+        end, sep_len = min(ends) if ends else (len(data), 0)
+        head, body = data[:end], data[end + sep_len:]
+        lines = head.decode("latin-1").replace("\r\n", "\n").split("\n")
         parts = lines[0].split(" ")
         headers = {}
         for line in lines[1:]:
             key, sep, value = line.partition(":")
             if sep:
                 headers[key.strip().lower()] = value.strip()
+        if len(parts) == 3 and urlsplit(parts[1]).path == CAPTURE_PATH:
+            return self._capture_answer(parts[0], headers, body, conn, host, deadline)
         if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
             return b"HTTP/1.0 405 Method Not Allowed\r\nAllow: GET, HEAD\r\nContent-Length: 0\r\n\r\n"
         registry = self._registry
@@ -723,6 +843,126 @@ class MetricsServer:
         head = (f"HTTP/1.0 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}"
                 "Connection: close\r\n\r\n").encode()
         return head if parts[0] == "HEAD" else head + body
+
+    def _capture_answer(self, method: str, headers: dict[str, str], body: bytes, conn: socket.socket | None,
+                        host: str, deadline: float) -> bytes:
+        """``/v1/steptrace/capture``: the HTTP capture trigger (docs/capture.md). The body (bounded) is read
+        before any answer: closing a socket with unread data resets it, and the client would see the reset
+        instead of the answer."""
+        import time
+
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            return self._refuse_unread(conn, deadline, _json_reply(
+                411, {"error": "chunked bodies are not accepted: send Content-Length"}))
+        declared = headers.get("content-length", "0").strip()
+        if not declared.isdigit() or len(declared) > 12:
+            return self._refuse_unread(conn, deadline, _json_reply(
+                400, {"error": "Content-Length must be a number of bytes"}))
+        length = int(declared)
+        if length > CAPTURE_BODY_MAX_BYTES:
+            return self._refuse_unread(conn, deadline, _json_reply(
+                413, {"error": f"body of {length} bytes: at most {CAPTURE_BODY_MAX_BYTES} ({{\"reason\": \"...\"}})"}))
+        while len(body) < length and conn is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _json_reply(408, {"error": f"the body did not arrive within {self._timeout_s:g} s"})
+            conn.settimeout(left)
+            chunk = conn.recv(length - len(body))
+            if not chunk:
+                return b""  # the client went away
+            body += chunk
+        if conn is not None:
+            conn.settimeout(self._timeout_s)  # the answer's send gets the usual time, not what was left
+        route = self._capture
+        if route is None:
+            return _json_reply(404, {"error": f"the HTTP capture trigger is off on this rank: it needs capture with "
+                                              f"'request' and a capture_token ({ENV_CAPTURE_TOKEN})"})
+        if method != "POST":
+            return _json_reply(405, {"error": f"{method[:16]} {CAPTURE_PATH}: use POST"}, "Allow: POST\r\n")
+        if not route.authorized(headers.get("authorization")):
+            return _json_reply(401, {"error": "missing or wrong bearer token (capture_token)"},
+                               'WWW-Authenticate: Bearer realm="steptrace-capture"\r\n')
+        status, answer = route.request(body[:length], host)
+        return _json_reply(status, answer)
+
+    def _refuse_unread(self, conn: socket.socket | None, deadline: float, reply: bytes) -> bytes:
+        """Answer a request whose body is not read, then read (and drop) what the client still sends, up to
+        64 KiB until the deadline, so that closing does not reset the connection before it read the answer."""
+        import time
+
+        if conn is None:
+            return reply
+        conn.sendall(reply)
+        conn.shutdown(socket.SHUT_WR)
+        drained = 0
+        while drained < 65536:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(left)
+            chunk = conn.recv(16384)
+            if not chunk:
+                break
+            drained += len(chunk)
+        return b""
+
+
+_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required", 413: "Content Too Large",
+            503: "Service Unavailable"}
+
+
+def _json_reply(status: int, payload: dict[str, Any], extra: str = "") -> bytes:
+    body = json.dumps(payload).encode()
+    return (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+            f"\r\n{extra}Connection: close\r\n\r\n").encode() + body
+
+
+class CaptureRoute:
+    """The HTTP capture trigger: ``POST /v1/steptrace/capture`` with ``Authorization: Bearer <capture_token>``
+    and an optional JSON body ``{"reason": "..."}`` arms the next capture, as ``steptrace.request_capture``
+    does (the ``request`` trigger; its cooldown and budgets bound what requests can make the rank do).
+
+    Answers: 202 ``{"armed": true}``; 200 ``{"armed": false, ...}`` when a capture armed or running already
+    covers it; 400 for a body that is not that object; 401 without the token (compared in constant time);
+    503 before the run's capture is attached. The recorded reason names the peer address.
+    """
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+        #: ``reason -> armed``; attached by ``steptrace.init`` (:meth:`PrometheusSink.attach_capture`).
+        self.arm: Callable[[str], bool] | None = None
+        #: Requests that armed a capture, and those refused (unauthorized or malformed).
+        self.armed = 0
+        self.refused = 0
+
+    def authorized(self, header: str | None) -> bool:
+        scheme, _, credentials = (header or "").strip().partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), self._token)
+        if not ok:
+            self.refused += 1
+        return ok
+
+    def request(self, body: bytes, peer: str) -> tuple[int, dict[str, Any]]:
+        reason = ""
+        if body.strip():
+            try:
+                payload = json.loads(body)
+            except ValueError:  # UnicodeDecodeError included
+                payload = None
+            if not isinstance(payload, dict) or set(payload) - {"reason"} or \
+                    not isinstance(payload.get("reason", ""), str):
+                self.refused += 1
+                return 400, {"error": 'the body must be empty or a JSON object {"reason": "<text>"}'}
+            reason = payload.get("reason", "")
+        arm = self.arm
+        if arm is None:
+            return 503, {"error": "capture is not running on this rank"}
+        said = f"HTTP request from {peer or 'a local socket'}" + (f": {reason}" if reason else "")
+        if arm(said[:200]):
+            self.armed += 1
+            return 202, {"armed": True}
+        return 200, {"armed": False, "why": "a capture already armed or running covers this request"}
 
 
 class _Exposition:

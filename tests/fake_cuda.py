@@ -77,6 +77,14 @@ It keeps the CUDA and PyTorch rules steptrace depends on, so the real
   lets a test show what each binding does to the other threads when a call
   blocks). ``gil_held_blocks`` and ``gil_released_blocks`` record each wait;
   ``binding_calls`` records the torch-binding calls made off the training thread;
+* a synchronous copy (``Tensor.item()``, ``.cpu()``, a pageable ``.to("cuda")``: ``fake.sync_copy()``)
+  waits for the work queued before it with the GIL released, and meanwhile ``cuEventRecord`` from
+  any other thread waits for it to finish, while ``cuEventQuery``, ``cuStreamQuery`` and
+  ``cuEventElapsedTime`` do not (measured by the lead on an H200, driver 580.159.04, 2026-11-27:
+  ``cuEventRecord`` from a second thread waited 769-820 ms while the training thread was in each of
+  those three calls behind a 1 s kernel; the other three calls at most 1.7 ms; nothing waited during
+  ``torch.cuda.synchronize``). Through ``ctypes.PyDLL`` that wait holds the GIL (the resolver's anchor
+  froze every Python thread for 1.6 s of a ``.item()`` behind a 3 s kernel, seen with faulthandler);
 * ``torch.cuda.synchronize`` and ``Event.synchronize`` work, and the threads
   that call them are recorded: steptrace's threads must never appear.
 
@@ -234,6 +242,7 @@ class FakeCuda:
         self.binding_calls: list[tuple[str, str]] = []
         self.train_thread = threading.get_ident()
         self._in_empty_cache: dict[int, tuple[int, float]] = {}  # device -> (thread, until)
+        self._in_copy: dict[int, tuple[int, float]] = {}  # device -> (thread, until): synchronous copies
         self._in_sync: dict[int, tuple[int, float]] = {}  # device -> (thread, until): synchronizing calls
         self._local = threading.local()
         self._pool_next: dict[tuple[int, int], int] = {}
@@ -529,6 +538,17 @@ class FakeCuda:
             time.sleep(0)  # an op's binding releases the GIL around its dispatch (gil_scoped_release)
         return work
 
+    def sync_copy(self, device: Any = None) -> None:
+        """A synchronous copy on this thread's current stream of ``device`` (``loss.item()``, ``.cpu()``, a
+        pageable ``.to("cuda")``): waits, the GIL released, for the work queued on the device, holding the
+        driver's lock that ``cuEventRecord`` from other threads waits on (measured, see the module doc)."""
+        index = self._index(device)
+        self.touch(index, "a synchronous copy")
+        with self._synchronizing(index, self._in_copy):
+            left = self.gpus[index]._queue_until - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
     def scalar(self, value: float, seconds: float = 0.0, *, device: Any = None) -> FakeCudaTensor:
         """A one-element CUDA tensor computed by a ``seconds`` kernel on ``device`` (its current stream)."""
         work = self.run(seconds, "scalar", device=device)
@@ -653,6 +673,8 @@ class _FakeDriver:
         self.exchanges: list[tuple[str, str]] = []
         #: (thread, call) of every event call made through the driver.
         self.calls: list[tuple[str, str]] = []
+        #: (thread, "PyDLL" or "CDLL", whether the device had no work left) of every cuEventRecord.
+        self.record_routes: list[tuple[str, str, bool]] = []
         self._local = threading.local()
 
     def exchange_capture_mode(self, mode: int) -> int:
@@ -717,9 +739,29 @@ class _FakeDriver:
 
     def record_keeping_gil(self, event: int, stream: int) -> int:
         """cuEventRecord through ctypes.PyDLL: a CUresult, the GIL kept (no other thread runs here)."""
+        return self._record(event, stream, holds_gil=True)
+
+    def record_releasing_gil(self, event: int, stream: int) -> int:
+        """cuEventRecord through ctypes.CDLL: a CUresult, the GIL released while it waits."""
+        return self._record(event, stream, holds_gil=False)
+
+    def stream_idle_keeping_gil(self, stream: int) -> bool:
+        """cuStreamQuery through ctypes.PyDLL: True when the stream has no work left (never waits on a
+        synchronous copy, measured)."""
+        self.calls.append((threading.current_thread().name, "cuStreamQuery"))
+        target = self._stream(stream)
+        if target is None:
+            raise OSError(f"cuStreamQuery failed (CUresult {CUDA_ERROR_INVALID_HANDLE})")
+        return self.fake.gpus[target.device_index]._floor(target.key) <= time.perf_counter()
+
+    def _record(self, event: int, stream: int, *, holds_gil: bool) -> int:
         fake, target = self.fake, self._stream(stream)
         marker = fake._handles.get(event) if event else None
         self.calls.append((threading.current_thread().name, "cuEventRecord"))
+        device_idle = marker is not None and fake.gpus[marker._device]._queue_until <= time.perf_counter()
+        self.record_routes.append((threading.current_thread().name, "PyDLL" if holds_gil else "CDLL", device_idle))
+        if marker is not None:
+            fake._wait_for_sync(marker._device, "cuEventRecord", holds_gil=holds_gil, table=fake._in_copy)
         if marker is None or target is None:
             return CUDA_ERROR_INVALID_HANDLE  # an event never created (0 until its first record), or no stream
         if marker._device != target.device_index:
@@ -767,3 +809,4 @@ class _NoDriver:
     exchange_capture_mode = use_device = stream_priority_range = create_stream = _missing
     event_query = event_elapsed_ms = event_synchronize = _missing
     record_keeping_gil = query_keeping_gil = load_keeping_gil = _missing
+    record_releasing_gil = stream_idle_keeping_gil = _missing

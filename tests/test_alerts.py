@@ -26,9 +26,11 @@ ALERTS_MD = REPO / "docs" / "alerts.md"
 ALERT_NAMES = {
     "SteptraceJobStalled", "SteptraceRankSilent", "SteptraceStraggler", "SteptraceGoodputLow",
     "SteptraceStepTimeRegression", "SteptraceCheckpointStall", "SteptraceRestartLoop", "SteptraceTelemetryLoss",
+    "SteptraceStragglerGpu",
 }
 # Alerts about one rank name it; the others are about a whole run.
-RANK_ALERTS = {"SteptraceJobStalled", "SteptraceRankSilent", "SteptraceStraggler", "SteptraceTelemetryLoss"}
+RANK_ALERTS = {"SteptraceJobStalled", "SteptraceRankSilent", "SteptraceStraggler", "SteptraceTelemetryLoss",
+               "SteptraceStragglerGpu"}
 
 
 def rules() -> list[dict]:

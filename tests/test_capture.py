@@ -437,3 +437,236 @@ def test_a_straggler_verdict_captures_the_culprit_and_a_reference_rank(tmp_path)
     assert abs(culprit["first_step"] - reference["first_step"]) <= 4
     for capture in (culprit, reference):
         assert Path(capture["path"]).stat().st_size > 0
+
+
+# -- the HTTP trigger on the rank's /metrics server, and the capture counters ------------------------------
+
+TOKEN = "0123456789abcdef-capture"
+
+
+def _http(url: str, method: str = "POST", body: bytes | None = None, token: str | None = TOKEN,
+          headers: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body or {}, headers) of one request with a real HTTP client."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    sent = dict(headers or {})
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    conn.request(method, "/v1/steptrace/capture", body=body, headers=sent)
+    response = conn.getresponse()
+    raw = response.read()
+    conn.close()
+    return response.status, (json.loads(raw) if raw and method != "HEAD" else {}), dict(response.getheaders())
+
+
+def _scrape(url: str) -> dict[tuple, float]:
+    """``steptrace_captures_total`` samples of a rank's /metrics: {(trigger, status): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.labels["trigger"], s.labels["status"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "steptrace_captures_total"}
+
+
+def test_a_post_to_the_ranks_metrics_server_with_the_token_captures_the_next_steps_and_is_counted(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("prometheus_client")
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="http", backend="host", jsonl=False, sinks=[sink],
+                   capture="request", capture_profiler="torch", capture_steps=2, prometheus_port=0,
+                   capture_token=TOKEN)
+    try:
+        metrics = steptrace.stats()["endpoints"]["prometheus"]
+        # Before any capture, the request trigger's traces and failures read 0 (increase() sees the first).
+        assert _scrape(metrics) == {("request", "ok"): 0.0, ("request", "failed"): 0.0}
+        with steptrace.step(0):
+            status, answer, _ = _http(metrics, body=json.dumps({"reason": "on-call looked"}).encode(),
+                                      headers={"Content-Type": "application/json"})
+            assert (status, answer) == (202, {"armed": True})
+            # A second request while one is armed is covered by it: one trace, not two.
+            status, answer, _ = _http(metrics, body=b"")
+            assert status == 200 and answer["armed"] is False
+        for n in range(1, 5):
+            with steptrace.step(n):
+                pass
+        assert steptrace.flush(10)
+        deadline = time.monotonic() + 10  # the sink's thread updates /metrics after the flush hands it over
+        while _scrape(metrics).get(("request", "ok")) != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _scrape(metrics) == {("request", "ok"): 1.0, ("request", "failed"): 0.0}
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["status"] == "ok" and capture["trigger"] == "request"
+    assert capture["reason"] == "HTTP request from 127.0.0.1: on-call looked"
+    assert (capture["first_step"], capture["last_step"]) == (1, 2)  # from the next boundary, never inside step 0
+    assert Path(capture["path"]).is_file()
+
+
+def test_the_http_trigger_refuses_what_it_should_and_arms_nothing(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("prometheus_client")
+    import socket
+    from urllib.parse import urlsplit
+
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="refuse", backend="host", jsonl=False, sinks=[sink],
+                   capture="request", capture_profiler="torch", prometheus_port=0, capture_token=TOKEN)
+    try:
+        metrics = steptrace.stats()["endpoints"]["prometheus"]
+        status, _, headers = _http(metrics, token=None)
+        assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
+        assert _http(metrics, token=TOKEN[:-1] + "X")[0] == 401
+        assert _http(metrics, token=TOKEN + "X")[0] == 401
+        status, _, headers = _http(metrics, method="GET")
+        assert status == 405 and headers["Allow"] == "POST"
+        assert _http(metrics, method="PUT", body=b"{}")[0] == 405
+        for bad in (b"not json", b"[1]", b'{"reason": 3}', b'{"reason": "x", "steps": 9}', b"\xff\xfe"):
+            status, answer, _ = _http(metrics, body=bad)
+            assert status == 400 and "reason" in answer["error"], bad
+        # An oversized body is refused unread, and the client reads the answer (no reset).
+        status, answer, _ = _http(metrics, body=b"{" + b" " * 100_000 + b"}")
+        assert status == 413 and "4096" in answer["error"]
+        # Chunked bodies have no length to bound in advance.
+        host, port = urlsplit(metrics).hostname, urlsplit(metrics).port
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(f"POST /v1/steptrace/capture HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                         "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n".encode())
+            assert conn.makefile("rb").readline().startswith(b"HTTP/1.0 411")
+        # /metrics itself is unchanged: GET of any other path, and POST elsewhere is still 405.
+        import urllib.error
+        import urllib.request
+
+        assert b"steptrace_captures_total" in urllib.request.urlopen(metrics, timeout=10).read()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(metrics, data=b"", method="POST"), timeout=10)
+        assert refused.value.code == 405
+        for n in range(3):
+            with steptrace.step(n):
+                pass
+    finally:
+        steptrace.shutdown()
+    assert sink.of_type("capture") == []  # nothing refused armed a capture
+
+
+def test_without_a_capture_token_the_http_trigger_is_off(tmp_path):
+    pytest.importorskip("prometheus_client")
+    steptrace.init(run_dir=str(tmp_path), run_id="off", backend="host", jsonl=False, sinks=[MemorySink()],
+                   capture="request", capture_profiler="torch", prometheus_port=0)
+    try:
+        metrics = steptrace.stats()["endpoints"]["prometheus"]
+        status, answer, _ = _http(metrics, token="anything-at-all-here")
+        assert status == 404 and "capture_token" in answer["error"] and "STEPTRACE_CAPTURE_TOKEN" in answer["error"]
+        assert steptrace.request_capture("the API still works") is True
+    finally:
+        steptrace.shutdown()
+
+
+def test_a_capture_token_is_checked_at_init_and_never_printed(tmp_path, monkeypatch):
+    base = dict(run_dir=str(tmp_path), backend="host", jsonl=False)
+    with pytest.raises(ValueError, match="capture_token must be a string of at least 16") as short:
+        steptrace.init(**base, capture="request", prometheus_port=0, capture_token="short-secret")
+    assert "short-secret" not in str(short.value)
+    with pytest.raises(ValueError, match="capture_token must be"):
+        steptrace.init(**base, capture="request", prometheus_port=0, capture_token=TOKEN + " spaced")
+    with pytest.raises(ValueError, match="needs capture to include 'request' and prometheus_port"):
+        steptrace.init(**base, capture="slow", prometheus_port=0, capture_token=TOKEN)
+    with pytest.raises(ValueError, match="needs capture to include 'request' and prometheus_port"):
+        steptrace.init(**base, capture="request", capture_token=TOKEN)
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("STEPTRACE_CAPTURE_TOKEN", TOKEN)
+    config = steptrace.init(**base, capture="request", prometheus_port=0, sinks=[MemorySink()])
+    try:
+        assert config.capture_token == TOKEN and TOKEN not in repr(config)
+    finally:
+        steptrace.shutdown()
+
+
+def test_the_capture_counter_counts_each_record_by_trigger_and_status_within_the_series_budget():
+    pytest.importorskip("prometheus_client")
+    from steptrace.prometheus import PrometheusSink
+
+    def captures(sink):
+        return {tuple(s.labels[k] for k in ("trigger", "status")): s.value for f in sink._metrics.collect()
+                for s in f.samples if s.name == "steptrace_captures_total"}
+
+    off = PrometheusSink(0, run_id="r", rank=0)
+    on = PrometheusSink(0, run_id="r", rank=0, capture_triggers=("slow", "request"))
+    try:
+        assert captures(off) == {}  # capture off: no series, the rank's budget unchanged
+        assert captures(on) == {(t, s): 0.0 for t in ("slow", "request") for s in ("ok", "failed")}
+        record = {"type": "capture", "run_id": "r", "rank": 0}
+        on.export([{**record, "trigger": "slow", "status": "ok"}, {**record, "trigger": "slow", "status": "ok"},
+                   {**record, "trigger": "request", "status": "failed"},
+                   {**record, "trigger": "slow", "status": "skipped"},
+                   {**record, "trigger": "made-up", "status": "ok"}, {**record, "status": "ok"}])
+        assert captures(on) == {("slow", "ok"): 2.0, ("slow", "failed"): 0.0, ("request", "ok"): 0.0,
+                                ("request", "failed"): 1.0, ("slow", "skipped"): 1.0}
+        assert on.invalid_records == 2  # an unknown trigger and a missing one: skipped, counted, no series
+    finally:
+        off.shutdown(1)
+        on.shutdown(1)
+
+
+def test_a_profiler_that_does_not_start_is_a_failed_capture_not_a_skipped_one(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from steptrace import _capture
+
+    def refuse(self):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")  # what a GPU profiler's start can raise
+
+    monkeypatch.setattr(_capture._TorchProfiler, "start", refuse)
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="fail", backend="host", jsonl=False, sinks=[sink],
+                   capture="request", capture_profiler="torch")
+    try:
+        with steptrace.step(0):
+            steptrace.request_capture("try")
+        with steptrace.step(1):
+            pass
+        capture_state = steptrace._active.capture  # type: ignore[attr-defined]
+    finally:
+        steptrace.shutdown()
+    (record,) = sink.of_type("capture")
+    assert record["status"] == "failed" and record["trigger"] == "request" and record["profiler"] == "torch"
+    assert record["error"] == "the profiler did not start: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
+    assert capture_state.failures == 1 and capture_state.taken == 0
+
+
+def test_the_collector_counts_the_capture_requests_it_issued_handed_out_and_let_expire(tmp_path):
+    """steptrace_cluster_capture_requests_total{state}: issued = fetched + expired + pending, per run, from
+    the run's first span at 0, through the collector's own wiring and its real capture endpoint."""
+    pytest.importorskip("opentelemetry.proto", reason="the collector needs steptrace[collector]")
+    import http.client
+
+    from steptrace.collector import Collector, CollectorConfig
+
+    collector = Collector(CollectorConfig(port=0, metrics_port=0, run_dir=str(tmp_path))).start()
+
+    def counted(run_id="job-1"):
+        return {s.labels["state"]: s.value for f in collector.metrics.registry.collect() for s in f.samples
+                if s.name == "steptrace_cluster_capture_requests_total" and s.labels["run_id"] == run_id}
+
+    try:
+        assert counted() == {}
+        collector.metrics.publish([{"type": "late", "run_id": "job-1"}])  # the run's first record
+        assert counted() == {"issued": 0.0, "fetched": 0.0, "expired": 0.0}
+        collector.captures.verdict("job-1", culprit=3, reference=1, step=40, detail="")
+        conn = http.client.HTTPConnection("127.0.0.1", collector.port, timeout=10)
+        conn.request("GET", "/v1/steptrace/capture?run_id=job-1&rank=3")
+        assert json.loads(conn.getresponse().read())["capture"] is True
+        conn.close()
+        assert counted() == {"issued": 2.0, "fetched": 1.0, "expired": 0.0}
+        # A new verdict before rank 1 asked replaces its request: that one expired unfetched.
+        collector.captures.verdict("job-1", culprit=2, reference=1, step=80, detail="")
+        assert counted() == {"issued": 4.0, "fetched": 1.0, "expired": 1.0}
+        # A run the metrics do not track (never sent a span) gets no series.
+        collector.captures.verdict("ghost", culprit=0, reference=None, step=1, detail="")
+        assert counted("ghost") == {}
+    finally:
+        collector.close()

@@ -168,8 +168,12 @@ def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_wi
     mbs = {(m["step"], m["microbatch"]): m for m in sink.microbatches()}
     assert len(mbs) == 200 * 32
     for n in range(1, 200):
-        for i in range(1, 32):
-            if kernels[n][i].start_time == kernels[n][i - 1].end_time:
+        for i in range(1, 31):
+            # Its window is its kernel alone only where the device ran straight through both of its
+            # markers: a host held up before the end marker (preempted on a loaded machine: 9.3 ms
+            # seen) lets the queue drain, and the marker then completes when it is recorded.
+            k = kernels[n]
+            if k[i].start_time == k[i - 1].end_time and k[i + 1].start_time == k[i].end_time:
                 assert mbs[n, i]["compute_seconds"] == pytest.approx(0.4 * MS, abs=US), (n, i)
     assert longest_poll[0] <= 1 * MS, longest_poll[0]
 
@@ -474,6 +478,52 @@ def test_a_resolver_call_that_waits_holds_the_gil_only_without_the_driver(monkey
         assert window == []
 
 
+def test_an_anchor_due_while_the_training_thread_is_in_a_synchronous_copy_never_freezes_the_process(monkeypatch):
+    """A hang with ``loss.item()`` on the training thread: the GPU is busy for 2 s and the training thread
+    waits in a synchronous copy, during which ``cuEventRecord`` from any other thread waits too (measured
+    on an H200). The resolver's calibration anchor, due every second, was recorded through ``PyDLL`` and
+    held the GIL for that wait: every Python thread, the stall watch's included, froze for 1.6 s of a 3 s
+    hang on the H200. While the training stream is busy the anchor is recorded releasing the GIL."""
+    fake = FakeCuda(monkeypatch)
+    beats, stop, thread = _heartbeat()
+    with capture(backend="torch") as sink:
+        for n in range(3):
+            with steptrace.step(n):
+                fake.run(2 * MS)
+        with steptrace.step(3):
+            fake.run(2.0)  # the GPU is stuck for 2 s
+            inside = time.perf_counter()
+            fake.sync_copy()  # loss.item()
+            left = time.perf_counter()
+    stop.set()
+    thread.join()
+    records = _steptrace_threads(fake.gil_released_blocks)
+    assert [what for _, what, _ in records].count("cuEventRecord") >= 1, fake.gil_released_blocks
+    busy = [route for _, route, device_idle in _steptrace_threads(fake.driver.record_routes) if not device_idle]
+    assert busy and set(busy) == {"CDLL"}, fake.driver.record_routes
+    assert not _steptrace_threads(fake.gil_held_blocks), fake.gil_held_blocks
+    window = [t for t in beats if inside + 0.1 <= t <= left - 0.1]
+    assert len(window) >= 100, (len(window), left - inside)
+    assert [r["step"] for r in sink.steps()] == [0, 1, 2, 3]
+
+
+def test_an_anchor_taken_while_the_training_stream_is_idle_keeps_the_gil(monkeypatch):
+    """The other side of the rule above: with the training stream idle (a data wait between steps) the
+    anchor's record keeps the GIL, so no other thread runs inside its bracket (a tight anchor)."""
+    fake = FakeCuda(monkeypatch)
+    with capture(backend="torch") as sink:
+        for n in range(4):
+            with steptrace.step(n):
+                fake.run(2 * MS)
+            time.sleep(0.4)  # the GPU drains; an anchor falls due during the third wait
+    (run,) = sink.of_type("run")
+    ((_, clock),) = run["device_clock"].items()
+    assert clock["anchors"] >= 2, clock
+    anchors = _steptrace_threads(fake.driver.record_routes)
+    idle = [route for _, route, device_idle in anchors if device_idle]
+    assert len(idle) >= 2 and set(idle) == {"PyDLL"}, anchors
+
+
 def test_the_resolvers_event_calls_go_through_the_driver_not_torchs_gil_holding_bindings(monkeypatch):
     """Every query (the 0.2 ms anchor spin included), elapsed time and memory read the resolver makes: none
     through torch's bindings, which hold the GIL; they used to be all of them."""
@@ -581,7 +631,9 @@ def test_with_cuda_malloc_async_the_gpu_with_a_context_is_timed_and_no_other_is_
             time.sleep(MS)
     steps = {r["step"]: r for r in sink.steps()}
     for n in range(1, 5):
-        assert steps[n]["compute_seconds"] == pytest.approx(4 * MS, abs=0.5 * MS), n
+        # GPU 1's kernel, not GPU 0's idle stream (~0.02 ms); more where the host was preempted between
+        # the start marker and the launch (the GPU idled inside the step; it failed so under load).
+        assert 3.5 * MS <= steps[n]["compute_seconds"] <= steps[n]["interval_seconds"], (n, steps[n])
     assert fake.contexts[0] == 0, fake.context_made_by
     assert sum("CUDA context only on cuda:1" in r.getMessage() for r in caplog.records) == 1
 

@@ -40,7 +40,7 @@ RANK_METRICS = {
     "steptrace_pipeline_bubble_ratio", "steptrace_checkpoints_total",
     "steptrace_dropped_records_total", "steptrace_info",
     "steptrace_step_collective_wait_seconds_total", "steptrace_step_own_seconds_total",
-    "steptrace_productive_seconds_total", "steptrace_wall_seconds_total",
+    "steptrace_productive_seconds_total", "steptrace_wall_seconds_total", "steptrace_captures_total",
 } | {h + suffix for h in RANK_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 # What the steptrace collector serves (issue "Collector and dashboards", collector/_metrics.py).
 COLLECTOR_METRICS = {
@@ -55,6 +55,7 @@ COLLECTOR_METRICS = {
     "steptrace_cluster_step_straggler_cost_seconds", "steptrace_cluster_straggler_cost_seconds_total",
     "steptrace_cluster_straggler_score", "steptrace_cluster_step_straggler_threshold_seconds",
     "steptrace_cluster_persistent_straggler_steps_ratio", "steptrace_cluster_step_collective_wait_seconds",
+    "steptrace_cluster_capture_requests_total",
 }
 PROMETHEUS_BUILTIN = {"up"}
 
@@ -166,6 +167,7 @@ EXPECTED_PANELS = {
         "Pipeline bubble per stage", "Microbatch compute by stage and chunk, mean (5m)",
         "Microbatch compute by stage and chunk, p90 (5m)",
         "Dropped records", "Failed steps by rank", "Ranks by backend and version",
+        "Profiler captures by rank, time range", "Profiler captures over time",
     },
     "steptrace-cluster.json": {
         "Last joined step", "Ranks in the last joined step", "Straggler rank", "Cross-rank skew",
@@ -173,7 +175,7 @@ EXPECTED_PANELS = {
         "Step compute across ranks (min, median, max)", "Step interval across ranks (min, median, max)",
         "Cross-rank skew (max - min compute)", "Compute relative to the median rank (5m)",
         "The run's straggler", "Straggler rank over time", "Steps each rank was the straggler",
-        "Top stragglers, time range",
+        "Top stragglers, time range", "Captures asked of the ranks, time range",
         "Time on its own across ranks (min, median, max)", "What the straggler cost the job per step",
         "Cost to the job by rank", "Straggler score per rank, relative", "Straggler score per rank, individual",
         "Pipeline bubble per stage (joined steps)", "Own compute share (collectors) and goodput (ranks)",
@@ -544,6 +546,19 @@ def test_training_panels_show_the_run_as_recorded(live):
     blocking = live.vector(panel_query(t, "Checkpoint blocking time per save", "A"))
     assert blocking[0][1] == pytest.approx(1.0)        # the slowest rank blocks 1 s per save
     assert live.values(panel_query(t, "Ranks by backend and version"), "backend") == {"simulated": 2}
+
+
+def test_capture_panels_count_the_ranks_traces_and_the_collectors_requests(live):
+    """Each synthetic rank took a trace after steps 7 and 27 of its 41 (the slow trigger); every stand-in
+    collector step issues two requests (culprit and reference) of which the culprit fetches one."""
+    t = "steptrace-training.json"
+    by_rank = {(m["rank"], m["trigger"], m["status"]): v
+               for m, v in live.vector(panel_query(t, "Profiler captures by rank, time range"))}
+    assert by_rank == {("0", "slow", "ok"): 2, ("1", "slow", "ok"): 2}
+    # Over time: the configured triggers' series exist at 0 before their first capture.
+    assert set(live.values(panel_query(t, "Profiler captures over time"), "trigger")) == {"slow", "request"}
+    asked = live.values(panel_query("steptrace-cluster.json", "Captures asked of the ranks, time range"), "state")
+    assert set(asked) == {"issued", "fetched"} and asked["issued"] == 2 * asked["fetched"] > 0
 
 
 def test_scrape_health_panel_shows_a_down_target(live):

@@ -423,6 +423,7 @@ class StandInCollector:
                                 registry=reg)
         self.persistent_own = Gauge("steptrace_cluster_persistent_straggler_own_ratio", "", run + ("rank",),
                                     registry=reg)
+        self.capture_requests = Counter("steptrace_cluster_capture_requests", "", run + ("state",), registry=reg)
         self._server, self._thread = start_http_server(0, "127.0.0.1", registry=reg)
         self.target = f"127.0.0.1:{self._server.server_port}"
 
@@ -453,6 +454,9 @@ class StandInCollector:
         self.persistent.labels(r, straggler).set(0.9)
         self.persistent_own.labels(r, straggler).set(2.0)
         self.cost_total.labels(r, straggler).inc(values[2] - values[1])
+        # The verdict's capture requests: the culprit's and the reference rank's, the culprit fetching its own.
+        self.capture_requests.labels(r, "issued").inc(2)
+        self.capture_requests.labels(r, "fetched").inc()
         for rank in ("0", "1"):
             self.score.labels(r, rank, "relative").set(1.0 if rank == "0" else 0.5)
             self.score.labels(r, rank, "individual").set(1.0)
@@ -480,8 +484,8 @@ class SyntheticRun:
     rank's steps run back to back from its process start (no start-up: a run this short would
     otherwise have its first wall sample out of proportion, and rate()'s extrapolation with it).
     Rank 0 is pipeline stage 0 (microbatches: forward 0.01 s, backward 0.02 s), rank 1 stage 1
-    (0.015 s, 0.03 s). Every 5th step saves a checkpoint, every 10th step fails, and the
-    resolver drops a record every step.
+    (0.015 s, 0.03 s). Every 5th step saves a checkpoint, every 10th step fails, steps 7, 27, ...
+    are followed by a deep capture (the slow trigger), and the resolver drops a record every step.
     """
 
     RANKS = {
@@ -500,7 +504,8 @@ class SyntheticRun:
         self.process_start = time.time() - 3600.0
         self.sinks = {}
         for rank in self.RANKS:
-            sink = PrometheusSink(0, run_id=RUN_ID, rank=rank, peak_tflops=self.PEAK_TFLOPS)
+            sink = PrometheusSink(0, run_id=RUN_ID, rank=rank, peak_tflops=self.PEAK_TFLOPS,
+                                  capture_triggers=("slow", "request"))
             sink.attach_drop_counter(lambda: {"resolver_queue": self.dropped})
             self.sinks[rank] = sink
         self.collectors = [StandInCollector(ahead=True), StandInCollector(ahead=False)]
@@ -541,6 +546,12 @@ class SyntheticRun:
         if n % 5 == 0:
             records.append({"type": "checkpoint", "run_id": RUN_ID, "rank": rank, "step": n, "status": "ok",
                             "blocking_seconds": t["blocking"], "async_seconds": 2.0})
+        if n % 20 == 7:  # a deep capture now and then (the "Deep capture" panels)
+            records.append({"type": "capture", "run_id": RUN_ID, "rank": rank, "attempt": 0, "status": "ok",
+                            "trigger": "slow", "trigger_step": n, "reason": f"step {n} was slow",
+                            "first_step": n + 1, "last_step": n + 3, "path": f"/runs/step-{n + 1}/trace.json",
+                            "profiler": "torch", "bytes": 1 << 20, "start_time": start, "end_time": start,
+                            "triggers_skipped": 0})
         return records
 
     def feed(self, steps: int) -> None:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 
 import collections
+import glob
+import http.client
 import importlib.util
 import json
 import math
@@ -73,6 +75,8 @@ MIN_STEPS = 40              # every rank past this step before the dashboards ar
 MAX_STEPS = 400             # the ranks stop by themselves here if the test never says stop
 MISUSE_RANK, MISUSE_STEPS = 0, (5, 25)   # twice, seconds apart: the drop counter is seen growing
 FAIL_RANK, FAIL_STEP = 1, 15             # a data-loading error fails this step
+CAPTURE_RANK = SLOW_RANK                 # asked for a profiler trace over HTTP (slower still: still the straggler)
+CAPTURE_TOKEN = "e2e-capture-token-0123456789"
 RANK_SELECTOR = f'run_id="{RUN_ID}"'
 
 RANK_SCRIPT = r'''
@@ -109,7 +113,8 @@ TOKENS = MICROBATCHES * B
 
 steptrace.init(run_id=cfg["run_id"], rank=rank, world_size=cfg["world"], prometheus_port=0,
                otlp_endpoint=cfg["otlp_endpoint"], otlp_metrics_interval_s=1, otlp_timeout_s=2, jsonl=True,
-               run_dir=cfg["run_dir"], peak_tflops=0.5)
+               run_dir=cfg["run_dir"], peak_tflops=0.5, capture="request", capture_steps=2,
+               capture_token=cfg["capture_token"])
 
 
 def publish(name, text):
@@ -261,7 +266,8 @@ class Ranks:
             cfg = {"rank": rank, "world": WORLD, "run_id": RUN_ID, "otlp_endpoint": otlp_endpoint,
                    "run_dir": str(run_dir), "workdir": str(workdir), "work": WORK[rank], "period": PERIOD_S,
                    "max_steps": MAX_STEPS, "barrier_port": self.barrier.port, "misuse_rank": MISUSE_RANK,
-                   "misuse_steps": list(MISUSE_STEPS), "fail_rank": FAIL_RANK, "fail_step": FAIL_STEP}
+                   "misuse_steps": list(MISUSE_STEPS), "fail_rank": FAIL_RANK, "fail_step": FAIL_STEP,
+                   "capture_token": CAPTURE_TOKEN}
             self.procs.append(subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], stdout=out,
                                                stderr=err, stdin=subprocess.DEVNULL, env=env))
 
@@ -407,11 +413,21 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
         # A client sending garbage: the collector refuses it (400) and counts it; training is unaffected.
         status, _, _ = post(collector.port, "/v1/traces", b"\x0a\xff\xff\xff not OTLP", PROTOBUF)
         assert status == 400
+        # Someone asks the slow rank for a profiler trace over HTTP, on its /metrics port ("Profiler captures").
+        host, port = rank_targets[CAPTURE_RANK].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/v1/steptrace/capture", body=json.dumps({"reason": "e2e"}),
+                     headers={"Authorization": f"Bearer {CAPTURE_TOKEN}", "Content-Type": "application/json"})
+        answer = conn.getresponse()
+        assert (answer.status, json.loads(answer.read())) == (202, {"armed": True})
+        conn.close()
 
         wait_until(server, ranks, f"min(steptrace_last_step{{{RANK_SELECTOR}}})", lambda v: v and v[0][1] >= MIN_STEPS,
                    f"every rank past step {MIN_STEPS}", timeout_s=90)
         wait_until(server, ranks, f"max(steptrace_cluster_last_complete_step{{{RANK_SELECTOR}}})",
                    lambda v: v and v[0][1] >= MIN_STEPS - 5, "the collector joining the ranks' steps")
+        wait_until(server, ranks, f'sum by (rank) (steptrace_captures_total{{{RANK_SELECTOR}, status="ok"}}) > 0',
+                   lambda v: [(m["rank"], x) for m, x in v] == [(str(CAPTURE_RANK), 1.0)], "the trace taken")
         # Every recording rule evaluated on what has been scraped so far.
         server.wait_for_rule_evaluation(after=time.time())
 
@@ -525,6 +541,14 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
     run_records = [[r for r in read_records(run_dir / RUN_ID / f"rank-{rank}.jsonl") if r["type"] == "run"]
                    for rank in range(WORLD)]
     assert [[r["dropped"] for r in rr] for rr in run_records] == [[{"misuse": len(MISUSE_STEPS)}], [{}], [{}]]
+    # The HTTP request's trace: one capture, on the rank asked, of two steps, naming who asked.
+    captures = [[r for r in read_records(run_dir / RUN_ID / f"rank-{rank}.jsonl") if r["type"] == "capture"]
+                for rank in range(WORLD)]
+    assert [len(c) for c in captures] == [int(rank == CAPTURE_RANK) for rank in range(WORLD)], captures
+    (capture,) = captures[CAPTURE_RANK]
+    assert (capture["status"], capture["trigger"], capture["profiler"]) == ("ok", "request", "jax"), capture
+    assert capture["reason"] == "HTTP request from 127.0.0.1: e2e" and capture["last_step"] == capture["first_step"] + 1
+    assert glob.glob(os.path.join(capture["path"], "**", "*.xplane.pb"), recursive=True), capture["path"]
     # In lockstep every step is joined whole: none incomplete, no late spans.
     records = read_records(run_dir / RUN_ID / "cluster.jsonl")
     assert [r["step"] for r in records if r["type"] == "cluster_step"] == list(range(steps)), records[-3:]

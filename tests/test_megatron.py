@@ -651,7 +651,7 @@ def test_hooks_match_megatron_lm_source():
     if "skip" in result:
         pytest.skip(result["skip"])
     assert proc.returncode == 0 and "failed" not in result, result
-    assert len(result["hooked"]) == 7
+    assert len(result["hooked"]) in (7, 8)  # 8 where Megatron-LM has its own OTel export (_otel_managed_span)
 
 
 def test_the_stage_that_slows_megatrons_real_pipeline_is_named_with_its_cost(tmp_path):

@@ -48,6 +48,21 @@ def _payloads(data: bytes) -> Iterator[bytes]:
             raise ValueError(f"unknown log record type {kind} at byte {pos}")
 
 
+def transaction_log(directory: str | Path) -> str:
+    """The one offline run's transaction log under ``directory``, once W&B has written all of it.
+
+    ``run.finish()`` returns before wandb-core (a process of its own) has written and closed the file:
+    on a loaded machine a test read it with no run record or no history yet. ``wandb.teardown()`` ends
+    the service, which closes every run's log first."""
+    import glob
+
+    import wandb
+
+    wandb.teardown()
+    (path,) = glob.glob(str(Path(directory) / "wandb" / "offline-run-*" / "run-*.wandb"))
+    return path
+
+
 def history(path: str | Path) -> list[dict]:
     """The run's history rows, in the order they were logged (key -> value)."""
     from wandb.proto import wandb_internal_pb2

@@ -83,6 +83,9 @@ JOINED = "steptrace_cluster_last_step"
 
 STRAGGLER_STEPS = "steptrace_cluster_straggler_steps_total"
 STRAGGLER_COST = "steptrace_cluster_straggler_cost_seconds_total"
+#: Deep capture (docs/capture.md): the ranks' profiler traces, and what the collectors asked of them.
+CAPTURES = "steptrace_captures_total"
+CAPTURE_REQUESTS = "steptrace_cluster_capture_requests_total"
 
 
 def born_increase(counter: str, window: str) -> str:
@@ -389,6 +392,26 @@ def training() -> dash_b.Dashboard:
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
         .with_target(query(f"count by (backend, version) (steptrace_info{{{RUN}}})",
                            "{{backend}} {{version}}", instant=True)))
+
+    d = d.with_row(dash_b.Row("Deep capture"))
+    d = d.with_panel(
+        bargauge.Panel().title("Profiler captures by rank, time range")
+        .description("Deep captures (docs/capture.md) over the time range: the ranks (10 at most) that took "
+                     "a profiler trace (ok), failed to (failed: the profiler did not start or stop) or "
+                     "skipped one (cooldown, budget, your own profiler), by the trigger that armed it "
+                     "(slow, stall, spike, straggler, request). Each trace's path and the step that "
+                     "fired it are in `steptrace report` and the rank's capture records.")
+        .datasource(DATASOURCE).span(12).height(8).unit("short").decimals(0)
+        .orientation(common.VizOrientation.HORIZONTAL)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .with_target(query(f"topk(10, sum by (rank, trigger, status) ({born_increase(CAPTURES, '$__range')}) > 0)",
+                           "rank {{rank}} {{trigger}}: {{status}}", instant=True)))
+    d = d.with_panel(series(
+        "Profiler captures over time",
+        "Capture records of all ranks per interval, by trigger and status: when traces were taken, and "
+        "failures (status failed) that need a look. Every configured trigger reads 0 until its first.",
+        [(f"sum by (trigger, status) (increase({CAPTURES}{{{RUN}}}[$__rate_interval]))", "{{trigger}}: {{status}}")],
+        unit="short", w=12, bars=True, decimals=0))
     return d
 
 
@@ -478,6 +501,18 @@ def cluster() -> dash_b.Dashboard:
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
         .with_target(query(f"topk(10, sum by (rank) ({born_increase(STRAGGLER_STEPS, '$__range')}))",
                            "rank {{rank}}", instant=True)))
+
+    d = d.with_panel(
+        bargauge.Panel().title("Captures asked of the ranks, time range")
+        .description("When a run's straggler verdict changes, the collectors ask the culprit and a reference "
+                     "rank for a profiler trace of their next steps (docs/capture.md, the straggler "
+                     "trigger): issued, fetched by the rank named, expired (never fetched: the rank's "
+                     "capture is off). Summed over collectors.")
+        .datasource(DATASOURCE).span(24).height(4).unit("short").decimals(0)
+        .orientation(common.VizOrientation.HORIZONTAL)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .with_target(query(f"sum by (state) ({born_increase(CAPTURE_REQUESTS, '$__range')})", "{{state}}",
+                           instant=True)))
 
     d = d.with_row(dash_b.Row("Who slowed the job"))
     d = d.with_panel(series(

@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from steptrace.analysis._text import markup, visible
 from steptrace.analysis.goodput import job_accounting, job_goodput
+from steptrace.analysis.goodput_gmg import GMG_BADPUT_TYPES, gmg_view
 from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
+from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
 from steptrace.analysis.summary import as_number, percent_text, percentile, step_split, summarize, summarize_cluster
 
@@ -320,6 +322,42 @@ def goodput_line(job: dict) -> str:
             f"wall {job['total_seconds']:.3f} s\n[dim]  {job['definition']}[/]")
 
 
+def _gmg_panel(view: dict):
+    """The shown rank's badput in ml-goodput-measurement's names (``--vocabulary gmg``), each with the
+    steptrace buckets it holds, and GMG's ideal step time beside steptrace's median interval."""
+    from rich.panel import Panel
+
+    grid = _panel_grid()
+    total = view["total_seconds"]
+
+    def share(seconds: float) -> str:
+        return f"{seconds / total * 100:.1f}% of wall" if total > 0 else ""
+
+    productive = view["productive_seconds"]
+    grid.add_row("productive (GoodputType.TOTAL)", f"{productive:.3f} s", share(productive))
+    for name in GMG_BADPUT_TYPES:
+        value = view["badput_seconds"][name]
+        sources = view["sources"].get(name, {})
+        if isinstance(value, dict):
+            for event, seconds in sorted(value.items(), key=lambda kv: -kv[1]):
+                grid.add_row(f"{name}/{markup(event)}", f"{seconds:.3f} s", share(seconds))
+            continue
+        if value is None:
+            grid.add_row(name, "—", f"[dim]{view['not_separated'][name]}[/]")
+            continue
+        parts = ", ".join(f"{markup(bucket)} {seconds:.3f}" for bucket, seconds in sources.items() if seconds)
+        grid.add_row(name, f"{value:.3f} s", share(value) + (f" [dim](steptrace: {parts})[/]" if parts else ""))
+    ideal = view["ideal_step_time"]
+    grid.add_row("ideal step time (GMG)", "—" if ideal["gmg_seconds"] is None else f"{ideal['gmg_seconds']:.3f} s",
+                 f"host step starts, {ideal['steps']} steps"
+                 + (f", {ideal['steps_under_min']} under {ideal['min_step_seconds']:g} s ignored"
+                    if ideal["steps_under_min"] else ""))
+    grid.add_row("GMG's rule on device intervals", _fmt(ideal["gmg_rule_on_intervals_seconds"]) + " s", "")
+    grid.add_row("steptrace interval p50", _fmt(ideal["steptrace_interval_p50_seconds"]) + " s", "")
+    return Panel(grid, title=f"Badput in ml-goodput-measurement's words (rank {view['rank']})",
+                 title_align="left", expand=False)
+
+
 def _attempts_table(job: dict, rank: int):
     from rich.table import Table
 
@@ -549,6 +587,19 @@ def _stragglers(run: Run) -> dict:
     return summarize_stragglers(straggler_steps(run.records_by_rank, run.world_size))
 
 
+def _health(run: Run, stragglers: dict | None) -> tuple[dict[int, dict], dict | None]:
+    """Each rank's GPU health (docs/health.md) and what it says of the run's straggler, if any."""
+    windows = rank_windows(run.records_by_rank, run.cluster_steps())
+    health = {rank: summarize_health(found) for rank, found in windows.items()}
+    return health, straggler_cause(stragglers.get("top") if stragglers else None, health)
+
+
+def _straggler_line(stragglers: dict, cause: dict | None) -> str | None:
+    """The straggler sentence, with its GPU's cause (or its absence) where the GPU was sampled."""
+    sentence = straggler_sentence(stragglers)
+    return sentence if sentence is None or cause is None else f"{sentence}; {cause['clause']}"
+
+
 def render_report(
     run: Run,
     *,
@@ -556,6 +607,7 @@ def render_report(
     max_rows: int = 40,
     console: Console | None = None,
     show_warnings: bool = True,
+    vocabulary: str = "steptrace",
 ) -> None:
     """Print a report of *run* for one rank (default rank 0) to *console*.
 
@@ -563,7 +615,8 @@ def render_report(
     summary table is added; with a collector's ``cluster.jsonl``, the
     cluster view (slowest rank, skew and ranks reporting per step, how often
     each rank was the straggler).  ``show_warnings=False`` omits load warnings
-    (the CLI prints them to stderr instead).
+    (the CLI prints them to stderr instead). ``vocabulary="gmg"`` adds the badput in
+    ml-goodput-measurement's names (docs/goodput.md).
     """
     from rich.console import Console
     from steptrace.analysis._text import markup as escape
@@ -596,6 +649,9 @@ def render_report(
             _print_table(console, _rank_table(run, job["ranks"]))
         if job["ranks"]:
             console.print(goodput_line(job))
+        if vocabulary == "gmg" and mine["attempts"]:
+            console.print(_gmg_panel(gmg_view(run.records_by_rank.get(rank, []), mine, job, rank,
+                                              summary["interval_p50"])))
         stalls = job_view(run)
         if stalls is not None:
             console.print(_stall_panel(stalls))
@@ -608,9 +664,13 @@ def render_report(
         joined_by = str(getattr(run.path, "joined_by", "steptrace collector"))
         _print_table(console, _cluster_table(cluster_steps, max_rows, joined_by))
         console.print(_cluster_panel(summarize_cluster(cluster_steps, run.late_spans())))
-    sentence = straggler_sentence(_stragglers(run)) if len(run.ranks) > 1 or cluster_steps else None
+    stragglers = _stragglers(run) if len(run.ranks) > 1 or cluster_steps else None
+    health, cause = _health(run, stragglers)
+    sentence = _straggler_line(stragglers, cause) if stragglers is not None else None
     if sentence is not None:
         console.print(f"[bold]Straggler:[/] {escape(sentence)}")
+    for line in health_lines(health):
+        console.print(f"[bold]GPU health[/] {escape(line)}")
 
     dropped = {k: v for k, v in run.dropped.items() if v}
     if dropped:
@@ -651,6 +711,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="also write a per-step timeline PNG")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON instead of tables")
+    parser.add_argument("--vocabulary", choices=("steptrace", "gmg"), default="steptrace",
+                        help="gmg: also print the badput in ml-goodput-measurement's names and its ideal step "
+                             "time (docs/goodput.md); --json always has them (gmg)")
     return parser
 
 
@@ -738,14 +801,23 @@ def run_report(args: argparse.Namespace) -> int:
                      # the shown rank's first steps after a restore, with their one-off cost
                      "after_restore": mine["after_restore"] if mine else []} if job else None),
         }
+        # the shown rank's (and the job's) badput in ml-goodput-measurement's names, and its ideal step
+        # time (docs/goodput.md); null without rank files
+        payload["gmg"] = (gmg_view(run.records_by_rank.get(rank, []), mine, job, rank, summary.get("interval_p50"))
+                          if rank is not None and job and mine and mine["attempts"] else None)
         stragglers = _stragglers(run)
-        payload["stragglers"] = {**stragglers, "sentence": straggler_sentence(stragglers)}
+        health, cause = _health(run, stragglers)
+        # the straggler's GPU cause (docs/health.md): null without a straggler or its GPU's health
+        payload["stragglers"] = {**stragglers, "sentence": _straggler_line(stragglers, cause), "gpu": cause}
+        # per rank, its GPU's health over the run (health="nvml"); {} when no rank sampled it
+        payload["health"] = {str(rank): summary for rank, summary in health.items()}
         print(json.dumps(payload, indent=2))
     else:
         from rich.console import Console
 
         render_report(run, rank=rank, max_rows=args.max_rows, show_warnings=False,
-                      console=Console(width=report_width(args.width)))
+                      console=Console(width=report_width(args.width)),
+                      vocabulary=getattr(args, "vocabulary", "steptrace"))
 
     if args.plot:
         if rank is None:

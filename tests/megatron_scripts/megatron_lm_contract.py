@@ -109,6 +109,17 @@ check("load_checkpoint returns (iteration, num_floating_point_operations_so_far)
 fwd_src = inspect.getsource(schedules.forward_step.__wrapped__)
 check("forward_step returns (output, num_tokens)", "return output_tensor, num_tokens" in fwd_src
       or "return [output_tensor], num_tokens" in fwd_src)
+# Megatron's own OpenTelemetry export (adapters/megatron_otel.py), where this Megatron-LM has it.
+if hasattr(training, "_otel_managed_span"):
+    check("training._otel_managed_span is hooked (the per-step spans join steptrace's step traces)",
+          getattr(training._otel_managed_span, "__steptrace_hook__", False))
+    train_src = inspect.getsource(training.train)
+    opened = [train_src.find(f"'{name}'") for name in ("megatron.train.first_iteration", "megatron.train.iteration")]
+    check("train() opens megatron.train.first_iteration and megatron.train.iteration with _otel_managed_span, "
+          "megatron.iteration=iteration, before train_step(..., iteration=iteration)",
+          min(opened) >= 0 and "_otel_managed_span(" in train_src
+          and "'megatron.iteration': iteration" in train_src[opened[1]:train_src.index("= train_step(", opened[1])])
+    check("training imports get_telemetry (the export handle)", callable(getattr(training, "get_telemetry", None)))
 hooks.uninstall()
 steptrace.shutdown()
 print(json.dumps(result))
