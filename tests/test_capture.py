@@ -20,6 +20,7 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -99,17 +100,24 @@ def test_a_healthy_run_captures_nothing_and_slow_steps_in_a_row_capture_once_per
         gc.collect()  # an earlier test's profile (a large object graph) is not this run's noise
         _loop(500, {}, base_s=0.02)
         steptrace.flush()
-        assert sink.of_type("capture") == [], [(c["trigger_step"], c["reason"]) for c in sink.of_type("capture")]
+        # Nothing is captured unless the machine itself stalled a step past the bar (a 20 ms sleep
+        # took 243 ms once, in a full suite beside other jobs): a capture of an ordinary step fails.
+        intervals = {s["step"]: s["interval_seconds"] for s in sink.steps()}
+        normal = statistics.median(intervals.values())
+        healthy = sink.of_type("capture")
+        for c in healthy:
+            assert intervals[c["trigger_step"]] > 3.0 * normal, (c["trigger_step"], c["reason"], normal)
         for n in range(500, 560):  # 60 slow steps in a row (5x)
             with steptrace.step(n):
                 time.sleep(0.1)
         steptrace.flush()
     finally:
         steptrace.shutdown()
-    captures = sink.of_type("capture")
+    captures = [c for c in sink.of_type("capture") if c["trigger_step"] >= 500]
     taken = [c for c in captures if c["status"] == "ok"]
-    # The window adapts: once the slow pace is the median it is no longer an anomaly.
-    assert 1 <= len(taken) <= 2, captures
+    # The window adapts: once the slow pace is the median it is no longer an anomaly. (A capture of a
+    # stalled healthy step above used one of the run's two.)
+    assert (1 if len(healthy) < 2 else 0) <= len(taken) <= 2 - len(healthy), captures
     assert all(c["status"] == "ok" for c in captures)  # the cooldown's refusals are counted, not recorded
     if len(taken) == 2:
         assert taken[1]["triggers_skipped"] >= 1
