@@ -311,18 +311,15 @@ class DeviceClock:
             since = now - self._last_anchor
             if mapping is None:
                 due = since >= _TIGHTEN_EVERY_S
+            elif not drained:
+                # With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) an anchor would wait behind
+                # the queued work: the step markers' own samples place meanwhile. With several, the
+                # anchor's own stream is not behind it (an H200, busy: 34 µs p50, 62 µs max), and a
+                # device that is never drained (a GPU-bound loop) is anchored at the regular pace.
+                due = not getattr(self.device, "one_queue", True) and since >= self.every_s
             else:
                 wide = mapping.uncertainty_at(self.newest_located) > MAX_UNCERTAINTY_S / 2
                 due = since >= self.every_s or (wide and since >= _TIGHTEN_EVERY_S)
-                if not drained:
-                    # With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) an anchor would wait
-                    # behind the queued work: the step markers' own samples place meanwhile. With
-                    # several, the anchor's own stream is not behind it (an H200, busy: 34 µs p50,
-                    # 62 µs max), and a device that is never drained (a GPU-bound loop) is anchored
-                    # like a drained one. Its anchors are recorded releasing the GIL (a busy device
-                    # can hold the record behind another thread's copy), so some brackets are wide:
-                    # while the placement is wide they are retaken sooner, as on a drained device.
-                    due = due and not getattr(self.device, "one_queue", True)
             if not due:
                 return
             self._last_anchor = now
