@@ -20,14 +20,7 @@ from steptrace.analysis.goodput_gmg import (
     gmg_ideal_step_time,
     gmg_step_times,
 )
-
-
-def _step(attempt, n, start, interval, compute, **extra):
-    record = {"type": "step", "attempt": attempt, "step": n, "host_start_time": start, "end_time": start + interval,
-              "interval_seconds": interval, "compute_seconds": compute,
-              "idle_breakdown": {"data": interval - compute} if interval > compute else {}}
-    record.update(extra)
-    return record
+from test_goodput import _step  # the same hand-built step records as the accounting tests
 
 
 def _restarted_job():
