@@ -140,7 +140,7 @@ def clean_run_dir(path: Path) -> None:
     if not path.is_dir():
         sys.exit(f"train_jax.py: {path} exists and is not a directory; pick another --run-id")
     foreign = [p.name for p in path.iterdir()
-               if not (p.name == "ckpt" or (p.name.startswith("rank-") and p.name.endswith(".jsonl")))]
+               if not (p.name == "ckpt" or (p.name.startswith("rank-") and p.name.endswith((".jsonl", ".attempts"))))]
     if foreign:
         sys.exit(f"train_jax.py: {path} holds files that are not a steptrace run ({', '.join(sorted(foreign)[:5])}); "
                  "refusing to delete it. Pick another --run-id or --run-dir")

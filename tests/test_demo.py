@@ -150,3 +150,22 @@ def test_demo_reads_hardware_flops_from_the_compiler_and_shows_mfu_and_hfu_with_
     out = proc.stdout
     assert "hardware FLOPs" in out and "xla_cost_analysis" in out and "TFLOP/s" in out
     assert "= model FLOPs / compute s / peak" in out and "= hardware FLOPs / compute s / peak" in out
+
+
+def test_a_second_demo_run_replaces_the_first_and_refuses_anything_else(tmp_path):
+    """`make demo` twice: the first run left its records, checkpoints and steptrace's attempts file
+    (rank-0.attempts), which the second run used to call foreign and refuse to delete."""
+    spec = importlib.util.spec_from_file_location("train_jax_demo", EXAMPLE)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    run = tmp_path / "demo"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "rank-0.jsonl").write_text("{}\n")
+    (run / "rank-0.attempts").write_text("{}\n")
+    demo.clean_run_dir(run)
+    assert not run.exists()
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="notes.txt"):
+        demo.clean_run_dir(run)
+    assert (run / "notes.txt").read_text() == "mine"
