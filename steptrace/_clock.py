@@ -32,6 +32,17 @@ milliseconds). Two separate questions, answered separately:
   (``CUDA_DEVICE_MAX_CONNECTIONS=1``) gives a tight sample. The map's offset is
   the intersection of the recent samples' brackets; half its width is the
   *placement uncertainty* each record carries.
+* **Lineages.** A marker measured over a long span (no reference for tens of
+  seconds: an eval with no anchor) takes float32's loss into its device time,
+  and so does every marker measured from it later: they form a *lineage*
+  whose times are all off by the same unknown amount, which the map's offset
+  absorbs as long as the samples and the marker placed are of one lineage.
+  Two markers measured across the same gap from two references (the step's
+  start from the step before, the resolver's anchors from the anchor before)
+  start two lineages off by different amounts: a sample of one bounds a
+  marker of the other only to the losses between them (each loss at most one
+  float32 step), so the map of a lineage widens the other lineages' samples by
+  that much, and markers are placed with the map of the base's lineage.
 
 Nothing here waits on the device: at most one anchor is in flight, queried on
 later polls until it completes (``poll``). Nothing here imports a framework:
@@ -69,6 +80,11 @@ _RESOLUTION_S = 1e-6
 _SAMPLES_KEPT = 32
 #: While the placement is wider than MAX_UNCERTAINTY_S, a drained device is re-anchored this often.
 _TIGHTEN_EVERY_S = 0.05
+#: A marker measured with more float32 loss than this starts a new lineage (see the module docstring);
+#: less is only widening of its own sample (``located_error``).
+_LINEAGE_LOSS_S = _RESOLUTION_S
+#: Lineages remembered (oldest forgotten first; an unknown lineage is as far as the sum of all losses).
+_LINEAGES_KEPT = 256
 
 
 class Mapping:
@@ -110,18 +126,29 @@ class DeviceClock:
         self._clock = clock if clock is not None else _perf
         self._base: Any = None  # the reference markers are measured from (kept from the pool)
         self._base_g = 0.0
+        self._base_lineage = 0
+        # Lineages (see the module docstring): id -> (parent id, float32 loss from the parent in seconds,
+        # depth). Lineage 0 is the first marker's.
+        self._lineages: dict[int, tuple[int, float, int]] = {0: (0, 0.0, 0)}
+        self._next_lineage = 1
+        #: The lineage of the newest ``locate``.
+        self.located_lineage = 0
+        # The lineage of recently located markers (by id), for ``rebase`` (the pool reuses markers, and a
+        # marker is rebased to shortly after it was located).
+        self._marker_lineage: collections.OrderedDict[int, int] = collections.OrderedDict()
         # The newest completed anchor, kept as a reference for markers recorded after it was seen
-        # complete: [marker, g, seen complete (host)].
+        # complete: [marker, g, seen complete (host), lineage].
         self._ref_anchor: list[Any] | None = None
         #: What float32 may have lost in the newest ``locate`` (seconds; see ``float32_step_s``).
         self.located_error = 0.0
         # The newest map the resolver computed, for stats() from other threads (never recomputed there).
         self._published: Mapping | None = None
         self.newest_located = 0.0  # the latest device time located so far
-        self._samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=_SAMPLES_KEPT)
-        self._tight: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=8)
-        self._pending: list[tuple[float, float, float]] = []  # the step being resolved's own samples
-        self._mapping: Mapping | None = None
+        # Samples: (device time, host lower bound, host upper bound, lineage).
+        self._samples: collections.deque[tuple[float, float, float, int]] = collections.deque(maxlen=_SAMPLES_KEPT)
+        self._tight: collections.deque[tuple[float, float, float, int]] = collections.deque(maxlen=8)
+        self._pending: list[tuple[float, float, float, int]] = []  # the step being resolved's own samples
+        self._mapping: Mapping | None = None  # the map of the base's lineage
         # The anchor in flight: [marker, recorded_before, lower bound so far].
         self._anchor: list[Any] | None = None
         self._last_anchor = -math.inf
@@ -140,23 +167,68 @@ class DeviceClock:
         Measured from the base (a marker earlier on the same stream), or, given the host time the marker
         was recorded after, from the newest anchor if it was seen complete before that (so it is
         earlier) and is newer than the base: the shortest ``elapsed`` that is known not to be negative.
-        ``located_error`` is then what float32 may have lost on it."""
+        ``located_error`` is then what float32 may have lost on it, unless that starts a new lineage
+        (``located_lineage``; see the module docstring)."""
         self.located_error = 0.0
         if self._base is None:
-            self._base, self._base_g = marker, 0.0
+            self._base, self._base_g, self._base_lineage = marker, 0.0, 0
+            self.located_lineage = 0
+            self._remember_lineage(marker, 0)
             return 0.0
         if marker is self._base:
+            self.located_lineage = self._base_lineage
             return self._base_g
-        ref, ref_g = self._base, self._base_g
+        ref, ref_g, lineage = self._base, self._base_g, self._base_lineage
         anchor = self._ref_anchor
         if anchor is not None and recorded_after is not None and recorded_after >= anchor[2] and anchor[1] > ref_g:
-            ref, ref_g = anchor[0], anchor[1]
+            ref, ref_g, lineage = anchor[0], anchor[1], anchor[3]
         elapsed = self.device.elapsed(ref, marker)
-        self.located_error = float32_step_s(elapsed)
+        loss = float32_step_s(elapsed)
+        if loss > _LINEAGE_LOSS_S:
+            lineage = self._new_lineage(lineage, loss)
+        else:
+            self.located_error = loss
+        self.located_lineage = lineage
+        self._remember_lineage(marker, lineage)
         g = ref_g + elapsed
         if g > self.newest_located:
             self.newest_located = g
         return g
+
+    # -- lineages ----------------------------------------------------------------------------
+    def _new_lineage(self, parent: int, loss: float) -> int:
+        lineage = self._next_lineage
+        self._next_lineage += 1
+        self._lineages[lineage] = (parent, loss, self._lineages.get(parent, (0, 0.0, 0))[2] + 1)
+        if len(self._lineages) > _LINEAGES_KEPT:
+            del self._lineages[next(iter(self._lineages))]
+        return lineage
+
+    def _remember_lineage(self, marker: Any, lineage: int) -> None:
+        kept = self._marker_lineage
+        kept[id(marker)] = lineage
+        kept.move_to_end(id(marker))
+        if len(kept) > 64:
+            kept.popitem(last=False)
+
+    def lineage_distance(self, a: int, b: int) -> float:
+        """How far apart the device times of two lineages can be (seconds): the float32 losses on the
+        path between them through their common ancestor."""
+        if a == b:
+            return 0.0
+        lineages = self._lineages
+        distance = 0.0
+        while a != b:
+            node_a, node_b = lineages.get(a), lineages.get(b)
+            if node_a is None or node_b is None:  # forgotten: every loss there could be in between
+                return sum(loss for _, loss, _ in lineages.values())
+            if node_a[2] >= node_b[2]:
+                distance += node_a[1]
+                a = node_a[0]
+            else:
+                distance += node_b[1]
+                b = node_b[0]
+        return distance
 
     def device_time(self, marker: Any, recorded_after: float, completed_seen: float) -> float | None:
         """The device time of a complete marker the caller gives back to the pool itself (a span
@@ -165,7 +237,7 @@ class DeviceClock:
         if self._base is None:
             return None
         g = self.locate(marker)
-        self.add_sample(g, recorded_after, completed_seen, self.located_error)
+        self.add_sample(g, recorded_after, completed_seen, self.located_error, self.located_lineage)
         return g
 
     def calibrate(self) -> None:
@@ -176,7 +248,10 @@ class DeviceClock:
         """Make ``marker`` (complete, at ``g``) the base later markers are measured from; the clock keeps
         it (``owns``) and gives the previous base back to the device's pool."""
         old = self._base
-        self._base, self._base_g = marker, g
+        lineage = self._marker_lineage.get(id(marker), self._base_lineage)
+        if lineage != self._base_lineage:
+            self._mapping = None  # placed with the new lineage's map from now on
+        self._base, self._base_g, self._base_lineage = marker, g, lineage
         if old is not None and old is not marker:
             self._give_back(old)
 
@@ -188,14 +263,18 @@ class DeviceClock:
                 or (self._ref_anchor is not None and marker is self._ref_anchor[0]))
 
     # -- samples -----------------------------------------------------------------------------
-    def add_sample(self, g: float, lower: float, upper: float, error: float = 0.0) -> None:
+    def add_sample(self, g: float, lower: float, upper: float, error: float = 0.0,
+                   lineage: int | None = None) -> None:
         """A marker at device time ``g`` (known to ``error`` seconds: ``located_error``) was stamped between
         host times ``lower`` and ``upper``. Held back until ``commit()`` (the resolver commits a step's
         unit markers before placing any of them, its span markers after, so one step's markers share
-        one map), except for the very first."""
+        one map), except for the very first. ``lineage``: the marker's (default: that of the newest
+        ``locate``, which is how the resolver calls it)."""
         if upper < lower:
             return
-        self._pending.append((g, lower - error, upper + error))
+        if lineage is None:
+            lineage = self.located_lineage
+        self._pending.append((g, lower - error, upper + error, lineage))
         if self._mapping is None and not self._samples:
             self.commit()
 
@@ -206,11 +285,11 @@ class DeviceClock:
                 self._take(sample)
             self._pending.clear()
 
-    def _take(self, sample: tuple[float, float, float]) -> None:
-        g, lower, upper = sample
+    def _take(self, sample: tuple[float, float, float, int]) -> None:
+        g, lower, upper, lineage = sample
         tight = (upper - lower) / 2 <= MAX_UNCERTAINTY_S
         mapping = self._mapping
-        if mapping is not None and not tight:
+        if mapping is not None and not tight and lineage == self._base_lineage:
             # A wide sample that does not cut into the current offset interval changes nothing
             # (most step markers once anchors are tight): skip it, and the map's recomputation.
             at = g * mapping.rate
@@ -263,14 +342,16 @@ class DeviceClock:
         newest = max(sample[0] for sample in self._samples)
         samples = sorted({*self._samples, *self._tight}, key=lambda sample: abs(newest - sample[0]))
         lo, hi = -math.inf, math.inf
+        target = self._base_lineage
         # Each sample bounds the offset as of its own time; an older one, as of now, only up to the
-        # drift since. Newest first; a sample that contradicts the newer ones (a rate error beyond
-        # the assumed drift) ends the intersection there.
-        for g, lower, upper in samples:
+        # drift since; one of another lineage, only up to the float32 losses between the lineages.
+        # Newest first; a sample that contradicts the newer ones (a rate error beyond the assumed
+        # drift) ends the intersection there.
+        for g, lower, upper, lineage in samples:
             age = abs(newest - g)
             if age > window:
                 break
-            widen = age * drift
+            widen = age * drift + self.lineage_distance(lineage, target)
             new_lo, new_hi = max(lo, lower - g * rate - widen), min(hi, upper - g * rate + widen)
             if new_lo > new_hi:
                 break
@@ -284,12 +365,15 @@ class DeviceClock:
             raise LookupError("no sample yet")
         return mapping.host(g)
 
-    def uncertainty(self, g: float) -> float:
-        """Placement uncertainty (seconds, half-width) of a point on the device timeline."""
+    def uncertainty(self, g: float, lineage: int | None = None) -> float:
+        """Placement uncertainty (seconds, half-width) of a point on the device timeline, of the base's
+        lineage unless another is given (``located_lineage`` of a marker measured from elsewhere)."""
         mapping = self.mapping()
         if mapping is None:
             return math.inf
         used = mapping.uncertainty_at(g)
+        if lineage is not None:
+            used += self.lineage_distance(lineage, self._base_lineage)
         self.max_uncertainty_used = max(self.max_uncertainty_used, used)
         return used
 
@@ -311,15 +395,18 @@ class DeviceClock:
             since = now - self._last_anchor
             if mapping is None:
                 due = since >= _TIGHTEN_EVERY_S
-            elif not drained:
-                # With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) an anchor would wait behind
-                # the queued work: the step markers' own samples place meanwhile. With several, the
-                # anchor's own stream is not behind it (an H200, busy: 34 µs p50, 62 µs max), and a
-                # device that is never drained (a GPU-bound loop) is anchored at the regular pace.
-                due = not getattr(self.device, "one_queue", True) and since >= self.every_s
             else:
                 wide = mapping.uncertainty_at(self.newest_located) > MAX_UNCERTAINTY_S / 2
                 due = since >= self.every_s or (wide and since >= _TIGHTEN_EVERY_S)
+                if not drained:
+                    # With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) an anchor would wait
+                    # behind the queued work: the step markers' own samples place meanwhile. With
+                    # several, the anchor's own stream is not behind it (an H200, busy: 34 µs p50,
+                    # 62 µs max), and a device that is never drained (a GPU-bound loop) is anchored
+                    # like a drained one. Its anchors are recorded releasing the GIL (a busy device
+                    # can hold the record behind another thread's copy), so some brackets are wide:
+                    # while the placement is wide they are retaken sooner, as on a drained device.
+                    due = due and not getattr(self.device, "one_queue", True)
             if not due:
                 return
             self._last_anchor = now
@@ -357,8 +444,8 @@ class DeviceClock:
         self._anchor = None
         self.anchors += 1
         if self._base is None:
-            self._base, self._base_g = marker, 0.0
-            g, error = 0.0, 0.0
+            self._base, self._base_g, self._base_lineage = marker, 0.0, 0
+            g, error, lineage = 0.0, 0.0, 0
         else:
             # From the previous anchor when this one was recorded after it was seen complete: the
             # anchors of a long gap (an eval) form a chain of short spans.
@@ -367,14 +454,14 @@ class DeviceClock:
             except Exception:
                 self._give_back(marker)
                 raise
-            error = self.located_error
-            previous, self._ref_anchor = self._ref_anchor, [marker, g, after]
+            error, lineage = self.located_error, self.located_lineage
+            previous, self._ref_anchor = self._ref_anchor, [marker, g, after, lineage]
             if previous is not None:
                 self._give_back(previous[0])
         lower, upper = anchor[2] - error, after + error
         if (upper - lower) / 2 > MAX_UNCERTAINTY_S:
             self.anchors_unplaced += 1
-        self._take((g, lower, upper))
+        self._take((g, lower, upper, lineage))
 
     def _give_back(self, marker: Any) -> None:
         try:
