@@ -41,6 +41,24 @@ def test_device_work_belongs_to_the_range_that_launched_it():
     assert timeline.last_device_end_before(2000e-6) == pytest.approx(2000e-6)
 
 
+def test_the_timing_model_starts_a_step_at_its_entry_or_the_previous_steps_end():
+    """start(n) = max(end(n-1), dispatch(n)), dispatch being the step's entry: step 1 was entered at
+    100 µs while step 0's work ran until 2000 µs, so it starts at 2000 µs (its first kernel); a step
+    entered on a drained device starts at its entry, before its first kernel."""
+    trace = _trace()
+    trace["traceEvents"] += [
+        _x("user_annotation", "steptrace.step.2", 3000, 600),
+        _x("cuda_runtime", "cudaLaunchKernel", 3400, 5, correlation=5),  # launched 400 µs after entry
+        _x("kernel", "late", 3410, 200, correlation=5, stream=7),
+    ]
+    timeline = KernelTimeline.from_trace(trace)
+    step1 = timeline.step_by_the_timing_model("steptrace.step.1", "steptrace.step.0")
+    assert (step1.start, step1.end) == (pytest.approx(2000e-6), pytest.approx(2500e-6))
+    step2 = timeline.step_by_the_timing_model("steptrace.step.2", "steptrace.step.1")
+    assert (step2.start, step2.seconds) == (pytest.approx(3000e-6), pytest.approx(610e-6))
+    assert timeline.window("steptrace.step.2").seconds == pytest.approx(200e-6)  # from the first kernel
+
+
 def test_missing_ranges_and_empty_ranges_fail_loudly():
     timeline = KernelTimeline.from_trace(_trace())
     with pytest.raises(KeyError):
