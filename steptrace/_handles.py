@@ -148,10 +148,11 @@ class StepHandle(TimedUnit):
     flops: Any = None
     samples: Any = None
 
-    def __init__(self, rt: "HandleRuntime", n: int, attrs: dict):
-        self._rt = rt
-        self.step = n
-        self.attrs = attrs
+    # Made by the runtime (Runtime.step) without an __init__ call, which the hot path cannot afford:
+    # it sets these three; everything else is a class default until a step sets it.
+    _rt: "HandleRuntime"
+    step: int
+    attrs: dict
 
     def __enter__(self) -> "StepHandle":
         rt = self._rt
@@ -251,7 +252,8 @@ class StepHandle(TimedUnit):
         rt = self._rt
         if rt.current is not self:
             return False
-        if self.device.uses_events:
+        device = self.device
+        if device is not HOST and device.uses_events:
             rt.end_marker(self)
         end = _perf()
         if self.auto_flops:
@@ -344,19 +346,20 @@ class SpanHandle:
     """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name.
 
     A context manager, the span of :func:`steptrace.begin_span` (``imperative``), or a decorator.
+    Defaults live on the class (as :class:`TimedUnit`'s): making one on the training thread sets
+    only what differs (``Runtime.span``, the hot path, skips even the ``__init__`` call).
     """
 
-    __slots__ = ("_rt", "name", "attrs", "start", "marker", "opened_in", "imperative", "crossed")
+    start = 0.0
+    marker: Any = None  # (device, marker, host time) recorded on the step's stream as it began
+    opened_in: "StepHandle | None" = None  # the step open as it began (None: between steps)
+    imperative = False  # begun by begin_span(): end_span() ends it
+    crossed = False  # a step boundary inside it was reported already
 
     def __init__(self, rt: "HandleRuntime", name: str, attrs: dict):
         self._rt = rt
         self.name = name
         self.attrs = attrs
-        self.start = 0.0
-        self.marker: Any = None
-        self.opened_in: StepHandle | None = None  # the step open as it began (None: between steps)
-        self.imperative = False  # begun by begin_span(): end_span() ends it
-        self.crossed = False  # a step boundary inside it was reported already
 
     def __enter__(self) -> "SpanHandle":
         rt = self._rt

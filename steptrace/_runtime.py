@@ -39,6 +39,7 @@ from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE, RESTORE_SPA
 
 _perf = time.perf_counter
 _get_ident = threading.get_ident
+_new = object.__new__
 
 
 def _in_body(loop: Any, caller: Any) -> bool:
@@ -65,6 +66,8 @@ class Runtime:
         #: A ``restore`` span closed between steps: the next step is the first after a restore
         #: (its record says so; its one-off cost is separated in the analysis, docs/goodput.md).
         self.restored = False
+        #: auto_flops or restored: the next step is more than a number (one test in step())
+        self._step_extras = self.auto_flops
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
         #: The thread that called init(): the training thread until the first step says otherwise.
@@ -196,11 +199,19 @@ class Runtime:
         if self.unsettled is not None:
             self.follow_loop(depth=3)  # a span's exit during an exception's unwinding sees the exception
         current = self.current
-        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
-                                            marker, end_marker))
+        closed = _new(ClosedSpan)  # every slot set here: ClosedSpan(...) without its __init__ call
+        closed.name = name
+        closed.start = start
+        closed.end = end
+        closed.step = None if current is None else current.step
+        closed.attrs = attrs
+        closed.emit = emit
+        closed.marker = marker
+        closed.end_marker = end_marker
+        self.closed_spans.append(closed)
         if current is None:
             if name == RESTORE_SPAN and attrs.get("restored") is not False:  # False: nothing was restored
-                self.restored = True
+                self.restored = self._step_extras = True
             return
         # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
         # before that precedes the work. Host and stream devices know when the device drained.
@@ -347,8 +358,14 @@ class Runtime:
             self.misuse(f"step({n}) after step({last}): step numbers must increase. "
                         "After restoring a checkpoint, continue from the restored step number + 1")
             return NULL_STEP
-        if tokens is None and flops is None and samples is None and not self.auto_flops and not self.restored:
-            return StepHandle(self, n, attrs)
+        # The handle is made without StepHandle's __init__ (a Python __init__ call costs about as much
+        # as the rest of this method): its defaults live on the class, these three differ per step.
+        handle = _new(StepHandle)
+        handle._rt = self
+        handle.step = n
+        handle.attrs = attrs
+        if tokens is None and flops is None and samples is None and not self._step_extras:
+            return handle
         if tokens is not None and (type(tokens) is not int or tokens < 0):
             tokens = self._number("tokens", tokens)
         auto = self.auto_flops
@@ -359,7 +376,6 @@ class Runtime:
                 flops = self._number("flops", flops)
         if samples is not None:
             samples = self._number("samples", samples)
-        handle = StepHandle(self, n, attrs)
         if tokens is not None:
             handle.tokens = tokens
         if flops is not None:
@@ -368,6 +384,7 @@ class Runtime:
             handle.samples = samples
         if self.restored:
             self.restored = False
+            self._step_extras = self.auto_flops
             handle.first_after_restore = True
         if auto:
             handle.auto_flops = True
@@ -408,7 +425,13 @@ class Runtime:
         current = self.current
         if self.active and self.unsettled is None and type(name) is str and name and (
                 current is None or current.loop is None):
-            return SpanHandle(self, name, attrs)  # the common case, in one test
+            # The common case, in one test; the handle made without an __init__ call (its defaults
+            # live on the class), which costs as much as the rest of this method.
+            span = _new(SpanHandle)
+            span._rt = self
+            span.name = name
+            span.attrs = attrs
+            return span
         if not self.active:
             return null_span(name, attrs)  # a reference kept across shutdown(): records nothing
         current = self.current
