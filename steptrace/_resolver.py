@@ -610,10 +610,12 @@ class Resolver:
         if waited or self._clocks:  # else no stream marker and no clock: nothing to locate or commit
             self._locate_step_markers(step, waited, seen)
         # After the step's samples joined the map: the previous end placed with the map its markers use.
-        prev_end = self._remapped_prev_end(step, prev_end)
+        if self._prev_end_g is not None:
+            prev_end = self._remapped_prev_end(step, prev_end)
         mb_results = [self._unit_end(mb, seen) for mb in waited]
         device_start, end_seen, end_source = self._unit_end(step, seen)
-        self._await_host_exit(step)
+        if step.host_end is None:
+            self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
         mb_results += [self._unit_end(mb, seen) for mb in step.microbatches[len(waited):]]
         # Host spans that began inside the step: idle only while the device had drained (DESIGN §2).
@@ -828,7 +830,8 @@ class Resolver:
             bubble=attribution.bubble_ratios(timing.start, mb_compute) if mb_compute else None,
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),
-            scalars=self._read_scalars(step), device_memory=self._memory(step.device),
+            scalars=self._read_scalars(step) if step.scalars else None,
+            device_memory=None if step.device is HOST else self._memory(step.device),
             placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,
             collective_wait=step.collective_wait, collective_source=step.collective_source or self.collective_source,
             collective_windows=step.collective_windows, first_after_restore=step.first_after_restore)
