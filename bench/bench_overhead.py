@@ -59,9 +59,11 @@ median over rounds of the per-round ratios to ``floor`` and to the OTel span (pa
 How to read it
 --------------
 ``x floor`` says how many "minimal recorders" one step costs; ``x OTel`` < 1 means cheaper than
-one OTel SDK span. The targets in the header (enabled < 2 us, disabled < 0.3 us) are absolute;
-compare them with the ``floor`` and ``plain Python ctx`` rows, which show how fast this machine
-runs Python (on a slow or contended VM every row is slower, the ratios much less so).
+one OTel SDK span. The budgets (issue 35) are printed under the table with met/missed: the thread
+cost <= 5x the floor with a host value and <= 7x with a ``jax.Array``; background <= 10 us
+(MemorySink) and <= 20 us (JSONL) per step, <= 20 / 25 us with a ``jax.Array``; disabled <= 1.2x
+the plain Python ctx. The ``per feature`` table gives each feature row's extra cost against
+``host value, MemorySink``, paired within a round (median over rounds).
 The ``records`` column checks that nothing was dropped (records seen / steps run).
 
 The background work runs under the same GIL: when a step resolves while the training thread is
@@ -90,8 +92,21 @@ from steptrace.testing import MemorySink  # noqa: E402
 
 pc = time.perf_counter_ns
 LONG_SWITCH_INTERVAL = 1.0
-TARGET_ENABLED_NS = 2000
-TARGET_DISABLED_NS = 300
+# The budgets of issue 35, relative to what this machine does in the same run (a slow or contended
+# VM slows every row; the ratios much less): the training thread's cost per step in floors (two
+# clock reads and a deque.append), the background's (resolver + sinks, off the training thread)
+# in microseconds per step, and the disabled step against a do-nothing `with` of the same shape.
+BUDGET_THREAD_X_FLOOR = {
+    "loop_enabled_host_memory": 5.0, "loop_enabled_host_jsonl": 5.0,
+    "loop_enabled_jax_memory": 7.0, "loop_enabled_jax_jsonl": 7.0,
+}
+BUDGET_BG_NS = {
+    "loop_enabled_host_memory": 10_000, "loop_enabled_host_jsonl": 20_000,
+    "loop_enabled_jax_memory": 20_000, "loop_enabled_jax_jsonl": 25_000,
+}
+BUDGET_DISABLED_X_PLAIN_CTX = 1.2
+#: The per-feature rows, each against this one (paired within a round).
+FEATURE_BASE = "loop_enabled_host_memory"
 
 
 class _Ctx:
@@ -425,28 +440,62 @@ def render(results: dict, rounds: int, iters: int) -> str:
     table = wl.fmt_table(
         ["variant", "thread ns/step", "p90", "x floor", "x OTel", "bg ns/step", "total ns", "total x OTel",
          "records"], rows)
-    dis = results["loop_disabled"]["thread_median_ns"]
-    en = {m: results[m]["thread_median_ns"] for _, m in VARIANTS if m.startswith("loop_enabled")}
     lines = [
         wl.header("steptrace bench_overhead: host cost per step"),
         f"  {rounds} rounds x {iters} steps per variant, variants interleaved per round; medians over rounds",
-        f"  targets: enabled < {TARGET_ENABLED_NS / 1000:.1f} us/step, "
-        f"disabled < {TARGET_DISABLED_NS / 1000:.1f} us/step "
-        "(training thread)",
+        "  budgets (issue 35): thread <= 5x floor (host value), <= 7x (jax.Array); background <= 10 / 20 us "
+        "(Memory / JSONL), <= 20 / 25 us (jax.Array); disabled <= 1.2x plain ctx",
         "",
         table,
         "",
-        f"  disabled: {dis:.0f} ns -> {'MEETS' if dis < TARGET_DISABLED_NS else 'MISSES'} target "
-        f"({dis / TARGET_DISABLED_NS:.1f}x of {TARGET_DISABLED_NS} ns); "
-        f"plain Python ctx on this machine: {results['loop_plain_ctx']['thread_median_ns']:.0f} ns "
-        f"(disabled = {results['loop_disabled']['x_plain_ctx']:.2f}x plain ctx, paired)",
-        "  enabled:  " + ", ".join(
-            f"{results[m]['label'].replace('steptrace ', '')}: {v:.0f} ns "
-            f"({'meets' if v < TARGET_ENABLED_NS else 'misses'})" for m, v in en.items()),
+        "  per feature, against 'host value, MemorySink' (paired within a round, median over rounds):",
+        feature_table(results),
+        "",
+        "  budgets:",
+        *budget_lines(results),
         "  thread = training-thread cost (switch interval 1 s during the loop); bg = flush()/force_flush() time "
         "per step afterwards (background threads' work); total = thread + bg",
     ]
     return "\n".join(lines)
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def budget_lines(results: dict) -> list[str]:
+    """One line per budget of issue 35: the figure, the budget, met or missed."""
+    lines = []
+    for m, budget in BUDGET_THREAD_X_FLOOR.items():
+        r = results[m]
+        lines.append(f"    thread {r['label'].replace('steptrace ', '')}: {r['x_floor']:.2f}x floor "
+                     f"({r['thread_median_ns']:.0f} ns) <= {budget:.0f}x: {_verdict(r['x_floor'] <= budget)}")
+    for m, budget in BUDGET_BG_NS.items():
+        r = results[m]
+        lines.append(f"    background {r['label'].replace('steptrace ', '')}: {r['bg_median_ns'] / 1000:.1f} us "
+                     f"<= {budget / 1000:.0f} us: {_verdict(r['bg_median_ns'] <= budget)}")
+    dis = results["loop_disabled"]
+    lines.append(f"    disabled: {dis['x_plain_ctx']:.2f}x plain ctx ({dis['thread_median_ns']:.0f} ns vs "
+                 f"{results['loop_plain_ctx']['thread_median_ns']:.0f} ns) <= {BUDGET_DISABLED_X_PLAIN_CTX}x: "
+                 f"{_verdict(dis['x_plain_ctx'] <= BUDGET_DISABLED_X_PLAIN_CTX)}")
+    return lines
+
+
+def feature_table(results: dict) -> str:
+    """Each row's extra thread and background cost over FEATURE_BASE, paired per round."""
+    base = results[FEATURE_BASE]
+    floor = results[FLOOR]["thread_ns_per_round"]
+    rows = []
+    for _, m in VARIANTS:
+        if not m.startswith("loop_enabled") or m == FEATURE_BASE:
+            continue
+        r = results[m]
+        d_thread = [a - b for a, b in zip(r["thread_ns_per_round"], base["thread_ns_per_round"])]
+        d_floor = [d / f for d, f in zip(d_thread, floor)]
+        d_bg = [a - b for a, b in zip(r["bg_ns_per_round"], base["bg_ns_per_round"])]
+        rows.append([r["label"], f"{wl.median(d_thread):+.0f}", f"{wl.median(d_floor):+.2f}",
+                     f"{wl.median(d_bg) / 1000:+.1f}"])
+    return wl.fmt_table(["variant", "thread ns/step", "x floor", "bg us/step"], rows)
 
 
 def main(argv=None) -> int:
@@ -465,7 +514,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "overhead", "machine": wl.machine_info(), "rounds": rounds, "iters": iters,
-                       "targets_ns": {"enabled": TARGET_ENABLED_NS, "disabled": TARGET_DISABLED_NS},
+                       "budgets": {"thread_x_floor": BUDGET_THREAD_X_FLOOR, "bg_ns": BUDGET_BG_NS,
+                                   "disabled_x_plain_ctx": BUDGET_DISABLED_X_PLAIN_CTX},
                        "results": results}, f, indent=1)
     return 0
 

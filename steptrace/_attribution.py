@@ -235,6 +235,8 @@ def window_segments(windows: Iterable[tuple[float, float]], spans: Iterable[Inte
     """:func:`idle_segments` over several disjoint windows, in order; ``uncovered`` names the
     time no span covers (``other`` in a step, ``startup`` before the first one)."""
     spans = list(spans)
+    if not spans:  # what idle_segments makes of each window when nothing can cover it
+        return [HostSpan(uncovered, lo, hi) for lo, hi in windows if hi > lo]
     pieces: list[HostSpan] = []
     for lo, hi in windows:
         pieces += idle_segments(lo, hi, spans, uncovered)

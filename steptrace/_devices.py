@@ -114,7 +114,12 @@ class Backends:
         self._cuda: Any = None
         self._jax: Any = None
         #: True while the last decided step was timed by its values (JAX): skip speculative markers.
+        #: Set through set_timed_by_values(), which keeps may_stream in step with it.
         self.timed_by_values = False
+        #: Whether a unit starting now may be timed by stream markers (stream_for_unit may say a
+        #: device): read on the training thread at every step's entry, so a JAX or host loop pays
+        #: one attribute read for the stream decision, not two calls.
+        self.may_stream = False
         #: type -> device (or _TORCH_TENSORS, or None for "no opinion"), for leaf types.
         self.by_type: dict[type, Any] = {}
         if not isinstance(backend, str):
@@ -140,6 +145,11 @@ class Backends:
                 self.forced_values = HOST
         else:
             raise ValueError(f"backend: unknown backend {backend!r}")
+        self.set_timed_by_values(False)
+
+    def set_timed_by_values(self, timed_by_values: bool) -> None:
+        self.timed_by_values = timed_by_values
+        self.may_stream = self.forced_stream is not None or (self.auto and not timed_by_values)
 
     # -- at init() -----------------------------------------------------------------------
     def init_hooks(self, runtime: Any, backend: Any) -> None:
@@ -219,6 +229,8 @@ class Backends:
             return self.forced_stream
         if not self.auto or self.timed_by_values:
             return None
+        if self._cuda is None and "torch" not in sys.modules:
+            return None  # the common CPU case, without a call
         return self.cuda_if_initialised()
 
     def cuda_index(self) -> int | None:
@@ -258,6 +270,11 @@ class Backends:
         synchronously), a stream device (CUDA tensors), or None (the values do not say)."""
         if self.forced_values is not None:
             return self.forced_values
+        if len(values) == 1:
+            # One value of a type seen before (the loss, every step): its device without a call.
+            found = self.by_type.get(type(values[0]), _MISSING)
+            if found is not _MISSING and found is not _TORCH_TENSORS:
+                return found
         for value in values:
             device = self._for_value(value, 0)
             if device is not None:
@@ -286,7 +303,7 @@ class Backends:
         if found is _TORCH_TENSORS:
             try:
                 if value.is_cuda:
-                    self.timed_by_values = False
+                    self.set_timed_by_values(False)
                     cuda = self.cuda_if_initialised()
                     # The GPU the tensor lives on (a rank that never called set_device).
                     for_value = getattr(cuda, "for_value", None)

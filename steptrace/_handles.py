@@ -85,6 +85,7 @@ class HandleRuntime(Protocol):
     last_step: int | None
     last_step_end: float  # host clock when the last step was left (the rank's position on /metrics)
     open_checkpoint: "CheckpointHandle | None"  # the save in progress, if any
+    closed_spans: list[ClosedSpan]  # spans closed since the last step ended (a step's exit takes them)
 
     @property
     def annotate(self) -> Callable[[int], Any] | None: ...  # a framework's per-step annotation, if any
@@ -96,8 +97,6 @@ class HandleRuntime(Protocol):
     def resolver(self) -> _Submits: ...
     @property
     def open_spans(self) -> "list[SpanHandle]": ...
-    @property
-    def closed_spans(self) -> list[ClosedSpan]: ...
     @property
     def pending_async(self) -> "set[CheckpointHandle]": ...
 
@@ -144,14 +143,16 @@ class StepHandle(TimedUnit):
     error_pending = False
     #: the first step after a ``restore`` span (set by the runtime as the step is made)
     first_after_restore = False
+    #: step(n, tokens=, flops=, samples=), checked by the runtime (set on the handle only when given)
+    tokens: Any = None
+    flops: Any = None
+    samples: Any = None
 
-    def __init__(self, rt: "HandleRuntime", n: int, tokens: Any, flops: Any, samples: Any, attrs: dict):
-        self._rt = rt
-        self.step = n
-        self.tokens = tokens
-        self.flops = flops
-        self.samples = samples
-        self.attrs = attrs
+    # Made by the runtime (Runtime.step) without an __init__ call, which the hot path cannot afford:
+    # it sets these three; everything else is a class default until a step sets it.
+    _rt: "HandleRuntime"
+    step: int
+    attrs: dict
 
     def __enter__(self) -> "StepHandle":
         rt = self._rt
@@ -164,14 +165,17 @@ class StepHandle(TimedUnit):
         if capture is not None and (capture.pending is not None or capture.active is not None):
             capture.boundary(self.step)  # a profiler starts or stops between steps, never inside one
         rt.current = self
-        if rt.annotate is not None:
-            self._annotation = rt.annotate(self.step)
+        annotate = rt.annotate
+        if annotate is not None:
+            self._annotation = annotate(self.step)
         if self.auto_flops:
             rt.flops_enter(self)
         self.host_start = self.dispatch = _perf()
-        device = rt.backends.stream_for_unit()
-        if device is not None:
-            rt.start_markers(self, device)
+        backends = rt.backends
+        if backends.may_stream:
+            device = backends.stream_for_unit()
+            if device is not None:
+                rt.start_markers(self, device)
         return self
 
     def wait_for(self, *values: Any) -> None:
@@ -211,7 +215,8 @@ class StepHandle(TimedUnit):
         if self.start_event is not None:
             rt.drop_markers(self)
         self.device = device
-        backends.timed_by_values = True
+        if not backends.timed_by_values:
+            backends.set_timed_by_values(True)
         if device is not HOST:
             self.values = values
             # Hand over now so the resolver starts waiting while the host runs ahead.
@@ -229,21 +234,26 @@ class StepHandle(TimedUnit):
         if rt.current is not self:
             rt.misuse("log() called outside its step: call it inside `with steptrace.step(n) as s:`")
             return
-        logged = self.scalars if self.scalars is not None else {}
+        logged = self.scalars
+        if logged is None:
+            logged = self.scalars = {}
         for name, value in scalars.items():
+            if type(value) is float:  # a host number (the common case) as scalar_reader takes it
+                logged[name] = value
+                continue
             reader = scalar_reader(value)
             if reader is None:
                 rt.misuse(f"log({name}=...): a {type(value).__name__} is not a scalar (a number, or a device "
                           "array or tensor of one element); it is dropped")
                 continue
             logged[name] = reader
-        self.scalars = logged
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         if rt.current is not self:
             return False
-        if self.device.uses_events:
+        device = self.device
+        if device is not HOST and device.uses_events:
             rt.end_marker(self)
         end = _perf()
         if self.auto_flops:
@@ -260,7 +270,7 @@ class StepHandle(TimedUnit):
         rt.last_step = self.step
         rt.last_step_end = end
         if rt.closed_spans:
-            self.spans = rt.take_closed_spans()
+            self.spans, rt.closed_spans = rt.closed_spans, []
         crossing = None
         if rt.open_spans:
             self.open_spans = [ClosedSpan(s.name, s.start, end, self.step, {}, False, s.take_marker())
@@ -336,19 +346,20 @@ class SpanHandle:
     """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name.
 
     A context manager, the span of :func:`steptrace.begin_span` (``imperative``), or a decorator.
+    Defaults live on the class (as :class:`TimedUnit`'s): making one on the training thread sets
+    only what differs (``Runtime.span``, the hot path, skips even the ``__init__`` call).
     """
 
-    __slots__ = ("_rt", "name", "attrs", "start", "marker", "opened_in", "imperative", "crossed")
+    start = 0.0
+    marker: Any = None  # (device, marker, host time) recorded on the step's stream as it began
+    opened_in: "StepHandle | None" = None  # the step open as it began (None: between steps)
+    imperative = False  # begun by begin_span(): end_span() ends it
+    crossed = False  # a step boundary inside it was reported already
 
     def __init__(self, rt: "HandleRuntime", name: str, attrs: dict):
         self._rt = rt
         self.name = name
         self.attrs = attrs
-        self.start = 0.0
-        self.marker: Any = None
-        self.opened_in: StepHandle | None = None  # the step open as it began (None: between steps)
-        self.imperative = False  # begun by begin_span(): end_span() ends it
-        self.crossed = False  # a step boundary inside it was reported already
 
     def __enter__(self) -> "SpanHandle":
         rt = self._rt
@@ -368,17 +379,22 @@ class SpanHandle:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         rt = self._rt
         end = _perf()
-        try:
-            rt.open_spans.remove(self)
-        except ValueError:
-            pass
-        marker = self.take_marker()
+        open_spans = rt.open_spans
+        if open_spans and open_spans[-1] is self:
+            open_spans.pop()  # the innermost: spans end in the reverse order they began
+        else:
+            try:
+                open_spans.remove(self)
+            except ValueError:
+                pass
+        marker = self.marker
         end_marker = None
         if marker is not None:
+            self.marker = None  # handed over (see take_marker)
             current = rt.current
             if current is not None and current.device is marker[0]:
                 end_marker = rt.span_marker(current)
-        rt.close_span(self.name, self.start, end, self.attrs, marker=marker, end_marker=end_marker)
+        rt.close_span(self.name, self.start, end, self.attrs, True, marker, end_marker)
         current = rt.current
         if current is not self.opened_in and not self.crossed and current is not None:
             # Begun between steps (or in an earlier step, which its end reported), ended in this one.

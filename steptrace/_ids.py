@@ -68,8 +68,14 @@ def span_id(run_id: str, step: int, rank: int, role: str, attempt: int = 0) -> i
 
 
 def trace_id_hex(run_id: str, step: int, attempt: int = 0) -> str:
-    """The trace id as the 32 lowercase hex digits OpenTelemetry and exemplars use."""
-    return f"{trace_id(run_id, step, attempt):032x}"
+    """The trace id as the 32 lowercase hex digits OpenTelemetry and exemplars use: ``trace_id`` in
+    hex, read straight from the digest (every step record carries one; no int round trip)."""
+    digits = hashlib.sha256(_step_key(run_id, step, attempt).encode()).hexdigest()[:32]
+    return digits if digits != _ZERO_TRACE_ID else _ONE_TRACE_ID  # trace_id's `or 1`
+
+
+_ZERO_TRACE_ID = "0" * 32
+_ONE_TRACE_ID = f"{1:032x}"
 
 
 def orphan_span_ids(run_id: str, rank: int, name: str, start_us: int) -> tuple[int, int]:

@@ -65,6 +65,10 @@ _IDLE_POLL_S = 0.02
 _STREAM_POLL_S = 0.02
 # Stream items confirmed complete in one look (one calibration anchor serves them all).
 _CONFIRM_BATCH = 256
+# Step records the resolver hands the sinks at once, at most: while it works through a backlog it
+# gathers them (one offer, one wake-up per sink instead of one per step); it hands them over as
+# soon as its queue is empty, before anything else, and before it waits.
+_EMIT_BATCH = 256
 # How long the record of a steps() step whose body raised waits for the exception to be readable
 # (it ended the program, or a steptrace call in its handler) before it is written with the place the
 # body raised instead (_loops). The training thread settles it at once at its next steptrace call.
@@ -122,7 +126,10 @@ class Resolver:
         self._drop_lock = threading.Lock()
         self.sinks = [SinkWorker(sink, config.max_queue, self.count_drop) for sink in sinks]
         self._queue: collections.deque[Any] = collections.deque()
+        self._max_queue = config.max_queue  # read at every submit (the training thread)
         self._emit_lock = threading.Lock()
+        #: Step records finalized and not handed to the sinks yet (resolver thread; see _EMIT_BATCH).
+        self._pending: list[Mapping[str, Any]] = []
         #: Told each finalized step's interval (the stall watch's pace), when one runs.
         self.on_step_interval: Any = None
         #: Told each finalized ok step's record (the capture's slow-step and spike triggers), when one runs.
@@ -170,7 +177,7 @@ class Resolver:
         it is paid only for urgent items; the rest wait for the resolver's next
         round (at most ``_IDLE_POLL_S``), which does not change their timings.
         """
-        if self._stopping or len(self._queue) >= self.config.max_queue:
+        if self._stopping or len(self._queue) >= self._max_queue:
             self.count_drop(DROP_RESOLVER_QUEUE)
             return
         self._queue.append(item)
@@ -236,6 +243,7 @@ class Resolver:
         self._drop_lock = threading.Lock()
         self._emit_lock = threading.Lock()
         self._queue.clear()
+        self._pending = []
         for worker in self.sinks:
             worker.forked()
 
@@ -245,6 +253,8 @@ class Resolver:
         cpu_start = time.thread_time()
         while True:
             if not queue:
+                if self._pending:
+                    self._emit_pending()
                 if self._clocks and not self._stopping:
                     self._poll_idle_clocks()  # an idle resolver is the moment to anchor a drained device
                 self.cpu_seconds = time.thread_time() - cpu_start
@@ -261,6 +271,8 @@ class Resolver:
             except Exception:
                 ready = True  # let _handle fail on it and count it
             if not ready:
+                if self._pending:
+                    self._emit_pending()
                 self.cpu_seconds = time.thread_time() - cpu_start
                 if self._abandon:
                     return
@@ -374,8 +386,15 @@ class Resolver:
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, StepHandle):
-            self._emit(self._resolve_step(item))
-        elif isinstance(item, CheckpointHandle):
+            records = self._resolve_step(item)
+            pending = self._pending
+            pending += records
+            if len(pending) >= _EMIT_BATCH:
+                self._emit_pending()
+            return
+        if self._pending:
+            self._emit_pending()  # records go out in the order they were finalized
+        if isinstance(item, CheckpointHandle):
             self._emit([self._checkpoint_record(item)])
         elif isinstance(item, AttemptStart):
             import os
@@ -404,6 +423,10 @@ class Resolver:
             self._recent.extend(item.spans)
             self._emit([self._span_record(s) for s in item.spans if s.emit])
             item.done.set()
+
+    def _emit_pending(self) -> None:
+        records, self._pending = self._pending, []
+        self._emit(records)
 
     def _emit(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not records:
@@ -584,32 +607,37 @@ class Resolver:
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
         waited = list(step.microbatches)
-        self._locate_step_markers(step, waited, seen)
+        if waited or self._clocks:  # else no stream marker and no clock: nothing to locate or commit
+            self._locate_step_markers(step, waited, seen)
         # After the step's samples joined the map: the previous end placed with the map its markers use.
-        prev_end = self._remapped_prev_end(step, prev_end)
+        if self._prev_end_g is not None:
+            prev_end = self._remapped_prev_end(step, prev_end)
         mb_results = [self._unit_end(mb, seen) for mb in waited]
         device_start, end_seen, end_source = self._unit_end(step, seen)
-        self._await_host_exit(step)
+        if step.host_end is None:
+            self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
         mb_results += [self._unit_end(mb, seen) for mb in step.microbatches[len(waited):]]
         # Host spans that began inside the step: idle only while the device had drained (DESIGN §2).
-        inside = [s for s in (*step.spans, *step.open_spans) if s.start >= step.host_start]
-        drained = self._span_drain_times(step, inside, seen)
-        if step.device.uses_events or any(mb.device.uses_events for mb in step.microbatches):
+        has_spans = bool(step.spans or step.open_spans)
+        inside = [s for s in (*step.spans, *step.open_spans) if s.start >= step.host_start] if has_spans else []
+        drained = self._span_drain_times(step, inside, seen) if has_spans else {}
+        if step.device.uses_events or (step.microbatches and any(mb.device.uses_events for mb in step.microbatches)):
             self._prune_clocks(step)
 
         end = attribution.unit_end(host_end, end_seen)
         device = step.device
         by_values = device is not HOST and not device.uses_events
-        exposed = [] if by_values else attribution.exposed_gaps(
+        exposed = [] if by_values or not inside else attribution.exposed_gaps(
             [self._span_window(s, drained) for s in inside], step.host_start, end)
         if not by_values:
             step.dispatch = step.host_start  # the moved dispatch point is a value device's alone
         timing = attribution.unit_timing(
             prev_end=prev_end, dispatch=step.dispatch, end=end, device_start=device_start, exposed=exposed)
 
-        self._recent.extend(step.spans)
-        self._recent.extend(step.open_spans)
+        if has_spans:
+            self._recent.extend(step.spans)
+            self._recent.extend(step.open_spans)
         before = None
         if self._prev_end is None:
             # Before the first step: the run's wall time too, by the spans covering it; the rest is startup.
@@ -620,7 +648,8 @@ class Resolver:
             labels = self._span_labels(self._recent, drained, timing.end)
         segments = attribution.window_segments(attribution.idle_windows(prev_end, timing, exposed), labels)
         # Nothing that ended before this step's end can cover a later idle window.
-        self._recent = attribution.spans_after(self._recent, timing.end)
+        if self._recent:
+            self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
         if self.on_step_interval is not None:
             self.on_step_interval(timing.interval_seconds)
@@ -630,8 +659,10 @@ class Resolver:
         self.steps_resolved += 1
 
         records: list[Mapping[str, Any]] = [self._span_record(s) for s in step.spans if s.emit]
-        mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
-        records += mb_records
+        mb_compute: list[tuple[Any, float, float]] = []
+        if step.microbatches:
+            mb_records, mb_compute = self._microbatch_records(step, prev_end, mb_results, timing.end)
+            records += mb_records
         record = self._step_record(step, timing, segments, mb_compute, end_source)
         if before is not None:
             self.records.add_before_steps(record, before)
@@ -799,7 +830,8 @@ class Resolver:
             bubble=attribution.bubble_ratios(timing.start, mb_compute) if mb_compute else None,
             optimizer_seconds=(attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
                                if mb_compute else None),
-            scalars=self._read_scalars(step), device_memory=self._memory(step.device),
+            scalars=self._read_scalars(step) if step.scalars else None,
+            device_memory=None if step.device is HOST else self._memory(step.device),
             placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,
             collective_wait=step.collective_wait, collective_source=step.collective_source or self.collective_source,
             collective_windows=step.collective_windows, first_after_restore=step.first_after_restore)

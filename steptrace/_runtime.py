@@ -39,6 +39,7 @@ from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE, RESTORE_SPA
 
 _perf = time.perf_counter
 _get_ident = threading.get_ident
+_new = object.__new__
 
 
 def _in_body(loop: Any, caller: Any) -> bool:
@@ -65,6 +66,8 @@ class Runtime:
         #: A ``restore`` span closed between steps: the next step is the first after a restore
         #: (its record says so; its one-off cost is separated in the analysis, docs/goodput.md).
         self.restored = False
+        #: auto_flops or restored: the next step is more than a number (one test in step())
+        self._step_extras = self.auto_flops
         self.pending_async: set[CheckpointHandle] = set()
         self.train_thread: int | None = None
         #: The thread that called init(): the training thread until the first step says otherwise.
@@ -73,6 +76,8 @@ class Runtime:
         self._setup_done = False
         self._device_errors = 0
         self.active = True
+        #: active and set up: step() and span() take their fast path (one test instead of two)
+        self._hot = False
         #: The process this run belongs to: a forked child's copy never finalizes it (see forked()).
         self.pid = os.getpid()
         #: A steps() step whose body raised, its exception not read yet (see follow_loop()).
@@ -194,11 +199,19 @@ class Runtime:
         if self.unsettled is not None:
             self.follow_loop(depth=3)  # a span's exit during an exception's unwinding sees the exception
         current = self.current
-        self.closed_spans.append(ClosedSpan(name, start, end, None if current is None else current.step, attrs, emit,
-                                            marker, end_marker))
+        closed = _new(ClosedSpan)  # every slot set here: ClosedSpan(...) without its __init__ call
+        closed.name = name
+        closed.start = start
+        closed.end = end
+        closed.step = None if current is None else current.step
+        closed.attrs = attrs
+        closed.emit = emit
+        closed.marker = marker
+        closed.end_marker = end_marker
+        self.closed_spans.append(closed)
         if current is None:
             if name == RESTORE_SPAN and attrs.get("restored") is not False:  # False: nothing was restored
-                self.restored = True
+                self.restored = self._step_extras = True
             return
         # Only a value device (JAX) uses this: it shows its work at wait_for(), so a span closing
         # before that precedes the work. Host and stream devices know when the device drained.
@@ -315,31 +328,45 @@ class Runtime:
                          give_up=True)
 
     # -- public API ------------------------------------------------------------------
-    def step(self, n: int, *, tokens: Any = None, flops: Any = None, samples: Any = None, **attrs: Any) -> Any:
-        """Time training step ``n`` (a context manager; see :func:`steptrace.step`)."""
-        if not self.active:
-            return NULL_STEP  # a reference kept across shutdown() records nothing
-        if not self._setup_done:
-            self._first_step_setup()
-        current = self.current
-        if (current is not None and current.loop is not None) or self.unsettled is not None:
-            self.follow_loop(new_step=True)  # a steps() loop left while a variable holds its generator ends here
-        if self.current is not None:
-            self.misuse(f"step({n}) called inside step({self.current.step}): steps cannot nest. "
-                        "Use steptrace.span() or steptrace.microbatch() for work inside a step")
-            return NULL_STEP
+    def step(self, n: int, **attrs: Any) -> Any:
+        """Time training step ``n`` (a context manager; see :func:`steptrace.step`): ``tokens``,
+        ``flops`` and ``samples`` are read out of ``attrs``, the rest are the step's attrs.
+
+        The hot path (``steptrace.step`` is bound to this method): keyword-only parameters with
+        defaults cost a lookup each per call even when not passed, so they come out of ``attrs``
+        only when there are any; everything rare (the first step, a ``steps()`` loop to follow,
+        misuse, counts to check) is behind one test each."""
+        if attrs:
+            tokens = attrs.pop("tokens", None)
+            flops = attrs.pop("flops", None)
+            samples = attrs.pop("samples", None)
+        else:
+            tokens = flops = samples = None
+        if not self._hot or self.current is not None or self.unsettled is not None:
+            refusal = self._step_refusal(n)
+            if refusal is not None:
+                if refusal:
+                    self.misuse(refusal)
+                return NULL_STEP
         if type(n) is not int:
             if isinstance(n, bool) or not hasattr(n, "__index__"):
                 self.misuse(f"step number must be an int, got {n!r}: pass the loop counter")
                 return NULL_STEP
             n = n.__index__()
-        if self.last_step is not None and n <= self.last_step:
-            self.misuse(f"step({n}) after step({self.last_step}): step numbers must increase. "
+        last = self.last_step
+        if last is not None and n <= last:
+            self.misuse(f"step({n}) after step({last}): step numbers must increase. "
                         "After restoring a checkpoint, continue from the restored step number + 1")
             return NULL_STEP
-        if tokens is not None and type(tokens) is not int:
-            tokens = self._number("tokens", tokens)
-        elif tokens is not None and tokens < 0:
+        # The handle is made without StepHandle's __init__ (a Python __init__ call costs about as much
+        # as the rest of this method): its defaults live on the class, these three differ per step.
+        handle = _new(StepHandle)
+        handle._rt = self
+        handle.step = n
+        handle.attrs = attrs
+        if tokens is None and flops is None and samples is None and not self._step_extras:
+            return handle
+        if tokens is not None and (type(tokens) is not int or tokens < 0):
             tokens = self._number("tokens", tokens)
         auto = self.auto_flops
         if flops is not None:
@@ -349,13 +376,36 @@ class Runtime:
                 flops = self._number("flops", flops)
         if samples is not None:
             samples = self._number("samples", samples)
-        handle = StepHandle(self, n, tokens, flops, samples, attrs)
+        if tokens is not None:
+            handle.tokens = tokens
+        if flops is not None:
+            handle.flops = flops
+        if samples is not None:
+            handle.samples = samples
         if self.restored:
             self.restored = False
+            self._step_extras = self.auto_flops
             handle.first_after_restore = True
         if auto:
             handle.auto_flops = True
         return handle
+
+    def _step_refusal(self, n: Any) -> str | None:
+        """The rare checks before a step opens: the first step's setup, a ``steps()`` loop left while
+        a variable holds its generator (its step ends here). None: the step opens; "": it does not
+        (steptrace shut down: a reference kept across shutdown() records nothing); else the misuse
+        to report (said by :meth:`step`, so the warning points at the user's line)."""
+        if not self.active:
+            return ""
+        if not self._setup_done:
+            self._first_step_setup()
+        current = self.current
+        if (current is not None and current.loop is not None) or self.unsettled is not None:
+            self.follow_loop(new_step=True, depth=3)  # a steps() loop left while a variable holds its generator
+        if self.current is not None:
+            return (f"step({n}) called inside step({self.current.step}): steps cannot nest. "
+                    "Use steptrace.span() or steptrace.microbatch() for work inside a step")
+        return None
 
     def _number(self, field: str, value: Any) -> float | int | None:
         # Only plain numbers: float() on a device array would synchronise the device.
@@ -372,6 +422,16 @@ class Runtime:
 
     def span(self, name: str, **attrs: Any) -> Any:
         """Time a host span (see :func:`steptrace.span`)."""
+        current = self.current
+        if self.active and self.unsettled is None and type(name) is str and name and (
+                current is None or current.loop is None):
+            # The common case, in one test; the handle made without an __init__ call (its defaults
+            # live on the class), which costs as much as the rest of this method.
+            span = _new(SpanHandle)
+            span._rt = self
+            span.name = name
+            span.attrs = attrs
+            return span
         if not self.active:
             return null_span(name, attrs)  # a reference kept across shutdown(): records nothing
         current = self.current
@@ -542,6 +602,7 @@ class Runtime:
     def _first_step_setup(self) -> None:
         """Decide, once, what depends on frameworks the user imported after init()."""
         self._setup_done = True
+        self._hot = self.active
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
@@ -588,7 +649,7 @@ class Runtime:
         for those threads (the whole shutdown timeout) and write a second ``run`` record into the
         parent's file while the parent still trains. Handles the child still holds (it forked inside
         a step) close as no-ops, and anything they hand over is discarded."""
-        self.active = False
+        self.active = self._hot = False
         self.current = None
         self.open_checkpoint = None
         self.open_spans.clear()
@@ -606,7 +667,7 @@ class Runtime:
         if current is not None and current.loop is not None:
             self.follow_loop()  # the program ended after leaving a loop whose generator a variable holds
         self._settle_now()
-        self.active = False
+        self.active = self._hot = False
         if self.stall_watch is not None:
             self.stall_watch.close()
         if self.capture is not None and self.current is None:

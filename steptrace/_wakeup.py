@@ -22,10 +22,14 @@ class Wakeup:
 
     def set(self) -> None:
         """Wake the sleeper (any thread; never blocks)."""
-        try:
-            self._lock.release()
-        except RuntimeError:  # already released: a signal is pending
-            pass
+        lock = self._lock
+        # A signal already pending (the sleeper has not run since the last set(): a tight loop of
+        # JAX steps wakes the resolver at each) costs a look, not a raised and caught exception.
+        if lock.locked():
+            try:
+                lock.release()
+            except RuntimeError:  # another waker released it in between
+                pass
 
     def wait(self, timeout: float) -> bool:
         """Sleep until ``set()`` or ``timeout`` seconds; True when signalled. One sleeper only."""

@@ -1,0 +1,242 @@
+"""What the per-step cost cuts of issue 35 must keep: every record, in order, the same text.
+
+The costs themselves are measured by bench/bench_overhead.py (no timing here); these tests check
+the behaviour each cut changed: the resolver hands a backlog of step records to the sinks in
+batches (in the order it finalized them, nothing lost), a sink thread is woken only when it may be
+asleep with work to do, a pending wake-up is not signalled again, the JSONL sink encodes with one
+encoder (the same text as ``json.dumps``; a record that cannot be encoded costs itself alone).
+"""
+
+import json
+import threading
+import time
+
+import pytest
+
+import steptrace
+from steptrace import _resolver
+from steptrace._sinks import JsonlSink, SinkWorker, _json_default
+from steptrace._wakeup import Wakeup
+from steptrace.testing import MemorySink
+
+
+class _CountingSink(MemorySink):
+    """A MemorySink that counts its export calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.exports = 0
+
+    def export(self, records):
+        self.exports += 1
+        super().export(records)
+
+
+def test_a_backlog_of_steps_reaches_the_sinks_in_batches_in_order_and_whole():
+    sink = _CountingSink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="backlog", strict=False)
+    runtime = steptrace._active
+    resolver = runtime.resolver
+    with steptrace.step(0) as s:
+        s.wait_for(object())
+    assert steptrace.flush(30.0)
+    # The steps' handles, kept back from the resolver, then queued at once: a backlog such as a
+    # tight loop leaves (the resolver cannot run while the training thread holds the GIL).
+    items = []
+    resolver.submit = lambda item, urgent=False: items.append(item)
+    steps = 3 * _resolver._EMIT_BATCH + 17
+    saves_after = {100, 600}
+    for n in range(1, steps + 1):
+        with steptrace.step(n) as s:
+            s.wait_for(object())
+        if n in saves_after:
+            with steptrace.checkpoint(n):
+                pass
+    del resolver.submit
+    offers = []
+    worker = resolver.sinks[0]
+    real_offer = worker.offer
+
+    def counting_offer(records):
+        offers.append(len(records))
+        real_offer(records)
+
+    worker.offer = counting_offer
+    resolver._queue.extend(items)
+    assert steptrace.flush(60.0)
+    records = [r for r in sink.records if r["type"] in ("step", "checkpoint")]
+    # Every record, in the order the training thread produced them.
+    want = []
+    for n in range(1, steps + 1):
+        want.append(("step", n))
+        if n in saves_after:
+            want.append(("checkpoint", n))
+    assert [(r["type"], r["step"]) for r in records][1:] == want
+    # One hand-over per full batch, one per checkpoint (it goes out with the steps before it, then
+    # alone) and one for the rest: not one per step.
+    assert sum(offers) == steps + len(saves_after)
+    assert len(offers) <= steps // _resolver._EMIT_BATCH + 2 * len(saves_after) + 1
+    assert max(offers) <= _resolver._EMIT_BATCH
+    stats = steptrace.stats()
+    assert stats["dropped"] == {}
+    steptrace.shutdown()
+
+
+class _BlockedSink:
+    """A sink whose first export waits until the test lets it go."""
+
+    name = "blocked"
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.records = []
+
+    def export(self, records):
+        self.entered.set()
+        self.release.wait(30.0)
+        self.records.extend(records)
+
+    def force_flush(self, timeout_s):
+        return True
+
+    def shutdown(self, timeout_s):
+        pass
+
+
+class _CountingWakeup(Wakeup):
+    __slots__ = ("sets",)
+
+    def __init__(self):
+        super().__init__()
+        self.sets = 0
+
+    def set(self):
+        self.sets += 1
+        super().set()
+
+
+def test_a_sink_thread_busy_with_a_batch_is_not_woken_for_each_record_and_gets_every_one():
+    sink = _BlockedSink()
+    drops = []
+    worker = SinkWorker(sink, 10_000, lambda reason, count=1: drops.append((reason, count)))
+    worker._wake = wake = _CountingWakeup()
+    worker.offer([{"type": "step", "step": 0}])
+    assert sink.entered.wait(10.0)  # the thread is inside export, the queue empty
+    for n in range(1, 101):
+        worker.offer([{"type": "step", "step": n}])
+    # The first offer after it emptied the queue wakes it; the 99 after find records queued.
+    assert wake.sets == 2
+    sink.release.set()
+    assert worker.shutdown(time.monotonic() + 10.0)
+    assert [r["step"] for r in sink.records] == list(range(101))
+    assert drops == []
+
+
+class _FakeLock:
+    """Stands in for Wakeup's raw lock: says whether a signal is pending, counts releases."""
+
+    def __init__(self, locked):
+        self._locked = locked
+        self.releases = 0
+
+    def locked(self):
+        return self._locked
+
+    def release(self):
+        self.releases += 1
+        if not self._locked:
+            raise RuntimeError("release unlocked lock")
+        self._locked = False
+
+
+def test_a_wakeup_already_signalled_is_not_released_again():
+    wake = Wakeup()
+    wake._lock = pending = _FakeLock(locked=False)  # a signal pending: the sleeper has not run since
+    wake.set()
+    assert pending.releases == 0  # no release raised and caught (a tight JAX loop paid it per step)
+    wake._lock = idle = _FakeLock(locked=True)
+    wake.set()
+    assert idle.releases == 1 and not idle.locked()
+    real = Wakeup()
+    real.set()
+    real.set()
+    assert real.wait(0.0) is True
+    assert real.wait(0.0) is False  # signals do not queue
+
+
+def test_jsonl_encodes_with_one_encoder_per_sink_the_same_text_as_json_dumps(tmp_path, monkeypatch):
+    class Odd:
+        def __str__(self):
+            return "odd\u00e9"
+
+    records = [
+        {"type": "step", "step": 1, "a": 1.5, "nan": float("nan"), "inf": float("inf"), "neg": -float("inf"),
+         "text": "\u00e9\n\"x", "nested": [1, 2, {"g": None}], "flag": True, "odd": Odd(), "big": 10**30,
+         "pair": (1, 2), "keys": {1: "int key", 2.5: "float key", None: 0, False: 1}},
+        {"type": "step", "step": 2, "attrs": {}},
+    ]
+    want = [json.dumps(r, default=_json_default, separators=(",", ":")) for r in records]
+    made = []
+    real_init = json.JSONEncoder.__init__
+
+    def counting_init(self, *args, **kwargs):
+        made.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(json.JSONEncoder, "__init__", counting_init)
+    sink = JsonlSink(tmp_path / "rank-0.jsonl")
+    for _ in range(3):
+        sink.export(records)
+    sink.shutdown(1.0)
+    assert made == []  # no encoder built per record (json.dumps with arguments builds one each call)
+    assert (tmp_path / "rank-0.jsonl").read_text().splitlines() == want * 3
+
+
+def test_jsonl_a_circular_record_costs_itself_alone_and_the_encoder_starts_clean(tmp_path):
+    shared = {"kind": "shared"}
+    circular = {"type": "step", "step": 2, "attrs": shared}
+    shared["loop"] = circular  # circular through a dict that later records also hold
+    good = [{"type": "step", "step": n, "attrs": {"kind": "plain"}} for n in (1, 3, 4)]
+    sink = JsonlSink(tmp_path / "rank-0.jsonl")
+    sink.export([good[0], circular, good[1]])
+    del shared["loop"]
+    sink.export([{"type": "step", "step": 5, "attrs": shared}, good[2]])
+    sink.shutdown(1.0)
+    lines = [json.loads(line) for line in (tmp_path / "rank-0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 3, 5, 4]
+    assert lines[2]["attrs"] == {"kind": "shared"}
+    assert sink.invalid_records == 1
+
+
+def test_disabled_step_takes_every_call_the_real_one_takes():
+    steptrace.init(enabled=False)
+    handle = steptrace.step(3, tokens=10, flops="auto", samples=2, phase="warmup")
+    with handle as s:
+        s.wait_for(object())
+        s.log(loss=0.5)
+    assert steptrace.step(n=4) is handle  # the shared no-op
+    try:
+        steptrace.step(1, 2)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a second positional argument is refused, as when enabled")
+    steptrace.shutdown()
+
+
+def test_step_counts_are_checked_and_kept_through_the_attrs_fast_path():
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="counts", strict=False)
+    with steptrace.step(0, tokens=100, samples=4, flops=2e9, phase="a") as s:
+        s.wait_for(object())
+    with pytest.warns(steptrace.SteptraceWarning, match="tokens=-5"):
+        with steptrace.step(1, tokens=-5, phase="b") as s:  # misuse: the count is dropped, the step kept
+            s.wait_for(object())
+    with steptrace.step(2) as s:
+        s.wait_for(object())
+    steptrace.shutdown()
+    steps = sink.steps()
+    assert [(r["step"], r["tokens"], r["samples"], r["model_flops"], r["attrs"]) for r in steps] == [
+        (0, 100, 4, 2e9, {"phase": "a"}), (1, None, None, None, {"phase": "b"}), (2, None, None, None, {})]
+    assert sink.of_type("run")[0]["dropped"] == {"misuse": 1}
