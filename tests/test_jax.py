@@ -308,8 +308,9 @@ def test_jax_switch_interval_is_lowered_only_while_the_resolver_waits_and_checke
 
 
 def test_the_run_record_splits_the_resolvers_cpu_into_its_own_and_the_frameworks_wait(calibrated):
-    """The resolver's CPU on a JAX loop is mostly jaxlib's own wait (``block_until_ready`` polls: ~20 us of
-    CPU per ms it waits here); the run record says how much, so the resolver's own cost can be read."""
+    """The run record says how much of the resolver's CPU was spent inside jaxlib's wait for a step's outputs
+    (``block_until_ready``: it does not spin; its cost is the wake-up and taking the GIL back, ~70-150 us per
+    step on a 2-vCPU VM whatever the step's length), so the resolver's own cost can be read."""
     x, reps = calibrated
     with capture() as sink:
         y = x
