@@ -33,6 +33,12 @@ execution's first start and last end (the JAX CPU "device" is one XLA thread, se
 * when steptrace saw the step end, against the execution's end (clocks aligned through steptrace's
   own ``StepTraceAnnotation`` of each step, which starts at ``begin_step``).
 
+Rows ``compute: late ends`` and ``compute: XLA start lag`` split each compute error in two: the difference
+of the two ends' lateness, and the time XLA's client left the device idle with the step queued (the
+line after the table says what the worst tenth of the errors is made of). ``CPU per step`` rows are the
+``run`` record's ``background_cpu_seconds`` per step, by thread, in µs, next to the resolver thread's
+context switches per step; ``--cpu-breakdown`` adds one run that says where the resolver's CPU goes.
+
 Variants, run one after the other in this process, interleaved: ``documented`` (the loop above, as
 the README instruments it), ``timed`` (the same, with the jitted step wrapped in
 ``steptrace.adapters.jax.timed``, which marks the dispatch moment) and ``timed+switch`` (and
