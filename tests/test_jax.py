@@ -308,8 +308,9 @@ def test_jax_switch_interval_is_lowered_only_while_the_resolver_waits_and_checke
 
 
 def test_the_run_record_splits_the_resolvers_cpu_into_its_own_and_the_frameworks_wait(calibrated):
-    """The resolver's CPU on a JAX loop is mostly jaxlib's own wait (``block_until_ready`` polls: ~20 us of
-    CPU per ms it waits here); the run record says how much, so the resolver's own cost can be read."""
+    """The run record says how much of the resolver's CPU was spent inside jaxlib's wait for a step's outputs
+    (``block_until_ready``: it does not spin; its cost is the wake-up and taking the GIL back, ~70-150 us per
+    step on a 2-vCPU VM whatever the step's length), so the resolver's own cost can be read."""
     x, reps = calibrated
     with capture() as sink:
         y = x
@@ -321,3 +322,99 @@ def test_the_run_record_splits_the_resolvers_cpu_into_its_own_and_the_frameworks
     cpu = run["background_cpu_seconds"]
     assert set(cpu) == {"resolver", "resolver:framework_wait", "sink:memory"}
     assert 0 < cpu["resolver:framework_wait"] <= cpu["resolver"]
+
+
+class _CountingDevice:
+    """A jax device whose ``memory_stats()`` answers ``stats(i)`` on its i-th call (counted), as a backend
+    that keeps statistics (GPU: a dict) or none (JAX's CPU backend returns None: jaxlib turns PJRT's
+    Unimplemented into None, ``Device.memory_stats`` in jax's documentation)."""
+
+    def __init__(self, device, stats):
+        self._device, self._stats, self.calls = device, stats, 0
+
+    def memory_stats(self):
+        self.calls += 1
+        return self._stats(self.calls)
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+
+def _count_memory_stats(monkeypatch, stats):
+    counting = _CountingDevice(jax.local_devices()[0], stats)
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [counting])
+    return counting
+
+
+def test_a_device_without_memory_statistics_is_asked_once_not_every_step(calibrated, monkeypatch):
+    """JAX's CPU backend keeps no memory statistics (``memory_stats()`` is None), and never starts to:
+    the resolver asks once, not at every step (a cold call cost ~24 us of its CPU per step on
+    bench_jax_trainer's loop), and the records carry no ``device_memory``."""
+    x, reps = calibrated
+    counting = _count_memory_stats(monkeypatch, lambda call: None)
+    with capture(backend="jax") as sink:
+        y = x
+        for n in range(5):
+            with steptrace.step(n) as s:
+                y = work(y, reps)
+                s.wait_for(y)
+    steps = sink.of_type("step")
+    assert [r["step"] for r in steps] == list(range(5))
+    assert all("device_memory" not in r for r in steps)
+    assert counting.calls == 1
+
+
+def test_a_device_with_memory_statistics_is_read_at_every_step(calibrated, monkeypatch):
+    """A device that keeps statistics (a GPU) is read at every step: each record has its own numbers."""
+    x, reps = calibrated
+    counting = _count_memory_stats(monkeypatch, lambda call: {"bytes_in_use": 1000 * call, "bytes_limit": 10**6})
+    with capture(backend="jax") as sink:
+        y = x
+        for n in range(4):
+            with steptrace.step(n) as s:
+                y = work(y, reps)
+                s.wait_for(y)
+    in_use = [r["device_memory"]["in_use_bytes"] for r in sorted(sink.of_type("step"), key=lambda r: r["step"])]
+    assert in_use == [1000, 2000, 3000, 4000]
+    assert counting.calls == 4
+
+
+def test_an_idle_resolver_timing_jax_steps_looks_at_its_queue_rarely(calibrated, monkeypatch):
+    """Each JAX step wakes the resolver as it is handed over (``wait_for``), so while the loop is away
+    (an eval, a checkpoint) the resolver need not look at its queue every 20 ms: each look is a thread
+    wake-up (~100 us of CPU on a 2-vCPU VM). A checkpoint after the steps, which does not wake it, is
+    still recorded (flush wakes it), with its blocking time from the step's end."""
+    import threading
+
+    from steptrace import _wakeup
+
+    looks = []
+    original = _wakeup.Wakeup.wait
+
+    def counted(self, timeout):
+        signalled = original(self, timeout)
+        if threading.current_thread().name == "steptrace-resolver":
+            looks.append((time.perf_counter(), signalled))
+        return signalled
+
+    monkeypatch.setattr(_wakeup.Wakeup, "wait", counted)
+    x, reps = calibrated
+    with capture() as sink:
+        y = x
+        for n in range(3):
+            with steptrace.step(n) as s:
+                y = work(y, reps)
+                s.wait_for(y)
+        y.block_until_ready()
+        time.sleep(0.2)  # the resolver has finalized step 2 and is idle from here
+        away = time.perf_counter()
+        time.sleep(0.6)
+        back = time.perf_counter()
+        with steptrace.checkpoint(2):
+            time.sleep(0.01)
+        steptrace.flush(10)
+        checkpoints = sink.of_type("checkpoint")
+    idle_looks = [t for t, signalled in looks if away <= t <= back and not signalled]
+    assert len(idle_looks) <= 4, len(idle_looks)  # 30 at one look per 20 ms
+    assert [r["step"] for r in sink.of_type("step")] == [0, 1, 2]
+    assert len(checkpoints) == 1 and checkpoints[0]["blocking_seconds"] > 0.005
