@@ -1,0 +1,166 @@
+"""NCCL collectives timed on the device, on the simulated GPU (tests/fake_cuda.py + tests/fake_nccl.py).
+
+Each rank's records carry its collectives' device durations (arrival -> completion, two CUDA events on
+its current stream); joined across ranks by (group, sequence number) they split into the wait for the
+latest peer and the transfer, and name the rank that waited least. Exposed communication is the part
+of a collective the waiting stream had no work to overlap. Expected values come from the fake's
+script (device time), so they are exact up to float32 milliseconds, never a wall-clock threshold.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+import steptrace
+from steptrace.analysis.collectives import SOURCE_NCCL_DEVICE, join_device_collectives
+from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
+from steptrace.testing import capture
+
+torch = pytest.importorskip("torch", reason="the CUDA path is torch's: pip install steptrace[torch]")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from fake_cuda import FakeCuda  # noqa: E402
+from fake_nccl import FakeNccl  # noqa: E402
+
+from steptrace.adapters import torch_distributed  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+MS = 1e-3
+EXACT = 1e-6  # float32 milliseconds of a few tens of ms: sub-microsecond
+
+
+@pytest.fixture(autouse=True)
+def _untrack():
+    yield
+    torch_distributed.untrack_collectives()
+
+
+def _run_rank(monkeypatch, rank: int, compute_s: dict[int, float], *, steps: int = 4,
+              transfer_s: float = 5 * MS) -> list[dict]:
+    """One rank of a synchronous job: compute, then a synchronous all-reduce, per step. Peers arrive
+    at each collective when their compute (the script) is done."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)  # the script's seconds are the device's
+        FakeNccl(patch, fake, rank=rank, world_size=len(compute_s), transfer_s=transfer_s,
+                 peer_arrivals=lambda group, seq: {p: compute_s[p] - compute_s[rank]
+                                                   for p in compute_s if p != rank})
+        with capture(rank=rank, world_size=len(compute_s)) as sink:
+            for n in range(steps):
+                with steptrace.step(n):
+                    fake.run(compute_s[rank])
+                    torch.distributed.all_reduce(object())
+        return sink.steps()
+
+
+def test_a_rank_slowed_by_25_ms_waits_least_and_the_others_wait_25_ms(monkeypatch):
+    compute = {0: 20 * MS, 1: 20 * MS, 2: 45 * MS, 3: 20 * MS}  # rank 2 slowed by 25 ms
+    by_rank = {rank: _run_rank(monkeypatch, rank, compute) for rank in compute}
+    for rank, steps in by_rank.items():
+        assert len(steps) == 4
+        for step in steps:
+            (group, seq, device_seconds, exposed_seconds), = step["collectives"]
+            assert group == "0" and seq == step["step"] + 1
+            # On the device: the wait for the latest peer + the 5 ms transfer.
+            expected = (45 * MS - compute[rank]) + 5 * MS
+            assert device_seconds == pytest.approx(expected, abs=EXACT), (rank, step["step"])
+            # A synchronous collective: the stream had nothing to overlap it with.
+            assert exposed_seconds == pytest.approx(expected, abs=EXACT)
+            assert step["exposed_communication_seconds"] == pytest.approx(expected, abs=EXACT)
+            assert "collective_wait_seconds" not in step  # one rank alone cannot know its wait
+    assert join_device_collectives(by_rank) == 16
+    for rank, steps in by_rank.items():
+        for step in steps:
+            assert step["collective_wait_source"] == SOURCE_NCCL_DEVICE
+            wait = 0.0 if rank == 2 else 25 * MS
+            assert step["collective_wait_seconds"] == pytest.approx(wait, abs=EXACT), (rank, step["step"])
+            assert step["own_seconds"] == pytest.approx(step["interval_seconds"] - wait, abs=EXACT)
+            assert step["own_compute_seconds"] == pytest.approx(step["compute_seconds"] - wait, abs=EXACT)
+            assert step["collective_wait_idle_breakdown"] == {}
+    verdicts = straggler_steps(by_rank, 4)
+    assert [v["straggler_rank"] for v in verdicts] == [2, 2, 2, 2]
+    for v in verdicts:
+        assert v["straggler_cost_seconds"] == pytest.approx(25 * MS, abs=EXACT)
+    summary = summarize_stragglers(verdicts)
+    assert summary["top"] == "2" and summary["ranks"]["2"]["share_of_steps"] == 1.0
+    assert straggler_sentence(summary).startswith("rank 2 cost the job 25 ms per step")
+
+
+def _exposed(monkeypatch, overlap_s: float, transfer_s: float = 10 * MS) -> tuple[dict, tuple]:
+    """A rank alone (its peers arrive with it): an async all-reduce, ``overlap_s`` of compute on the
+    current stream while it runs, then ``wait()``."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)  # the script's seconds are the device's
+        nccl = FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=transfer_s,
+                        peer_arrivals=lambda group, seq: {1: 0.0})
+        with capture(rank=0, world_size=2) as sink:
+            with steptrace.step(0):
+                fake.run(50 * MS)  # keeps the host ahead of the device: the events mark device time
+                work = torch.distributed.all_reduce(object(), async_op=True)
+                fake.run(overlap_s)  # compute that does not need the result
+                work.wait()
+                fake.run(1 * MS)  # the optimizer, on the reduced gradients
+        (step,) = sink.steps()
+        return step, nccl.kernels[0]
+
+
+@pytest.mark.parametrize("overlap_ms, exposed_ms", [(10.0, 0.0), (15.0, 0.0), (5.0, 5.0), (0.0, 10.0)])
+def test_exposed_communication_is_the_collective_time_no_compute_overlapped(monkeypatch, overlap_ms, exposed_ms):
+    """HolisticTraceAnalysis: communication kernel time not overlapped by compute. A 10 ms all-reduce
+    fully overlapped by 10 (or 15) ms of compute on the current stream exposes 0; half-overlapped, 5 ms."""
+    step, (_, _, start, end) = _exposed(monkeypatch, overlap_ms * MS)
+    assert end - start == pytest.approx(10 * MS, abs=EXACT)  # the fake ran it for its transfer
+    (_, _, device_seconds, exposed_seconds), = step["collectives"]
+    assert exposed_seconds == pytest.approx(exposed_ms * MS, abs=EXACT)
+    assert step["exposed_communication_seconds"] == pytest.approx(exposed_ms * MS, abs=EXACT)
+    # From arrival to the point the stream resumed: the collective or the overlapping compute.
+    assert device_seconds == pytest.approx(max(10.0, overlap_ms) * MS, abs=EXACT)
+    assert step.get("collectives_dropped", 0) == 0
+
+
+def test_collectives_are_not_device_timed_on_gloo(monkeypatch):
+    """The device path installs on NCCL only; gloo's waits are the host's (the CPU path)."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)  # the script's seconds are the device's
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        patch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+        assert torch_distributed.track_device_collectives() == []
+        patch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+        assert "all_reduce" in torch_distributed.track_device_collectives()
+
+
+# -- the fake's own rules ---------------------------------------------------------------------------
+
+def test_fake_nccl_a_collective_a_peer_never_joins_never_completes(monkeypatch):
+    fake = FakeCuda(monkeypatch, drift_ppm=0.0)
+    nccl = FakeNccl(monkeypatch, fake, rank=0, world_size=3, transfer_s=MS,
+                    peer_arrivals=lambda group, seq: {1: 0.0, 2: None})
+    work = torch.distributed.all_reduce(object(), async_op=True)
+    work.wait()
+    after = torch.cuda.Event(enable_timing=True)
+    after.record()  # queued behind the stream's wait on the collective
+    before = torch.cuda.Event(enable_timing=True)
+    time.sleep(0.005)
+    assert not work.is_completed() and not after.query()
+    with pytest.raises(RuntimeError, match="recorded"):
+        before.elapsed_time(after)  # never recorded
+    before.record(fake.Stream())  # another stream is not held
+    with pytest.raises(RuntimeError, match="completed"):
+        before.elapsed_time(after)
+    assert nccl.kernels[0][3] == float("inf")
+
+
+def test_fake_nccl_the_collective_waits_for_the_current_stream_and_the_latest_peer(monkeypatch):
+    fake = FakeCuda(monkeypatch, drift_ppm=0.0)
+    nccl = FakeNccl(monkeypatch, fake, rank=0, world_size=2, transfer_s=3 * MS,
+                    peer_arrivals=lambda group, seq: {1: 7 * MS})
+    kernel = fake.run(20 * MS)
+    torch.distributed.all_reduce(object(), async_op=True)
+    (_, seq, start, end), = nccl.kernels
+    assert seq == 1
+    assert start == pytest.approx(kernel.end_time, abs=EXACT)  # syncStream: after the queued kernel
+    assert end - start == pytest.approx(7 * MS + 3 * MS, abs=EXACT)  # latest peer + transfer
+    # The host did not wait: the call returned long before the collective ended.
+    assert time.perf_counter() < end
