@@ -9,6 +9,7 @@ script (device time), so they are exact up to float32 milliseconds, never a wall
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -39,7 +40,7 @@ def _untrack():
 
 
 def _run_rank(monkeypatch, rank: int, compute_s: dict[int, float], *, steps: int = 4,
-              transfer_s: float = 5 * MS) -> list[dict]:
+              transfer_s: float = 5 * MS, **settings) -> list[dict]:
     """One rank of a synchronous job: compute, then a synchronous all-reduce, per step. Peers arrive
     at each collective when their compute (the script) is done."""
     with monkeypatch.context() as patch:
@@ -47,7 +48,7 @@ def _run_rank(monkeypatch, rank: int, compute_s: dict[int, float], *, steps: int
         FakeNccl(patch, fake, rank=rank, world_size=len(compute_s), transfer_s=transfer_s,
                  peer_arrivals=lambda group, seq: {p: compute_s[p] - compute_s[rank]
                                                    for p in compute_s if p != rank})
-        with capture(rank=rank, world_size=len(compute_s)) as sink:
+        with capture(rank=rank, world_size=len(compute_s), **settings) as sink:
             for n in range(steps):
                 with steptrace.step(n):
                     fake.run(compute_s[rank])
@@ -164,3 +165,46 @@ def test_fake_nccl_the_collective_waits_for_the_current_stream_and_the_latest_pe
     assert end - start == pytest.approx(7 * MS + 3 * MS, abs=EXACT)  # latest peer + transfer
     # The host did not wait: the call returned long before the collective ended.
     assert time.perf_counter() < end
+
+
+def test_the_report_over_jsonl_joins_the_ranks_and_names_the_slowed_rank(monkeypatch, tmp_path, capsys):
+    """``steptrace report`` loads the ranks' files, joins their device-timed collectives and gives the
+    verdict the gloo path gives: rank 1, slowed by 25 ms, cost the job 25 ms per step."""
+    from steptrace.analysis.report import main
+
+    compute = {0: 20 * MS, 1: 45 * MS, 2: 20 * MS}
+    for rank in compute:
+        _run_rank(monkeypatch, rank, compute, steps=5, jsonl=True, run_dir=str(tmp_path), run_id="nccl")
+    assert main([str(tmp_path / "nccl"), "--json"]) == 0
+    stragglers = json.loads(capsys.readouterr().out)["stragglers"]
+    assert stragglers["top"] == "1"
+    assert stragglers["sentence"].startswith("rank 1 cost the job 25 ms per step")
+
+
+def test_a_collective_only_one_rank_reported_gives_no_wait():
+    """Its peers' files are missing: nothing says how long it waited, so no wait is claimed (not 0)."""
+    step = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1,
+            "collectives": [["0", 1, 0.03, 0.03]]}
+    alone = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1,
+             "collectives": [["0", 2, 0.03, 0.03]]}
+    peer = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1,
+            "collectives": [["0", 1, 0.01, 0.01]]}
+    assert join_device_collectives({0: [step, alone], 1: [peer]}) == 2
+    assert step["collective_wait_seconds"] == pytest.approx(0.02) and peer["collective_wait_seconds"] == 0.0
+    assert "collective_wait_seconds" not in alone
+
+
+def test_collectives_past_the_bound_are_counted_in_the_step(monkeypatch):
+    """Thousands of collectives in a step: past MAX_DEVICE_COLLECTIVES they are not timed, and the
+    record says how many (collectives_dropped), never silently fewer."""
+    monkeypatch.setattr(torch_distributed, "MAX_DEVICE_COLLECTIVES", 3)
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        with capture(rank=0, world_size=2) as sink:
+            with steptrace.step(0):
+                for _ in range(5):
+                    torch.distributed.all_reduce(object())
+    (step,) = sink.steps()
+    assert [entry[1] for entry in step["collectives"]] == [1, 2, 3]
+    assert step["collectives_dropped"] == 2
