@@ -22,8 +22,10 @@ all-reduce after ``with step(n)`` closed) waits within the next step's interval 
 Only host-synchronous backends are measured this way: on gloo (CPU tensors) a collective's call or
 ``wait()`` returns when it completed, so its host time *is* the wait. On NCCL a call returns once
 the kernel is enqueued; the wait happens inside the NCCL kernel on the device, so
-:func:`track_collectives` does not install itself there (see docs/collector.md: what each framework
-can and cannot show).
+:func:`track_collectives` does not install itself there: :func:`track_device_collectives` times each
+collective on the GPU with CUDA events instead (source ``nccl-device``, joined across ranks by
+``steptrace.analysis.collectives``; see the section at the end of this module and docs/collector.md:
+what each framework can and cannot show).
 
 ``steptrace`` installs :func:`track_collectives` itself at the first step when torch.distributed
 is initialised with the gloo backend; call it earlier to have it in place before. The wrappers cost
