@@ -332,6 +332,7 @@ def mark_runtime(runtime: Any) -> None:
         if track_device_collectives():
             # Every rank starts counting each group's collectives here, at its first step.
             _sequences.clear()
+            _default_group_name[0] = None
             _awaiting.clear()
             for entry in _pending_device:
                 entry.release()
@@ -423,14 +424,25 @@ def _timing_event() -> Any:
     return torch.cuda.Event(enable_timing=True)
 
 
+#: The default group's name, looked up at its first collective (it does not change while it exists;
+#: reset when a run installs the wrappers).
+_default_group_name: list[str | None] = [None]
+
+
 def _group_name(group: Any) -> str:
     if group is None:
+        cached = _default_group_name[0]
+        if cached is not None:
+            return cached
         try:
             from torch.distributed import distributed_c10d
 
             group = distributed_c10d._get_default_group()
         except Exception:
             return "default"
+        name = getattr(group, "group_name", None)
+        _default_group_name[0] = str(name) if name is not None else "default"
+        return _default_group_name[0]
     name = getattr(group, "group_name", None)
     return str(name) if name is not None else "default"
 
