@@ -447,6 +447,19 @@ def _group_name(group: Any) -> str:
     return str(name) if name is not None else "default"
 
 
+#: ``torch.cuda``, set when the wrappers are installed (the wrapper asks it about graph capture).
+_cuda: list[Any] = [None]
+
+
+def _count_drop() -> None:
+    """A collective not timed: the open step (or the next one) says so in ``collectives_dropped``."""
+    step = _current_step()
+    if step is None:
+        _dropped[0] += 1
+    else:
+        step.device_collectives_dropped += 1
+
+
 def _device_done(entry: _DeviceCollective) -> None:
     """Give a completed collective to the open step (or the next one)."""
     step = _current_step()
@@ -482,6 +495,11 @@ def _device_timed(original: Callable[..., Any]) -> Callable[..., Any]:
     def collective(*args: Any, **kwargs: Any) -> Any:
         if _inside[0]:
             return original(*args, **kwargs)
+        if _cuda[0] is not None and _cuda[0].is_current_stream_capturing():
+            # A CUDA graph is being captured on this stream: an event recorded now would become a node
+            # of the user's graph (DESIGN.md: never touch a stream being captured). Not timed, counted.
+            _count_drop()
+            return original(*args, **kwargs)
         group = kwargs.get("group")
         if group is None and 0 <= group_index < len(args):
             group = args[group_index]
@@ -499,7 +517,7 @@ def _device_timed(original: Callable[..., Any]) -> Callable[..., Any]:
             if len(_awaiting) < MAX_DEVICE_COLLECTIVES:
                 _awaiting[id(work)] = (work, entry)
             else:
-                _dropped[0] += 1
+                _count_drop()
                 entry.release()
             return work
         # Synchronous: PyTorch has made the current stream wait on the collective already.
@@ -542,6 +560,9 @@ def track_device_collectives(*, force: bool = False) -> list[str]:
 
     if not force and _default_backend() not in DEVICE_TIMED_BACKENDS:
         return []
+    import torch
+
+    _cuda[0] = torch.cuda
     for name in COLLECTIVES:
         _patch(distributed_c10d, name, _device_timed, rebind_in=(dist,))
     _patch(distributed_c10d.Work, "wait", _device_timed_wait)

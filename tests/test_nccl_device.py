@@ -208,3 +208,41 @@ def test_collectives_past_the_bound_are_counted_in_the_step(monkeypatch):
     (step,) = sink.steps()
     assert [entry[1] for entry in step["collectives"]] == [1, 2, 3]
     assert step["collectives_dropped"] == 2
+
+
+def test_a_collective_inside_a_cuda_graph_capture_is_not_timed_and_is_counted(monkeypatch):
+    """An event recorded into a stream being captured becomes a node of the user's graph (fake_cuda's
+    capture rule): the wrapper leaves the capture alone and counts the collective as not timed."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        with capture(rank=0, world_size=2) as sink:
+            with steptrace.step(0):
+                fake.run(20 * MS)
+                torch.distributed.all_reduce(object())
+                with fake.graph_capture():
+                    torch.distributed.all_reduce(object())
+    assert fake.records_on_capturing_stream == 0
+    (step,) = sink.steps()
+    assert [entry[1] for entry in step["collectives"]] == [1]
+    assert step["collectives_dropped"] == 1
+
+
+def test_a_collective_between_steps_counts_in_the_next_step(monkeypatch):
+    """A loss all-reduce after ``with step(n)`` closed ends within the next step's interval: it is
+    given to the next step's first collective, as the gloo path gives its wait."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=4 * MS, peer_arrivals=lambda g, s: {1: 0.0})
+        with capture(rank=0, world_size=2) as sink:
+            with steptrace.step(0):
+                fake.run(20 * MS)
+            torch.distributed.all_reduce(object())
+            with steptrace.step(1):
+                fake.run(20 * MS)
+                torch.distributed.all_reduce(object())
+    first, second = sink.steps()
+    assert "collectives" not in first
+    between, inside = second["collectives"]
+    assert between[1] == 1 and between[2] == pytest.approx(4 * MS, abs=EXACT)
+    assert inside[1] == 2 and inside[2] == pytest.approx(4 * MS, abs=EXACT)
