@@ -246,3 +246,26 @@ def test_a_collective_between_steps_counts_in_the_next_step(monkeypatch):
     between, inside = second["collectives"]
     assert between[1] == 1 and between[2] == pytest.approx(4 * MS, abs=EXACT)
     assert inside[1] == 2 and inside[2] == pytest.approx(4 * MS, abs=EXACT)
+
+
+def test_exposed_communication_travels_over_otlp_into_clickhouse(monkeypatch):
+    """``train.exposed_communication_seconds`` on the step span: ``report --clickhouse`` reads the
+    figure the JSONL record holds."""
+    pytest.importorskip("chdb", reason="the ClickHouse path runs on chDB: pip install 'steptrace[clickhouse]'")
+    from otlp_receiver import OtlpHttpReceiver
+
+    from steptrace.analysis import clickhouse as ch
+
+    with OtlpHttpReceiver() as receiver:
+        (step,) = _run_rank(monkeypatch, 0, {0: 20 * MS, 1: 30 * MS}, steps=1, otlp_endpoint=receiver.url,
+                            otlp_timeout_s=2, run_id="nccl-otlp")
+        requests = receiver.trace_requests()
+    database = f"nccl_{int(time.time() * 1e6)}"
+    ch.connect("chdb://").command(f"CREATE DATABASE {database}")
+    client = ch.connect(f"chdb://?database={database}")
+    client.command(ch.otel_traces_ddl(database))
+    ch.insert_rows(client, [row for request in requests for row in ch.rows_from_otlp(request)])
+    run = ch.load_clickhouse_run(client, "nccl-otlp")
+    (loaded,) = [r for r in run.records_by_rank[0] if r.get("type") == "step"]
+    assert step["exposed_communication_seconds"] == pytest.approx(15 * MS, abs=EXACT)  # 10 ms wait + 5 ms
+    assert loaded["exposed_communication_seconds"] == pytest.approx(step["exposed_communication_seconds"], rel=1e-12)

@@ -997,7 +997,7 @@ class _Skipped:
 _STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens", "samples", "flops",
                  "model_flops", "hardware_flops", "peak_flops", "tokens_per_second", "samples_per_second",
                  "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds", "own_compute_seconds",
-                 "before_step_seconds")
+                 "before_step_seconds", "exposed_communication_seconds", "collectives_dropped")
 _STEP_TEXTS = ("status", "error", "backend", "flops_source", "collective_wait_source")
 
 
