@@ -399,7 +399,10 @@ class _DeviceCollective:
     def resolve(self) -> list[Any] | None:
         """``[group, sequence, device_seconds, exposed_seconds]``, read by the resolver once the step
         ended on the device (``done`` precedes the step's end on the same stream); None when it cannot
-        be read (its events were not complete: counted by the caller)."""
+        be read (its events were not complete: counted by the caller). Torch's event calls are safe
+        here: the resolver thread read the step's own markers first, which put it in thread-local
+        capture mode on the step's GPU (steptrace.adapters.torch ``_off_thread``), so a 'global'-mode
+        graph capture on the training thread is not invalidated (tests/test_nccl_device.py)."""
         try:
             if self.done is None or not self.done.query():
                 return None

@@ -269,3 +269,21 @@ def test_exposed_communication_travels_over_otlp_into_clickhouse(monkeypatch):
     (loaded,) = [r for r in run.records_by_rank[0] if r.get("type") == "step"]
     assert step["exposed_communication_seconds"] == pytest.approx(15 * MS, abs=EXACT)  # 10 ms wait + 5 ms
     assert loaded["exposed_communication_seconds"] == pytest.approx(step["exposed_communication_seconds"], rel=1e-12)
+
+
+def test_reading_the_collectives_never_breaks_a_global_mode_graph_capture(monkeypatch):
+    """The resolver reads the collectives' events while the training thread captures a CUDA graph in
+    'global' mode: a query from another thread would invalidate it (fake_cuda's capture rule,
+    pytorch#104487) unless that thread is in thread-local capture mode, as the step's own reads are."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        with capture(rank=0, world_size=2) as sink:
+            for n in range(3):
+                with steptrace.step(n):
+                    fake.run(5 * MS)
+                    torch.distributed.all_reduce(object())
+                with fake.graph_capture():
+                    time.sleep(0.03)  # the resolver finalizes the step meanwhile
+    assert fake.captures_invalidated == 0 and fake.unsafe_calls_during_capture == []
+    assert [len(s["collectives"]) for s in sink.steps()] == [1, 1, 1]
