@@ -22,8 +22,10 @@ all-reduce after ``with step(n)`` closed) waits within the next step's interval 
 Only host-synchronous backends are measured this way: on gloo (CPU tensors) a collective's call or
 ``wait()`` returns when it completed, so its host time *is* the wait. On NCCL a call returns once
 the kernel is enqueued; the wait happens inside the NCCL kernel on the device, so
-:func:`track_collectives` does not install itself there (see docs/collector.md: what each framework
-can and cannot show).
+:func:`track_collectives` does not install itself there: :func:`track_device_collectives` times each
+collective on the GPU with CUDA events instead (source ``nccl-device``, joined across ranks by
+``steptrace.analysis.collectives``; see the section at the end of this module and docs/collector.md:
+what each framework can and cannot show).
 
 ``steptrace`` installs :func:`track_collectives` itself at the first step when torch.distributed
 is initialised with the gloo backend; call it earlier to have it in place before. The wrappers cost
@@ -38,7 +40,8 @@ import inspect
 import time
 from typing import Any, Callable
 
-__all__ = ["SOURCE_DDP", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp", "untrack_collectives"]
+__all__ = ["SOURCE_DDP", "SOURCE_NCCL_DEVICE", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp",
+           "track_device_collectives", "untrack_collectives"]
 
 #: ``collective_wait_source`` of waits measured in collectives called from Python.
 SOURCE_TORCH = "torch.distributed"
@@ -325,6 +328,18 @@ def mark_runtime(runtime: Any) -> None:
         track_collectives()
     except Exception:
         pass
+    try:
+        if track_device_collectives():
+            # Every rank starts counting each group's collectives here, at its first step.
+            _sequences.clear()
+            _default_group_name[0] = None
+            _awaiting.clear()
+            for entry in _pending_device:
+                entry.release()
+            _pending_device.clear()
+            _dropped[0] = 0
+    except Exception:
+        pass
     _runtime[0] = runtime
     _pending[0] = 0.0  # waits before this run's first step are not its steps'
     _pending_windows.clear()
@@ -333,3 +348,226 @@ def mark_runtime(runtime: Any) -> None:
         # measured say so themselves, e.g. "ddp+torch.distributed"). Wrappers left installed by an
         # earlier run whose process group is gone measure nothing: such a run claims no wait.
         runtime.resolver.collective_source = SOURCE_TORCH
+
+
+# -- NCCL: collectives timed on the device ---------------------------------------------------------
+#
+# On NCCL a collective's call returns once it is enqueued, and the wait for the other ranks happens in
+# its kernel on the device, so the host cannot see it. What PyTorch does with streams
+# (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp): before the collective, ``syncStream`` records an
+# event on the caller's current stream and makes the NCCL stream wait on it (the collective starts no
+# earlier than the work queued before the call); ``WorkNCCL::wait`` -> ``synchronizeStream`` makes the
+# current stream wait on the collective's end event (the host does not block). So two CUDA events of
+# steptrace's own, both on the current stream, bracket the collective on the device without touching
+# PyTorch's NCCL stream: ``arrived`` recorded just before the call (the same stream position as
+# PyTorch's ``syncStream`` event) and ``done`` just after the wait (reached when the collective ended).
+# With ``async_op=True`` a third, ``reached``, recorded in ``Work.wait()`` before the stream wait, marks
+# when the current stream ran out of work to overlap with: ``done - reached`` is the communication the
+# stream was held on (exposed communication, HolisticTraceAnalysis's sense, as far as the stream that
+# waits can tell). Durations are differences of two events on one GPU, read by the resolver after the
+# step ended on the device; the cross-rank wait is joined offline (steptrace.analysis.collectives).
+
+#: ``collective_wait_source`` of waits joined from device-timed NCCL collectives.
+SOURCE_NCCL_DEVICE = "nccl-device"
+#: Backends whose collectives run asynchronously on a GPU stream: timed by CUDA events.
+DEVICE_TIMED_BACKENDS = ("nccl",)
+#: Device-timed collectives kept per step, and async ones enqueued but not yet waited for. Past either,
+#: a collective is not timed and is counted (``collectives_dropped`` in the step record).
+MAX_DEVICE_COLLECTIVES = 4096
+
+#: (group, sequence number) -> how many collectives this process enqueued on each group: the n-th
+#: collective on a group is the same on every rank (torch.distributed: every rank of a group must
+#: call its collectives in the same order), so ``(group, n)`` names one collective across ranks.
+_sequences: dict[str, int] = {}
+#: id(work) -> (work, its collective): async collectives waiting for ``Work.wait()``.
+_awaiting: dict[int, tuple[Any, "_DeviceCollective"]] = {}
+#: Collectives completed while no step was open (the next step holds them), and drops not yet told.
+_pending_device: list["_DeviceCollective"] = []
+_dropped = [0]
+
+
+class _DeviceCollective:
+    """One collective as this rank's device saw it: events on the caller's current stream."""
+
+    __slots__ = ("group", "seq", "arrived", "reached", "done")
+
+    def __init__(self, group: str, seq: int, arrived: Any):
+        self.group, self.seq, self.arrived = group, seq, arrived
+        self.reached: Any = None
+        self.done: Any = None
+
+    def resolve(self) -> list[Any] | None:
+        """``[group, sequence, device_seconds, exposed_seconds]``, read by the resolver once the step
+        ended on the device (``done`` precedes the step's end on the same stream); None when it cannot
+        be read (its events were not complete: counted by the caller). Torch's event calls are safe
+        here: the resolver thread read the step's own markers first, which put it in thread-local
+        capture mode on the step's GPU (steptrace.adapters.torch ``_off_thread``), so a 'global'-mode
+        graph capture on the training thread is not invalidated (tests/test_nccl_device.py)."""
+        try:
+            if self.done is None or not self.done.query():
+                return None
+            device_seconds = self.arrived.elapsed_time(self.done) / 1000.0
+            reached = self.reached if self.reached is not None else self.arrived
+            exposed_seconds = reached.elapsed_time(self.done) / 1000.0
+        except Exception:
+            return None
+        finally:
+            self.release()  # the events go with the record: nothing of the step's is kept
+        return [self.group, self.seq, max(0.0, device_seconds), max(0.0, exposed_seconds)]
+
+    def release(self) -> None:
+        self.arrived = self.reached = self.done = None
+
+
+def _timing_event() -> Any:
+    # A new one each time: an event is bound to the device of its first record (c10 CUDAEvent), and
+    # torch creates the driver's event only then, so there is nothing to gain from a pool.
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+#: The default group's name, looked up at its first collective (it does not change while it exists;
+#: reset when a run installs the wrappers).
+_default_group_name: list[str | None] = [None]
+
+
+def _group_name(group: Any) -> str:
+    if group is None:
+        cached = _default_group_name[0]
+        if cached is not None:
+            return cached
+        try:
+            from torch.distributed import distributed_c10d
+
+            group = distributed_c10d._get_default_group()
+        except Exception:
+            return "default"
+        name = getattr(group, "group_name", None)
+        _default_group_name[0] = str(name) if name is not None else "default"
+        return _default_group_name[0]
+    name = getattr(group, "group_name", None)
+    return str(name) if name is not None else "default"
+
+
+#: ``torch.cuda``, set when the wrappers are installed (the wrapper asks it about graph capture).
+_cuda: list[Any] = [None]
+
+
+def _count_drop() -> None:
+    """A collective not timed: the open step (or the next one) says so in ``collectives_dropped``."""
+    step = _current_step()
+    if step is None:
+        _dropped[0] += 1
+    else:
+        step.device_collectives_dropped += 1
+
+
+def _device_done(entry: _DeviceCollective) -> None:
+    """Give a completed collective to the open step (or the next one)."""
+    step = _current_step()
+    if step is None:
+        if len(_pending_device) < MAX_DEVICE_COLLECTIVES:
+            _pending_device.append(entry)
+        else:
+            _dropped[0] += 1
+            entry.release()
+        return
+    held = step.device_collectives
+    if not held:
+        held = step.device_collectives = []
+    if _pending_device:
+        held.extend(_pending_device)
+        _pending_device.clear()
+    if _dropped[0]:
+        step.device_collectives_dropped += _dropped[0]
+        _dropped[0] = 0
+    if len(held) < MAX_DEVICE_COLLECTIVES:
+        held.append(entry)
+    else:
+        step.device_collectives_dropped += 1
+        entry.release()
+
+
+def _device_timed(original: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        group_index = list(inspect.signature(original).parameters).index("group")
+    except (ValueError, TypeError):
+        group_index = -1
+
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if _inside[0]:
+            return original(*args, **kwargs)
+        if _cuda[0] is not None and _cuda[0].is_current_stream_capturing():
+            # A CUDA graph is being captured on this stream: an event recorded now would become a node
+            # of the user's graph (DESIGN.md: never touch a stream being captured). Not timed, counted.
+            _count_drop()
+            return original(*args, **kwargs)
+        group = kwargs.get("group")
+        if group is None and 0 <= group_index < len(args):
+            group = args[group_index]
+        name = _group_name(group)
+        seq = _sequences[name] = _sequences.get(name, 0) + 1
+        arrived = _timing_event()
+        arrived.record()  # the current stream's position: where PyTorch's syncStream event goes
+        entry = _DeviceCollective(name, seq, arrived)
+        _inside[0] = True
+        try:
+            work = original(*args, **kwargs)
+        finally:
+            _inside[0] = False
+        if work is not None and hasattr(work, "wait"):  # async_op=True: ends at Work.wait()
+            if len(_awaiting) < MAX_DEVICE_COLLECTIVES:
+                _awaiting[id(work)] = (work, entry)
+            else:
+                _count_drop()
+                entry.release()
+            return work
+        # Synchronous: PyTorch has made the current stream wait on the collective already.
+        entry.done = _timing_event()
+        entry.done.record()
+        _device_done(entry)
+        return work
+
+    return collective
+
+
+def _device_timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held = None if _inside[0] else _awaiting.pop(id(self), None)
+        if held is None:
+            return original(self, *args, **kwargs)
+        entry = held[1]
+        entry.reached = _timing_event()
+        entry.reached.record()  # the current stream ran out of work to overlap with here
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            entry.done = _timing_event()
+            entry.done.record()  # reached once the current stream resumed: the collective ended
+            _device_done(entry)
+
+    return wait
+
+
+def track_device_collectives(*, force: bool = False) -> list[str]:
+    """Time every collective called through ``torch.distributed`` on the GPU with CUDA events
+    (idempotent); returns the names wrapped. Installs only when the default process group's backend
+    is NCCL, unless ``force``. Each step record then carries ``collectives`` (per collective: group,
+    sequence number, device seconds from arrival to completion, exposed seconds) and
+    ``exposed_communication_seconds``; the wait for peers is joined across ranks by
+    :func:`steptrace.analysis.collectives.join_device_collectives`. Collectives are counted per
+    group from this call on: every rank installs it at its first step (or calls it at the same point)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not force and _default_backend() not in DEVICE_TIMED_BACKENDS:
+        return []
+    import torch
+
+    _cuda[0] = torch.cuda
+    for name in COLLECTIVES:
+        _patch(distributed_c10d, name, _device_timed, rebind_in=(dist,))
+    _patch(distributed_c10d.Work, "wait", _device_timed_wait)
+    return installed()
+

@@ -19,6 +19,13 @@ measured on its own first, then next to the real collective:
 * ``all_reduce``            ``torch.distributed.all_reduce`` of a 1-element CPU tensor in a one-rank
                             gloo group, unwrapped
 * ``all_reduce, wrapped``   the same through the wrapper, inside a step
+* ``no-op, 1000 a step``    the no-op, 1000 calls per ``steptrace.step`` (the baseline of the next row)
+* ``no-op, device-timed``   the no-op through the NCCL path's wrapper (:func:`_device_timed`: a group
+                            name, a sequence number, two timing events and a handle kept for the
+                            resolver), 1000 calls per step (the step keeps at most 4096), with the
+                            CUDA events replaced by a do-nothing stand-in: the wrapper's own Python
+                            cost. On a GPU add two ``torch.cuda.Event(enable_timing=True)`` and two
+                            ``record()`` calls per collective, which only a GPU can time
 * ``DDP step``              a one-rank gloo DDP step (forward and backward of 8 ``Linear(64, 64)``
                             layers, 8 gradient buckets) inside ``steptrace.step``, untracked and with
                             :func:`track_ddp` (a hook per parameter, a callback per backward), per step
@@ -69,6 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         return None
 
     wrapped_noop = torch_distributed._timed(noop)
+
+    class NoEvent:  # stands in for torch.cuda.Event: the device-timed wrapper's own cost, events excluded
+        __slots__ = ()
+
+        def record(self, stream=None):
+            return None
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):
+            return 0.0
+
+    torch_distributed._timing_event = NoEvent
+    device_timed_noop = torch_distributed._device_timed(noop)
     wrapped_all_reduce = torch_distributed._timed(raw_all_reduce)
     steptrace.init(sinks=[MemorySink()], jsonl=False, run_id="bench-collectives")
 
@@ -83,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         def run(n: int) -> None:
             for _ in range(iters):
                 fn(*fn_args)
+        return run
+
+    def in_steps_of_1000(fn, *fn_args):
+        def run(n: int) -> None:
+            for k in range(max(1, iters // 1000)):  # step numbers n .. n + 999 are this run's
+                with steptrace.step(n + k):
+                    for _ in range(1000):
+                        fn(*fn_args)
         return run
 
     from torch.nn.parallel import DistributedDataParallel
@@ -109,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         "no-op": in_step(noop),
         "no-op, wrapped": in_step(wrapped_noop),
         "no-op, wrapped, no step": between_steps(wrapped_noop),
+        "no-op, 1000 a step": in_steps_of_1000(noop),
+        "no-op, device-timed": in_steps_of_1000(device_timed_noop),
         "all_reduce": in_step(raw_all_reduce, tensor),
         "all_reduce, wrapped": in_step(wrapped_all_reduce, tensor),
         "DDP step": ddp_steps(ddp_model(False)),
@@ -125,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             run(step)
             elapsed = time.perf_counter_ns() - start
             sys.setswitchinterval(switch)
-            step += 1
+            step += 1000
             results[name].append(elapsed / (ddp_iters if name.startswith("DDP") else iters))
     steptrace.shutdown()
     dist.destroy_process_group()
@@ -143,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = {"wrapper, in a step (no-op)": paired("no-op, wrapped", "no-op"),
              "wrapper, between steps (no-op)": paired("no-op, wrapped, no step", "no-op"),
              "wrapper, in a step (all_reduce)": paired("all_reduce, wrapped", "all_reduce"),
+             "device-timed wrapper (no-op, no events)": paired("no-op, device-timed", "no-op, 1000 a step"),
              "DDP tracking, per backward (8 buckets)": paired("DDP step, tracked", "DDP step")}
     print("\nwrapper cost per collective (paired within rounds, median), target <= 2000 ns:")
     for name, ns in costs.items():

@@ -132,6 +132,10 @@ class StepHandle(TimedUnit):
     collective_source: str | None = None
     #: when it waited: ``(start, end)`` on ``perf_counter`` per wait (the adapter makes the list)
     collective_windows: "list[tuple[float, float]] | tuple" = ()
+    #: NCCL collectives timed on the device (steptrace.adapters.torch_distributed): objects whose
+    #: ``resolve()`` the resolver calls once the step ended on the device, and how many were not timed
+    device_collectives: "list[Any] | tuple" = ()
+    device_collectives_dropped = 0
     _annotation: Any = None
     #: flops="auto": the runtime's FLOP counters look at this step (hardware FLOPs, with their source)
     auto_flops = False

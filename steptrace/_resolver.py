@@ -843,7 +843,23 @@ class Resolver:
             device_memory=None if step.device is HOST else self._memory(step.device),
             placement_uncertainty=step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,
             collective_wait=step.collective_wait, collective_source=step.collective_source or self.collective_source,
-            collective_windows=step.collective_windows, first_after_restore=step.first_after_restore)
+            collective_windows=step.collective_windows, first_after_restore=step.first_after_restore,
+            **self._device_collectives(step))
+
+    @staticmethod
+    def _device_collectives(step: "StepHandle") -> dict[str, Any]:
+        # Device-timed NCCL collectives: their events precede the step's end on its stream, so they
+        # are complete now; one that cannot be read is counted, never dropped silently.
+        if not step.device_collectives and not step.device_collectives_dropped:
+            return {}
+        timed, lost = [], step.device_collectives_dropped
+        for entry in step.device_collectives:
+            value = entry.resolve()
+            if value is None:
+                lost += 1
+            else:
+                timed.append(value)
+        return {"collectives": timed, "collectives_dropped": lost}
 
     def _read_scalars(self, step: "StepHandle") -> dict[str, float] | None:
         # The step has ended on the device, so device scalars' copies (queued before its end) are done.

@@ -165,6 +165,13 @@ class StepRecord(_Common):
     own_compute_seconds: NotRequired[float]
     collective_wait_idle_breakdown: NotRequired[dict[str, float]]
     collective_wait_source: NotRequired[str]
+    # NCCL (steptrace.adapters.torch_distributed, device-timed): per collective completed in the step,
+    # [group, sequence number, device seconds from this rank's arrival to completion, exposed seconds
+    # (the part the waiting stream had no work to overlap)]; their exposed sum; collectives not timed.
+    # The wait fields above are joined across ranks from these (steptrace.analysis.collectives).
+    collectives: NotRequired[list[list[Any]]]
+    exposed_communication_seconds: NotRequired[float]
+    collectives_dropped: NotRequired[int]
     # True on the first step after a restore (a ``restore`` span closed between steps): it carries
     # the restart's one-off costs (compile, graph capture, warm-up). Absent on every other step.
     # Its one_off_seconds (interval less the run's typical step interval) is computed by the
@@ -331,7 +338,8 @@ class RecordBuilder:
              flops_source: str | None = None, placement_uncertainty: float | None = None,
              collective_wait: float = 0.0, collective_source: str | None = None,
              collective_windows: Sequence[tuple[float, float]] = (),
-             first_after_restore: bool = False) -> StepRecord:
+             first_after_restore: bool = False, collectives: list[list[Any]] | None = None,
+             collectives_dropped: int = 0) -> StepRecord:
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
         model_flops = flops
@@ -378,6 +386,11 @@ class RecordBuilder:
             record["placement_uncertainty_seconds"] = placement_uncertainty
         if first_after_restore:
             record["first_after_restore"] = True
+        if collectives is not None:
+            record["collectives"] = collectives
+            record["exposed_communication_seconds"] = math.fsum(entry[3] for entry in collectives)
+            if collectives_dropped:
+                record["collectives_dropped"] = collectives_dropped
         if collective_source is not None:
             # The wait happened within the step's interval (during its compute, or in a host span
             # or between steps: idle time); it cannot be longer. Where it fell splits the step into

@@ -56,7 +56,8 @@ a bounded queue). Per rank and step ``n``::
   ``train.collective_wait_seconds``, ``train.own_seconds``, ``train.own_compute_seconds``,
   ``train.collective_wait_idle.<reason>_seconds``, ``train.collective_wait_source``
   (where the run measures its wait in collectives; the collector names the straggler from them and
-  sums the ranks' own compute),
+  sums the ranks' own compute), ``train.exposed_communication_seconds`` and
+  ``train.collectives_dropped`` (NCCL collectives timed on the device),
   on an attempt's first step ``train.before_step_seconds``, ``train.before_step.<reason>_seconds``
   and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
@@ -820,7 +821,7 @@ class OtlpSink:
                     "samples", "flops", "model_flops", "hardware_flops", "flops_source", "peak_flops",
                     "tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu",
                     "collective_wait_seconds", "own_seconds", "own_compute_seconds", "collective_wait_source",
-                    "first_after_restore"):
+                    "exposed_communication_seconds", "collectives_dropped", "first_after_restore"):
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("collective_wait_idle_breakdown") or {}).items():
             _put(attrs, f"{ATTR_COLLECTIVE_WAIT_IDLE_PREFIX}{reason}_seconds", seconds)

@@ -38,6 +38,7 @@ RANK_METRICS = {
     "steptrace_step_idle_seconds_total", "steptrace_steps_total", "steptrace_last_step",
     "steptrace_tokens_total", "steptrace_tokens_per_second", "steptrace_tflops_per_second", "steptrace_mfu",
     "steptrace_pipeline_bubble_ratio", "steptrace_checkpoints_total",
+    "steptrace_gpu_violation_seconds_total", "steptrace_gpu_sm_clock_hertz", "steptrace_gpu_errors_total",
     "steptrace_dropped_records_total", "steptrace_info",
     "steptrace_step_collective_wait_seconds_total", "steptrace_step_own_seconds_total",
     "steptrace_productive_seconds_total", "steptrace_wall_seconds_total", "steptrace_captures_total",
@@ -168,6 +169,8 @@ EXPECTED_PANELS = {
         "Microbatch compute by stage and chunk, p90 (5m)",
         "Dropped records", "Failed steps by rank", "Ranks by backend and version",
         "Profiler captures by rank, time range", "Profiler captures over time",
+        "GPU throttled time by policy (5m)", "GPU SM clock, slowest and fastest ranks",
+        "GPU errors by rank and kind (5m)",
     },
     "steptrace-cluster.json": {
         "Last joined step", "Ranks in the last joined step", "Straggler rank", "Cross-rank skew",

@@ -537,6 +537,11 @@ class SyntheticRun:
             # The wait in collectives, as torch.distributed ranks measure it: a fifth of the interval.
             "collective_wait_seconds": t["interval"] / 5, "own_seconds": t["interval"] * 4 / 5,
             "collective_wait_source": "process_group",
+            # A GPU health window per step (docs/health.md): rank 1's GPU is thermally throttled a
+            # tenth of the step at a lower SM clock, and shows one Xid every 10 steps.
+            "health": {"window_steps": 1, "violation_ms": {"thermal": 100.0 * rank * t["interval"], "power": 0.0},
+                       "sm_clock_mhz_mean": 1980.0 - 570.0 * rank, "temperature_c_max": 70.0 + 15 * rank,
+                       "xid_events": 1 if rank and n % 10 == 0 else 0},
         }]
         for i in range(2):
             for kind in ("forward", "backward"):

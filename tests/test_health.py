@@ -254,11 +254,11 @@ def test_a_device_nvml_does_not_know_is_said_and_steps_go_on(monkeypatch, caplog
 # -- the report and the straggler verdict ------------------------------------------------------------------
 
 
-def _train_rank(tmp_path, rank, gpu_index, *, slow, steps=24):
+def _train_rank(tmp_path, rank, gpu_index, *, slow, steps=24, **settings):
     """One rank of a synchronous 4-rank job, run here with its own init(): the straggler's steps take
     as long as the others' (they wait for it in the collective) but it barely waits."""
     steptrace.init(run_dir=str(tmp_path), run_id="job", rank=rank, world_size=4, health="nvml",
-                   health_device=f"GPU-fake-{gpu_index}", health_period_s=0.05, stall_watch=False)
+                   health_device=f"GPU-fake-{gpu_index}", health_period_s=0.05, stall_watch=False, **settings)
     try:
         for n in range(steps):
             with steptrace.step(n) as s:
@@ -269,11 +269,11 @@ def _train_rank(tmp_path, rank, gpu_index, *, slow, steps=24):
         steptrace.shutdown()
 
 
-def _job(tmp_path, monkeypatch, gpus, straggler=2):
+def _job(tmp_path, monkeypatch, gpus, straggler=2, **settings):
     monkeypatch.setattr("steptrace._config.MIN_HEALTH_PERIOD_S", 0.01)
     fake_nvml.install(monkeypatch, gpus)
     for rank in range(4):
-        _train_rank(tmp_path, rank, rank, slow=rank == straggler)
+        _train_rank(tmp_path, rank, rank, slow=rank == straggler, **settings)
     return tmp_path / "job"
 
 
@@ -530,3 +530,37 @@ def test_a_forked_child_inits_nvml_for_itself_once_and_its_copy_of_the_sampler_r
         assert fake.init_calls == 1  # the parent's stays one
     finally:
         sampler.close()
+
+
+def test_report_from_clickhouse_names_the_same_gpu_cause_as_the_jsonl_report(tmp_path, monkeypatch, capsys):
+    """The GPU health windows travel on the step spans (train.health.*) into otel_traces; ``report
+    --clickhouse`` reads them back and says the straggler's GPU cause in the JSONL report's words."""
+    pytest.importorskip("chdb", reason="the ClickHouse path runs on chDB: pip install 'steptrace[clickhouse]'")
+    from otlp_receiver import OtlpHttpReceiver
+
+    from steptrace.analysis import clickhouse as ch
+    from steptrace.analysis.report import main
+
+    gpus = [fake_nvml.gpu(i, power_mw=350_000) for i in range(4)]
+    gpus[2].sm_clock_mhz = 1410
+    gpus[2].set_violation("thermal", 0.45)
+    with OtlpHttpReceiver() as receiver:
+        run = _job(tmp_path, monkeypatch, gpus, otlp_endpoint=receiver.url, otlp_timeout_s=2)
+        requests = receiver.trace_requests()
+    client = ch.connect("chdb://")
+    database = f"health_{int(time.time() * 1e6)}"
+    client.command(f"CREATE DATABASE {database}")
+    client = ch.connect(f"chdb://?database={database}")
+    client.command(ch.otel_traces_ddl(database))
+    ch.insert_rows(client, [row for request in requests for row in ch.rows_from_otlp(request)])
+
+    assert main([str(run), "--json"]) == 0
+    from_jsonl = json.loads(capsys.readouterr().out)["stragglers"]
+    assert main(["--clickhouse", f"chdb://?database={database}", "--run", "job", "--json"]) == 0
+    from_clickhouse = json.loads(capsys.readouterr().out)
+    stragglers = from_clickhouse["stragglers"]
+    assert stragglers["top"] == from_jsonl["top"] == "2"
+    assert stragglers["gpu"]["causes"] == from_jsonl["gpu"]["causes"]
+    assert stragglers["gpu"]["causes"][0].startswith("thermal violation in 100 % of its steps")
+    assert stragglers["sentence"].endswith("; its GPU: " + ", ".join(from_jsonl["gpu"]["causes"]))
+    assert from_clickhouse["health"]["2"]["sm_clock_mhz_mean"] == 1410

@@ -393,6 +393,31 @@ def training() -> dash_b.Dashboard:
         .with_target(query(f"count by (backend, version) (steptrace_info{{{RUN}}})",
                            "{{backend}} {{version}}", instant=True)))
 
+    d = d.with_row(dash_b.Row("GPU health"))
+    d = d.with_panel(series(
+        "GPU throttled time by policy (5m)",
+        "Share of wall time an NVML performance policy held each GPU's clocks down (health=\"nvml\", "
+        "docs/health.md): NVML's cumulative violation time per policy (power, thermal, sync boost, board "
+        "limit, low utilization, reliability...), the 10 largest rank and policy pairs. A straggler whose "
+        "GPU shows thermal or power time here is slow on its device; empty is good.",
+        [(f"topk(10, sum by (rank, policy) (rate(steptrace_gpu_violation_seconds_total{{{RUN}}}[5m])) > 0)",
+          "rank {{rank}} {{policy}}")],
+        unit="percentunit", w=8, max_val=1))
+    d = d.with_panel(series(
+        "GPU SM clock, slowest and fastest ranks",
+        "Mean SM clock of each rank's last health window: the 5 lowest, the 5 highest and the pinned "
+        "ranks. A rank below the rest while its throttled time rises is a throttled GPU.",
+        ranked(lambda sel: f"steptrace_gpu_sm_clock_hertz{{{sel}}}", "fast", "slow"),
+        unit="hertz", w=8, min_val=None, dashed="/^fast/"))
+    d = d.with_panel(series(
+        "GPU errors by rank and kind (5m)",
+        "GPU errors the health sampler saw in the 5 minutes before each point (Xid, uncorrected ECC, "
+        "remapped rows, NVLink), the 10 largest rank and kind pairs. Empty is good; see "
+        "docs/alerts.md#steptracestragglergpu.",
+        [(f"topk(10, sum by (rank, kind) (increase(steptrace_gpu_errors_total{{{RUN}}}[5m])) > 0)",
+          "rank {{rank}} {{kind}}")],
+        unit="short", w=8, bars=True, decimals=0))
+
     d = d.with_row(dash_b.Row("Deep capture"))
     d = d.with_panel(
         bargauge.Panel().title("Profiler captures by rank, time range")

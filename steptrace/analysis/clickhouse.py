@@ -29,7 +29,12 @@ from urllib import error as urlerror
 from urllib import parse as urlparse
 from urllib import request as urlrequest
 
-from steptrace._schema import ATTR_BEFORE_STEP_PREFIX, ATTR_COLLECTIVE_WAIT_IDLE_PREFIX, ATTR_PROCESS_START_TIME
+from steptrace._schema import (
+    ATTR_BEFORE_STEP_PREFIX,
+    ATTR_COLLECTIVE_WAIT_IDLE_PREFIX,
+    ATTR_HEALTH_PREFIX,
+    ATTR_PROCESS_START_TIME,
+)
 
 __all__ = [
     "OTEL_TRACES_DDL",
@@ -992,7 +997,7 @@ class _Skipped:
 _STEP_NUMBERS = ("interval_seconds", "compute_seconds", "idle_seconds", "tokens", "samples", "flops",
                  "model_flops", "hardware_flops", "peak_flops", "tokens_per_second", "samples_per_second",
                  "tflops_per_second", "mfu", "hfu", "collective_wait_seconds", "own_seconds", "own_compute_seconds",
-                 "before_step_seconds")
+                 "before_step_seconds", "exposed_communication_seconds", "collectives_dropped")
 _STEP_TEXTS = ("status", "error", "backend", "flops_source", "collective_wait_source")
 
 
@@ -1028,7 +1033,21 @@ def _step_record(attrs: Mapping[str, str], unit: tuple[int, int, int], end_ns: i
                                          "attrs": {}}
     prefixes = (("train.pipeline.bubble_ratio.", "pipeline_bubble_ratio"), ("train.scalar.", "scalars"),
                 ("train.device_memory.", "device_memory"), ("train.attrs.", "attrs"))
+    health: dict[str, Any] = {}
     for key, text in attrs.items():
+        if key.startswith(ATTR_HEALTH_PREFIX):
+            # The GPU's health window (otlp.py sends it flat: field, or field.key); numbers come back
+            # as text, an unsupported field's reason stays text; a null field was never sent.
+            field, _, inner = key[len(ATTR_HEALTH_PREFIX):].partition(".")
+            number = _number_of(text)
+            value = number if number is not None else text
+            if inner:
+                nested = health.setdefault(field, {})
+                if isinstance(nested, dict):
+                    nested[inner] = value
+            else:
+                health[field] = value
+            continue
         for prefix, seconds_by in (("train.idle.", idle), (ATTR_BEFORE_STEP_PREFIX, before),
                                    (ATTR_COLLECTIVE_WAIT_IDLE_PREFIX, wait_idle)):
             if key.startswith(prefix) and key.endswith("_seconds"):
@@ -1058,6 +1077,8 @@ def _step_record(attrs: Mapping[str, str], unit: tuple[int, int, int], end_ns: i
         process_start = _number_of(attrs.get(ATTR_PROCESS_START_TIME))
         if process_start is not None:
             record["_process_start"] = float(process_start)  # becomes an attempt record (load_clickhouse_run)
+    if health:
+        record["health"] = health  # what the report's GPU health and straggler cause read
     record["attrs"] = groups.pop("attrs")
     for field, values in groups.items():
         values = {k: v for k, v in values.items() if v is not None}

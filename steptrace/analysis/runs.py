@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from steptrace.analysis.collectives import join_device_collectives
 from steptrace.analysis.summary import as_number
 
 # rank-<r>.jsonl, and the files rotated out of it, rank-<r>.<k>.jsonl (k = 1, 2, ... in write order).
@@ -391,6 +392,8 @@ def load_run(path: str | Path) -> Run:
         rank: [record for file in files for record in _read_rank_file(file, warnings, skipped)]
         for rank, files in sorted(_rank_files(run_path).items())
     }
+    # NCCL ranks timed their collectives on the device: their wait for peers is known only joined.
+    join_device_collectives(records_by_rank)
     cluster_file = run_path / CLUSTER_FILE
     # The same torn-last-line tolerance as the rank files: a killed collector leaves one too.
     cluster = _read_rank_file(cluster_file, warnings, skipped) if cluster_file.is_file() else []
