@@ -34,7 +34,10 @@ EXACT = 1e-6  # float32 milliseconds of a few tens of ms: sub-microsecond
 
 
 @pytest.fixture(autouse=True)
-def _untrack():
+def _untrack(monkeypatch):
+    """Take steptrace's wrappers off before monkeypatch puts the real torch.distributed back (this fixture
+    asks for monkeypatch, so it is torn down first): untracking later would put the fake's functions,
+    which the wrappers were made around, back onto torch.distributed for every later test."""
     yield
     torch_distributed.untrack_collectives()
 
@@ -130,6 +133,7 @@ def test_collectives_are_not_device_timed_on_gloo(monkeypatch):
         assert torch_distributed.track_device_collectives() == []
         patch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
         assert "all_reduce" in torch_distributed.track_device_collectives()
+        torch_distributed.untrack_collectives()  # inside the fake: the wrappers are around its functions
 
 
 # -- the fake's own rules ---------------------------------------------------------------------------
