@@ -204,3 +204,19 @@ class AcceptOtlp(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class ListSink:
+    """A steptrace sink that keeps every record in ``records`` (a bench reads them after shutdown)."""
+
+    def __init__(self, records: list[dict] | None = None) -> None:
+        self.records: list[dict] = [] if records is None else records
+
+    def export(self, batch: Any) -> None:
+        self.records.extend(batch)
+
+    def force_flush(self, timeout_s: float) -> bool:
+        return True
+
+    def shutdown(self, timeout_s: float) -> None:
+        pass

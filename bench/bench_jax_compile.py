@@ -57,7 +57,7 @@ COMPILE_EVENTS = ("lower_sharding_computation", "backend_compile_and_load")
 
 
 def one_run(trace_dir: str) -> dict[str, Any]:
-    from _workload import configure_xla
+    from _workload import ListSink, configure_xla
 
     configure_xla()
     import jax
@@ -66,16 +66,6 @@ def one_run(trace_dir: str) -> dict[str, Any]:
     import steptrace
 
     records: list[dict] = []
-
-    class Keep:
-        def export(self, batch):
-            records.extend(batch)
-
-        def force_flush(self, timeout_s):
-            return True
-
-        def shutdown(self, timeout_s):
-            pass
 
     def init(key):
         keys = jax.random.split(key, LAYERS)
@@ -101,7 +91,7 @@ def one_run(trace_dir: str) -> dict[str, Any]:
             tracing[phase[0]] += duration
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
-    steptrace.init(jsonl=False, run_id="bench-compile", sinks=[Keep()], annotate=True, backend="jax")
+    steptrace.init(jsonl=False, run_id="bench-compile", sinks=[ListSink(records)], annotate=True, backend="jax")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     jax.profiler.start_trace(trace_dir, profiler_options=options)

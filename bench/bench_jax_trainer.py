@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _workload import configure_xla  # noqa: E402
+from _workload import ListSink, configure_xla  # noqa: E402
 
 configure_xla()
 
@@ -152,16 +152,6 @@ def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[
     seconds per step (the run record's ``background_cpu_seconds`` over the steps)."""
     records: list[dict] = []
 
-    class Keep:
-        def export(self, batch):
-            records.extend(batch)
-
-        def force_flush(self, timeout_s):
-            return True
-
-        def shutdown(self, timeout_s):
-            pass
-
     train_step = make_train_step(reps)
     if variant.startswith("timed"):
         train_step = timed(train_step)
@@ -171,7 +161,7 @@ def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[
     state = make_state()
     batch = jnp.ones((BATCH, WIDTH))
     jax.block_until_ready(state)
-    steptrace.init(jsonl=False, run_id=f"bench-{variant}", sinks=[Keep()], annotate=True, backend="jax",
+    steptrace.init(jsonl=False, run_id=f"bench-{variant}", sinks=[ListSink(records)], annotate=True, backend="jax",
                    jax_switch_interval_s=switch)
     # No Python tracer: its event per Python call would fill the trace buffer and drop executions.
     options = jax.profiler.ProfileOptions()
