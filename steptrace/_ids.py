@@ -57,8 +57,7 @@ def _step_key(run_id: str, step: int, attempt: int) -> str:
 
 def trace_id(run_id: str, step: int, attempt: int = 0) -> int:
     """The 128-bit trace id of step ``step`` of run ``run_id`` in ``attempt``, shared by all ranks."""
-    value = int.from_bytes(hashlib.sha256(_step_key(run_id, step, attempt).encode()).digest()[:16], "big")
-    return value or 1
+    return int(trace_id_hex(run_id, step, attempt), 16)
 
 
 def span_id(run_id: str, step: int, rank: int, role: str, attempt: int = 0) -> int:
@@ -68,10 +67,11 @@ def span_id(run_id: str, step: int, rank: int, role: str, attempt: int = 0) -> i
 
 
 def trace_id_hex(run_id: str, step: int, attempt: int = 0) -> str:
-    """The trace id as the 32 lowercase hex digits OpenTelemetry and exemplars use: ``trace_id`` in
-    hex, read straight from the digest (every step record carries one; no int round trip)."""
+    """The trace id as the 32 lowercase hex digits OpenTelemetry and exemplars use: the first 128 bits
+    of the step key's SHA-256, never all zeros (an invalid trace id in OpenTelemetry). Read straight
+    from the digest, since every step record carries one; :func:`trace_id` is its integer."""
     digits = hashlib.sha256(_step_key(run_id, step, attempt).encode()).hexdigest()[:32]
-    return digits if digits != _ZERO_TRACE_ID else _ONE_TRACE_ID  # trace_id's `or 1`
+    return digits if digits != _ZERO_TRACE_ID else _ONE_TRACE_ID
 
 
 _ZERO_TRACE_ID = "0" * 32
