@@ -40,6 +40,8 @@ import inspect
 import time
 from typing import Any, Callable
 
+from steptrace._schema import COLLECTIVE_SOURCE_NCCL_DEVICE as SOURCE_NCCL_DEVICE
+
 __all__ = ["SOURCE_DDP", "SOURCE_NCCL_DEVICE", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp",
            "track_device_collectives", "untrack_collectives"]
 
@@ -367,8 +369,6 @@ def mark_runtime(runtime: Any) -> None:
 # waits can tell). Durations are differences of two events on one GPU, read by the resolver after the
 # step ended on the device; the cross-rank wait is joined offline (steptrace.analysis.collectives).
 
-#: ``collective_wait_source`` of waits joined from device-timed NCCL collectives.
-SOURCE_NCCL_DEVICE = "nccl-device"
 #: Backends whose collectives run asynchronously on a GPU stream: timed by CUDA events.
 DEVICE_TIMED_BACKENDS = ("nccl",)
 #: Device-timed collectives kept per step, and async ones enqueued but not yet waited for. Past either,
@@ -433,21 +433,19 @@ _default_group_name: list[str | None] = [None]
 
 
 def _group_name(group: Any) -> str:
-    if group is None:
-        cached = _default_group_name[0]
-        if cached is not None:
-            return cached
+    if group is not None:
+        name = getattr(group, "group_name", None)
+        return str(name) if name is not None else "default"
+    cached = _default_group_name[0]
+    if cached is None:
         try:
             from torch.distributed import distributed_c10d
 
-            group = distributed_c10d._get_default_group()
+            default = distributed_c10d._get_default_group()
         except Exception:
-            return "default"
-        name = getattr(group, "group_name", None)
-        _default_group_name[0] = str(name) if name is not None else "default"
-        return _default_group_name[0]
-    name = getattr(group, "group_name", None)
-    return str(name) if name is not None else "default"
+            return "default"  # no default group yet: not cached, asked again next time
+        cached = _default_group_name[0] = _group_name(default)
+    return cached
 
 
 #: ``torch.cuda``, set when the wrappers are installed (the wrapper asks it about graph capture).

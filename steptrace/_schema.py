@@ -109,6 +109,11 @@ class _Common(TypedDict):
     attempt: int  # which process start of the run wrote it (see _config: attempt)
 
 
+#: ``collective_wait_source`` of waits joined across ranks from NCCL collectives timed on the device
+#: (written by the analysis, steptrace.analysis.collectives; the adapter that times them names it too).
+COLLECTIVE_SOURCE_NCCL_DEVICE = "nccl-device"
+
+
 class StepRecord(_Common):
     world_size: int
     step: int
@@ -156,7 +161,8 @@ class StepRecord(_Common):
     before_step_breakdown: NotRequired[dict[str, float]]
     # Where the run measures its wait in collectives (steptrace.adapters.torch_distributed): the
     # seconds of the step this rank spent waiting for other ranks, the rest (interval - wait), and
-    # how the wait was measured ("torch.distributed", "ddp", joined by "+").
+    # how the wait was measured ("torch.distributed", "ddp", joined by "+"; "nccl-device", joined
+    # across ranks by the analysis).
     # The wait splits the step: own_compute_seconds (compute less the wait inside it) +
     # collective_wait_seconds + (idle_breakdown less collective_wait_idle_breakdown, the wait that
     # fell in each idle reason's windows) = interval_seconds.

@@ -26,11 +26,9 @@ import math
 from typing import Any, Iterable
 
 from steptrace._attribution import own_seconds
+from steptrace._schema import COLLECTIVE_SOURCE_NCCL_DEVICE as SOURCE_NCCL_DEVICE
 
 __all__ = ["SOURCE_NCCL_DEVICE", "join_device_collectives"]
-
-#: ``collective_wait_source`` of waits joined from device-timed NCCL collectives.
-SOURCE_NCCL_DEVICE = "nccl-device"
 
 
 def _entries(record: dict) -> Iterable[tuple[Any, int, float]]:
