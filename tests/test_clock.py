@@ -64,6 +64,19 @@ class VirtualDevice:
         marker.released = True
 
 
+def step_then_anchor(clock, device, gap_s, stamped_after_s, seen_after_s):
+    """One step as a loop makes it, then the resolver's look: ``gap_s`` after the previous one, an end
+    marker recorded and stamped ``stamped_after_s`` later, resolved ``seen_after_s`` after it was
+    recorded, then an anchor if one is due (the device drained). Returns the marker."""
+    device.tick(gap_s)
+    marker = device.unit_marker(device.now + stamped_after_s)
+    recorded_after = device.now
+    device.tick(seen_after_s)
+    resolve(clock, marker, recorded_after, device.now)
+    clock.poll(drained=True)
+    return marker
+
+
 def resolve(clock, marker, recorded_after, seen):
     """What the resolver does with a step's end marker: locate it, add its sample, map it, rebase."""
     g = clock.locate(marker)
@@ -152,12 +165,7 @@ def test_elapsed_times_are_only_asked_forward_and_over_short_spans():
     clock = DeviceClock(device, clock=lambda: device.now)
     clock.poll(drained=True)
     for _ in range(7200):
-        device.tick(1.0)
-        marker = device.unit_marker(device.now + 0.01)
-        recorded_after = device.now
-        device.tick(0.02)
-        resolve(clock, marker, recorded_after, device.now)
-        clock.poll(drained=True)
+        step_then_anchor(clock, device, 1.0, 0.01, 0.02)
     assert min(asked) >= 0 and max(asked) < 2.0
 
 
@@ -188,15 +196,7 @@ def test_no_anchor_is_taken_behind_queued_work_and_none_is_waited_for():
 def test_the_base_and_anchors_go_back_to_the_device():
     device = VirtualDevice()
     clock = DeviceClock(device, clock=lambda: device.now)
-    markers = []
-    for _ in range(5):
-        device.tick(1.0)
-        marker = device.unit_marker(device.now + 0.001)
-        markers.append(marker)
-        recorded_after = device.now
-        device.tick(0.01)
-        resolve(clock, marker, recorded_after, device.now)
-        clock.poll(drained=True)
+    markers = [step_then_anchor(clock, device, 1.0, 0.001, 0.01) for _ in range(5)]
     assert [m.released for m in markers] == [True] * 4 + [False]  # the newest is the base
     clock.close()
     assert markers[-1].released
@@ -335,12 +335,7 @@ def test_markers_measured_across_a_long_gap_from_two_references_are_placed_withi
     device = SeveralQueuesDevice(drift_ppm=20.0, offset_s=48293.9)
     clock = DeviceClock(device, clock=lambda: device.now, every_s=1.0)
     for _ in range(3):  # a short run before the gap: steps, and anchors while drained
-        device.tick(0.03)
-        marker = device.unit_marker(device.now + 0.01)
-        recorded_after = device.now
-        device.tick(0.02)
-        resolve(clock, marker, recorded_after, device.now)
-        clock.poll(drained=True)
+        step_then_anchor(clock, device, 0.03, 0.01, 0.02)
     device.tick(gap_s)
     start = device.unit_marker(device.now + 5e-6)  # the step after the gap starts...
     start_recorded_after = device.now
