@@ -160,6 +160,16 @@ class _Driver:
                     "cuEventElapsedTime")
         return float(value.value)
 
+    def create_event(self, device: int) -> int:
+        """A new timing event on ``device`` (``cuEventCreate`` with ``CU_EVENT_DEFAULT``: timing on)."""
+        self.use_device(device)
+        event = ctypes.c_void_p()
+        self._check(self._cuda().cuEventCreate(ctypes.byref(event), ctypes.c_uint(0)), "cuEventCreate")
+        return int(event.value or 0)
+
+    def destroy_event(self, handle: int) -> None:
+        self._cuda().cuEventDestroy_v2(ctypes.c_void_p(handle))
+
     def event_synchronize(self, handle: int) -> None:
         self._check(self._cuda().cuEventSynchronize(ctypes.c_void_p(handle)), "cuEventSynchronize")
 
@@ -222,6 +232,12 @@ class _Driver:
 
 
 _DRIVER: Any = _Driver()
+
+
+def cuda_driver() -> Any:
+    """The CUDA driver API through ctypes (``libcuda.so.1``), shared by every adapter that needs it: the
+    JAX adapter's device-clock ends use it without torch (nothing here imports torch)."""
+    return _DRIVER
 #: Events each GPU's pool starts with, made at its first marker (before it): creating one later, on the
 #: training thread, records it through torch, which releases the GIL right before the marker it is for.
 _POOL_RESERVE = 64

@@ -366,8 +366,15 @@ def mark_runtime(runtime: Any) -> None:
 # With ``async_op=True`` a third, ``reached``, recorded in ``Work.wait()`` before the stream wait, marks
 # when the current stream ran out of work to overlap with: ``done - reached`` is the communication the
 # stream was held on (exposed communication, HolisticTraceAnalysis's sense, as far as the stream that
-# waits can tell). Durations are differences of two events on one GPU, read by the resolver after the
-# step ended on the device; the cross-rank wait is joined offline (steptrace.analysis.collectives).
+# waits can tell). An async collective's own duration is not measured: ``done - arrived`` also holds
+# the compute overlapped with it (a rank slow in that compute would look like the rank that waited),
+# and the collective's end event is reachable only through ``Work.wait()``, which also hands its
+# buffers back to the allocator (``WorkNCCL::synchronizeStream`` unstashes them), so it cannot be
+# called early on a stream of steptrace's; ``Work._get_duration()`` (``TORCH_NCCL_ENABLE_TIMING=1``)
+# needs the Work, and its output tensors, kept until the collective ends. Its duration is then None,
+# and the cross-rank join leaves the step without a wait rather than give it a wrong one.
+# Durations are differences of two events on one GPU, read by the resolver after the step ended on the
+# device; the cross-rank wait is joined offline (steptrace.analysis.collectives).
 
 #: Backends whose collectives run asynchronously on a GPU stream: timed by CUDA events.
 DEVICE_TIMED_BACKENDS = ("nccl",)
@@ -399,21 +406,25 @@ class _DeviceCollective:
     def resolve(self) -> list[Any] | None:
         """``[group, sequence, device_seconds, exposed_seconds]``, read by the resolver once the step
         ended on the device (``done`` precedes the step's end on the same stream); None when it cannot
-        be read (its events were not complete: counted by the caller). Torch's event calls are safe
+        be read (its events were not complete: counted by the caller). ``device_seconds`` is None for an
+        async collective (see the comment above ``DEVICE_TIMED_BACKENDS``). Torch's event calls are safe
         here: the resolver thread read the step's own markers first, which put it in thread-local
         capture mode on the step's GPU (steptrace.adapters.torch ``_off_thread``), so a 'global'-mode
         graph capture on the training thread is not invalidated (tests/test_nccl_device.py)."""
         try:
             if self.done is None or not self.done.query():
                 return None
-            device_seconds = self.arrived.elapsed_time(self.done) / 1000.0
-            reached = self.reached if self.reached is not None else self.arrived
-            exposed_seconds = reached.elapsed_time(self.done) / 1000.0
+            if self.reached is None:  # synchronous: the stream waited at once, arrival to end
+                device_seconds: float | None = max(0.0, self.arrived.elapsed_time(self.done) / 1000.0)
+                exposed_seconds = device_seconds
+            else:
+                device_seconds = None
+                exposed_seconds = max(0.0, self.reached.elapsed_time(self.done) / 1000.0)
         except Exception:
             return None
         finally:
             self.release()  # the events go with the record: nothing of the step's is kept
-        return [self.group, self.seq, max(0.0, device_seconds), max(0.0, exposed_seconds)]
+        return [self.group, self.seq, device_seconds, exposed_seconds]
 
     def release(self) -> None:
         self.arrived = self.reached = self.done = None

@@ -61,6 +61,9 @@ class TimedUnit:
     #: the step's work: ``dispatch`` is then that moment, not inferred from the spans around it.
     dispatch_seen = False
     values: tuple | None = None
+    #: resolver: a value device's pending device-clock end for ``values`` (JAX on a CUDA GPU), if any
+    device_end: Any = None
+    end_prepared = False  # resolver: whether the value device was asked for one
     device: Any = HOST  # a Device: HOST, a ValueDevice or a StreamDevice (see _devices)
     stream: Any = None  # the stream device's stream the markers go on
     start_event: Any = None

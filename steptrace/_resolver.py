@@ -14,9 +14,12 @@ thread never waits because of steptrace.
   spinning core. It never waits on the device: a unit is finalized on the
   first poll that finds its markers complete, whatever the calibration state
   (the record's ``placement_uncertainty_seconds`` says how well it is placed).
-* Value units (JAX): the resolver blocks on the outputs and, unless the
-  device reports the time itself, reads the clock when the wait returns
-  (``end_source: "observed"``), so it waits on them as soon as they arrive.
+* Value units (JAX): as soon as they arrive, the resolver asks the device for
+  a device-clock end (JAX on a CUDA GPU: the outputs handed to a stream of
+  steptrace's own, an event behind them; ``end_source: "device"``) and then
+  polls it as it polls markers. Elsewhere it blocks on the outputs and reads
+  the clock when the wait returns (``end_source: "observed"``), so it waits on
+  them as soon as they arrive.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ _IDLE_POLL_VALUES_S = 0.25
 _STREAM_POLL_S = 0.02
 # Stream items confirmed complete in one look (one calibration anchor serves them all).
 _CONFIRM_BATCH = 256
+# Steps from the queue's head whose value device is asked for a device-clock end ahead of their turn
+# (a JAX loop runs a few steps ahead of its GPU).
+_PREPARE_AHEAD = 16
 # Step records the resolver hands the sinks at once, at most: while it works through a backlog it
 # gathers them (one offer, one wake-up per sink instead of one per step); it hands them over as
 # soon as its queue is empty, before anything else, and before it waits.
@@ -144,6 +150,8 @@ class Resolver:
         self.health: Any = None
         self._wake = Wakeup()
         self._sleeping = False
+        #: True while the resolver waits for the head step's device-clock end (submit() then wakes it).
+        self._polling_device_end = False
         self._stopping = False
         self._prev_end: float | None = None
         #: When steptrace started (init()): time before the first step is counted from here.
@@ -189,7 +197,9 @@ class Resolver:
             self.count_drop(DROP_RESOLVER_QUEUE)
             return
         self._queue.append(item)
-        if urgent and self._sleeping:
+        if urgent and (self._sleeping or self._polling_device_end):
+            # Polling a device-clock end: the new step's outputs must be handed to the device before
+            # they are ready, or its end can only be observed.
             self._wake.set()
 
     def count_drop(self, reason: str, count: int = 1) -> None:
@@ -274,6 +284,8 @@ class Resolver:
                 self._sleeping = False
                 continue
             item = queue[0]
+            if item.__class__ is StepHandle and not item.end_prepared:
+                self._prepare_device_ends()
             try:
                 ready = self._ready(item)
             except Exception:
@@ -284,7 +296,11 @@ class Resolver:
                 self.cpu_seconds = time.thread_time() - cpu_start
                 if self._abandon:
                     return
-                self._wake.wait(_STREAM_POLL_S)  # flush() and shutdown() wake it early
+                self._polling_device_end = item.device_end is not None
+                if self._polling_device_end and len(queue) > 1:
+                    self._prepare_device_ends()  # steps handed over while this one runs on the device
+                self._wake.wait(_STREAM_POLL_S)  # flush(), shutdown() and, here, new steps wake it early
+                self._polling_device_end = False
                 continue
             queue.popleft()
             self._busy = True
@@ -304,6 +320,27 @@ class Resolver:
             # hand-overs with the sink threads (bench_overhead: background 137 -> 60 us per step).
             if self._clocks:
                 time.sleep(_YIELD_S)
+
+    def _prepare_device_ends(self) -> None:
+        """Ask the value device of each step near the queue's head for a device-clock end, once per step
+        (JAX on a CUDA GPU hands the outputs to the device now, while they are still being computed)."""
+        queue = self._queue
+        for i in range(min(len(queue), _PREPARE_AHEAD)):
+            unit = queue[i]
+            if unit.__class__ is not StepHandle or unit.end_prepared:
+                continue
+            if unit.values is None:
+                if unit.host_end is None:
+                    continue  # not handed over at wait_for: a later look may find values
+                unit.end_prepared = True
+                continue
+            unit.end_prepared = True
+            prepare = getattr(unit.device, "prepare_end", None)
+            if prepare is not None:
+                try:
+                    unit.device_end = prepare(unit.values)
+                except Exception:
+                    unit.device_end = None  # observed, as without a device clock
 
     def _ready(self, item: Any) -> bool:
         """False while the head item's stream markers are incomplete (the resolver never blocks on them).
@@ -355,6 +392,12 @@ class Resolver:
 
     @staticmethod
     def _markers_complete(step: "StepHandle") -> bool:
+        if step.device_end is not None:
+            try:
+                if not step.device.end_complete(step.device_end):
+                    return False
+            except Exception:
+                step.device_end = None  # unreadable: the end is observed (waited for in _unit_end)
         for unit in (step, *step.microbatches):
             device = unit.device
             if device.uses_events:
@@ -466,6 +509,16 @@ class Resolver:
             return None, seen, END_OBSERVED
         if unit.values is None:
             return None, None, END_HOST
+        pending = unit.device_end
+        if pending is not None:
+            unit.device_end = None
+            try:
+                end = device.end_time(pending)
+            except Exception:
+                end = None  # unreadable: observed below
+            if end is not None:
+                unit.values = None  # do not keep the user's arrays alive
+                return None, end, END_DEVICE
         switch = self.config.jax_switch_interval_s if device.name == "jax" else None
         restore = None
         if switch is not None and sys.getswitchinterval() > switch:

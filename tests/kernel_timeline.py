@@ -47,6 +47,9 @@ class KernelTimeline:
     launches: dict[int, float] = field(default_factory=dict)
     #: annotation name -> [(start, end)] host ranges, in order
     annotations: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    #: host times of every CUDA runtime and driver call the trace has (launches, event records, capture
+    #: checks), sorted
+    api_calls: list[float] = field(default_factory=list)
 
     @classmethod
     def from_trace(cls, trace: dict[str, Any]) -> "KernelTimeline":
@@ -62,9 +65,11 @@ class KernelTimeline:
                 timeline.device_ops.append((start, end, int(args["correlation"])))
             elif cat in LAUNCH_CATEGORIES and "correlation" in args:
                 timeline.launches[int(args["correlation"])] = start
+                timeline.api_calls.append(start)
             elif cat in ANNOTATION_CATEGORIES:
                 timeline.annotations.setdefault(event["name"], []).append((start, end))
         timeline.device_ops.sort()
+        timeline.api_calls.sort()
         for ranges in timeline.annotations.values():
             ranges.sort()
         return timeline
@@ -90,13 +95,19 @@ class KernelTimeline:
         """The device work launched inside the host range ``name`` as the timing model times a step
         (DESIGN.md: ``start(n) = max(end(n-1), dispatch(n))``, where ``dispatch(n)`` is the step's entry
         when the adapter does not see the dispatch): from the later of the ``previous`` range's device
-        end and this range's opening (its entry), to its last device end. ``window`` starts at the first
-        device operation instead, which differs where the device was drained when the step began and
-        the host took a while to launch its first kernel (the step right after ``torch.save``: 0.3-1.1 ms
-        on an H200): that host time is the step's, by the model."""
+        end and this range's entry, to its last device end. ``window`` starts at the first device
+        operation instead, which differs where the device was drained when the step began and the host
+        took a while to launch its first kernel (the step right after ``torch.save``: 0.3-1.1 ms on an
+        H200): that host time is the step's, by the model.
+
+        The entry is the range's first CUDA call (the host's first word to the device in the step;
+        steptrace's capture check, right before its start marker), else the range's opening: on a host
+        cold from a save the range opened 50-140 µs before that call (H200; Kineto's trace does not hold
+        steptrace's own ``cuEventRecord``, made through ctypes)."""
         window = self.window(name)
-        opened = self.annotations[name][0][0]
-        start = opened
+        opened, closed = self.annotations[name][0]
+        i = bisect.bisect_left(self.api_calls, opened)
+        start = self.api_calls[i] if i < len(self.api_calls) and self.api_calls[i] <= closed else opened
         if previous is not None and previous in self.annotations:
             start = max(start, self.window(previous).end)
         start = min(start, window.end)

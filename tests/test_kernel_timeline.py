@@ -48,6 +48,7 @@ def test_the_timing_model_starts_a_step_at_its_entry_or_the_previous_steps_end()
     trace = _trace()
     trace["traceEvents"] += [
         _x("user_annotation", "steptrace.step.2", 3000, 600),
+        _x("cuda_runtime", "cudaStreamIsCapturing", 3000, 1, correlation=8),  # steptrace's look, at entry
         _x("cuda_runtime", "cudaLaunchKernel", 3400, 5, correlation=5),  # launched 400 µs after entry
         _x("kernel", "late", 3410, 200, correlation=5, stream=7),
     ]
@@ -57,6 +58,22 @@ def test_the_timing_model_starts_a_step_at_its_entry_or_the_previous_steps_end()
     step2 = timeline.step_by_the_timing_model("steptrace.step.2", "steptrace.step.1")
     assert (step2.start, step2.seconds) == (pytest.approx(3000e-6), pytest.approx(610e-6))
     assert timeline.window("steptrace.step.2").seconds == pytest.approx(200e-6)  # from the first kernel
+
+
+def test_the_entry_is_the_step_s_first_cuda_call():
+    """The range opens before steptrace looks at the stream and records its start marker: the first
+    CUDA call inside the range is the entry."""
+    trace = _trace()
+    trace["traceEvents"] += [
+        _x("user_annotation", "steptrace.step.2", 3000, 600),
+        _x("cuda_runtime", "cudaStreamIsCapturing", 3060, 2, correlation=6),  # 60 µs in
+        _x("cuda_runtime", "cudaLaunchKernel", 3400, 5, correlation=5),
+        _x("kernel", "late", 3410, 200, correlation=5, stream=7),
+        _x("cuda_runtime", "cudaEventRecord", 3590, 2, correlation=7),  # the end marker
+    ]
+    timeline = KernelTimeline.from_trace(trace)
+    step2 = timeline.step_by_the_timing_model("steptrace.step.2", "steptrace.step.1")
+    assert (step2.start, step2.seconds) == (pytest.approx(3060e-6), pytest.approx(550e-6))
 
 
 def test_missing_ranges_and_empty_ranges_fail_loudly():

@@ -119,8 +119,8 @@ def test_exposed_communication_is_the_collective_time_no_compute_overlapped(monk
     (_, _, device_seconds, exposed_seconds), = step["collectives"]
     assert exposed_seconds == pytest.approx(exposed_ms * MS, abs=EXACT)
     assert step["exposed_communication_seconds"] == pytest.approx(exposed_ms * MS, abs=EXACT)
-    # From arrival to the point the stream resumed: the collective or the overlapping compute.
-    assert device_seconds == pytest.approx(max(10.0, overlap_ms) * MS, abs=EXACT)
+    # From arrival to the point the stream resumed would hold the overlapped compute too: not measured.
+    assert device_seconds is None
     assert step.get("collectives_dropped", 0) == 0
 
 
@@ -196,6 +196,20 @@ def test_a_collective_only_one_rank_reported_gives_no_wait():
     assert join_device_collectives({0: [step, alone], 1: [peer]}) == 2
     assert step["collective_wait_seconds"] == pytest.approx(0.02) and peer["collective_wait_seconds"] == 0.0
     assert "collective_wait_seconds" not in alone
+
+
+def test_a_step_with_an_async_collective_of_unknown_duration_gets_no_wait():
+    """An async collective's duration is null (its arrival-to-wait time holds overlapped compute): the
+    step's wait is unknown, so none is claimed, even for the synchronous collective beside it."""
+    mixed = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1,
+             "collectives": [["0", 1, 0.03, 0.03], ["0", 2, None, 0.002]]}
+    peer_mixed = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1,
+                  "collectives": [["0", 1, 0.01, 0.01], ["0", 2, None, 0.0]]}
+    sync = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1, "collectives": [["0", 3, 0.03, 0.03]]}
+    peer_sync = {"type": "step", "interval_seconds": 0.1, "compute_seconds": 0.1, "collectives": [["0", 3, 0.01, 0.01]]}
+    assert join_device_collectives({0: [mixed, sync], 1: [peer_mixed, peer_sync]}) == 2
+    assert "collective_wait_seconds" not in mixed and "collective_wait_seconds" not in peer_mixed
+    assert sync["collective_wait_seconds"] == pytest.approx(0.02) and peer_sync["collective_wait_seconds"] == 0.0
 
 
 def test_collectives_past_the_bound_are_counted_in_the_step(monkeypatch):

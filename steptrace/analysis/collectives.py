@@ -70,6 +70,8 @@ def join_device_collectives(records_by_rank: dict[int, list[dict]]) -> int:
             entries = list(_entries(record))
             if not entries or any(seen_by[(g, s)] < 2 for g, s, _ in entries):
                 continue
+            if len(entries) != len(record["collectives"]):
+                continue  # an untimed collective (async, no duration): its wait is unknown, not 0
             interval, compute = record.get("interval_seconds"), record.get("compute_seconds")
             if not isinstance(interval, (int, float)) or not isinstance(compute, (int, float)):
                 continue

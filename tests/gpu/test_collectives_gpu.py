@@ -48,3 +48,50 @@ def test_on_nccl_no_wrapper_is_installed_and_steps_claim_no_wait(nccl_group):
     assert dist.all_reduce is original
     for step in sink.steps():
         assert "collective_wait_seconds" not in step and "own_seconds" not in step, step
+
+
+def test_a_device_timed_collective_matches_the_kernel_timeline(nccl_group, profiled):
+    """One GPU (world size 1: NCCL refuses two ranks on one GPU): a synchronous all-gather queued behind
+    matmuls. Its device time, arrival to end, is from the end of the work queued before the call to
+    the end of the device work the call launched (kernel timeline of the same run); an async one
+    overlapped by longer compute exposes nothing and has no duration (issue 38)."""
+    assert "all_gather_into_tensor" in torch_distributed.track_device_collectives()
+    a = torch.randn(4096, 4096, device="cuda")
+    source = torch.randn(64 * 1024 * 1024, device="cuda")  # 256 MB: a copy of ~0.1-0.5 ms
+    gathered = torch.empty_like(source)
+    for _ in range(2):
+        dist.all_gather_into_tensor(gathered, source)
+    torch.cuda.synchronize()
+    steps = 6
+    with capture() as sink, profiled.run():
+        for n in range(steps):
+            with steptrace.step(n) as s:
+                for _ in range(8):  # the host is ahead: the collective is queued behind these
+                    a = torch.tanh(a @ a)
+                with torch.profiler.record_function(f"truth.collective.{n}"):
+                    if n % 2:
+                        work = dist.all_gather_into_tensor(gathered, source, async_op=True)
+                    else:
+                        dist.all_gather_into_tensor(gathered, source)
+                if n % 2:
+                    for _ in range(4):  # compute that does not need the result, longer than the copy
+                        a = torch.tanh(a @ a)
+                    work.wait()
+                a = a + gathered[: a.numel()].view_as(a) * 0
+                s.wait_for(a)
+    timeline = profiled.timeline
+    records = {r["step"]: r for r in sink.steps()}
+    errors = []
+    for n in range(steps):
+        (group, seq, device_seconds, exposed_seconds), = records[n]["collectives"]
+        window = timeline.window(f"truth.collective.{n}")
+        if n % 2:
+            assert device_seconds is None
+            assert exposed_seconds < 50e-6, (n, exposed_seconds)  # the copy ended under the matmuls
+            continue
+        arrival = timeline.last_device_end_before(window.start)
+        truth = window.end - arrival
+        errors.append((n, device_seconds, truth))
+        assert abs(device_seconds - truth) <= 20e-6 + 0.05 * truth, errors
+    print("\nsynchronous all-gather, steptrace vs kernel timeline (ms):",
+          [(n, round(d * 1e3, 4), round(t * 1e3, 4)) for n, d, t in errors])
