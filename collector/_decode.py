@@ -49,6 +49,9 @@ from steptrace._schema import (
     ATTR_ATTEMPT,
     ATTR_BUBBLE_PREFIX,
     ATTR_COLLECTIVE_WAIT_SECONDS,
+    ATTR_COLLECTIVES_DEVICE_SECONDS,
+    ATTR_COLLECTIVES_GROUP,
+    ATTR_COLLECTIVES_SEQ,
     ATTR_COMPUTE_SECONDS,
     ATTR_HEALTH_PREFIX,
     ATTR_IDLE_SECONDS,
@@ -60,6 +63,7 @@ from steptrace._schema import (
     ATTR_STATUS,
     ATTR_STEP,
     ATTR_WORLD_SIZE,
+    OTLP_MAX_COLLECTIVES,
     SPAN_STEP,
 )
 
@@ -396,6 +400,10 @@ class StepSpan:
     #: fields the straggler's cause needs (HEALTH_FIELDS), None where the rank sent none; last, for
     #: the journals
     health: dict[str, Any] | None = None
+    #: its device-timed NCCL collectives (``train.collectives.*``): ``(group, sequence, device
+    #: seconds or None)``, at most OTLP_MAX_COLLECTIVES; the join derives each rank's wait from them
+    #: where no rank measured it itself. Last, for the journals
+    collectives: tuple[tuple[str, int, float | None], ...] | None = None
 
 
 @dataclass
@@ -432,7 +440,40 @@ def _scalar(value: Any) -> Any:
     kind = value.WhichOneof("value")
     if kind in ("string_value", "int_value", "double_value", "bool_value"):
         return getattr(value, kind)
-    return None  # arrays, key-value lists, bytes: no step attribute has those
+    return None  # arrays, key-value lists, bytes: only the collectives' arrays (_collectives_arrays)
+
+
+_COLLECTIVES_ATTRS = {ATTR_COLLECTIVES_GROUP: "string_value", ATTR_COLLECTIVES_SEQ: "int_value",
+                      ATTR_COLLECTIVES_DEVICE_SECONDS: "double_value"}
+
+
+def _collectives(span: Any) -> tuple[tuple[str, int, float | None], ...] | None:
+    """The step's device-timed collectives from its three ``train.collectives.*`` arrays, or None when
+    they are absent or unusable (not of one length, over OTLP_MAX_COLLECTIVES, a wrong type or value):
+    the join then claims no wait for the step, it never fails the span."""
+    arrays: dict[str, list[Any]] = {}
+    for kv in span.attributes:
+        kind = _COLLECTIVES_ATTRS.get(kv.key)
+        if kind is None:
+            continue
+        if kv.value.WhichOneof("value") != "array_value":
+            return None
+        values = kv.value.array_value.values
+        if len(values) > OTLP_MAX_COLLECTIVES or any(v.WhichOneof("value") != kind for v in values):
+            return None
+        arrays[kv.key] = [getattr(v, kind) for v in values]
+    if len(arrays) != len(_COLLECTIVES_ATTRS):
+        return None
+    groups, seqs, seconds = (arrays[ATTR_COLLECTIVES_GROUP], arrays[ATTR_COLLECTIVES_SEQ],
+                             arrays[ATTR_COLLECTIVES_DEVICE_SECONDS])
+    if not groups or not len(groups) == len(seqs) == len(seconds):
+        return None
+    found = []
+    for group, seq, value in zip(groups, seqs, seconds):
+        if not 0 < len(group) <= _MAX_LABEL or seq < 1 or not (value == -1.0 or 0.0 <= value < math.inf):
+            return None
+        found.append((group, seq, None if value == -1.0 else float(value)))
+    return tuple(found)
 
 
 # Required attributes that are missing or unusable skip the span; optional ones are left out instead.
@@ -553,7 +594,7 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     interval_seconds=interval, idle_seconds=idle, status=status,
                     end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt,
                     collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait),
-                    own_compute_seconds=own_compute, health=_health(attrs))
+                    own_compute_seconds=own_compute, health=_health(attrs), collectives=_collectives(span))
 
 
 #: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).

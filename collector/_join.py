@@ -77,7 +77,9 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import dataclasses
 import heapq
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -86,6 +88,7 @@ from typing import Any
 
 from steptrace._attribution import (STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, STRAGGLER_NOISE_WINDOW,
                                      StragglerRule, straggler_step_seconds)
+from steptrace._attribution import own_seconds as _own_seconds
 from steptrace._ids import trace_id_hex
 from steptrace.collector._decode import StepSpan, span_fingerprint
 
@@ -469,6 +472,41 @@ def _stats(values: list[float]) -> tuple[float | None, float | None, float | Non
     return min(values), statistics.median(values), max(values)
 
 
+def with_device_waits(spans: list[StepSpan], world_size: int | None) -> list[StepSpan]:
+    """The step's spans with each rank's wait in its device-timed NCCL collectives, joined across the
+    ranks as ``steptrace.analysis.collectives`` joins their files: a collective's wait on a rank is its
+    device duration less the shortest rank's (every rank finishes with the last transfer; no clock is
+    compared across hosts). Only when every rank of the job sent the step, none measured its wait
+    itself, and every collective is in every span with a duration; otherwise the spans as they are (a
+    wait is never claimed from a partial view, nor from an async collective, whose duration is null)."""
+    if world_size is None or len(spans) != world_size or len(spans) < 2:
+        return spans
+    keys: set[tuple[str, int]] | None = None
+    shortest: dict[tuple[str, int], float] = {}
+    for span in spans:
+        collectives = span.collectives
+        if span.collective_wait_seconds is not None or not collectives:
+            return spans
+        own_keys = set()
+        for group, seq, seconds in collectives:
+            if seconds is None:
+                return spans
+            own_keys.add((group, seq))
+            shortest[(group, seq)] = min(seconds, shortest.get((group, seq), math.inf))
+        if len(own_keys) != len(collectives) or (keys is not None and own_keys != keys):
+            return spans  # a collective twice, or not the same collectives on every rank in this step
+        keys = own_keys
+    filled = []
+    for span in spans:
+        assert span.collectives is not None
+        wait = min(math.fsum(seconds - shortest[(group, seq)] for group, seq, seconds in span.collectives
+                             if seconds is not None), span.compute_seconds, span.interval_seconds)
+        filled.append(dataclasses.replace(span, collective_wait_seconds=wait,
+                                          own_seconds=_own_seconds(span.interval_seconds, wait),
+                                          own_compute_seconds=max(0.0, span.compute_seconds - wait)))
+    return filled
+
+
 def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None, spans: list[StepSpan], *,
                    reason: str, first_seen_time: float, joined_time: float, join_seconds: float,
                    conflicting_ranks: list[int] | None = None, attempt: int = 0,
@@ -484,7 +522,7 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
     grow with the ranks but for ``slowest_ranks`` (at most :data:`SLOWEST_LISTED`); the ranks'
     time on their own is then under ``"_own"``, for the collector's scores, never written.
     """
-    spans = sorted(spans, key=lambda s: s.rank)
+    spans = with_device_waits(sorted(spans, key=lambda s: s.rank), world_size)
     # Missing ranks as ranges between the reported ones: the work grows with the ranks that
     # reported, not with a world size a sender claims (one span of world_size 65536 once made
     # a 65,535-entry list per step).

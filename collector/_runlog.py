@@ -391,10 +391,17 @@ def _span_from_values(values: Any) -> StepSpan | None:
     # own compute lack those last fields (a collector upgraded across a crash still replays them).
     # ... and before the GPU health window (the last field).
     if not isinstance(values, list) or len(values) not in (len(_SPAN_FIELDS), len(_SPAN_FIELDS) - 1,
-                                                           len(_SPAN_FIELDS) - 2, len(_SPAN_FIELDS) - 4,
-                                                           len(_SPAN_FIELDS) - 5):
+                                                           len(_SPAN_FIELDS) - 2, len(_SPAN_FIELDS) - 3,
+                                                           len(_SPAN_FIELDS) - 5, len(_SPAN_FIELDS) - 6):
         return None
     span = dict(zip(_SPAN_FIELDS, values))
+    collectives = span.get("collectives")
+    if collectives is not None:
+        if not (isinstance(collectives, list) and all(
+                isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and _is_int(c[1])
+                and _number(c[2], True) for c in collectives)):
+            return None
+        span["collectives"] = tuple((c[0], c[1], None if c[2] is None else float(c[2])) for c in collectives)
     span.setdefault("attempt", 0)
     if not all(_number(span.get(field), True)
                for field in ("collective_wait_seconds", "own_seconds", "own_compute_seconds")):

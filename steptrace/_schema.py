@@ -85,6 +85,13 @@ ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
 ATTR_OWN_SECONDS = "train.own_seconds"
 ATTR_OWN_COMPUTE_SECONDS = "train.own_compute_seconds"
 ATTR_COLLECTIVE_WAIT_IDLE_PREFIX = "train.collective_wait_idle."  # + reason + "_seconds"
+# A step's device-timed NCCL collectives (the record's ``collectives``), as three arrays of one length:
+# group names, per-group sequence numbers, device seconds (-1 where not measured: async collectives).
+# Sent only for a step with at most OTLP_MAX_COLLECTIVES of them: the collector joins the ranks on them.
+ATTR_COLLECTIVES_GROUP = "train.collectives.group"
+ATTR_COLLECTIVES_SEQ = "train.collectives.seq"
+ATTR_COLLECTIVES_DEVICE_SECONDS = "train.collectives.device_seconds"
+OTLP_MAX_COLLECTIVES = 64
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
 ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step

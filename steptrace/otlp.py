@@ -57,7 +57,9 @@ a bounded queue). Per rank and step ``n``::
   ``train.collective_wait_idle.<reason>_seconds``, ``train.collective_wait_source``
   (where the run measures its wait in collectives; the collector names the straggler from them and
   sums the ranks' own compute), ``train.exposed_communication_seconds`` and
-  ``train.collectives_dropped`` (NCCL collectives timed on the device),
+  ``train.collectives_dropped`` (NCCL collectives timed on the device) and, for a step with at most
+  64 of them, ``train.collectives.group``, ``.seq`` and ``.device_seconds`` (arrays of one length;
+  -1 where not measured) for the collector's cross-rank join,
   on an attempt's first step ``train.before_step_seconds``, ``train.before_step.<reason>_seconds``
   and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
@@ -168,6 +170,9 @@ from steptrace._schema import (
     ATTR_BEFORE_STEP_PREFIX,
     ATTR_BUBBLE_PREFIX,
     ATTR_COLLECTIVE_WAIT_IDLE_PREFIX,
+    ATTR_COLLECTIVES_DEVICE_SECONDS,
+    ATTR_COLLECTIVES_GROUP,
+    ATTR_COLLECTIVES_SEQ,
     ATTR_COMPUTE_SECONDS,
     ATTR_HEALTH_PREFIX,
     ATTR_PROCESS_START_TIME,
@@ -175,6 +180,7 @@ from steptrace._schema import (
     ATTR_RUN_ID,
     ATTR_STEP,
     ATTR_WORLD_SIZE,
+    OTLP_MAX_COLLECTIVES,
     SPAN_STEP,
     step_field_attribute,
 )
@@ -825,6 +831,12 @@ class OtlpSink:
             _put(attrs, step_field_attribute(key), r.get(key))
         for reason, seconds in (r.get("collective_wait_idle_breakdown") or {}).items():
             _put(attrs, f"{ATTR_COLLECTIVE_WAIT_IDLE_PREFIX}{reason}_seconds", seconds)
+        collectives = r.get("collectives")
+        if collectives and len(collectives) <= OTLP_MAX_COLLECTIVES:
+            # For the collector's cross-rank join (each rank's wait = its duration - the shortest rank's).
+            attrs[ATTR_COLLECTIVES_GROUP] = tuple(str(c[0]) for c in collectives)
+            attrs[ATTR_COLLECTIVES_SEQ] = tuple(int(c[1]) for c in collectives)
+            attrs[ATTR_COLLECTIVES_DEVICE_SECONDS] = tuple(-1.0 if c[2] is None else float(c[2]) for c in collectives)
         for reason, seconds in (r.get("idle_breakdown") or {}).items():
             _put(attrs, f"train.idle.{reason}_seconds", seconds)
         # A rank's first step carries the time from init() to it (startup, eval, ...): a reader of

@@ -32,6 +32,10 @@ JSON = "application/json"
 
 
 def any_value(value: Any) -> AnyValue:
+    if isinstance(value, tuple):  # an OTLP array attribute
+        from opentelemetry.proto.common.v1.common_pb2 import ArrayValue
+
+        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
     if isinstance(value, bool):
         return AnyValue(bool_value=value)
     if isinstance(value, int):

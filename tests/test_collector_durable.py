@@ -436,3 +436,24 @@ def test_connection_caps_stay_below_the_descriptor_limit(monkeypatch):
     assert lim.http == 16384  # --max-connections bounds it there (a thread per connection)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (8192, 8192))
     assert descriptor_limits(CollectorConfig()).http == 8192 - 32 - 192 - 64
+
+
+def test_a_span_s_collectives_come_back_from_the_journal(tmp_path):
+    """The device-timed collectives the join needs survive a restart (journal line, last field); a line
+    whose collectives are not what the decoder makes is skipped, never half-read."""
+    import dataclasses
+
+    from collector_helpers import span
+
+    log = ClusterLog(tmp_path)
+    timed = dataclasses.replace(span(step=7, rank=0), collectives=(("0", 3, 0.025), ("tp", 1, None)))
+    log.journal([timed, span(step=7, rank=1)])
+    log.close()
+    replayed = {s.rank: s for s in ClusterLog(tmp_path).replay()}
+    assert replayed[0].collectives == (("0", 3, 0.025), ("tp", 1, None))
+    assert replayed[1].collectives is None
+    run = tmp_path / "run"
+    bad = json.loads((run / JOURNAL_FILE).read_text().splitlines()[0])
+    bad[-1] = [["0", "three", 0.025]]
+    (run / JOURNAL_FILE).write_text(json.dumps(bad) + "\n")
+    assert ClusterLog(tmp_path).replay() == []

@@ -730,3 +730,26 @@ def test_a_killed_collector_loses_no_span_it_acknowledged(tmp_path):
     records = [r for r in read_records(run_dir / "run" / "cluster.jsonl") if r["type"] == "cluster_step"]
     assert [(r["step"], r["complete"]) for r in records] == [(0, True), (1, True), (2, True), (3, True), (4, True)]
     assert (run_dir / "run" / "journal.jsonl").stat().st_size == 0  # every step emitted: nothing to replay
+
+
+@pytest.mark.parametrize("arrays, expected", [
+    ((("0", "0"), (1, 2), (0.01, -1.0)), (("0", 1, 0.01), ("0", 2, None))),
+    ((("0",) * 65, tuple(range(1, 66)), (0.01,) * 65), None),  # past the bound a span may bring
+    ((("0", "0"), (1,), (0.01, 0.02)), None),  # not one length
+    ((("0",), (0,), (0.01,)), None),  # a sequence number starts at 1
+    ((("0",), (1,), (-0.5,)), None),  # negative, and not the -1 of "not measured"
+    ((("",), (1,), (0.01,)), None),  # an empty group name
+    ((("0",), ("1",), (0.01,)), None),  # a string where a number goes
+])
+def test_a_span_s_collectives_are_taken_only_as_the_exporter_sends_them(arrays, expected):
+    """``train.collectives.*``: three arrays of one length, at most OTLP_MAX_COLLECTIVES; anything else
+    leaves the span without collectives (the join claims no wait) and never rejects the span."""
+    from collector_helpers import request, step_span
+
+    from steptrace.collector._decode import extract_steps
+
+    groups, seqs, seconds = arrays
+    span = step_span(world_size=2, **{"train.collectives.group": groups, "train.collectives.seq": seqs,
+                                      "train.collectives.device_seconds": seconds})
+    (decoded,) = extract_steps(request(span)).steps
+    assert decoded.collectives == expected

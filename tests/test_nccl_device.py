@@ -305,3 +305,54 @@ def test_reading_the_collectives_never_breaks_a_global_mode_graph_capture(monkey
                     time.sleep(0.03)  # the resolver finalizes the step meanwhile
     assert fake.captures_invalidated == 0 and fake.unsafe_calls_during_capture == []
     assert [len(s["collectives"]) for s in sink.steps()] == [1, 1, 1]
+
+
+def test_the_collector_joins_the_ranks_device_timed_collectives_from_their_spans(monkeypatch):
+    """Each rank's step span carries its collectives (``train.collectives.*``); the collector's join of a
+    step's spans gives each rank its wait (duration - the shortest rank's) and names the slowed rank,
+    as the analysis over the ranks' files does."""
+    pytest.importorskip("prometheus_client", reason="the collector needs prometheus_client")
+    from otlp_receiver import OtlpHttpReceiver
+
+    from steptrace.collector._decode import extract_steps
+    from steptrace.collector._join import Joiner
+
+    compute = {0: 20 * MS, 1: 20 * MS, 2: 45 * MS, 3: 20 * MS}  # rank 2 slowed by 25 ms
+    spans = []
+    with OtlpHttpReceiver() as receiver:
+        for rank in compute:
+            _run_rank(monkeypatch, rank, compute, otlp_endpoint=receiver.url, otlp_timeout_s=2, run_id="nccl-join")
+        for request in receiver.trace_requests():
+            spans += extract_steps(request).steps
+    assert len(spans) == 16 and all(s.collectives and len(s.collectives) == 1 for s in spans)
+    joiner = Joiner(world_size=4, per_rank=True)
+    records = joiner.add(spans).records + joiner.flush().records
+    steps = sorted((r for r in records if r["type"] == "cluster_step"), key=lambda r: r["step"])
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    for record in steps:
+        waits = record["rank_collective_wait_seconds"]
+        assert waits["2"] == 0.0
+        assert all(waits[r] == pytest.approx(25 * MS, abs=EXACT) for r in ("0", "1", "3"))
+    for record in steps[1:]:  # step 0's interval also holds each rank's own start (its first step)
+        assert record["straggler_rank"] == 2, repr(record)
+        assert record["straggler_cost_seconds"] == pytest.approx(25 * MS, rel=0.2)
+
+
+def test_the_collector_claims_no_wait_from_a_partial_or_untimed_view():
+    """A missing rank (the shortest duration may be its), a collective not on every rank in this step,
+    or an async one (null duration): the spans keep no wait."""
+    from steptrace.collector._decode import StepSpan
+    from steptrace.collector._join import with_device_waits
+
+    def span(rank, collectives):
+        return StepSpan(run_id="r", step=0, rank=rank, world_size=2, trace_id="", compute_seconds=0.1,
+                        interval_seconds=0.1, collectives=collectives)
+
+    full = [span(0, (("0", 1, 0.03),)), span(1, (("0", 1, 0.01),))]
+    joined = with_device_waits(full, 2)
+    assert [s.collective_wait_seconds for s in joined] == [pytest.approx(0.02), 0.0]
+    assert joined[0].own_seconds == pytest.approx(0.08) and joined[0].own_compute_seconds == pytest.approx(0.08)
+    for spans, world in ((full[:1], 2), (full, 3), ([span(0, (("0", 1, 0.03),)), span(1, (("0", 2, 0.01),))], 2),
+                         ([span(0, (("0", 1, None),)), span(1, (("0", 1, 0.01),))], 2),
+                         ([span(0, (("0", 1, 0.03),)), span(1, None)], 2)):
+        assert all(s.collective_wait_seconds is None for s in with_device_waits(spans, world))
