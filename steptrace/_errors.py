@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 #: steptrace's own files: a misuse warning points at the first frame outside them.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -36,7 +37,8 @@ def misuse(message: str, *, strict: bool, stacklevel: int | None = 3) -> None:
 def _outside_steptrace() -> int:
     """``misuse``'s stacklevel for its first caller outside steptrace (Python 3.12's
     ``skip_file_prefixes``, which 3.11 lacks). Level 2 is misuse's caller: frame 2 from here."""
-    level, frame = 2, sys._getframe(2)
+    level = 2
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
