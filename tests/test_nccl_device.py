@@ -252,6 +252,31 @@ def test_a_collective_between_steps_counts_in_the_next_step(monkeypatch):
     assert inside[1] == 2 and inside[2] == pytest.approx(4 * MS, abs=EXACT)
 
 
+def test_exposed_communication_is_served_to_prometheus_as_the_steps_sum(monkeypatch):
+    """steptrace_step_exposed_communication_seconds_total adds the steps' exposed communication: here
+    a peer arriving 10 ms late and a 5 ms transfer, 15 ms a step, 45 ms over three."""
+    pytest.importorskip("prometheus_client", reason="pip install 'steptrace[prometheus]'")
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=5 * MS, peer_arrivals=lambda g, s: {1: 10 * MS})
+        with capture(rank=0, world_size=2, prometheus_port=0) as sink:
+            for n in range(3):
+                with steptrace.step(n):
+                    fake.run(20 * MS)
+                    torch.distributed.all_reduce(object())
+            assert steptrace.flush(10)
+            with urllib.request.urlopen(steptrace.stats()["endpoints"]["prometheus"], timeout=5) as response:
+                text = response.read().decode()
+    served = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == "steptrace_step_exposed_communication_seconds_total"]
+    assert served == [pytest.approx(45 * MS, abs=3 * EXACT)]
+    assert served[0] == pytest.approx(sum(s["exposed_communication_seconds"] for s in sink.steps()), rel=1e-12)
+
+
 def test_exposed_communication_travels_over_otlp_into_clickhouse(monkeypatch):
     """``train.exposed_communication_seconds`` on the step span: ``report --clickhouse`` reads the
     figure the JSONL record holds."""
