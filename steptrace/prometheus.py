@@ -89,7 +89,7 @@ records a sink could not take, this exporter's malformed ones included, are
 ``{sink="<name>", reason="invalid_record"}`` (counted like every sink's, through
 ``invalid_records`` and the SinkWorker, so they are in ``stats()`` and the run
 record too); drops before any sink (the resolver's queue, misuse, steps still
-unresolved at shutdown, failed device waits) are ``{sink="resolver",
+unresolved at shutdown, failed device waits, collectives after the last step) are ``{sink="resolver",
 reason="<reason>"}``. Before any drop, the resolver's reasons and those of the
 sinks that exist are exported at 0; a sink that is not configured has no series.
 

@@ -95,6 +95,21 @@ def test_a_collective_between_steps_waits_within_the_next_steps_interval(gloo_gr
     assert second["collective_wait_seconds"] >= 0.02
 
 
+def test_a_wait_after_the_last_step_is_counted_at_the_runs_end(gloo_group):
+    """A gloo all-reduce after the last step waits for a next step that never comes: the run's end
+    counts it (collectives_after_last_step in the run record), one per wait, not lost silently."""
+    torch_distributed.track_collectives()
+    with capture() as sink:
+        with steptrace.step(0):
+            dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+    (step,) = sink.steps()
+    assert step["collective_wait_seconds"] > 0  # the all-reduce inside the step, its own
+    (run,) = sink.of_type("run")
+    assert run["dropped"]["collectives_after_last_step"] == 2
+
+
 def _clock_jumping_by(seconds: float):
     """perf_counter, but every second read is ``seconds`` later: a collective that took that long."""
     reads = []
