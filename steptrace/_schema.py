@@ -90,6 +90,7 @@ ATTR_IDLE_SECONDS = "train.idle_seconds"
 ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
 ATTR_OWN_SECONDS = "train.own_seconds"
 ATTR_OWN_COMPUTE_SECONDS = "train.own_compute_seconds"
+ATTR_EXPOSED_COMMUNICATION_SECONDS = "train.exposed_communication_seconds"  # NCCL, device-timed
 ATTR_COLLECTIVE_WAIT_IDLE_PREFIX = "train.collective_wait_idle."  # + reason + "_seconds"
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
