@@ -274,9 +274,13 @@ class _DdpBackward:
     def _done(self) -> None:
         self.queued = False
         step = _current_step()
+        end = _perf()
         if step is not None:
-            end = _perf()
             _add_wait(step, min(self.arrival, end), end, SOURCE_DDP)
+        elif _runtime[0] is not None:
+            # A backward between steps (gradient accumulation outside the step): held for the next
+            # step, as a collective's wait is, and counted at the run's end if none comes.
+            _wait_outside_step(min(self.arrival, end), end)
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:
