@@ -6,7 +6,9 @@ alike. What differs is where the time went: the slow rank arrives last and hardl
 arrive early and wait for it. This module measures, on the training thread and never with a sync or
 a barrier, how long each step waited in collectives (``collective_wait_seconds`` in the step record;
 the rest of the step's interval is ``own_seconds``). A collective called between steps (a loss
-all-reduce after ``with step(n)`` closed) waits within the next step's interval and counts there.
+all-reduce after ``with step(n)`` closed) waits within the next step's interval and counts there;
+one after the run's last step has no step to go to and is counted at ``shutdown()`` (the run's drop
+``collectives_after_last_step``).
 
 * **Collectives called from Python** (``torch.distributed.all_reduce``, ``broadcast``,
   ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``barrier``, ...; FSDP and Megatron's
@@ -41,6 +43,7 @@ import time
 from typing import Any, Callable
 
 from steptrace._schema import COLLECTIVE_SOURCE_NCCL_DEVICE as SOURCE_NCCL_DEVICE
+from steptrace._schema import DROP_COLLECTIVES_AFTER_LAST_STEP
 
 __all__ = ["SOURCE_DDP", "SOURCE_NCCL_DEVICE", "SOURCE_TORCH", "installed", "track_collectives", "track_ddp",
            "track_device_collectives", "untrack_collectives"]
@@ -70,6 +73,8 @@ _pending = [0.0]
 #: ... and when (``(start, end)`` on ``perf_counter``), so the resolver can say whether each wait fell
 #: in the step's compute or in one of its idle windows (``collective_wait_idle_breakdown``).
 _pending_windows: list[tuple[float, float]] = []
+#: ... and how many waits those are: counted at the run's end if no step came to hold them.
+_pending_waits = [0]
 #: Wait windows kept per step. Past this (thousands of collectives a step), a new window is merged
 #: into the last one: the wait's total stays exact, only where it fell becomes coarser.
 MAX_WAIT_WINDOWS = 1024
@@ -116,6 +121,7 @@ def _add_wait(step: Any, start: float, end: float, source: str) -> None:
     if _pending[0] or _pending_windows:
         seconds += _pending[0]
         _pending[0] = 0.0
+        _pending_waits[0] = 0
         for lo, hi in _pending_windows:
             _add_window(step, lo, hi)
         _pending_windows.clear()
@@ -130,6 +136,7 @@ def _add_wait(step: Any, start: float, end: float, source: str) -> None:
 def _wait_outside_step(start: float, end: float) -> None:
     """A wait while no step is open: the next step's interval holds it."""
     _pending[0] += end - start
+    _pending_waits[0] += 1
     if len(_pending_windows) < MAX_WAIT_WINDOWS:
         _pending_windows.append((start, end))
     else:
@@ -267,9 +274,13 @@ class _DdpBackward:
     def _done(self) -> None:
         self.queued = False
         step = _current_step()
+        end = _perf()
         if step is not None:
-            end = _perf()
             _add_wait(step, min(self.arrival, end), end, SOURCE_DDP)
+        elif _runtime[0] is not None:
+            # A backward between steps (gradient accumulation outside the step): held for the next
+            # step, as a collective's wait is, and counted at the run's end if none comes.
+            _wait_outside_step(min(self.arrival, end), end)
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:
@@ -316,10 +327,33 @@ def _ddp_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 def release_runtime(runtime: Any) -> None:
     """Called by steptrace when a run shuts down: the wrappers it installed go (a later run installs
     them again at its first step if the process group is still there), so nothing of steptrace's
-    stays on ``torch.distributed`` after ``shutdown()``."""
+    stays on ``torch.distributed`` after ``shutdown()``. Collectives held for a next step that did
+    not come are counted (:func:`_count_after_last_step`)."""
     if _runtime[0] is runtime:
         _runtime[0] = None
         untrack_collectives()
+        _count_after_last_step(runtime)
+
+
+def _count_after_last_step(runtime: Any) -> None:
+    """At the run's end, what waits for the next step has none: a collective that completed after the
+    last step (device-timed, or a gloo wait), one not timed then, an async one never waited for. No
+    step record can hold them (their time is after the last interval), so they are counted as the
+    run's ``collectives_after_last_step`` drop (the run record, steptrace_dropped_records_total, OTLP's
+    steptrace.dropped_records), never lost silently; their events and Works are let go."""
+    count = len(_pending_device) + _dropped[0] + len(_awaiting) + _pending_waits[0]
+    for entry in _pending_device:
+        entry.release()
+    for _, entry in _awaiting.values():
+        entry.release()
+    _pending_device.clear()
+    _awaiting.clear()
+    _dropped[0] = 0
+    _pending[0] = 0.0
+    _pending_windows.clear()
+    _pending_waits[0] = 0
+    if count:
+        runtime.resolver.count_drop(DROP_COLLECTIVES_AFTER_LAST_STEP, count)
 
 
 def mark_runtime(runtime: Any) -> None:
@@ -345,6 +379,7 @@ def mark_runtime(runtime: Any) -> None:
     _runtime[0] = runtime
     _pending[0] = 0.0  # waits before this run's first step are not its steps'
     _pending_windows.clear()
+    _pending_waits[0] = 0
     if _patched and _default_backend() in HOST_SYNCHRONOUS_BACKENDS:
         # Every step is measured now: one without a collective waited 0 (steps whose waits were
         # measured say so themselves, e.g. "ddp+torch.distributed"). Wrappers left installed by an

@@ -53,6 +53,7 @@ from steptrace._schema import (
     ATTR_COLLECTIVES_GROUP,
     ATTR_COLLECTIVES_SEQ,
     ATTR_COMPUTE_SECONDS,
+    ATTR_EXPOSED_COMMUNICATION_SECONDS,
     ATTR_HEALTH_PREFIX,
     ATTR_IDLE_SECONDS,
     ATTR_INTERVAL_SECONDS,
@@ -400,6 +401,9 @@ class StepSpan:
     #: fields the straggler's cause needs (HEALTH_FIELDS), None where the rank sent none; last, for
     #: the journals
     health: dict[str, Any] | None = None
+    #: NCCL collectives timed on the device: the step's communication no compute overlapped
+    #: (``train.exposed_communication_seconds``), None where the rank sent none; last, for the journals
+    exposed_communication_seconds: float | None = None
     #: its device-timed NCCL collectives (``train.collectives.*``): ``(group, sequence, device
     #: seconds or None)``, at most OTLP_MAX_COLLECTIVES; the join derives each rank's wait from them
     #: where no rank measured it itself. Last, for the journals
@@ -510,7 +514,7 @@ def span_fingerprint(compute_seconds: float, interval_seconds: float) -> int:
 #: (FLOPs, scalars, microbatch summaries, ...) are not decoded.
 _STEP_ATTRS = frozenset((ATTR_RUN_ID, ATTR_STEP, ATTR_RANK, ATTR_ATTEMPT, ATTR_WORLD_SIZE, ATTR_COMPUTE_SECONDS,
                          ATTR_INTERVAL_SECONDS, ATTR_IDLE_SECONDS, ATTR_COLLECTIVE_WAIT_SECONDS, ATTR_STATUS,
-                         ATTR_OWN_COMPUTE_SECONDS))
+                         ATTR_OWN_COMPUTE_SECONDS, ATTR_EXPOSED_COMMUNICATION_SECONDS))
 
 
 #: The ``train.health.<field>`` attributes decoded (a fixed set: one peer cannot make a span hold
@@ -575,6 +579,9 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     own_compute = _seconds(attrs, ATTR_OWN_COMPUTE_SECONDS, required=False) if wait is not None else None
     if own_compute is not None:
         own_compute = min(own_compute, compute)
+    exposed = _seconds(attrs, ATTR_EXPOSED_COMMUNICATION_SECONDS, required=False)
+    if exposed is not None:
+        exposed = min(exposed, interval)  # exposed communication is part of the step's interval
     status = attrs.get(ATTR_STATUS, "ok")
     if not isinstance(status, str) or not 0 < len(status) <= _MAX_LABEL:
         status = "unknown"
@@ -594,7 +601,8 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
                     interval_seconds=interval, idle_seconds=idle, status=status,
                     end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt,
                     collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait),
-                    own_compute_seconds=own_compute, health=_health(attrs), collectives=_collectives(span))
+                    own_compute_seconds=own_compute, health=_health(attrs), exposed_communication_seconds=exposed,
+                    collectives=_collectives(span))
 
 
 #: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).

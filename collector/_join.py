@@ -611,6 +611,12 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
                                        for s in spans),
         **dict(zip(("collective_wait_min_seconds", "collective_wait_median_seconds", "collective_wait_max_seconds"),
                    _stats([s.collective_wait_seconds for s in spans if s.collective_wait_seconds is not None]))),
+        # NCCL collectives timed on the device: the ranks' communication no compute overlapped (each
+        # rank's own figure; the wait for peers in it needs the per-collective durations, not sent).
+        **dict(zip(("exposed_communication_min_seconds", "exposed_communication_median_seconds",
+                    "exposed_communication_max_seconds"),
+                   _stats([s.exposed_communication_seconds for s in spans
+                           if s.exposed_communication_seconds is not None]))),
         "pipeline_bubble_ratio": {stage: sum(v) / len(v) for stage, v in sorted(by_stage.items())},
         "status": status,
         "conflicting_ranks": list(conflicting_ranks or []),

@@ -20,6 +20,9 @@ so far (a step completed out of order does not move them back):
   no time outside steps (goodput is the ranks' ``steptrace_goodput_ratio``, docs/goodput.md).
 * ``steptrace_cluster_step_collective_wait_seconds{stat}``: the ranks' wait in collectives in the
   last complete step (min, median, max over ranks; where they measure it).
+* ``steptrace_cluster_step_exposed_communication_seconds{stat}``: the ranks' exposed communication
+  in the last complete step (NCCL collectives timed on the device; min, median, max over the ranks
+  that sent it).
 * Stragglers (complete steps): ``steptrace_cluster_step_own_seconds{stat}`` (each rank's time on
   its own: interval minus its wait in collectives, compute where the wait is not measured),
   ``steptrace_cluster_step_straggler_cost_seconds``
@@ -148,6 +151,10 @@ class ClusterMetrics:
         self.collective_wait = gauge("steptrace_cluster_step_collective_wait_seconds",
                                      "Time waiting for other ranks in collectives in the last complete step "
                                      "(exposed communication): min, median and max over ranks.", ("stat",))
+        self.exposed_communication = gauge(
+            "steptrace_cluster_step_exposed_communication_seconds", "Communication no compute overlapped "
+            "in the last complete step (NCCL collectives timed on the device: the wait for the latest "
+            "peer and the transfer): min, median and max over the ranks that sent it.", ("stat",))
         self.own = gauge("steptrace_cluster_step_own_seconds",
                          "Time on its own (interval minus wait in collectives) of the last complete step: min, "
                          "median and max over ranks.", ("stat",))
@@ -389,6 +396,8 @@ class ClusterMetrics:
                 self.own.labels(run_id, stat).set(r[f"own_{stat}_seconds"])
             if r.get(f"collective_wait_{stat}_seconds") is not None:
                 self.collective_wait.labels(run_id, stat).set(r[f"collective_wait_{stat}_seconds"])
+            if r.get(f"exposed_communication_{stat}_seconds") is not None:
+                self.exposed_communication.labels(run_id, stat).set(r[f"exposed_communication_{stat}_seconds"])
         self.skew.labels(run_id).set(r["skew_seconds"])
         self.straggler.labels(run_id).set(-1 if named is None else named)
         if r.get("straggler_threshold_seconds") is not None:
@@ -504,6 +513,7 @@ class ClusterMetrics:
             remove(self.interval, stat)
             remove(self.own, stat)
             remove(self.collective_wait, stat)
+            remove(self.exposed_communication, stat)
         for stage in state.stages:
             remove(self.bubble, stage)
         for rank in state.straggler_ranks:

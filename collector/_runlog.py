@@ -389,10 +389,11 @@ def _span_from_values(values: Any) -> StepSpan | None:
     """A journal line's span, or None when any field is not what the decoder would have produced."""
     # Journals written before spans had an attempt, the collective wait and time on its own, or the
     # own compute lack those last fields (a collector upgraded across a crash still replays them).
-    # ... and before the GPU health window (the last field).
+    # ... and before the GPU health window, exposed communication and the collectives (the last two).
     if not isinstance(values, list) or len(values) not in (len(_SPAN_FIELDS), len(_SPAN_FIELDS) - 1,
                                                            len(_SPAN_FIELDS) - 2, len(_SPAN_FIELDS) - 3,
-                                                           len(_SPAN_FIELDS) - 5, len(_SPAN_FIELDS) - 6):
+                                                           len(_SPAN_FIELDS) - 4, len(_SPAN_FIELDS) - 6,
+                                                           len(_SPAN_FIELDS) - 7):
         return None
     span = dict(zip(_SPAN_FIELDS, values))
     collectives = span.get("collectives")
@@ -403,8 +404,8 @@ def _span_from_values(values: Any) -> StepSpan | None:
             return None
         span["collectives"] = tuple((c[0], c[1], None if c[2] is None else float(c[2])) for c in collectives)
     span.setdefault("attempt", 0)
-    if not all(_number(span.get(field), True)
-               for field in ("collective_wait_seconds", "own_seconds", "own_compute_seconds")):
+    if not all(_number(span.get(field), True) for field in ("collective_wait_seconds", "own_seconds",
+                                                              "own_compute_seconds", "exposed_communication_seconds")):
         return None
     health = span.get("health")
     if health is not None and not (isinstance(health, dict) and all(

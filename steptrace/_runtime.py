@@ -127,7 +127,10 @@ class Runtime:
     # -- helpers used by the handles -------------------------------------------------
     def misuse(self, message: str) -> None:
         self.resolver.count_drop(DROP_MISUSE)
-        misuse(message, strict=self.strict, stacklevel=4)
+        # Reached from the public calls through one to four of steptrace's frames (a bad count via
+        # _number, begin_step via step, a steps() loop, the module-level log()): a fixed stacklevel
+        # is right for one depth only, so the warning goes to the first frame outside steptrace.
+        misuse(message, strict=self.strict, stacklevel=None)
 
     def device_failed(self, exc: Exception) -> None:
         """A marker could not be recorded: that unit falls back to host timing (counted, warned once)."""

@@ -39,6 +39,12 @@ DROP_DEVICE_CLOCK_ERROR = "device_clock_error"  # a marker could not be placed o
 RESOLVER_DROP_REASONS = (DROP_RESOLVER_QUEUE, DROP_MISUSE, DROP_DEVICE_WAIT_ERROR, DROP_UNRESOLVED_AT_SHUTDOWN,
                          DROP_RESOLVER_ERROR, DROP_SCALAR_ERROR, DROP_DEVICE_MARKER_ERROR,
                          DROP_DEVICE_CLOCK_ERROR)
+# Counted at a run's end only (not exported at 0 before: a series on every rank for a count that
+# can only appear as the run closes). Collectives a step would have held (the next step holds one
+# that completes between steps) with no step left to hold them: completed after the run's last step
+# (device-timed on NCCL, or a gloo wait), or an async NCCL collective not waited for by the end.
+DROP_COLLECTIVES_AFTER_LAST_STEP = "collectives_after_last_step"
+RUN_END_DROP_REASONS = (DROP_COLLECTIVES_AFTER_LAST_STEP,)
 BUILTIN_SINKS = ("jsonl", "prometheus", "otlp")
 
 
@@ -66,7 +72,7 @@ def usual_drop_reasons(sink_names: "tuple[str, ...] | list[str]") -> tuple[str, 
             + tuple(invalid_record_reason(s) for s in sink_names))
 
 
-KNOWN_DROP_REASONS = usual_drop_reasons(BUILTIN_SINKS)
+KNOWN_DROP_REASONS = usual_drop_reasons(BUILTIN_SINKS) + RUN_END_DROP_REASONS
 
 
 # -- OTLP: the train.* attributes the OTLP exporter writes and the collector reads ------------
@@ -84,6 +90,7 @@ ATTR_IDLE_SECONDS = "train.idle_seconds"
 ATTR_COLLECTIVE_WAIT_SECONDS = "train.collective_wait_seconds"
 ATTR_OWN_SECONDS = "train.own_seconds"
 ATTR_OWN_COMPUTE_SECONDS = "train.own_compute_seconds"
+ATTR_EXPOSED_COMMUNICATION_SECONDS = "train.exposed_communication_seconds"  # NCCL, device-timed
 ATTR_COLLECTIVE_WAIT_IDLE_PREFIX = "train.collective_wait_idle."  # + reason + "_seconds"
 # A step's device-timed NCCL collectives (the record's ``collectives``), as three arrays of one length:
 # group names, per-group sequence numbers, device seconds (-1 where not measured: async collectives).

@@ -28,6 +28,7 @@ name                                                   type       extra labels
 ``steptrace_step_idle_seconds_total``                  counter    ``reason`` (less the wait in collectives in it)
 ``steptrace_step_collective_wait_seconds_total``       counter    (where the wait in collectives is measured)
 ``steptrace_step_own_seconds_total``                   counter    (interval - collective wait, the same steps)
+``steptrace_step_exposed_communication_seconds_total`` counter    (NCCL, device-timed: not overlapped with compute)
 ``steptrace_productive_seconds_total``                 counter    (own compute: compute - wait in it)
 ``steptrace_wall_seconds_total``                       counter    (process start -> latest record's end)
 ``steptrace_steps_total``                              counter    ``status``
@@ -88,7 +89,7 @@ records a sink could not take, this exporter's malformed ones included, are
 ``{sink="<name>", reason="invalid_record"}`` (counted like every sink's, through
 ``invalid_records`` and the SinkWorker, so they are in ``stats()`` and the run
 record too); drops before any sink (the resolver's queue, misuse, steps still
-unresolved at shutdown, failed device waits) are ``{sink="resolver",
+unresolved at shutdown, failed device waits, collectives after the last step) are ``{sink="resolver",
 reason="<reason>"}``. Before any drop, the resolver's reasons and those of the
 sinks that exist are exported at 0; a sink that is not configured has no series.
 
@@ -279,6 +280,15 @@ class PrometheusSink:
                                         "for other ranks in collectives (steps that measure it).", run, registry=reg)
         self._own = Counter("steptrace_step_own_seconds", "Step time on this rank's own: interval minus the "
                             "wait in collectives (steps that measure it).", run, registry=reg)
+        # NCCL collectives timed on the device (steptrace.adapters.torch_distributed): a rank's own
+        # record holds its exposed communication, but not its wait for peers (that needs the other
+        # ranks' durations, joined offline). Created at the first step that carries it: a rank
+        # without device-timed collectives serves no series.
+        self._exposed_communication = Counter(
+            "steptrace_step_exposed_communication_seconds", "Step time the device stream waited on "
+            "collectives with no compute to overlap (exposed communication, HolisticTraceAnalysis's sense: "
+            "the wait for the latest peer and the transfer; NCCL collectives timed on the device).", run,
+            registry=reg)
         self._steps = Counter("steptrace_steps", "Steps finalized, by status (ok, error).",
                               run + ("status",), registry=reg)
         self._last_step = Gauge("steptrace_last_step", "Number of the last finalized step.", run, registry=reg)
@@ -444,6 +454,7 @@ class PrometheusSink:
         idle = {str(k): _seconds(v) for k, v in (r.get("idle_breakdown") or {}).items()}
         wait = _optional(r.get("collective_wait_seconds"), nonnegative=True)
         own = _optional(r.get("own_seconds"), nonnegative=True)
+        exposed = _optional(r.get("exposed_communication_seconds"), nonnegative=True)
         wait_idle = {str(k): _seconds(v) for k, v in (r.get("collective_wait_idle_breakdown") or {}).items()}
         # Waiting shown as waiting: own compute + wait + host idle by reason = interval.
         split = split_step(compute, idle, wait if own is not None else None,
@@ -487,6 +498,8 @@ class PrometheusSink:
         if wait is not None and own is not None:
             self._collective_wait.labels(*labels).inc(wait)
             self._own.labels(*labels).inc(own)
+        if exposed is not None:
+            self._exposed_communication.labels(*labels).inc(exposed)
         self._steps.labels(*labels, status).inc()
         self._last_step.labels(*labels).set(step)
         if tokens is not None:

@@ -199,6 +199,43 @@ def test_misused_calls_are_counted_and_good_steps_still_recorded():
     assert run["dropped"]["misuse"] == 2 and run["steps"] == 2
 
 
+def _next_line() -> int:
+    """The line after the caller's: where the call under test is."""
+    return sys._getframe(1).f_lineno + 1
+
+
+def test_a_bad_count_is_reported_at_the_users_line_whatever_the_form():
+    """A bad tokens/flops/samples value (and a bad scalar) warns pointing at the caller's line in this
+    file, not at steptrace's own code: the `with` form, begin_step/end_step, a steps() loop (its `for`
+    line) and the module-level log() each reach the check through a different depth of steptrace's frames."""
+    import warnings
+
+    where = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steptrace.init(jsonl=False, sinks=[MemorySink()], run_id="where", strict=False)
+        try:
+            where.append(_next_line())
+            with steptrace.step(0, tokens=-5):
+                pass
+            where.append(_next_line())
+            with steptrace.step(1, flops=-1.0, samples=2):
+                pass
+            where.append(_next_line())
+            steptrace.begin_step(2, samples=-2)
+            steptrace.end_step()
+            where.append(_next_line())
+            for _n, _item in steptrace.steps([0], start=3, tokens=-7):
+                pass
+            with steptrace.step(4):
+                where.append(_next_line())
+                steptrace.log(loss=object())
+        finally:
+            steptrace.shutdown()
+    found = [(w.filename, w.lineno) for w in caught if issubclass(w.category, SteptraceWarning)]
+    assert found == [(__file__, line) for line in where]
+
+
 def test_device_arrays_are_refused_as_token_counts():
     class FakeDeviceArray:  # float() on a real one would synchronise the device
         def __float__(self):

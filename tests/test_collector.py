@@ -894,3 +894,66 @@ def test_config_errors_name_the_field():
         CollectorConfig(world_size=0)
     with pytest.raises(ValueError, match="token"):
         CollectorConfig(token="  ")
+
+
+# -- exposed communication (NCCL collectives timed on the device) ------------------------------------
+
+EXPOSED_ATTR = "train.exposed_communication_seconds"
+
+
+def test_exposed_communication_is_joined_per_step_and_served_as_min_median_max():
+    """The ranks' train.exposed_communication_seconds (docs/records.md) travel into the join: each step's
+    min / median / max over the ranks that sent it, and steptrace_cluster_step_exposed_communication_seconds
+    {stat} from the last complete step, as the wait in collectives is; a run whose ranks send none
+    (no NCCL) has neither the fields nor the series."""
+    from prometheus_client import generate_latest
+
+    from steptrace.collector._metrics import ClusterMetrics
+
+    exposed = {0: 0.30, 1: 0.02, 2: 0.25}
+    spans = [step_span(run_id="nccl", step=n, rank=rank, compute=0.5, interval=1.0, world_size=3,
+                       **{EXPOSED_ATTR: seconds + 0.1 * n})
+             for n in range(2) for rank, seconds in exposed.items()]
+    spans += [step_span(run_id="gloo", step=0, rank=rank, compute=0.5, interval=1.0, world_size=3)
+              for rank in range(3)]
+    decoded = extract_steps(request(*spans)).steps
+    assert sorted(s.exposed_communication_seconds for s in decoded if s.run_id == "nccl" and s.step == 0) \
+        == [0.02, 0.25, 0.30]
+    records = {(r["run_id"], r["step"]): r for r in Joiner(world_size=3).add(decoded).records}
+    for n in range(2):
+        r = records[("nccl", n)]
+        assert (r["exposed_communication_min_seconds"], r["exposed_communication_median_seconds"],
+                r["exposed_communication_max_seconds"]) == (0.02 + 0.1 * n, 0.25 + 0.1 * n, 0.30 + 0.1 * n)
+    assert records[("gloo", 0)]["exposed_communication_median_seconds"] is None
+    # A rank's exposed communication is part of its step: a value past the interval is cut to it.
+    (hostile,) = extract_steps(request(step_span(run_id="h", compute=0.5, interval=1.0, **{EXPOSED_ATTR: 5.0}))).steps
+    assert hostile.exposed_communication_seconds == 1.0
+    metrics = ClusterMetrics()
+    metrics.publish(list(records.values()))
+    text = generate_latest(metrics.registry).decode()
+    name = "steptrace_cluster_step_exposed_communication_seconds"
+    for stat, seconds in (("min", 0.12), ("median", 0.35), ("max", 0.40)):
+        assert value(text, name, run_id="nccl", stat=stat) == pytest.approx(seconds)
+    assert f'{name}{{run_id="gloo"' not in text
+
+
+def test_exposed_communication_survives_the_journal_and_old_journal_lines_still_replay(tmp_path):
+    """A restarted collector replays the open steps' spans from its journal with their exposed
+    communication; a line written before the field existed replays without it."""
+    import dataclasses
+
+    from steptrace.collector._runlog import JOURNAL_FILE, ClusterLog
+
+    log = ClusterLog(tmp_path)
+    log.journal([dataclasses.replace(span(step=3, rank=r), exposed_communication_seconds=0.01 * (r + 1))
+                 for r in range(2)])
+    log.close()
+    (journal,) = tmp_path.rglob(JOURNAL_FILE)
+    lines = journal.read_text().splitlines()
+    # The second rank's line as a collector before the field (and the collectives after it) wrote it:
+    # two values fewer.
+    old = json.loads(lines[-1])
+    assert old[-2] == pytest.approx(0.02) and old[-1] is None
+    journal.write_text("\n".join(lines[:-1] + [json.dumps(old[:-2])]) + "\n")
+    replayed = sorted(ClusterLog(tmp_path).replay(), key=lambda s: s.rank)
+    assert [(s.rank, s.exposed_communication_seconds) for s in replayed] == [(0, 0.01), (1, None)]

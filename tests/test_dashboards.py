@@ -41,6 +41,7 @@ RANK_METRICS = {
     "steptrace_gpu_violation_seconds_total", "steptrace_gpu_sm_clock_hertz", "steptrace_gpu_errors_total",
     "steptrace_dropped_records_total", "steptrace_info",
     "steptrace_step_collective_wait_seconds_total", "steptrace_step_own_seconds_total",
+    "steptrace_step_exposed_communication_seconds_total",
     "steptrace_productive_seconds_total", "steptrace_wall_seconds_total", "steptrace_captures_total",
 } | {h + suffix for h in RANK_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 # What the steptrace collector serves (issue "Collector and dashboards", collector/_metrics.py).
@@ -170,7 +171,7 @@ EXPECTED_PANELS = {
         "Dropped records", "Failed steps by rank", "Ranks by backend and version",
         "Profiler captures by rank, time range", "Profiler captures over time",
         "GPU throttled time by policy (5m)", "GPU SM clock, slowest and fastest ranks",
-        "GPU errors by rank and kind (5m)",
+        "GPU errors by rank and kind (5m)", "Exposed communication per rank (5m)",
     },
     "steptrace-cluster.json": {
         "Last joined step", "Ranks in the last joined step", "Straggler rank", "Cross-rank skew",

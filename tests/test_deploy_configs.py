@@ -537,6 +537,9 @@ class SyntheticRun:
             # The wait in collectives, as torch.distributed ranks measure it: a fifth of the interval.
             "collective_wait_seconds": t["interval"] / 5, "own_seconds": t["interval"] * 4 / 5,
             "collective_wait_source": "process_group",
+            # NCCL's device-timed exposed communication (the "Exposed communication per rank" panel):
+            # the wait above plus a 1 ms transfer no compute overlapped.
+            "exposed_communication_seconds": t["interval"] / 5 + 0.001,
             # A GPU health window per step (docs/health.md): rank 1's GPU is thermally throttled a
             # tenth of the step at a lower SM clock, and shows one Xid every 10 steps.
             "health": {"window_steps": 1, "violation_ms": {"thermal": 100.0 * rank * t["interval"], "power": 0.0},

@@ -55,9 +55,9 @@ pytestmark = pytest.mark.integration
 #: (issue 33's note) gives the e2e ranks a measured wait so that no query is exempt again.
 NOT_FILLED_BY_THIS_RUN = ("steptrace_step_collective_wait", "steptrace_cluster_step_collective_wait",
                           "steptrace_cluster_persistent_straggler",
-                          # GPU health (health="nvml"): a JAX run on CPU has no GPU; the synthetic run of
-                          # tests/test_dashboards.py fills these panels.
-                          "steptrace_gpu_")
+                          # GPU health (health="nvml") and NCCL's exposed communication: a JAX run on
+                          # CPU has no GPU; the synthetic run of tests/test_dashboards.py fills these panels.
+                          "steptrace_gpu_", "steptrace_step_exposed_communication")
 
 yaml = pytest.importorskip("yaml", reason="reading the configs needs PyYAML (installed with steptrace[test])")
 pytest.importorskip("prometheus_client", reason="the exporter and collector need `pip install 'steptrace[prometheus]'`")

@@ -266,6 +266,71 @@ def test_a_collective_between_steps_counts_in_the_next_step(monkeypatch):
     assert inside[1] == 2 and inside[2] == pytest.approx(4 * MS, abs=EXACT)
 
 
+def test_collectives_after_the_last_step_are_counted_at_the_runs_end(monkeypatch):
+    """A collective that completes after the last step is held for a next step that never comes, and
+    an async one never waited for is never timed: at the run's end both are counted in the run
+    record's drops (collectives_after_last_step), not lost silently; the steps keep only their own."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=4 * MS, peer_arrivals=lambda g, s: {1: 0.0})
+        with capture(rank=0, world_size=2) as sink:
+            with steptrace.step(0):
+                fake.run(20 * MS)
+                torch.distributed.all_reduce(object())
+            torch.distributed.all_reduce(object())  # a loss all-reduce after the last step
+            torch.distributed.all_reduce(object(), async_op=True)  # its Work never waited for
+            before_the_end = steptrace.stats()["dropped"]
+    (step,) = sink.steps()
+    assert [entry[1] for entry in step["collectives"]] == [1]
+    assert "collectives_after_last_step" not in before_the_end  # still held for a next step until the end
+    (run,) = sink.of_type("run")
+    assert run["dropped"]["collectives_after_last_step"] == 2
+
+
+def test_a_run_after_a_run_does_not_inherit_its_collectives_after_the_last_step(monkeypatch):
+    """What the first run counted at its end is gone: the next run's first step holds only its own."""
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=4 * MS, peer_arrivals=lambda g, s: {1: 0.0})
+        with capture(rank=0, world_size=2, run_id="first") as first:
+            with steptrace.step(0):
+                fake.run(20 * MS)
+            torch.distributed.all_reduce(object())
+        with capture(rank=0, world_size=2, run_id="second") as second:
+            with steptrace.step(0):
+                fake.run(20 * MS)
+                torch.distributed.all_reduce(object())
+    assert first.of_type("run")[0]["dropped"]["collectives_after_last_step"] == 1
+    (step,) = second.steps()
+    assert len(step["collectives"]) == 1
+    assert "collectives_after_last_step" not in second.of_type("run")[0]["dropped"]
+
+
+def test_exposed_communication_is_served_to_prometheus_as_the_steps_sum(monkeypatch):
+    """steptrace_step_exposed_communication_seconds_total adds the steps' exposed communication: here
+    a peer arriving 10 ms late and a 5 ms transfer, 15 ms a step, 45 ms over three."""
+    pytest.importorskip("prometheus_client", reason="pip install 'steptrace[prometheus]'")
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with monkeypatch.context() as patch:
+        fake = FakeCuda(patch, drift_ppm=0.0)
+        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=5 * MS, peer_arrivals=lambda g, s: {1: 10 * MS})
+        with capture(rank=0, world_size=2, prometheus_port=0) as sink:
+            for n in range(3):
+                with steptrace.step(n):
+                    fake.run(20 * MS)
+                    torch.distributed.all_reduce(object())
+            assert steptrace.flush(10)
+            with urllib.request.urlopen(steptrace.stats()["endpoints"]["prometheus"], timeout=5) as response:
+                text = response.read().decode()
+    served = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == "steptrace_step_exposed_communication_seconds_total"]
+    assert served == [pytest.approx(45 * MS, abs=3 * EXACT)]
+    assert served[0] == pytest.approx(sum(s["exposed_communication_seconds"] for s in sink.steps()), rel=1e-12)
+
+
 def test_exposed_communication_travels_over_otlp_into_clickhouse(monkeypatch):
     """``train.exposed_communication_seconds`` on the step span: ``report --clickhouse`` reads the
     figure the JSONL record holds."""

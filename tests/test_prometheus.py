@@ -189,6 +189,25 @@ def test_goodput_is_own_compute_over_the_wall_from_the_process_start(sink):
     assert "steptrace_goodput_ratio" not in text  # two counters, not a ratio (docs/prometheus.md)
 
 
+def test_exposed_communication_is_a_counter_only_where_the_steps_carry_it(sink):
+    """NCCL's device-timed exposed communication (docs/records.md) adds up per rank, in seconds; a
+    rank whose steps do not carry it (no NCCL, the gloo path, JAX) serves no series at all."""
+    sink.export([step_record(0, 1.0, 0.5), step_record(1, 1.0, 0.5)])
+    name = "steptrace_step_exposed_communication_seconds_total"
+    assert not [s for s in samples(scrape(sink.endpoint)) if s.name == name]
+    sink.export([{**step_record(2, 1.0, 0.9), "collectives": [["0", 1, 0.2, 0.15]],
+                  "exposed_communication_seconds": 0.15},
+                 step_record(3, 1.0, 0.5),  # a step without a collective leaves the total alone
+                 {**step_record(4, 1.0, 0.9), "collectives": [["0", 2, 0.2, 0.05], ["0", 3, 0.1, 0.0]],
+                  "exposed_communication_seconds": 0.05}])
+    assert value(scrape(sink.endpoint), name) == pytest.approx(0.2)
+    # A bad value skips its record whole (counted as invalid), never half-applied.
+    sink.export([{**step_record(5, 1.0, 0.9), "exposed_communication_seconds": -1.0}])
+    text = scrape(sink.endpoint)
+    assert value(text, name) == pytest.approx(0.2)
+    assert value(text, "steptrace_steps_total", status="ok") == 5
+
+
 def test_without_an_attempt_record_the_wall_starts_at_the_first_steps_init(sink):
     sink.export([{**step_record(0, 1.0, 0.5), "host_start_time": 11.0, "end_time": 12.0, "before_step_seconds": 1.0}])
     text = scrape(sink.endpoint)

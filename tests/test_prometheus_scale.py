@@ -86,4 +86,7 @@ def test_every_dashboard_query_stays_under_max_samples_and_names_few_ranks(measu
     # default); tests/test_dashboards.py fills them with health windows against a live Prometheus.
     health_off = {(q["panel"], q["ref"]) for q in queries if q["panel"].startswith("GPU ")}
     assert health_off, "the training dashboard has GPU health panels"
-    assert went_wrong <= empty <= went_wrong | pinned_scores | capture_off | health_off, empty
+    # And exposed communication: only NCCL collectives timed on the GPU carry it; the captured rank
+    # runs on CPU (tests/test_dashboards.py's synthetic ranks fill it against a live Prometheus).
+    no_nccl = {("Exposed communication per rank (5m)", ref) for ref in "ABC"}
+    assert went_wrong <= empty <= went_wrong | pinned_scores | capture_off | health_off | no_nccl, empty

@@ -95,6 +95,21 @@ def test_a_collective_between_steps_waits_within_the_next_steps_interval(gloo_gr
     assert second["collective_wait_seconds"] >= 0.02
 
 
+def test_a_wait_after_the_last_step_is_counted_at_the_runs_end(gloo_group):
+    """A gloo all-reduce after the last step waits for a next step that never comes: the run's end
+    counts it (collectives_after_last_step in the run record), one per wait, not lost silently."""
+    torch_distributed.track_collectives()
+    with capture() as sink:
+        with steptrace.step(0):
+            dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+    (step,) = sink.steps()
+    assert step["collective_wait_seconds"] > 0  # the all-reduce inside the step, its own
+    (run,) = sink.of_type("run")
+    assert run["dropped"]["collectives_after_last_step"] == 2
+
+
 def _clock_jumping_by(seconds: float):
     """perf_counter, but every second read is ``seconds`` later: a collective that took that long."""
     reads = []
@@ -150,6 +165,26 @@ def test_ddp_models_are_tracked_at_their_first_forward_and_keep_their_comm_hook(
     steps = sink.steps()
     assert all(s["collective_wait_source"] == "ddp" and s["collective_wait_seconds"] > 0 for s in steps), steps
     assert model.module.weight.grad is not None
+
+
+def test_a_ddp_backward_between_steps_waits_within_the_next_step_or_is_counted_at_the_end(gloo_group):
+    """DDP's gradient all-reduce in a backward outside any step (gradient accumulation around the step,
+    say) is held for the next step, as a collective's wait is; after the last step it is counted at the
+    run's end (collectives_after_last_step), never lost silently."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    with capture() as sink:
+        with steptrace.step(0):
+            model(torch.ones(2, 4)).sum().backward()
+        model(torch.ones(2, 4)).sum().backward()  # between steps: step 1 takes its wait
+        with steptrace.step(1):
+            model(torch.ones(2, 4)).sum().backward()
+        model(torch.ones(2, 4)).sum().backward()  # after the last step: counted at the end
+    first, second = sink.steps()
+    assert first["collective_wait_source"] == "ddp" and second["collective_wait_source"] == "ddp"
+    (run,) = sink.of_type("run")
+    assert run["dropped"]["collectives_after_last_step"] == 1  # the last one only: step 1 took the other
 
 
 def test_nothing_is_installed_where_the_host_does_not_see_the_wait(gloo_group, monkeypatch):

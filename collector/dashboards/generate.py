@@ -393,7 +393,7 @@ def training() -> dash_b.Dashboard:
         .with_target(query(f"count by (backend, version) (steptrace_info{{{RUN}}})",
                            "{{backend}} {{version}}", instant=True)))
 
-    d = d.with_row(dash_b.Row("GPU health"))
+    d = d.with_row(dash_b.Row("GPU health and collectives"))
     d = d.with_panel(series(
         "GPU throttled time by policy (5m)",
         "Share of wall time an NVML performance policy held each GPU's clocks down (health=\"nvml\", "
@@ -417,6 +417,15 @@ def training() -> dash_b.Dashboard:
         [(f"topk(10, sum by (rank, kind) (increase(steptrace_gpu_errors_total{{{RUN}}}[5m])) > 0)",
           "rank {{rank}} {{kind}}")],
         unit="short", w=8, bars=True, decimals=0))
+    d = d.with_panel(series(
+        "Exposed communication per rank (5m)",
+        "Share of wall time each rank's stream stood waiting on NCCL collectives with no compute to "
+        "overlap (exposed communication, HolisticTraceAnalysis's sense; collectives timed on the GPU, "
+        "docs/collector.md#who-slowed-the-job): the 5 highest, the 5 lowest and the pinned ranks. In a "
+        "synchronous job it holds the wait for the latest rank, so the rank the others wait for shows the "
+        "least; high on every rank is communication the schedule does not hide. Empty without NCCL.",
+        ranked(lambda sel: f"rate(steptrace_step_exposed_communication_seconds_total{{{sel}}}[5m])"),
+        unit="percentunit", w=24, max_val=1, table_legend=True))
 
     d = d.with_row(dash_b.Row("Deep capture"))
     d = d.with_panel(
