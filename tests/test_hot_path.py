@@ -356,3 +356,46 @@ def test_the_finalized_records_are_the_same_as_before_the_batched_path_field_by_
         for field in want_record:
             assert got_record[field] == want_record[field], (want_record["type"], want_record.get("step"), field)
         assert got == expected  # the same values, and the same float text
+
+
+def test_a_backlog_is_finalized_in_one_pass_and_a_step_that_fails_in_it_costs_itself_alone():
+    """Steps queued behind each other are finalized in one pass of the resolver (not one trip through
+    its loop per step); a step that fails in the middle is dropped and counted alone, and the steps
+    behind it are still finalized, in order."""
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="one-pass", strict=False)
+    resolver = steptrace._active.resolver
+    with steptrace.step(0) as s:
+        s.wait_for(object())
+    assert steptrace.flush(30.0)
+    items = []
+    resolver.submit = lambda item, urgent=False: items.append(item)
+    steps = 600
+    for n in range(1, steps + 1):
+        with steptrace.step(n) as s:
+            s.wait_for(object())
+    del resolver.submit
+    handled = []
+    real_handle, real_resolve = resolver._handle, resolver._resolve_step
+
+    def counting_handle(item):
+        handled.append(item)
+        real_handle(item)
+
+    def failing_resolve(step):
+        if step.step == 300:
+            raise RuntimeError("a bug in the resolver")
+        return real_resolve(step)
+
+    resolver._handle, resolver._resolve_step = counting_handle, failing_resolve
+    resolver._queue.extend(items)
+    resolver._wake.set()
+    assert steptrace.flush(60.0)
+    del resolver._handle, resolver._resolve_step
+    numbers = [r["step"] for r in sink.steps()]
+    assert numbers == [0] + [n for n in range(1, steps + 1) if n != 300]
+    assert steptrace.stats()["dropped"] == {"resolver_error": 1}
+    # One pass up to the failing step, one after it (and the flush's own item): not one per step.
+    handled_steps = [item for item in handled if not isinstance(item, _resolver._Tail)]
+    assert 2 <= len(handled_steps) <= 4
+    steptrace.shutdown()
