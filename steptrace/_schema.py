@@ -16,7 +16,7 @@ places them in records. A leaf module: it imports nothing from steptrace but ``_
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, NotRequired, Sequence, TypedDict
+from typing import Any, Iterable, NamedTuple, NotRequired, Sequence, TypedDict
 
 from steptrace._attribution import collective_wait_placement, own_seconds
 from steptrace._ids import trace_id_hex
@@ -328,6 +328,25 @@ def _utilization(flops: float | None, compute_seconds: float, per: float | None)
     return flops / compute_seconds / per
 
 
+class _StepFields(NamedTuple):
+    """What a step record takes from the training thread's step handle (``StepHandle`` has these names)."""
+
+    step: int
+    status: str
+    error: str | None
+    host_start: float
+    dispatch: float
+    tokens: float | None
+    samples: float | None
+    flops: float | None
+    attrs: dict[str, Any]
+    hardware_flops: float | None
+    flops_source: str | None
+    collective_wait: float
+    collective_windows: Sequence[tuple[float, float]]
+    first_after_restore: bool
+
+
 class RecordBuilder:
     """Builds the records of one rank's run. Times given are ``perf_counter`` seconds; records
     carry unix seconds (``+ unix_offset``)."""
@@ -360,17 +379,35 @@ class RecordBuilder:
              collective_windows: Sequence[tuple[float, float]] = (),
              first_after_restore: bool = False, collectives: list[list[Any]] | None = None,
              collectives_dropped: int = 0) -> StepRecord:
+        """A step record from its parts named one by one (tests, tools); the resolver uses :meth:`step_of`."""
+        unit = _StepFields(step, status, error, host_start, dispatch, tokens, samples, flops, attrs,
+                           hardware_flops, flops_source, collective_wait, collective_windows, first_after_restore)
+        return self.step_of(unit, backend, end_source, host_end, timing, segments, breakdown, bubble,
+                            optimizer_seconds, scalars, device_memory, placement_uncertainty, collective_source,
+                            collectives, collectives_dropped)
+
+    def step_of(self, unit: Any, backend: str, end_source: str, host_end: float, timing: Any,
+                segments: Sequence[Any], breakdown: dict[str, float], bubble: dict[str, float] | None,
+                optimizer_seconds: float | None, scalars: dict[str, float] | None,
+                device_memory: dict[str, float] | None, placement_uncertainty: float | None,
+                collective_source: str | None, collectives: list[list[Any]] | None,
+                collectives_dropped: int, /) -> StepRecord:
+        """The record of a finalized step. ``unit`` holds what the training thread recorded, by the names of
+        :class:`_StepFields` (the resolver passes its step handle); the rest is what the resolver worked out.
+        Positional: a call naming its ~30 arguments cost ~2.7 µs a step on the 2-vCPU bench VM, a fifth
+        of building the record (bench/RESULTS.md, issue 35)."""
+        step, tokens, samples, model_flops = unit.step, unit.tokens, unit.samples, unit.flops
+        hardware_flops = unit.hardware_flops
+        host_start, dispatch = unit.host_start, unit.dispatch
         off = self.unix_offset
         compute, interval = timing.compute_seconds, timing.interval_seconds
-        model_flops = flops
-        if hardware_flops is None:
-            flops_source = None
+        flops_source = None if hardware_flops is None else unit.flops_source
         counted = hardware_flops if hardware_flops is not None else model_flops
         peak = self.peak_flops
         record: StepRecord = {
             "type": "step", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
             "world_size": self.world_size,
-            "step": step, "trace_id": trace_id_hex(self.run_id, step, self.attempt), "status": status,
+            "step": step, "trace_id": trace_id_hex(self.run_id, step, self.attempt), "status": unit.status,
             "backend": backend, "end_source": end_source,
             "host_start_time": host_start + off, "host_end_time": host_end + off, "dispatch_time": dispatch + off,
             "start_time": timing.start + off, "end_time": timing.end + off,
@@ -387,8 +424,9 @@ class RecordBuilder:
             "tflops_per_second": None if counted is None else _utilization(counted, compute, 1e12),
             "mfu": None if model_flops is None else _utilization(model_flops, compute, peak),
             "hfu": None if hardware_flops is None else _utilization(hardware_flops, compute, peak),
-            "attrs": attrs,
+            "attrs": unit.attrs,
         }
+        error = unit.error
         if error is not None:
             record["error"] = error
         if bubble is not None:
@@ -404,7 +442,7 @@ class RecordBuilder:
             record["device_memory"] = memory
         if placement_uncertainty is not None:
             record["placement_uncertainty_seconds"] = placement_uncertainty
-        if first_after_restore:
+        if unit.first_after_restore:
             record["first_after_restore"] = True
         if collectives is not None:
             record["collectives"] = collectives
@@ -415,8 +453,8 @@ class RecordBuilder:
             # The wait happened within the step's interval (during its compute, or in a host span
             # or between steps: idle time); it cannot be longer. Where it fell splits the step into
             # own compute + wait + host idle by reason (waiting shown as waiting).
-            in_compute, in_idle = collective_wait_placement(min(max(0.0, collective_wait), interval), compute,
-                                                            collective_windows, segments)
+            in_compute, in_idle = collective_wait_placement(min(max(0.0, unit.collective_wait), interval), compute,
+                                                            unit.collective_windows, segments)
             wait = in_compute + math.fsum(in_idle.values())
             record["collective_wait_seconds"] = wait
             record["own_seconds"] = own_seconds(interval, wait)

@@ -7,6 +7,7 @@ asleep with work to do, a pending wake-up is not signalled again, the JSONL sink
 encoder (the same text as ``json.dumps``; a record that cannot be encoded costs itself alone).
 """
 
+import collections
 import json
 import threading
 import time
@@ -240,3 +241,161 @@ def test_step_counts_are_checked_and_kept_through_the_attrs_fast_path():
     assert [(r["step"], r["tokens"], r["samples"], r["model_flops"], r["attrs"]) for r in steps] == [
         (0, 100, 4, 2e9, {"phase": "a"}), (1, None, None, None, {"phase": "b"}), (2, None, None, None, {})]
     assert sink.of_type("run")[0]["dropped"] == {"misuse": 1}
+
+
+# -- the records themselves: unchanged by the batched finalization ---------------------------------
+_GOLDEN = __import__("pathlib").Path(__file__).parent / "golden" / "hot_path_records.json"
+
+
+def _feature_loop_items():
+    """The handles of a loop that uses every host-timed feature a step record can carry (spans inside
+    and between steps, nested spans, tokens/samples/flops, attrs, scalars, an error step, microbatches,
+    checkpoints), kept back from the resolver, with every clock reading replaced, in order,
+    by a fixed one: the records they make are then the same in every run."""
+    from steptrace._handles import CheckpointHandle, StepHandle
+
+    runtime = steptrace._active
+    resolver = runtime.resolver
+    items = []
+    resolver.submit = lambda item, urgent=False: items.append(item)
+    for n in range(40):
+        if n % 7 == 3:
+            with steptrace.span("data", shard=n):
+                pass
+        kwargs = {"tokens": 4096, "samples": 8, "flops": 3e12} if n % 3 == 0 else {}
+        if n % 5 == 1:
+            kwargs["lr"] = 0.001 * n
+        try:
+            with steptrace.step(n, **kwargs) as s:
+                if n % 2 == 0:
+                    with steptrace.span("data"):
+                        with steptrace.span("h2d"):
+                            pass
+                if n % 4 == 1:
+                    s.log(loss=1.0 / (n + 1), grad_norm=float(n))
+                if n % 6 == 5:
+                    for index in range(3):
+                        with steptrace.microbatch(index, stage=0, kind="forward"):
+                            pass
+                if n == 17:
+                    raise ValueError("bad batch ü")
+                s.wait_for(object())
+        except ValueError:
+            pass
+        if n % 10 == 9:
+            with steptrace.checkpoint(n):
+                with steptrace.span("serialize"):
+                    pass
+    del resolver.submit
+    items = [item for item in items if isinstance(item, (StepHandle, CheckpointHandle))]
+    times: set[float] = set()
+
+    def spans_of(step):
+        return [*step.spans, *step.open_spans]
+
+    tail = runtime.closed_spans  # closed after the last step: flush() hands them over
+    times.update(t for span in tail for t in (span.start, span.end))
+    for item in items:
+        times.update(t for t in (item.host_start, item.host_end, getattr(item, "dispatch", None),
+                                 getattr(item, "async_end", None)) if t is not None)
+        for unit in getattr(item, "microbatches", ()):
+            times.update(t for t in (unit.host_start, unit.host_end, unit.dispatch) if t is not None)
+        for span in spans_of(item) if isinstance(item, StepHandle) else ():
+            times.update((span.start, span.end))
+    fixed = {t: 100.0 + 0.001 * i for i, t in enumerate(sorted(times))}
+    for item in items:
+        item.host_start = fixed[item.host_start]
+        if item.host_end is not None:
+            item.host_end = fixed[item.host_end]
+        if isinstance(item, StepHandle):
+            item.dispatch = fixed[item.dispatch]
+            for unit in item.microbatches:
+                unit.host_start, unit.dispatch = fixed[unit.host_start], fixed[unit.dispatch]
+                if unit.host_end is not None:
+                    unit.host_end = fixed[unit.host_end]
+            for span in spans_of(item):
+                span.start, span.end = fixed[span.start], fixed[span.end]
+    for span in tail:
+        span.start, span.end = fixed[span.start], fixed[span.end]
+    return items
+
+
+def _finalized(items):
+    resolver = steptrace._active.resolver
+    resolver.started = 99.0  # init(): before every fixed time
+    resolver.unix_offset = resolver.records.unix_offset = 1.7e9
+    resolver._queue.extend(items)
+    resolver._wake.set()
+    assert steptrace.flush(60.0)
+
+
+def test_the_finalized_records_are_the_same_as_before_the_batched_path_field_by_field():
+    """The records of a fixed loop, compared field by field with those the one-record-at-a-time
+    resolver made from the same handles (tests/golden/hot_path_records.json, written by the code
+    before issue 35's batched finalization; WRITE_GOLDEN_HOT_PATH=1 rewrites it)."""
+    import os
+
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="golden-run", strict=False, peak_tflops=100.0,
+                   stall_watch=False)
+    items = _feature_loop_items()
+    _finalized(items)
+    records = [r for r in sink.records if r["type"] in ("step", "span", "checkpoint", "microbatch")]
+    steptrace.shutdown()
+    text = [json.dumps(r, sort_keys=True) for r in records]
+    if os.environ.get("WRITE_GOLDEN_HOT_PATH"):
+        _GOLDEN.write_text("\n".join(text) + "\n")
+    want = _GOLDEN.read_text().splitlines()
+    counts = collections.Counter(r["type"] for r in records)
+    # 20 steps with data > h2d, 6 data spans between steps, a serialize span in each of 4 saves.
+    assert counts == {"step": 40, "span": 2 * 20 + 6 + 4, "checkpoint": 4, "microbatch": 6 * 3}
+    assert len(text) == len(want)
+    for got, expected in zip(text, want):
+        got_record, want_record = json.loads(got), json.loads(expected)
+        assert sorted(got_record) == sorted(want_record), (got_record.get("type"), got_record.get("step"))
+        for field in want_record:
+            assert got_record[field] == want_record[field], (want_record["type"], want_record.get("step"), field)
+        assert got == expected  # the same values, and the same float text
+
+
+def test_a_backlog_is_finalized_in_one_pass_and_a_step_that_fails_in_it_costs_itself_alone():
+    """Steps queued behind each other are finalized in one pass of the resolver (not one trip through
+    its loop per step); a step that fails in the middle is dropped and counted alone, and the steps
+    behind it are still finalized, in order."""
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="one-pass", strict=False)
+    resolver = steptrace._active.resolver
+    with steptrace.step(0) as s:
+        s.wait_for(object())
+    assert steptrace.flush(30.0)
+    items = []
+    resolver.submit = lambda item, urgent=False: items.append(item)
+    steps = 600
+    for n in range(1, steps + 1):
+        with steptrace.step(n) as s:
+            s.wait_for(object())
+    del resolver.submit
+    handled = []
+    real_handle, real_resolve = resolver._handle, resolver._resolve_step
+
+    def counting_handle(item):
+        handled.append(item)
+        real_handle(item)
+
+    def failing_resolve(step):
+        if step.step == 300:
+            raise RuntimeError("a bug in the resolver")
+        return real_resolve(step)
+
+    resolver._handle, resolver._resolve_step = counting_handle, failing_resolve
+    resolver._queue.extend(items)
+    resolver._wake.set()
+    assert steptrace.flush(60.0)
+    del resolver._handle, resolver._resolve_step
+    numbers = [r["step"] for r in sink.steps()]
+    assert numbers == [0] + [n for n in range(1, steps + 1) if n != 300]
+    assert steptrace.stats()["dropped"] == {"resolver_error": 1}
+    # One pass up to the failing step, one after it (and the flush's own item): not one per step.
+    handled_steps = [item for item in handled if not isinstance(item, _resolver._Tail)]
+    assert 2 <= len(handled_steps) <= 4
+    steptrace.shutdown()
