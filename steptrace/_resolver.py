@@ -492,6 +492,8 @@ class Resolver:
             later = queue[0]
             if type(later) is not StepHandle:
                 return
+            if not later.end_prepared:
+                self._prepare_device_ends()  # a device-clock end asked for before the step is looked at
             try:
                 if not self._ready(later):
                     return
