@@ -397,7 +397,11 @@ class Resolver:
                 if not step.device.end_complete(step.device_end):
                     return False
             except Exception:
-                step.device_end = None  # unreadable: the end is observed (waited for in _unit_end)
+                pending, step.device_end = step.device_end, None  # unreadable: observed in _unit_end
+                try:
+                    pending.release()  # its events back to the device's pool
+                except Exception:
+                    pass
         for unit in (step, *step.microbatches):
             device = unit.device
             if device.uses_events:
