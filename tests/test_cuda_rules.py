@@ -282,7 +282,10 @@ def test_a_busy_pool_stream_neither_stalls_nor_misplaces(monkeypatch):
     for n in range(40):
         r = steps[n]
         stated = r["placement_uncertainty_seconds"]
-        assert stated < 50 * US, r
+        # Anchors on a busy pool stream would wait behind its 1.5 s of collectives: the bound says the
+        # anchors were not there. (It was 50 µs, which a loaded 2-core machine crossed: 50.2 µs in a
+        # fresh-clone run; the placement itself is checked exactly on the next line.)
+        assert stated < 1 * MS, r
         assert abs(r["end_time"] - (kernels[n].end_time + unix_offset)) <= stated + US, (n, stated)
     assert fake.streams_created == 1  # the anchors' stream is steptrace's own, not one of the pool's
 
