@@ -82,13 +82,6 @@ class JaxDevice:
             ends = self._ends = DeviceEnds(_driver())
         return ends.prepare(buffers)
 
-    def end_complete(self, pending: Any) -> bool:
-        return pending.complete()
-
-    def end_time(self, pending: Any) -> float:
-        """The host time (``perf_counter``) at which the outputs became ready, by the device's clock."""
-        return pending.end_time()
-
     def wait_values(self, values: tuple[Any, ...]) -> float | None:
         self._jax.block_until_ready(values)
         # JAX has no device clock to read back: the resolver reads the host clock when
@@ -214,6 +207,7 @@ class PendingEnd:
         self.owner, self.marks = owner, marks
 
     def complete(self) -> bool:
+        """Whether the outputs are ready (every GPU's end event completed; never waits)."""
         driver = self.owner.driver
         for gpu, _anchor, _at, end in self.marks:
             driver.use_device(gpu.ordinal)
@@ -222,7 +216,8 @@ class PendingEnd:
         return True
 
     def end_time(self) -> float:
-        """The latest GPU's end on the host clock; the events go back to their pools."""
+        """When the outputs became ready, on the host clock (``perf_counter``): the latest GPU's end, by
+        the device's clock. The events go back to their pools."""
         driver, latest = self.owner.driver, None
         try:
             for gpu, anchor, at, end in self.marks:

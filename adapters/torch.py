@@ -167,9 +167,6 @@ class _Driver:
         self._check(self._cuda().cuEventCreate(ctypes.byref(event), ctypes.c_uint(0)), "cuEventCreate")
         return int(event.value or 0)
 
-    def destroy_event(self, handle: int) -> None:
-        self._cuda().cuEventDestroy_v2(ctypes.c_void_p(handle))
-
     def event_synchronize(self, handle: int) -> None:
         self._check(self._cuda().cuEventSynchronize(ctypes.c_void_p(handle)), "cuEventSynchronize")
 

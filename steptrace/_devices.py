@@ -35,6 +35,11 @@ class Device(Protocol):
 
 
 class ValueDevice(Device, Protocol):
+    """May also have ``prepare_end(values)`` (resolver thread, as soon as the step is handed over): a
+    pending device-clock end, with ``complete()`` (never waits), ``end_time()`` (the host
+    ``perf_counter`` time the values became ready) and ``release()``, or None (JAX on a CUDA GPU:
+    ``steptrace.adapters.jax.DeviceEnds``)."""
+
     def wait_values(self, values: tuple[Any, ...]) -> float | None:
         """Block until every value is computed (resolver thread). Returns the host
         ``perf_counter`` time they became ready when the device knows it, else None."""

@@ -63,7 +63,7 @@ class TimedUnit:
     values: tuple | None = None
     #: resolver: a value device's pending device-clock end for ``values`` (JAX on a CUDA GPU), if any
     device_end: Any = None
-    end_prepared = False  # resolver: whether the value device was asked for one
+    end_prepared = False  # resolver: whether the value device was asked for one (steps with values only)
     device: Any = HOST  # a Device: HOST, a ValueDevice or a StreamDevice (see _devices)
     stream: Any = None  # the stream device's stream the markers go on
     start_event: Any = None

@@ -284,7 +284,7 @@ class Resolver:
                 self._sleeping = False
                 continue
             item = queue[0]
-            if item.__class__ is StepHandle and not item.end_prepared:
+            if item.__class__ is StepHandle and item.values is not None and not item.end_prepared:
                 self._prepare_device_ends()
             try:
                 ready = self._ready(item)
@@ -327,12 +327,9 @@ class Resolver:
         queue = self._queue
         for i in range(min(len(queue), _PREPARE_AHEAD)):
             unit = queue[i]
-            if unit.__class__ is not StepHandle or unit.end_prepared:
-                continue
-            if unit.values is None:
-                if unit.host_end is None:
-                    continue  # not handed over at wait_for: a later look may find values
-                unit.end_prepared = True
+            # A step without values (host, CUDA) has no device-clock end to ask for: it was queued at
+            # its exit, a value step at wait_for, with its values.
+            if unit.__class__ is not StepHandle or unit.values is None or unit.end_prepared:
                 continue
             unit.end_prepared = True
             prepare = getattr(unit.device, "prepare_end", None)
@@ -394,7 +391,7 @@ class Resolver:
     def _markers_complete(step: "StepHandle") -> bool:
         if step.device_end is not None:
             try:
-                if not step.device.end_complete(step.device_end):
+                if not step.device_end.complete():
                     return False
             except Exception:
                 pending, step.device_end = step.device_end, None  # unreadable: observed in _unit_end
@@ -496,7 +493,7 @@ class Resolver:
             later = queue[0]
             if type(later) is not StepHandle:
                 return
-            if not later.end_prepared:
+            if later.values is not None and not later.end_prepared:
                 self._prepare_device_ends()  # a device-clock end asked for before the step is looked at
             try:
                 if not self._ready(later):
@@ -544,7 +541,7 @@ class Resolver:
         if pending is not None:
             unit.device_end = None
             try:
-                end = device.end_time(pending)
+                end = pending.end_time()
             except Exception:
                 end = None  # unreadable: observed below
             if end is not None:

@@ -242,9 +242,6 @@ class FakeCudaDriver:
         self.events[handle] = _Event(device)
         return handle
 
-    def destroy_event(self, handle: int) -> None:
-        self.events.pop(handle, None)
-
     def stream_wait(self, stream: int, device: int, host_ready: float) -> None:
         """What ``WaitUntilBufferReadyOnStream`` does: the stream's later work waits for the buffer."""
         target = self.streams.get(stream)
