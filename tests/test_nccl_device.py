@@ -42,6 +42,14 @@ def _untrack(monkeypatch):
     torch_distributed.untrack_collectives()
 
 
+def _rank_and_peer(patch, transfer_s: float, peer_late_s: float = 0.0) -> tuple[FakeCuda, FakeNccl]:
+    """Rank 0 of two on the simulated GPU (no drift: the script's seconds are the device's); its peer
+    arrives at every collective ``peer_late_s`` after it."""
+    fake = FakeCuda(patch, drift_ppm=0.0)
+    return fake, FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=transfer_s,
+                          peer_arrivals=lambda group, seq: {1: peer_late_s})
+
+
 def _run_rank(monkeypatch, rank: int, compute_s: dict[int, float], *, steps: int = 4,
               transfer_s: float = 5 * MS, **settings) -> list[dict]:
     """One rank of a synchronous job: compute, then a synchronous all-reduce, per step. Peers arrive
@@ -96,9 +104,7 @@ def _exposed(monkeypatch, overlap_s: float, transfer_s: float = 10 * MS) -> tupl
     """A rank alone (its peers arrive with it): an async all-reduce, ``overlap_s`` of compute on the
     current stream while it runs, then ``wait()``."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)  # the script's seconds are the device's
-        nccl = FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=transfer_s,
-                        peer_arrivals=lambda group, seq: {1: 0.0})
+        fake, nccl = _rank_and_peer(patch, transfer_s)
         with capture(rank=0, world_size=2) as sink:
             with steptrace.step(0):
                 fake.run(50 * MS)  # keeps the host ahead of the device: the events mark device time
@@ -127,8 +133,7 @@ def test_exposed_communication_is_the_collective_time_no_compute_overlapped(monk
 def test_collectives_are_not_device_timed_on_gloo(monkeypatch):
     """The device path installs on NCCL only; gloo's waits are the host's (the CPU path)."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)  # the script's seconds are the device's
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, MS)
         patch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
         assert torch_distributed.track_device_collectives() == []
         patch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
@@ -217,8 +222,7 @@ def test_collectives_past_the_bound_are_counted_in_the_step(monkeypatch):
     record says how many (collectives_dropped), never silently fewer."""
     monkeypatch.setattr(torch_distributed, "MAX_DEVICE_COLLECTIVES", 3)
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, MS)
         with capture(rank=0, world_size=2) as sink:
             with steptrace.step(0):
                 for _ in range(5):
@@ -232,8 +236,7 @@ def test_a_collective_inside_a_cuda_graph_capture_is_not_timed_and_is_counted(mo
     """An event recorded into a stream being captured becomes a node of the user's graph (fake_cuda's
     capture rule): the wrapper leaves the capture alone and counts the collective as not timed."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, MS)
         with capture(rank=0, world_size=2) as sink:
             with steptrace.step(0):
                 fake.run(20 * MS)
@@ -250,8 +253,7 @@ def test_a_collective_between_steps_counts_in_the_next_step(monkeypatch):
     """A loss all-reduce after ``with step(n)`` closed ends within the next step's interval: it is
     given to the next step's first collective, as the gloo path gives its wait."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=4 * MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, 4 * MS)
         with capture(rank=0, world_size=2) as sink:
             with steptrace.step(0):
                 fake.run(20 * MS)
@@ -271,8 +273,7 @@ def test_collectives_after_the_last_step_are_counted_at_the_runs_end(monkeypatch
     an async one never waited for is never timed: at the run's end both are counted in the run
     record's drops (collectives_after_last_step), not lost silently; the steps keep only their own."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=4 * MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, 4 * MS)
         with capture(rank=0, world_size=2) as sink:
             with steptrace.step(0):
                 fake.run(20 * MS)
@@ -290,8 +291,7 @@ def test_collectives_after_the_last_step_are_counted_at_the_runs_end(monkeypatch
 def test_a_run_after_a_run_does_not_inherit_its_collectives_after_the_last_step(monkeypatch):
     """What the first run counted at its end is gone: the next run's first step holds only its own."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=4 * MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, 4 * MS)
         with capture(rank=0, world_size=2, run_id="first") as first:
             with steptrace.step(0):
                 fake.run(20 * MS)
@@ -315,8 +315,7 @@ def test_exposed_communication_is_served_to_prometheus_as_the_steps_sum(monkeypa
     from prometheus_client.parser import text_string_to_metric_families
 
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=5 * MS, peer_arrivals=lambda g, s: {1: 10 * MS})
+        fake, _ = _rank_and_peer(patch, 5 * MS, 10 * MS)
         with capture(rank=0, world_size=2, prometheus_port=0) as sink:
             for n in range(3):
                 with steptrace.step(n):
@@ -359,8 +358,7 @@ def test_reading_the_collectives_never_breaks_a_global_mode_graph_capture(monkey
     'global' mode: a query from another thread would invalidate it (fake_cuda's capture rule,
     pytorch#104487) unless that thread is in thread-local capture mode, as the step's own reads are."""
     with monkeypatch.context() as patch:
-        fake = FakeCuda(patch, drift_ppm=0.0)
-        FakeNccl(patch, fake, rank=0, world_size=2, transfer_s=MS, peer_arrivals=lambda g, s: {1: 0.0})
+        fake, _ = _rank_and_peer(patch, MS)
         with capture(rank=0, world_size=2) as sink:
             for n in range(3):
                 with steptrace.step(n):
