@@ -37,21 +37,29 @@ $(VENV_PYTHON):
 $(STAMP): | $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-*
+	touch $@ $(HOTPATH_STAMP)
+
+# The optional C extension (steptrace/_hotpath.c, the per-step calls) is built by the install above;
+# editing it rebuilds it here. Where it cannot be built the same calls run in Python.
+HOTPATH_STAMP := $(VENV)/.hotpath-built
+$(HOTPATH_STAMP): steptrace/_hotpath.c setup.py | $(STAMP)
+	$(VENV_PYTHON) -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) $(HOTPATH_STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(HOTPATH_STAMP)
 	$(VENV_PYTHON) examples/train_jax.py $(DEMO_ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP) $(HOTPATH_STAMP)
 	$(VENV_PYTHON) -m ruff check .
 	$(VENV_PYTHON) -m mypy
 
-test: $(STAMP) maxtext-env axlearn-env lint
+test: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env lint
+	@$(VENV_PYTHON) -c "import steptrace._handles as h; print('steptrace: the per-step calls run', 'compiled (steptrace/_hotpath.c)' if h._hotpath else 'in Python (the C extension is not built here)')"
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(HOTPATH_STAMP)
 	@set -e; found=0; \
 	for script in bench/bench_*.py; do \
 		[ -f "$$script" ] || continue; \

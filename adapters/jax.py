@@ -435,6 +435,8 @@ def step_annotator() -> Any:
         annotation.__enter__()
         return annotation
 
+    # annotate(n) is None while this says False: the runtime may call it alone (no Python frame).
+    annotate.enabled = is_enabled  # type: ignore[attr-defined]
     return annotate
 
 

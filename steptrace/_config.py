@@ -23,6 +23,9 @@ from ._ids import run_id_problem
 
 #: Set to ``1``/``true`` to turn every steptrace call into a no-op.
 ENV_DISABLED = "STEPTRACE_DISABLED"
+#: Set to ``1``/``true`` to run the per-step calls in Python even where the C extension
+#: (steptrace/_hotpath.c) was built. Read once, at ``import steptrace``.
+ENV_PURE_PYTHON = "STEPTRACE_PURE_PYTHON"
 #: Directory that holds one sub-directory per run (default ``steptrace-runs``).
 ENV_RUN_DIR = "STEPTRACE_RUN_DIR"
 #: Identifier shared by every rank of one run.

@@ -90,7 +90,7 @@ class _TorchTensors:
     """Marker for torch tensors in the type cache: CUDA or CPU is a property of the value."""
 
 
-_TORCH_TENSORS = _TorchTensors()
+TORCH_TENSORS = _TorchTensors()
 
 
 class Backends:
@@ -125,7 +125,7 @@ class Backends:
         #: device): read on the training thread at every step's entry, so a JAX or host loop pays
         #: one attribute read for the stream decision, not two calls.
         self.may_stream = False
-        #: type -> device (or _TORCH_TENSORS, or None for "no opinion"), for leaf types.
+        #: type -> device (or TORCH_TENSORS, or None for "no opinion"), for leaf types.
         self.by_type: dict[type, Any] = {}
         if not isinstance(backend, str):
             if getattr(backend, "uses_events", False):
@@ -278,7 +278,7 @@ class Backends:
         if len(values) == 1:
             # One value of a type seen before (the loss, every step): its device without a call.
             found = self.by_type.get(type(values[0]), _MISSING)
-            if found is not _MISSING and found is not _TORCH_TENSORS:
+            if found is not _MISSING and found is not TORCH_TENSORS:
                 return found
         for value in values:
             device = self._for_value(value, 0)
@@ -305,7 +305,7 @@ class Backends:
             if own is not None:
                 return own
             found = self.by_type[kind] = self._classify(kind)
-        if found is _TORCH_TENSORS:
+        if found is TORCH_TENSORS:
             try:
                 if value.is_cuda:
                     self.set_timed_by_values(False)
@@ -327,7 +327,7 @@ class Backends:
                 self._jax = JaxDevice()
             return self._jax
         if module.startswith("torch") and hasattr(kind, "is_cuda"):
-            return _TORCH_TENSORS
+            return TORCH_TENSORS
         if module == "numpy":
             return HOST  # a numpy array is already on the host: it was computed synchronously
         return None

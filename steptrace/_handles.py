@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import time
 from typing import Any, Callable, Literal, Protocol
 
+from steptrace._config import ENV_PURE_PYTHON
 from steptrace._devices import HOST, Backends, scalar_reader
 
 _perf = time.perf_counter
@@ -116,8 +118,33 @@ class HandleRuntime(Protocol):
     def flops_exit(self, step: "StepHandle") -> None: ...  # ...and give its hardware FLOPs
 
 
-class StepHandle(TimedUnit):
-    """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside."""
+# The compiled hot path (steptrace/_hotpath.c, optional): the step handle's hot fields and its per-step
+# calls in C. Where it was not built (no C compiler at install), or with STEPTRACE_PURE_PYTHON=1 (read
+# once, at import), StepHandle is a plain Python class and its methods below run alone, with the same
+# behaviour at a higher cost per step (bench/bench_overhead.py).
+_hotpath: Any = None
+if os.environ.get(ENV_PURE_PYTHON, "").strip().lower() not in ("1", "true", "yes", "on"):
+    try:
+        from steptrace import _hotpath  # type: ignore[attr-defined,no-redef]
+    except ImportError:
+        pass
+
+
+class _PurePython:
+    """StepHandle's first base where the compiled one is not used (nothing in it)."""
+
+
+_StepBase: Any = _hotpath.StepBase if _hotpath is not None else _PurePython
+
+
+class StepHandle(_StepBase, TimedUnit):
+    """Returned by :func:`steptrace.step`; use as a context manager, call :meth:`wait_for` inside.
+
+    With the compiled hot path, ``StepBase`` holds the fields its calls use and makes handles with the
+    defaults the class attributes here and on :class:`TimedUnit` declare (a test holds them equal), and
+    its ``__enter__``, ``wait_for`` and ``__exit__`` do what the methods below do for a plain step,
+    handing anything else to them (see :data:`PYTHON_STEP_METHODS`).
+    """
 
     status = "ok"
     error: str | None = None
@@ -606,3 +633,17 @@ def null_span(name: Any, attrs: dict) -> NullSpan:
     if not attrs and len(_null_spans) < 512:
         _null_spans[name] = span
     return span
+
+
+#: The Python definitions of the step handle's per-step calls. With the compiled hot path they are taken
+#: off the class (its compiled ones show through) and called by it for everything but a plain step.
+PYTHON_STEP_METHODS: dict[str, Any] = {
+    "__enter__": StepHandle.__enter__, "wait_for": StepHandle.wait_for, "__exit__": StepHandle.__exit__,
+}
+#: StepHandle's class defaults that are fields of the compiled base (which sets the same values).
+STEP_BASE_DEFAULTS: dict[str, Any] = {
+    name: StepHandle.__dict__[name] for name in ("waited", "submitted", "spans", "_annotation", "auto_flops")
+}
+if _hotpath is not None:
+    for _name in (*PYTHON_STEP_METHODS, *STEP_BASE_DEFAULTS):
+        delattr(StepHandle, _name)  # else they would hide the compiled base's

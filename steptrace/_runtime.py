@@ -16,9 +16,10 @@ import time
 from typing import Any, Callable
 
 from steptrace import _attribution as attribution
+from steptrace import _handles
 from steptrace import _loops as loops
 from steptrace._config import Config
-from steptrace._devices import HOST, Backends
+from steptrace._devices import TORCH_TENSORS, HOST, Backends
 from steptrace._errors import misuse
 from steptrace._handles import (
     MICROBATCH_KINDS,
@@ -40,6 +41,7 @@ from steptrace._schema import DROP_DEVICE_MARKER_ERROR, DROP_MISUSE, RESTORE_SPA
 _perf = time.perf_counter
 _get_ident = threading.get_ident
 _new = object.__new__
+_new_step = StepHandle.__new__  # object.__new__, or the compiled base's (which sets the handle's defaults)
 
 
 def _in_body(loop: Any, caller: Any) -> bool:
@@ -48,7 +50,16 @@ def _in_body(loop: Any, caller: Any) -> bool:
     return caller is loop.frame and caller.f_lasti in loop.body
 
 
-class Runtime:
+class _PurePython:
+    """Runtime's base where the compiled hot path is not used (nothing in it)."""
+
+
+# The compiled hot path (steptrace/_hotpath.c; see steptrace._handles): RuntimeBase holds the
+# training-thread state its calls read (current, last_step, ...) and runs step() for a plain step.
+_RuntimeBase: Any = _handles._hotpath.RuntimeBase if _handles._hotpath is not None else _PurePython
+
+
+class Runtime(_RuntimeBase):
     """One initialised steptrace: configuration, the training-thread state and the background threads."""
 
     def __init__(self, config: Config, resolver: Resolver, backends: Backends):
@@ -73,6 +84,7 @@ class Runtime:
         #: The thread that called init(): the training thread until the first step says otherwise.
         self.init_thread = threading.get_ident()
         self.annotate: Callable[[int], Any] | None = None
+        self.annotate_enabled: Callable[[], bool] | None = None
         self._setup_done = False
         self._device_errors = 0
         self.active = True
@@ -363,7 +375,7 @@ class Runtime:
             return NULL_STEP
         # The handle is made without StepHandle's __init__ (a Python __init__ call costs about as much
         # as the rest of this method): its defaults live on the class, these three differ per step.
-        handle = _new(StepHandle)
+        handle = _new_step(StepHandle)
         handle._rt = self
         handle.step = n
         handle.attrs = attrs
@@ -609,6 +621,9 @@ class Runtime:
         # The thread that runs the steps; compile events from other threads are not its idle time.
         self.train_thread = threading.get_ident()
         self.annotate = self.backends.framework_hooks(self, self.config.backend, self.config.annotate)
+        # Its cheap check, where it has one (annotate(n) returns None while it says False): the compiled
+        # step calls that instead of annotate itself.
+        self.annotate_enabled = getattr(self.annotate, "enabled", None)
         # The GPU this rank's steps are timed on, chosen here on the training thread (the resolver's own
         # current device is 0 whatever the rank's is): the run's device kind, so its peak FLOP/s.
         cuda_index = self.backends.cuda_index()
@@ -691,3 +706,30 @@ class Runtime:
         if self.health is not None:
             self.health.close()  # after the last step took its window
         return complete
+
+
+#: The Python Runtime.step (the compiled one hands everything but a plain step to it).
+PYTHON_STEP = Runtime.step
+
+
+def compiled_hot_path(enabled: bool = True) -> bool:
+    """Run the per-step calls (``step()``, a step's ``__enter__``, ``wait_for``, ``__exit__``) compiled
+    (``enabled``) or in Python; returns whether they now run compiled (False where the extension was not
+    built, or with STEPTRACE_PURE_PYTHON=1). Either way the fields stay in the compiled base where there is
+    one. For tests and benchmarks: ``import steptrace`` runs them compiled when it can."""
+    if _handles._hotpath is None:
+        return False
+    for cls, methods in ((Runtime, {"step": PYTHON_STEP}), (StepHandle, _handles.PYTHON_STEP_METHODS)):
+        for name, method in methods.items():
+            if enabled:
+                if name in cls.__dict__:
+                    delattr(cls, name)  # the compiled base's shows through
+            else:
+                setattr(cls, name, method)
+    return enabled
+
+
+if _handles._hotpath is not None:
+    del Runtime.step  # the compiled base's shows through
+    _handles._hotpath.install(HOST, TORCH_TENSORS, StepHandle, PYTHON_STEP, *_handles.PYTHON_STEP_METHODS.values(),
+                              vars(_handles))

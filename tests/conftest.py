@@ -70,3 +70,17 @@ def device():
 
 def have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(params=["compiled", "python"])
+def hot_path(request):
+    """Run the test with the per-step calls compiled (steptrace/_hotpath.c) and in Python: they must do
+    the same. The compiled run skips where the extension is not built."""
+    from steptrace import _handles, _runtime
+
+    if request.param == "compiled" and _handles._hotpath is None:
+        pytest.skip("the C extension steptrace._hotpath is not built here (no C compiler at install, or "
+                    "STEPTRACE_PURE_PYTHON=1): the Python calls run alone")
+    _runtime.compiled_hot_path(request.param == "compiled")
+    yield request.param
+    _runtime.compiled_hot_path(True)

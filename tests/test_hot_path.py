@@ -43,8 +43,10 @@ def test_a_backlog_of_steps_reaches_the_sinks_in_batches_in_order_and_whole():
     assert steptrace.flush(30.0)
     # The steps' handles, kept back from the resolver, then queued at once: a backlog such as a
     # tight loop leaves (the resolver cannot run while the training thread holds the GIL).
-    items = []
-    resolver.submit = lambda item, urgent=False: items.append(item)
+    # (The resolver thread keeps its own reference to its queue: a fresh one on the attribute holds the
+    # handles back, whether Resolver.submit or the compiled step's exit appends them.)
+    queue = resolver._queue
+    items = resolver._queue = collections.deque()
     steps = 3 * _resolver._EMIT_BATCH + 17
     saves_after = {100, 600}
     for n in range(1, steps + 1):
@@ -53,7 +55,7 @@ def test_a_backlog_of_steps_reaches_the_sinks_in_batches_in_order_and_whole():
         if n in saves_after:
             with steptrace.checkpoint(n):
                 pass
-    del resolver.submit
+    resolver._queue = queue
     offers = []
     worker = resolver.sinks[0]
     real_offer = worker.offer
@@ -256,8 +258,10 @@ def _feature_loop_items():
 
     runtime = steptrace._active
     resolver = runtime.resolver
-    items = []
-    resolver.submit = lambda item, urgent=False: items.append(item)
+    # (The resolver thread keeps its own reference to its queue: a fresh one on the attribute holds the
+    # handles back, whether Resolver.submit or the compiled step's exit appends them.)
+    queue = resolver._queue
+    items = resolver._queue = collections.deque()
     for n in range(40):
         if n % 7 == 3:
             with steptrace.span("data", shard=n):
@@ -286,7 +290,7 @@ def _feature_loop_items():
             with steptrace.checkpoint(n):
                 with steptrace.span("serialize"):
                     pass
-    del resolver.submit
+    resolver._queue = queue
     items = [item for item in items if isinstance(item, (StepHandle, CheckpointHandle))]
     times: set[float] = set()
 
@@ -329,10 +333,11 @@ def _finalized(items):
     assert steptrace.flush(60.0)
 
 
-def test_the_finalized_records_are_the_same_as_before_the_batched_path_field_by_field():
+def test_the_finalized_records_are_the_same_as_before_the_batched_path_field_by_field(hot_path):
     """The records of a fixed loop, compared field by field with those the one-record-at-a-time
     resolver made from the same handles (tests/golden/hot_path_records.json, written by the code
-    before issue 35's batched finalization; WRITE_GOLDEN_HOT_PATH=1 rewrites it)."""
+    before issue 35's batched finalization; WRITE_GOLDEN_HOT_PATH=1 rewrites it), made with the per-step
+    calls compiled (steptrace/_hotpath.c) and in Python."""
     import os
 
     sink = MemorySink()
@@ -368,13 +373,15 @@ def test_a_backlog_is_finalized_in_one_pass_and_a_step_that_fails_in_it_costs_it
     with steptrace.step(0) as s:
         s.wait_for(object())
     assert steptrace.flush(30.0)
-    items = []
-    resolver.submit = lambda item, urgent=False: items.append(item)
+    # (The resolver thread keeps its own reference to its queue: a fresh one on the attribute holds the
+    # handles back, whether Resolver.submit or the compiled step's exit appends them.)
+    queue = resolver._queue
+    items = resolver._queue = collections.deque()
     steps = 600
     for n in range(1, steps + 1):
         with steptrace.step(n) as s:
             s.wait_for(object())
-    del resolver.submit
+    resolver._queue = queue
     handled = []
     real_handle, real_resolve = resolver._handle, resolver._resolve_step
 

@@ -29,7 +29,7 @@ LAYER = {
     **{f"steptrace.{leaf}": 0 for leaf in (
         "_version", "_errors", "_ids", "_buckets", "_wakeup", "_config", "_attribution", "_clock",
         "_devices", "_schema", "_metadata", "_ratelimit", "_attempts", "_stall", "_capture", "_health", "_peaks",
-        "_loops",
+        "_loops", "_hotpath",
         "adapters.jax", "adapters.torch", "adapters.torch_distributed")},
     "steptrace._handles": 1,
     "steptrace._sinks": 2, "steptrace.prometheus": 2, "steptrace.otlp": 2, "steptrace.trackers": 2,
@@ -70,6 +70,8 @@ def _is_module(dotted: str) -> bool:
     for location in (spec.submodule_search_locations or []) if spec else []:
         if (Path(location) / f"{last}.py").exists() or (Path(location) / last / "__init__.py").exists():
             return True
+        if any(Path(location).glob(f"{last}.*.so")) or (Path(location) / f"{last}.c").exists():
+            return True  # a C extension (steptrace._hotpath), built or not
     return False
 
 

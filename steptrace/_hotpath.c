@@ -1,0 +1,836 @@
+/* steptrace._hotpath: the training thread's per-step calls in C (optional).
+ *
+ * Why: `steptrace.step(n)`, the step's `__enter__`, `wait_for` and `__exit__` run on the training
+ * thread every step (pipeline ranks: every microbatch's step too). In Python they cost 4-8x a minimal
+ * recorder (two clock reads and a deque.append) on the 2-vCPU bench VM, nearly all of it the
+ * interpreter's frames and attribute traffic around a few tests and stores (bench/bench_overhead.py,
+ * issue 35). Calling a Python-level attribute API from C is no cheaper than 3.11's specialized
+ * bytecode, so the state these calls touch lives in C structs here:
+ *
+ *   StepBase     the base of steptrace._handles.StepHandle: the handle's hot fields as members
+ *   RuntimeBase  the base of steptrace._runtime.Runtime: the training-thread state the calls read
+ *
+ * Python code reads and writes those fields by name as before (member descriptors), so the resolver,
+ * the adapters and the tests are unchanged. Each function here does exactly what the Python method of
+ * the same name does, for what a training loop meets every step: a host step, or a step whose one
+ * output is a value of a type seen before (the loss: a jax.Array, a host number). Everything else (a
+ * CUDA stream device, misuse, spans open at the step's end, an exception, a deep capture starting or
+ * stopping, flops="auto", step arguments, several values, a type not seen yet) goes, before any side
+ * effect, to the Python method (install() hands them over), which stays the one full definition.
+ * Where this module is not built (no C compiler at install) or STEPTRACE_PURE_PYTHON=1, the Python
+ * classes have no C base and their own methods run, with the same behaviour.
+ *
+ * Host times come from the handles module's own `_perf` (read from its globals at each call, so a
+ * test that replaces it is honoured), as in Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+/* What install() hands over (strong references, for the process's life). */
+static PyObject *HOST;           /* steptrace._devices.HOST */
+static PyObject *TORCH_TENSORS;  /* steptrace._devices.TORCH_TENSORS: tensors, whose device is per value */
+static PyObject *STEP_CLASS;     /* steptrace._handles.StepHandle */
+static PyObject *STEP_SLOW;      /* the Python Runtime.step */
+static PyObject *ENTER_SLOW;     /* the Python StepHandle.__enter__ */
+static PyObject *WAIT_FOR_SLOW;  /* the Python StepHandle.wait_for */
+static PyObject *EXIT_SLOW;      /* the Python StepHandle.__exit__ */
+static PyObject *GLOBALS;        /* steptrace._handles.__dict__ (its `_perf`) */
+
+static PyObject *ZERO;           /* 0.0, the default host times */
+static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s_forced_values, *s_by_type, *s_uses_events,
+    *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
+    *s_append;
+
+/* -- the two types ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *current;       /* the open step, or None */
+    PyObject *last_step;     /* the last step's number, or None */
+    PyObject *last_step_end; /* host clock when the last step was left */
+    PyObject *closed_spans;  /* spans closed since the last step ended (a list) */
+    PyObject *open_spans;    /* spans open now (a list) */
+    PyObject *capture;       /* the deep capture, or None */
+    PyObject *annotate;      /* a framework's per-step annotation, or None */
+    PyObject *annotate_enabled; /* its cheap check (annotate(n) is None while it says False), or None */
+    PyObject *backends;      /* steptrace._devices.Backends */
+    PyObject *resolver;      /* steptrace._resolver.Resolver */
+    PyObject *hot;           /* `_hot`: active and set up: step() may take its fast path */
+    PyObject *unsettled;     /* a steps() step whose exception is not read yet, or None */
+    PyObject *step_extras;   /* `_step_extras`: the next step is more than a number */
+} RuntimeObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *rt;
+    PyObject *step;
+    PyObject *attrs;
+    PyObject *host_start;
+    PyObject *dispatch;
+    PyObject *host_end;
+    PyObject *device;
+    PyObject *waited;
+    PyObject *submitted;
+    PyObject *values;
+    PyObject *annotation;  /* `_annotation` */
+    PyObject *auto_flops;
+    PyObject *start_event;
+    PyObject *spans;
+} StepObject;
+
+static PyTypeObject RuntimeBaseType;
+static PyTypeObject StepBaseType;
+
+#define RUNTIME_FIELDS(X) X(current) X(last_step) X(last_step_end) X(closed_spans) X(open_spans) X(capture) \
+    X(annotate) X(annotate_enabled) X(backends) X(resolver) X(hot) X(unsettled) X(step_extras)
+#define STEP_FIELDS(X) X(rt) X(step) X(attrs) X(host_start) X(dispatch) X(host_end) X(device) X(waited) \
+    X(submitted) X(values) X(annotation) X(auto_flops) X(start_event) X(spans)
+
+#define VISIT_FIELD(name) Py_VISIT(self->name);
+#define CLEAR_FIELD(name) Py_CLEAR(self->name);
+
+static int
+runtime_traverse(RuntimeObject *self, visitproc visit, void *arg)
+{
+    RUNTIME_FIELDS(VISIT_FIELD)
+    return 0;
+}
+
+static int
+runtime_clear(RuntimeObject *self)
+{
+    RUNTIME_FIELDS(CLEAR_FIELD)
+    return 0;
+}
+
+static void
+runtime_dealloc(RuntimeObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    runtime_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    RuntimeObject *self = (RuntimeObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    /* Runtime.__init__ sets every one; these keep a half-made runtime readable. */
+    self->current = Py_NewRef(Py_None);
+    self->last_step = Py_NewRef(Py_None);
+    self->last_step_end = Py_NewRef(ZERO);
+    self->closed_spans = PyList_New(0);
+    self->open_spans = PyList_New(0);
+    self->capture = Py_NewRef(Py_None);
+    self->annotate = Py_NewRef(Py_None);
+    self->annotate_enabled = Py_NewRef(Py_None);
+    self->backends = Py_NewRef(Py_None);
+    self->resolver = Py_NewRef(Py_None);
+    self->hot = Py_NewRef(Py_False);
+    self->unsettled = Py_NewRef(Py_None);
+    self->step_extras = Py_NewRef(Py_False);
+    if (self->closed_spans == NULL || self->open_spans == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+step_traverse(StepObject *self, visitproc visit, void *arg)
+{
+    STEP_FIELDS(VISIT_FIELD)
+    return 0;
+}
+
+static int
+step_clear(StepObject *self)
+{
+    STEP_FIELDS(CLEAR_FIELD)
+    return 0;
+}
+
+static void
+step_dealloc(StepObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    step_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A handle with the defaults steptrace._handles.TimedUnit and StepHandle declare (tests compare them). */
+static StepObject *
+new_step(PyTypeObject *type)
+{
+    if (HOST == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: install() was not called");
+        return NULL;
+    }
+    StepObject *self = (StepObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->host_start = Py_NewRef(ZERO);
+    self->dispatch = Py_NewRef(ZERO);
+    self->host_end = Py_NewRef(Py_None);
+    self->device = Py_NewRef(HOST);
+    self->waited = Py_NewRef(Py_False);
+    self->submitted = Py_NewRef(Py_False);
+    self->values = Py_NewRef(Py_None);
+    self->annotation = Py_NewRef(Py_None);
+    self->auto_flops = Py_NewRef(Py_False);
+    self->start_event = Py_NewRef(Py_None);
+    self->spans = PyTuple_New(0);
+    if (self->spans == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return self;
+}
+
+static PyObject *
+step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    return (PyObject *)new_step(type);
+}
+
+/* -- helpers ------------------------------------------------------------------------------------------------ */
+
+/* 1: true, 0: false, -1: error (the common values without a call). */
+static int
+truth(PyObject *value)
+{
+    if (value == Py_True) {
+        return 1;
+    }
+    if (value == Py_False || value == Py_None) {
+        return 0;
+    }
+    return PyObject_IsTrue(value);
+}
+
+/* 1: obj.name is None, 0: it is not, -1: error. */
+static int
+attr_is_none(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        return -1;
+    }
+    int none = value == Py_None;
+    Py_DECREF(value);
+    return none;
+}
+
+/* 1: obj.name is true, 0: false, -1: error. */
+static int
+attr_is_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        return -1;
+    }
+    int r = truth(value);
+    Py_DECREF(value);
+    return r;
+}
+
+/* 1: a stream device (`device is not HOST and device.uses_events`: timed by markers), 0: not, -1: error. */
+static int
+uses_events(PyObject *device)
+{
+    if (device == HOST || device == Py_None) {
+        return 0;
+    }
+    return attr_is_true(device, s_uses_events);
+}
+
+/* The clock every host time of a handle comes from: the handles module's `_perf`. */
+static PyObject *
+read_clock(void)
+{
+    PyObject *perf = PyDict_GetItemWithError(GLOBALS, s__perf); /* borrowed */
+    if (perf == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "steptrace._handles has no _perf");
+        }
+        return NULL;
+    }
+    return PyObject_CallNoArgs(perf);
+}
+
+/* The handle's runtime, if it is one this module knows (borrowed), else NULL without an error. */
+static RuntimeObject *
+runtime_of(StepObject *self)
+{
+    PyObject *rt = self->rt;
+    if (rt == NULL || !PyObject_TypeCheck(rt, &RuntimeBaseType)) {
+        return NULL;
+    }
+    return (RuntimeObject *)rt;
+}
+
+/* -- Runtime.step ------------------------------------------------------------------------------------------- */
+
+/* steptrace.step(n): a handle for step `n` when it is only a number that follows the last one on a
+ * runtime that is set up; anything else (arguments, misuse, the first step, a steps() loop to follow)
+ * is the Python method's. */
+static PyObject *
+runtime_step(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs == 1 && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0) && self->hot == Py_True &&
+            self->current == Py_None && self->unsettled == Py_None && self->step_extras == Py_False &&
+            PyLong_CheckExact(args[0]) && STEP_CLASS != NULL) {
+        PyObject *n = args[0];
+        int follows = 1;
+        if (self->last_step != Py_None) {
+            follows = PyObject_RichCompareBool(n, self->last_step, Py_GT);
+            if (follows < 0) {
+                return NULL;
+            }
+        }
+        if (follows) {
+            PyObject *attrs = PyDict_New();
+            if (attrs == NULL) {
+                return NULL;
+            }
+            StepObject *handle = new_step((PyTypeObject *)STEP_CLASS);
+            if (handle == NULL) {
+                Py_DECREF(attrs);
+                return NULL;
+            }
+            handle->rt = Py_NewRef((PyObject *)self);
+            handle->step = Py_NewRef(n);
+            handle->attrs = attrs;
+            return (PyObject *)handle;
+        }
+    }
+    if (STEP_SLOW == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: install() was not called");
+        return NULL;
+    }
+    /* The Python method with the same arguments, the runtime first. */
+    PyObject *small[8];
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    Py_ssize_t total = nargs + nkw;
+    PyObject **full = total + 1 <= 8 ? small : PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *));
+    if (full == NULL) {
+        return PyErr_NoMemory();
+    }
+    full[0] = (PyObject *)self;
+    for (Py_ssize_t i = 0; i < total; i++) {
+        full[i + 1] = args[i];
+    }
+    PyObject *result = PyObject_Vectorcall(STEP_SLOW, full, (size_t)(nargs + 1), kwnames);
+    if (full != small) {
+        PyMem_Free(full);
+    }
+    return result;
+}
+
+/* -- StepHandle.__enter__ ----------------------------------------------------------------------------------- */
+
+/* 1: the step opens here (no open step, no profiler to start or stop, no FLOP counters), 0: the Python
+ * method opens it, -1: error. */
+static int
+enter_is_plain(StepObject *self, RuntimeObject *rt)
+{
+    if (rt->current != Py_None) {
+        return 0;
+    }
+    if (rt->capture != Py_None) {
+        /* Armed but idle: nothing happens at the boundary. */
+        int r = attr_is_none(rt->capture, s_pending);
+        if (r == 1) {
+            r = attr_is_none(rt->capture, s_active);
+        }
+        if (r != 1) {
+            return r;
+        }
+    }
+    int r = truth(self->auto_flops);
+    if (r != 0) {
+        return r < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+static PyObject *
+step_enter(StepObject *self, PyObject *unused)
+{
+    RuntimeObject *rt = runtime_of(self);
+    int plain = rt == NULL ? 0 : enter_is_plain(self, rt);
+    if (plain <= 0) {
+        return plain < 0 ? NULL : PyObject_CallOneArg(ENTER_SLOW, (PyObject *)self);
+    }
+    Py_SETREF(rt->current, Py_NewRef((PyObject *)self));
+    int annotating = rt->annotate != Py_None;
+    if (annotating && rt->annotate_enabled != Py_None) {
+        /* The annotator's own check first: a call of a builtin, where annotate(n) is a Python frame that
+         * makes the same check and returns None (no profiler running: nearly every step). */
+        PyObject *check = Py_NewRef(rt->annotate_enabled);
+        PyObject *enabled = PyObject_CallNoArgs(check);
+        Py_DECREF(check);
+        if (enabled == NULL) {
+            return NULL;
+        }
+        annotating = truth(enabled);
+        Py_DECREF(enabled);
+        if (annotating < 0) {
+            return NULL;
+        }
+    }
+    if (annotating) {
+        PyObject *annotate = Py_NewRef(rt->annotate);
+        PyObject *annotation = PyObject_CallOneArg(annotate, self->step);
+        Py_DECREF(annotate);
+        if (annotation == NULL) {
+            return NULL;
+        }
+        Py_XSETREF(self->annotation, annotation);
+    }
+    PyObject *clock = read_clock();
+    if (clock == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(self->host_start, Py_NewRef(clock));
+    Py_XSETREF(self->dispatch, clock);
+    /* Stream markers, last (after the host start, as in Python): where CUDA may be in use, the backends say
+     * whether this step is timed on a stream. */
+    PyObject *backends = Py_NewRef(rt->backends);
+    int r = attr_is_true(backends, s_may_stream);
+    PyObject *device = r == 1 ? PyObject_CallMethodNoArgs(backends, s_stream_for_unit) : NULL;
+    Py_DECREF(backends);
+    if (r < 0 || (r == 1 && device == NULL)) {
+        return NULL;
+    }
+    if (device != NULL && device != Py_None) {
+        PyObject *rt_object = Py_NewRef((PyObject *)rt);
+        PyObject *call[3] = {rt_object, (PyObject *)self, device}; /* rt.start_markers(self, device) */
+        PyObject *out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+        Py_DECREF(rt_object);
+        if (out == NULL) {
+            Py_DECREF(device);
+            return NULL;
+        }
+        Py_DECREF(out);
+    }
+    Py_XDECREF(device);
+    return Py_NewRef((PyObject *)self);
+}
+
+/* -- StepHandle.wait_for ------------------------------------------------------------------------------------ */
+
+static PyObject *
+wait_for_slow(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *small[8];
+    PyObject **full = nargs + 1 <= 8 ? small : PyMem_Malloc((size_t)(nargs + 1) * sizeof(PyObject *));
+    if (full == NULL) {
+        return PyErr_NoMemory();
+    }
+    full[0] = (PyObject *)self;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        full[i + 1] = args[i];
+    }
+    PyObject *result = PyObject_Vectorcall(WAIT_FOR_SLOW, full, (size_t)(nargs + 1), NULL);
+    if (full != small) {
+        PyMem_Free(full);
+    }
+    return result;
+}
+
+/* What the Python method does with one value of a type seen before: 1 done here, 0 the Python method
+ * must do it, -1 error. Nothing is changed before the answer is known. */
+static int
+wait_for_one(StepObject *self, RuntimeObject *rt, PyObject *value)
+{
+    PyObject *backends = rt->backends;
+    int r = attr_is_none(backends, s_forced_values);
+    if (r != 1) {
+        return r;
+    }
+    PyObject *by_type = PyObject_GetAttr(backends, s_by_type);
+    if (by_type == NULL) {
+        return -1;
+    }
+    if (!PyDict_CheckExact(by_type)) {
+        Py_DECREF(by_type);
+        return 0;
+    }
+    /* One value of a type seen before (the loss, every step): its device without a call. */
+    PyObject *device = PyDict_GetItemWithError(by_type, (PyObject *)Py_TYPE(value));
+    Py_XINCREF(device);
+    Py_DECREF(by_type);
+    if (device == NULL) {
+        return PyErr_Occurred() ? -1 : 0; /* a type not seen yet: the Python method classifies it */
+    }
+    int done = 0;
+    if (device == TORCH_TENSORS || self->device != HOST) {
+        goto finish; /* a tensor (per value), or markers started at entry (a stream device) */
+    }
+    if (device == Py_None || device == HOST) {
+        /* The values do not say, or were computed synchronously: the step stays a host step. */
+        Py_SETREF(self->waited, Py_NewRef(Py_True));
+        done = 1;
+        goto finish;
+    }
+    r = attr_is_none(backends, s_forced_stream);
+    if (r != 1) {
+        done = r;
+        goto finish;
+    }
+    r = uses_events(device);
+    if (r != 0) {
+        done = r < 0 ? -1 : 0; /* CUDA tensors */
+        goto finish;
+    }
+    if (self->start_event != Py_None) {
+        goto finish;
+    }
+    r = attr_is_true(backends, s_timed_by_values);
+    if (r != 1) {
+        done = r; /* the first step timed by values switches the backends over */
+        goto finish;
+    }
+    /* A value device (JAX): handed over now, so the resolver starts waiting while the host runs ahead. */
+    PyObject *values = PyTuple_New(1);
+    if (values == NULL) {
+        done = -1;
+        goto finish;
+    }
+    PyTuple_SET_ITEM(values, 0, Py_NewRef(value));
+    Py_SETREF(self->waited, Py_NewRef(Py_True));
+    Py_SETREF(self->device, Py_NewRef(device));
+    Py_XSETREF(self->values, values);
+    Py_SETREF(self->submitted, Py_NewRef(Py_True));
+    PyObject *resolver = Py_NewRef(rt->resolver);
+    PyObject *call[3] = {resolver, (PyObject *)self, Py_True}; /* resolver.submit(self, urgent=True) */
+    PyObject *out = PyObject_VectorcallMethod(s_submit, call, 3, NULL);
+    Py_DECREF(resolver);
+    if (out == NULL) {
+        done = -1;
+        goto finish;
+    }
+    Py_DECREF(out);
+    done = 1;
+finish:
+    Py_DECREF(device);
+    return done;
+}
+
+static PyObject *
+step_wait_for(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RuntimeObject *rt = runtime_of(self);
+    if (rt == NULL || rt->current != (PyObject *)self) {
+        return wait_for_slow(self, args, nargs); /* misuse */
+    }
+    int r = truth(self->waited);
+    if (r != 0) {
+        return r < 0 ? NULL : wait_for_slow(self, args, nargs); /* a second wait_for */
+    }
+    if (nargs == 0) {
+        Py_SETREF(self->waited, Py_NewRef(Py_True));
+        Py_RETURN_NONE;
+    }
+    if (nargs == 1) {
+        r = wait_for_one(self, rt, args[0]);
+        if (r < 0) {
+            return NULL;
+        }
+        if (r == 1) {
+            Py_RETURN_NONE;
+        }
+    }
+    return wait_for_slow(self, args, nargs);
+}
+
+/* -- StepHandle.__exit__ ------------------------------------------------------------------------------------ */
+
+/* Queue an ended step on the resolver as Resolver.submit(step) does (no wake-up: a host step's end is
+ * known), or let submit() itself count the drop when the resolver stops or its queue is full. */
+static int
+submit_ended(RuntimeObject *rt, StepObject *self)
+{
+    PyObject *resolver = Py_NewRef(rt->resolver), *queue = NULL, *limit = NULL, *out = NULL;
+    int r = attr_is_true(resolver, s__stopping);
+    if (r < 0) {
+        goto error;
+    }
+    if (r == 0) {
+        queue = PyObject_GetAttr(resolver, s__queue);
+        limit = queue == NULL ? NULL : PyObject_GetAttr(resolver, s__max_queue);
+        if (limit == NULL) {
+            goto error;
+        }
+        Py_ssize_t length = PyObject_Size(queue);
+        Py_ssize_t bound = length < 0 ? -1 : PyLong_AsSsize_t(limit);
+        if (length < 0 || (bound == -1 && PyErr_Occurred())) {
+            goto error;
+        }
+        if (length < bound) {
+            out = PyObject_CallMethodOneArg(queue, s_append, (PyObject *)self);
+            goto finish;
+        }
+    }
+    out = PyObject_CallMethodOneArg(resolver, s_submit, (PyObject *)self); /* counts the drop */
+finish:
+    if (out == NULL) {
+        goto error;
+    }
+    Py_DECREF(out);
+    Py_XDECREF(queue);
+    Py_XDECREF(limit);
+    Py_DECREF(resolver);
+    return 0;
+error:
+    Py_XDECREF(queue);
+    Py_XDECREF(limit);
+    Py_DECREF(resolver);
+    return -1;
+}
+
+/* 1: the step closes here (the open step, ended without an exception, no stream markers, no FLOP
+ * counters, no profiler annotation, no span open), 0: the Python method closes it, -1: error. */
+static int
+exit_is_plain(StepObject *self, RuntimeObject *rt, PyObject *exc_type)
+{
+    if (exc_type != Py_None || rt->current != (PyObject *)self || self->annotation != Py_None) {
+        return 0;
+    }
+    int r = uses_events(self->device);
+    if (r != 0) {
+        return r < 0 ? -1 : 0;
+    }
+    r = truth(self->auto_flops);
+    if (r != 0) {
+        return r < 0 ? -1 : 0;
+    }
+    r = truth(rt->open_spans);
+    if (r != 0) {
+        return r < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+static PyObject *
+step_exit(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__() takes 3 arguments");
+        return NULL;
+    }
+    RuntimeObject *rt = runtime_of(self);
+    int plain = rt == NULL ? 0 : exit_is_plain(self, rt, args[0]);
+    if (plain <= 0) {
+        if (plain < 0) {
+            return NULL;
+        }
+        PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
+        return PyObject_Vectorcall(EXIT_SLOW, full, 4, NULL);
+    }
+    PyObject *end = read_clock();
+    if (end == NULL) {
+        return NULL;
+    }
+    Py_SETREF(rt->current, Py_NewRef(Py_None));
+    Py_XSETREF(rt->last_step, Py_XNewRef(self->step));
+    Py_XSETREF(rt->last_step_end, Py_NewRef(end));
+    int any = truth(rt->closed_spans);
+    if (any < 0) {
+        Py_DECREF(end);
+        return NULL;
+    }
+    if (any) { /* spans closed since the last step ended: this step takes them */
+        PyObject *fresh = PyList_New(0);
+        if (fresh == NULL) {
+            Py_DECREF(end);
+            return NULL;
+        }
+        Py_XSETREF(self->spans, rt->closed_spans);
+        rt->closed_spans = fresh;
+    }
+    /* Published last: a step handed over at wait_for() is finalized by the resolver as soon as
+     * host_end is set, so everything else must be in place first. */
+    Py_XSETREF(self->host_end, end);
+    int submitted = truth(self->submitted);
+    if (submitted < 0) {
+        return NULL;
+    }
+    if (!submitted) {
+        Py_XSETREF(self->submitted, Py_NewRef(Py_True));
+        if (submit_ended(rt, self) < 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_FALSE; /* never swallow the user's exception */
+}
+
+/* -- type objects ------------------------------------------------------------------------------------------- */
+
+#define RUNTIME_MEMBER(name, attr) {attr, T_OBJECT_EX, offsetof(RuntimeObject, name), 0, NULL},
+static PyMemberDef runtime_members[] = {
+    RUNTIME_MEMBER(current, "current")
+    RUNTIME_MEMBER(last_step, "last_step")
+    RUNTIME_MEMBER(last_step_end, "last_step_end")
+    RUNTIME_MEMBER(closed_spans, "closed_spans")
+    RUNTIME_MEMBER(open_spans, "open_spans")
+    RUNTIME_MEMBER(capture, "capture")
+    RUNTIME_MEMBER(annotate, "annotate")
+    RUNTIME_MEMBER(annotate_enabled, "annotate_enabled")
+    RUNTIME_MEMBER(backends, "backends")
+    RUNTIME_MEMBER(resolver, "resolver")
+    RUNTIME_MEMBER(hot, "_hot")
+    RUNTIME_MEMBER(unsettled, "unsettled")
+    RUNTIME_MEMBER(step_extras, "_step_extras")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef runtime_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))runtime_step, METH_FASTCALL | METH_KEYWORDS,
+     "Time training step n (a context manager; see steptrace.step)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RuntimeBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "steptrace._hotpath.RuntimeBase",
+    .tp_doc = PyDoc_STR("The training-thread state of steptrace._runtime.Runtime, kept where C reads it."),
+    .tp_basicsize = sizeof(RuntimeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = runtime_new,
+    .tp_dealloc = (destructor)runtime_dealloc,
+    .tp_traverse = (traverseproc)runtime_traverse,
+    .tp_clear = (inquiry)runtime_clear,
+    .tp_members = runtime_members,
+    .tp_methods = runtime_methods,
+};
+
+#define STEP_MEMBER(name, attr) {attr, T_OBJECT_EX, offsetof(StepObject, name), 0, NULL},
+static PyMemberDef step_members[] = {
+    STEP_MEMBER(rt, "_rt")
+    STEP_MEMBER(step, "step")
+    STEP_MEMBER(attrs, "attrs")
+    STEP_MEMBER(host_start, "host_start")
+    STEP_MEMBER(dispatch, "dispatch")
+    STEP_MEMBER(host_end, "host_end")
+    STEP_MEMBER(device, "device")
+    STEP_MEMBER(waited, "waited")
+    STEP_MEMBER(submitted, "submitted")
+    STEP_MEMBER(values, "values")
+    STEP_MEMBER(annotation, "_annotation")
+    STEP_MEMBER(auto_flops, "auto_flops")
+    STEP_MEMBER(start_event, "start_event")
+    STEP_MEMBER(spans, "spans")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef step_methods[] = {
+    {"__enter__", (PyCFunction)step_enter, METH_NOARGS, "Open the step (StepHandle.__enter__)."},
+    {"wait_for", (PyCFunction)(void (*)(void))step_wait_for, METH_FASTCALL,
+     "Mark values (arrays, pytrees) as this step's device outputs; the step ends, on the device, when they "
+     "are ready. The resolver waits for them on a background thread; this call returns at once."},
+    {"__exit__", (PyCFunction)(void (*)(void))step_exit, METH_FASTCALL, "Close the step (StepHandle.__exit__)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StepBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "steptrace._hotpath.StepBase",
+    .tp_doc = PyDoc_STR("The hot fields and calls of steptrace._handles.StepHandle."),
+    .tp_basicsize = sizeof(StepObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = step_new,
+    .tp_dealloc = (destructor)step_dealloc,
+    .tp_traverse = (traverseproc)step_traverse,
+    .tp_clear = (inquiry)step_clear,
+    .tp_members = step_members,
+    .tp_methods = step_methods,
+};
+
+/* -- install ------------------------------------------------------------------------------------------------ */
+
+static PyObject *
+install(PyObject *module, PyObject *args)
+{
+    PyObject *host, *torch_tensors, *step_class, *step_slow, *enter_slow, *wait_for_slow, *exit_slow, *globals;
+    if (!PyArg_ParseTuple(args, "OOO!OOOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
+                          &step_slow, &enter_slow, &wait_for_slow, &exit_slow, &PyDict_Type, &globals)) {
+        return NULL;
+    }
+    if (!PyType_IsSubtype((PyTypeObject *)step_class, &StepBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "install(): the step class must derive from StepBase");
+        return NULL;
+    }
+    Py_XSETREF(HOST, Py_NewRef(host));
+    Py_XSETREF(TORCH_TENSORS, Py_NewRef(torch_tensors));
+    Py_XSETREF(STEP_CLASS, Py_NewRef(step_class));
+    Py_XSETREF(STEP_SLOW, Py_NewRef(step_slow));
+    Py_XSETREF(ENTER_SLOW, Py_NewRef(enter_slow));
+    Py_XSETREF(WAIT_FOR_SLOW, Py_NewRef(wait_for_slow));
+    Py_XSETREF(EXIT_SLOW, Py_NewRef(exit_slow));
+    Py_XSETREF(GLOBALS, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef functions[] = {
+    {"install", install, METH_VARARGS,
+     "install(HOST, TORCH_TENSORS, StepHandle, Runtime.step, StepHandle.__enter__, StepHandle.wait_for, "
+     "StepHandle.__exit__, steptrace._handles.__dict__): the Python definitions the fast path hands the "
+     "rest to"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hotpath_module = {
+    PyModuleDef_HEAD_INIT, "steptrace._hotpath",
+    "The training thread's per-step calls in C (optional; the Python classes hold their full definition).",
+    -1, functions,
+};
+
+#define INTERN(var, text)                           \
+    do {                                            \
+        var = PyUnicode_InternFromString(text);     \
+        if (var == NULL) {                          \
+            return NULL;                            \
+        }                                           \
+    } while (0)
+
+PyMODINIT_FUNC
+PyInit__hotpath(void)
+{
+    INTERN(s_pending, "pending");
+    INTERN(s_active, "active");
+    INTERN(s_may_stream, "may_stream");
+    INTERN(s_stream_for_unit, "stream_for_unit");
+    INTERN(s_start_markers, "start_markers");
+    INTERN(s_forced_values, "forced_values");
+    INTERN(s_by_type, "by_type");
+    INTERN(s_uses_events, "uses_events");
+    INTERN(s_forced_stream, "forced_stream");
+    INTERN(s_timed_by_values, "timed_by_values");
+    INTERN(s_submit, "submit");
+    INTERN(s__perf, "_perf");
+    INTERN(s__stopping, "_stopping");
+    INTERN(s__queue, "_queue");
+    INTERN(s__max_queue, "_max_queue");
+    INTERN(s_append, "append");
+    ZERO = PyFloat_FromDouble(0.0);
+    if (ZERO == NULL || PyType_Ready(&RuntimeBaseType) < 0 || PyType_Ready(&StepBaseType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&hotpath_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "RuntimeBase", (PyObject *)&RuntimeBaseType) < 0 ||
+            PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,212 @@
+"""The compiled hot path (steptrace/_hotpath.c): the per-step calls ``step()``, a step's ``__enter__``,
+``wait_for`` and ``__exit__`` in C, for a plain step, against the Python methods they stand in for.
+
+The same records both ways is tests/test_hot_path.py's golden test, run both ways (the ``hot_path``
+fixture); here: the handle's defaults, the clock, drops, what goes to the Python methods, and the
+whole package with the extension switched off (STEPTRACE_PURE_PYTHON=1), as where it was not built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import steptrace
+from steptrace import _handles, _runtime
+from steptrace._handles import STEP_BASE_DEFAULTS, StepHandle, TimedUnit
+from steptrace.testing import MemorySink
+
+ROOT = Path(__file__).resolve().parent.parent
+compiled_only = pytest.mark.skipif(_handles._hotpath is None, reason=(
+    "the C extension steptrace._hotpath is not built here (no C compiler at install, or STEPTRACE_PURE_PYTHON=1)"))
+
+
+@compiled_only
+def test_a_compiled_handle_starts_with_the_defaults_the_python_classes_declare():
+    """StepBase's fields shadow the class attributes of StepHandle and TimedUnit; it must start a handle
+    with the same values, or a step would read another default with the extension than without."""
+    base = _handles._hotpath.StepBase
+    fields = sorted(name for name, value in vars(base).items() if isinstance(value, types.MemberDescriptorType))
+    handle = StepHandle.__new__(StepHandle)
+    made_per_step = {"_rt", "step", "attrs"}  # set by Runtime.step on every handle; no default
+    declared = {**{name: value for name, value in vars(TimedUnit).items() if not name.startswith("__")},
+                **STEP_BASE_DEFAULTS}
+    assert set(fields) - made_per_step <= set(declared), "a compiled field with no Python default"
+    for name in sorted(set(fields) - made_per_step):
+        assert getattr(handle, name) == declared[name], name
+        assert type(getattr(handle, name)) is type(declared[name]), name
+    for name in made_per_step:
+        with pytest.raises(AttributeError):
+            getattr(handle, name)
+    # And the Python class no longer hides them (a class attribute of the same name would).
+    assert not set(fields) & set(vars(StepHandle))
+
+
+@compiled_only
+def test_the_compiled_calls_are_the_ones_bound_and_can_be_switched():
+    steptrace.init(jsonl=False, sinks=[MemorySink()], run_id="bound")
+    try:
+        assert type(steptrace.step).__name__ == "builtin_function_or_method"
+        assert StepHandle.__enter__ is _handles._hotpath.StepBase.__enter__
+        assert _runtime.compiled_hot_path(False) is False
+        assert StepHandle.__enter__ is _handles.PYTHON_STEP_METHODS["__enter__"]
+        assert steptrace._active.step.__func__ is _runtime.PYTHON_STEP
+    finally:
+        assert _runtime.compiled_hot_path(True) is True
+        steptrace.shutdown()
+
+
+def test_host_times_come_from_the_handles_clock(hot_path, monkeypatch):
+    """The compiled calls read the same `_perf` as the Python ones (tests and tools replace it)."""
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id=f"clock-{hot_path}", stall_watch=False)
+    with steptrace.step(0) as s:  # the first step's setup, on the real clock
+        s.wait_for(1.0)
+    t0 = float(int(_handles._perf()) + 500)  # after step 0, on the real clock: times only go forward
+    ticks = iter([t0, t0 + 0.25, t0 + 1.0, t0 + 1.5])
+    monkeypatch.setattr(_handles, "_perf", lambda: next(ticks))
+    handles = []
+    for n in (1, 2):
+        with steptrace.step(n) as s:
+            s.wait_for(1.0)
+        handles.append(s)
+    monkeypatch.undo()
+    assert [(h.host_start, h.dispatch, h.host_end) for h in handles] == [(t0, t0, t0 + 0.25),
+                                                                         (t0 + 1.0, t0 + 1.0, t0 + 1.5)]
+    assert steptrace._active.last_step == 2 and steptrace._active.last_step_end == t0 + 1.5
+    assert steptrace.flush(30.0)
+    steps = {r["step"]: r for r in sink.steps()}
+    steptrace.shutdown()
+    assert steps[2]["interval_seconds"] == pytest.approx(1.25)
+
+
+def test_a_full_resolver_queue_drops_the_step_and_counts_it(hot_path):
+    """Resolver.submit's bound, kept by the compiled exit (which appends without the call): a step that
+    does not fit is counted as a ``resolver_queue`` drop, never queued past the bound."""
+    steptrace.init(jsonl=False, sinks=[MemorySink()], run_id=f"full-{hot_path}", max_queue=16, stall_watch=False)
+    resolver = steptrace._active.resolver
+    with steptrace.step(0) as s:
+        s.wait_for(1.0)
+    assert steptrace.flush(30.0)
+    queue = resolver._queue
+    held = resolver._queue = type(queue)()  # the resolver thread keeps its own: these stay here
+    for n in range(1, 19):
+        with steptrace.step(n) as s:
+            s.wait_for(1.0)
+    resolver._queue = queue
+    assert [h.step for h in held] == list(range(1, 17))
+    assert steptrace.stats()["dropped"].get("resolver_queue") == 2
+    steptrace.shutdown()
+
+
+def test_a_stopped_resolver_gets_no_step_and_counts_it(hot_path):
+    steptrace.init(jsonl=False, sinks=[MemorySink()], run_id=f"stopped-{hot_path}", stall_watch=False)
+    resolver = steptrace._active.resolver
+    with steptrace.step(0) as s:
+        s.wait_for(1.0)
+    assert steptrace.flush(30.0)
+    queue = resolver._queue
+    held = resolver._queue = type(queue)()
+    resolver._stopping = True
+    try:
+        with steptrace.step(1) as s:
+            s.wait_for(1.0)
+    finally:
+        resolver._stopping = False
+        resolver._queue = queue
+    assert not held
+    assert steptrace.stats()["dropped"].get("resolver_queue") == 1
+    steptrace.shutdown()
+
+
+def test_what_is_not_a_plain_step_goes_to_the_python_calls(hot_path, monkeypatch):
+    """Step arguments, misuse, an exception, several values, spans open at the end: the records and
+    the warnings are the Python methods' (the compiled calls hand them over before doing anything)."""
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id=f"slow-{hot_path}", stall_watch=False, strict=False)
+    with steptrace.step(0, tokens=128, lr=0.1) as s:
+        s.wait_for(1.0, 2.0)
+    with pytest.warns(UserWarning, match=r"step\(0\) after step\(0\)"):
+        again = steptrace.step(0)
+    assert again is _handles.NULL_STEP
+    with pytest.raises(KeyError):
+        with steptrace.step(1) as s:
+            raise KeyError("no batch")
+    with pytest.warns(UserWarning, match="entered while step"):
+        with steptrace.step(2) as s:
+            s.__enter__()
+            s.wait_for(3.0)
+            s.wait_for(4.0)  # a second call adds nothing here (host values)
+    with pytest.warns(UserWarning, match="wait_for\\(\\) called outside its step"):
+        s.wait_for(5.0)
+    steptrace.begin_span("data")
+    with pytest.warns(UserWarning, match="still open"):
+        with steptrace.step(3):
+            steptrace.begin_span("inner")
+    steptrace.end_span("inner")
+    steptrace.end_span("data")
+    with pytest.warns(UserWarning, match="must be an int"):
+        steptrace.step(True)
+    assert steptrace.flush(30.0)
+    steps = {r["step"]: r for r in sink.steps()}
+    steptrace.shutdown()
+    assert steps[0]["tokens"] == 128 and steps[0]["attrs"] == {"lr": 0.1}
+    assert steps[1]["status"] == "error" and steps[1]["error"] == "KeyError: 'no batch'"
+    assert steps[2]["status"] == "ok" and sorted(steps) == [0, 1, 2, 3]
+
+
+def test_the_package_without_the_extension_passes_the_hot_path_tests():
+    """STEPTRACE_PURE_PYTHON=1: what an install without a C compiler runs (no compiled base at all,
+    the class attributes as the defaults). The hot-path tests, this file's included, pass there too."""
+    env = {**os.environ, "STEPTRACE_PURE_PYTHON": "1"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import steptrace._handles as h, steptrace._runtime as r; "
+         "print(h._hotpath, [c.__name__ for c in h.StepHandle.__mro__], 'step' in vars(r.Runtime))"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["None", "['StepHandle',", "'_PurePython',", "'TimedUnit',", "'object']", "True"]
+    tests = ["tests/test_hot_path.py", "tests/test_compiled_hot_path.py", "tests/test_steps_loop.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          "-k", "not the_package_without_the_extension", *tests],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_a_step_is_annotated_while_a_profiler_runs_and_not_otherwise(hot_path):
+    """The annotator's cheap check (``annotate.enabled``; JAX's ``StepTraceAnnotation.is_enabled``) stands
+    in for the call to ``annotate(n)`` only while it says no profiler runs; then the annotation opens at
+    the step's entry and closes at its exit, as in Python."""
+    steptrace.init(jsonl=False, sinks=[MemorySink()], run_id=f"annotate-{hot_path}", stall_watch=False)
+    with steptrace.step(0) as s:
+        s.wait_for(1.0)
+    profiling = [False]
+    calls = []
+
+    class Annotation:
+        def __init__(self, n):
+            self.n = n
+
+        def __exit__(self, *exc):
+            calls.append(("close", self.n))
+
+    def annotate(n):
+        calls.append(("annotate", n))
+        return Annotation(n) if profiling[0] else None
+
+    annotate.enabled = lambda: profiling[0]
+    runtime = steptrace._active
+    runtime.annotate, runtime.annotate_enabled = annotate, annotate.enabled
+    with steptrace.step(1) as s:
+        s.wait_for(1.0)
+    profiling[0] = True
+    with steptrace.step(2) as s:
+        s.wait_for(1.0)
+        calls.append(("inside", 2))
+    steptrace.shutdown()
+    opened = [("annotate", 2), ("inside", 2), ("close", 2)]
+    assert calls == (opened if hot_path == "compiled" else [("annotate", 1)] + opened)
