@@ -229,7 +229,9 @@ class Backends:
 
     # -- at step / microbatch entry ------------------------------------------------------
     def stream_for_unit(self) -> Any:
-        """The stream device to record markers on for a unit starting now, or None."""
+        """The stream device to record markers on for a unit starting now, or None. (The compiled step
+        entry, steptrace/_hotpath.c, answers None itself, without this call, when no stream device is
+        forced or known and torch is not imported: keep the two in step.)"""
         if self.forced_stream is not None:
             return self.forced_stream
         if not self.auto or self.timed_by_values:

@@ -38,7 +38,7 @@ static PyObject *EXIT_SLOW;      /* the Python StepHandle.__exit__ */
 static PyObject *GLOBALS;        /* steptrace._handles.__dict__ (its `_perf`) */
 
 static PyObject *ZERO;           /* 0.0, the default host times */
-static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s_forced_values, *s_by_type, *s_uses_events,
+static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
     *s_append;
 
@@ -403,6 +403,26 @@ step_enter(StepObject *self, PyObject *unused)
      * whether this step is timed on a stream. */
     PyObject *backends = Py_NewRef(rt->backends);
     int r = attr_is_true(backends, s_may_stream);
+    if (r == 1) {
+        /* What Backends.stream_for_unit() answers without a call in the common CPU case: None when no
+         * stream device is forced, none is known and torch is not even imported. */
+        int none = attr_is_none(backends, s_forced_stream);
+        if (none == 1) {
+            none = attr_is_none(backends, s__cuda);
+        }
+        if (none == 1) {
+            PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
+            int imported = PyDict_Contains(modules, s_torch);
+            none = imported < 0 ? -1 : !imported;
+        }
+        if (none < 0) {
+            Py_DECREF(backends);
+            return NULL;
+        }
+        if (none) {
+            r = 0;
+        }
+    }
     PyObject *device = r == 1 ? PyObject_CallMethodNoArgs(backends, s_stream_for_unit) : NULL;
     Py_DECREF(backends);
     if (r < 0 || (r == 1 && device == NULL)) {
@@ -808,6 +828,8 @@ PyInit__hotpath(void)
     INTERN(s_may_stream, "may_stream");
     INTERN(s_stream_for_unit, "stream_for_unit");
     INTERN(s_start_markers, "start_markers");
+    INTERN(s__cuda, "_cuda");
+    INTERN(s_torch, "torch");
     INTERN(s_forced_values, "forced_values");
     INTERN(s_by_type, "by_type");
     INTERN(s_uses_events, "uses_events");
