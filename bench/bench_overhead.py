@@ -25,11 +25,15 @@ Each variant is a loop of ``--iters`` iterations of one "step" and nothing else:
                            ``MemorySink`` (``jsonl=False``) or to JSONL in a temp dir (no other sink).
                            steptrace's defaults otherwise; because jax is imported in this process,
                            that includes ``annotate=True`` (a profiler-annotation check per step);
-                           the ``annotate=False`` rows turn it off to show its share.
+                           the ``annotate=False`` rows turn it off to show its share. Each run's first
+                           step (its one-time setup) is timed apart, before the loop, and printed once
+                           under the table.
 * ``host value, Memory, ...`` one feature at a time against ``steptrace host value, MemorySink``
                            (issue 35): the stall watch off, the stall watch and annotations off,
                            one ``s.log(loss=0.5)`` per step, one empty ``steptrace.span("data")`` per step,
-                           deep capture armed with every trigger (issue 37; none fires).
+                           deep capture armed with every trigger (issue 37; none fires), the per-step
+                           calls in Python instead of compiled (steptrace/_hotpath.c; where it is not
+                           built both rows run Python, and the header says so).
 * ``OpenTelemetry span``   ``with tracer.start_as_current_span("train_step"): pass`` with the SDK
                            ``TracerProvider`` + ``BatchSpanProcessor`` and an exporter that discards
                            (``max_queue_size`` raised so no span is dropped).
@@ -88,6 +92,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _workload as wl  # noqa: E402
 
 import steptrace  # noqa: E402
+from steptrace import _handles, _runtime  # noqa: E402
 from steptrace.testing import MemorySink  # noqa: E402
 
 pc = time.perf_counter_ns
@@ -237,13 +242,21 @@ class Bench:
 
     def _enabled(self, value, sink: str, body=None, **settings):
         base = self.next_step
-        self.next_step += self.iters
+        self.next_step += self.iters + 1
+        run_id = f"bench-{base}"
         if sink == "memory":
             mem = MemorySink()
-            steptrace.init(jsonl=False, sinks=[mem], run_id=f"bench-{base}", strict=False, **settings)
+            steptrace.init(jsonl=False, sinks=[mem], run_id=run_id, strict=False, **settings)
         else:
             mem = None
-            steptrace.init(jsonl=True, run_dir=self.tmp, run_id=f"bench-{base}", strict=False, **settings)
+            steptrace.init(jsonl=True, run_dir=self.tmp, run_id=run_id, strict=False, **settings)
+        # The run's first step does its one-time setup (the run's metadata, the frameworks' hooks): timed
+        # apart and reported once, so the per-step columns do not depend on how many steps a round has.
+        t = pc()
+        with steptrace.step(base) as s:
+            s.wait_for(value)
+        first_ns = pc() - t
+        base += 1
         # Let the fresh resolver go idle first (gc before, not after: a collection can release the
         # GIL). A resolver idle at each step is the steady state of a real loop, whose steps are
         # milliseconds apart: every hand-over then also wakes it (Event.set), and that is timed.
@@ -260,11 +273,11 @@ class Bench:
         if mem is not None:
             seen = len(mem.steps())
         else:
-            path = os.path.join(self.tmp, f"bench-{base}", "rank-0.jsonl")
+            path = os.path.join(self.tmp, run_id, "rank-0.jsonl")
             with open(path) as f:
                 seen = sum(1 for line in f if '"type":"step"' in line)
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        check = {"steps": self.iters, "records": seen, "resolved": stats["steps"],
+        check = {"steps": self.iters + 1, "records": seen, "resolved": stats["steps"], "first_step_ns": first_ns,
                  "dropped": stats["dropped"], "flush_ok": ok, "resolver_idle_at_start": idle_at_start}
         return elapsed, bg, check
 
@@ -298,6 +311,17 @@ class Bench:
 
     def loop_enabled_host_memory_span(self):
         return self._enabled(self.host_value, "memory", body="span")
+
+    def loop_enabled_host_memory_python(self):
+        # The per-step calls in Python (what an install without a C compiler runs; docs/configuration.md),
+        # against the compiled ones of "host value, MemorySink".
+        if _handles._hotpath is None:
+            return self._enabled(self.host_value, "memory")  # not built here: the row is the same loop
+        _runtime.compiled_hot_path(False)
+        try:
+            return self._enabled(self.host_value, "memory")
+        finally:
+            _runtime.compiled_hot_path(True)
 
     def loop_enabled_host_memory_capture(self):
         # Deep capture armed with every trigger (issue 37). The slow-step factor is set out of reach so
@@ -369,6 +393,7 @@ VARIANTS = [
     ("host value, Memory, + s.log(loss=0.5)", "loop_enabled_host_memory_log"),
     ("host value, Memory, + one span in the step", "loop_enabled_host_memory_span"),
     ("host value, Memory, capture armed (slow,stall,request)", "loop_enabled_host_memory_capture"),
+    ("host value, Memory, per-step calls in Python", "loop_enabled_host_memory_python"),
     ("OpenTelemetry SDK span (batch, discard)", "loop_otel"),
 ]
 FLOOR = "loop_floor"
@@ -413,6 +438,15 @@ def run(rounds: int, iters: int) -> dict:
     return results
 
 
+def first_step_line(results: dict) -> str:
+    """The one-time cost of a run's first step (its setup), timed apart from the per-step loop."""
+    firsts = [c["first_step_ns"] for r in results.values() for c in r["checks"] if "first_step_ns" in c]
+    if not firsts:
+        return ""
+    return (f"  a run's first step (one-time setup: metadata, framework hooks), timed apart from the loops above: "
+            f"median {wl.median(firsts) / 1e3:.0f} us over {len(firsts)} runs")
+
+
 def render(results: dict, rounds: int, iters: int) -> str:
     rows = []
     for _, m in VARIANTS:
@@ -443,6 +477,8 @@ def render(results: dict, rounds: int, iters: int) -> str:
     lines = [
         wl.header("steptrace bench_overhead: host cost per step"),
         f"  {rounds} rounds x {iters} steps per variant, variants interleaved per round; medians over rounds",
+        "  per-step calls: " + ("compiled (steptrace/_hotpath.c)" if _handles._hotpath is not None
+                                else "in Python (the C extension is not built here, or STEPTRACE_PURE_PYTHON=1)"),
         "  budgets (issue 35): thread <= 5x floor (host value), <= 7x (jax.Array); background <= 10 / 20 us "
         "(Memory / JSONL), <= 20 / 25 us (jax.Array); disabled <= 1.2x plain ctx",
         "",
@@ -453,6 +489,7 @@ def render(results: dict, rounds: int, iters: int) -> str:
         "",
         "  budgets:",
         *budget_lines(results),
+        first_step_line(results),
         "  thread = training-thread cost (switch interval 1 s during the loop); bg = flush()/force_flush() time "
         "per step afterwards (background threads' work); total = thread + bg",
     ]
