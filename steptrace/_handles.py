@@ -639,10 +639,12 @@ def null_span(name: Any, attrs: dict) -> NullSpan:
 #: off the class (its compiled ones show through) and called by it for everything but a plain step.
 PYTHON_STEP_METHODS: dict[str, Any] = {
     "__enter__": StepHandle.__enter__, "wait_for": StepHandle.wait_for, "__exit__": StepHandle.__exit__,
+    "log": StepHandle.log,
 }
 #: StepHandle's class defaults that are fields of the compiled base (which sets the same values).
 STEP_BASE_DEFAULTS: dict[str, Any] = {
-    name: StepHandle.__dict__[name] for name in ("waited", "submitted", "spans", "_annotation", "auto_flops")
+    name: StepHandle.__dict__[name]
+    for name in ("waited", "submitted", "spans", "_annotation", "auto_flops", "scalars")
 }
 if _hotpath is not None:
     for _name in (*PYTHON_STEP_METHODS, *STEP_BASE_DEFAULTS):

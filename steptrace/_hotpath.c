@@ -35,6 +35,7 @@ static PyObject *STEP_SLOW;      /* the Python Runtime.step */
 static PyObject *ENTER_SLOW;     /* the Python StepHandle.__enter__ */
 static PyObject *WAIT_FOR_SLOW;  /* the Python StepHandle.wait_for */
 static PyObject *EXIT_SLOW;      /* the Python StepHandle.__exit__ */
+static PyObject *LOG_SLOW;       /* the Python StepHandle.log */
 static PyObject *GLOBALS;        /* steptrace._handles.__dict__ (its `_perf`) */
 
 static PyObject *ZERO;           /* 0.0, the default host times */
@@ -77,6 +78,7 @@ typedef struct {
     PyObject *auto_flops;
     PyObject *start_event;
     PyObject *spans;
+    PyObject *scalars;     /* name -> a float, or a reader the resolver calls (s.log); None until logged */
 } StepObject;
 
 static PyTypeObject RuntimeBaseType;
@@ -85,7 +87,7 @@ static PyTypeObject StepBaseType;
 #define RUNTIME_FIELDS(X) X(current) X(last_step) X(last_step_end) X(closed_spans) X(open_spans) X(capture) \
     X(annotate) X(annotate_enabled) X(backends) X(resolver) X(hot) X(unsettled) X(step_extras)
 #define STEP_FIELDS(X) X(rt) X(step) X(attrs) X(host_start) X(dispatch) X(host_end) X(device) X(waited) \
-    X(submitted) X(values) X(annotation) X(auto_flops) X(start_event) X(spans)
+    X(submitted) X(values) X(annotation) X(auto_flops) X(start_event) X(spans) X(scalars)
 
 #define VISIT_FIELD(name) Py_VISIT(self->name);
 #define CLEAR_FIELD(name) Py_CLEAR(self->name);
@@ -184,6 +186,7 @@ new_step(PyTypeObject *type)
     self->annotation = Py_NewRef(Py_None);
     self->auto_flops = Py_NewRef(Py_False);
     self->start_event = Py_NewRef(Py_None);
+    self->scalars = Py_NewRef(Py_None);
     self->spans = PyTuple_New(0);
     if (self->spans == NULL) {
         Py_DECREF(self);
@@ -570,6 +573,52 @@ step_wait_for(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
     return wait_for_slow(self, args, nargs);
 }
 
+/* -- StepHandle.log ------------------------------------------------------------------------------------------ */
+
+/* s.log(loss=0.5, ...): host floats (the common case, as the Python method takes them) stored here; any
+ * other value, positional arguments or misuse go, all of them, to the Python method. */
+static PyObject *
+step_log(StepObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RuntimeObject *rt = runtime_of(self);
+    Py_ssize_t count = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    int plain = nargs == 0 && rt != NULL && rt->current == (PyObject *)self &&
+        (self->scalars == Py_None || PyDict_CheckExact(self->scalars));
+    for (Py_ssize_t i = 0; plain && i < count; i++) {
+        plain = PyFloat_CheckExact(args[i]);
+    }
+    if (!plain) {
+        PyObject *small[8];
+        Py_ssize_t total = nargs + count;
+        PyObject **full = total + 1 <= 8 ? small : PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *));
+        if (full == NULL) {
+            return PyErr_NoMemory();
+        }
+        full[0] = (PyObject *)self;
+        for (Py_ssize_t i = 0; i < total; i++) {
+            full[i + 1] = args[i];
+        }
+        PyObject *result = PyObject_Vectorcall(LOG_SLOW, full, (size_t)(nargs + 1), kwnames);
+        if (full != small) {
+            PyMem_Free(full);
+        }
+        return result;
+    }
+    if (self->scalars == Py_None) {
+        PyObject *logged = PyDict_New();
+        if (logged == NULL) {
+            return NULL;
+        }
+        Py_SETREF(self->scalars, logged);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyDict_SetItem(self->scalars, PyTuple_GET_ITEM(kwnames, i), args[i]) < 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 /* -- StepHandle.__exit__ ------------------------------------------------------------------------------------ */
 
 /* Queue an ended step on the resolver as Resolver.submit(step) does (no wake-up: a host step's end is
@@ -747,6 +796,7 @@ static PyMemberDef step_members[] = {
     STEP_MEMBER(auto_flops, "auto_flops")
     STEP_MEMBER(start_event, "start_event")
     STEP_MEMBER(spans, "spans")
+    STEP_MEMBER(scalars, "scalars")
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -756,6 +806,8 @@ static PyMethodDef step_methods[] = {
      "Mark values (arrays, pytrees) as this step's device outputs; the step ends, on the device, when they "
      "are ready. The resolver waits for them on a background thread; this call returns at once."},
     {"__exit__", (PyCFunction)(void (*)(void))step_exit, METH_FASTCALL, "Close the step (StepHandle.__exit__)."},
+    {"log", (PyCFunction)(void (*)(void))step_log, METH_FASTCALL | METH_KEYWORDS,
+     "Record named scalars of this step, e.g. s.log(loss=loss, grad_norm=g) (StepHandle.log)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -778,9 +830,10 @@ static PyTypeObject StepBaseType = {
 static PyObject *
 install(PyObject *module, PyObject *args)
 {
-    PyObject *host, *torch_tensors, *step_class, *step_slow, *enter_slow, *wait_for_slow, *exit_slow, *globals;
-    if (!PyArg_ParseTuple(args, "OOO!OOOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
-                          &step_slow, &enter_slow, &wait_for_slow, &exit_slow, &PyDict_Type, &globals)) {
+    PyObject *host, *torch_tensors, *step_class, *step_slow, *enter_slow, *wait_for_slow, *exit_slow, *log_slow,
+        *globals;
+    if (!PyArg_ParseTuple(args, "OOO!OOOOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
+                          &step_slow, &enter_slow, &wait_for_slow, &exit_slow, &log_slow, &PyDict_Type, &globals)) {
         return NULL;
     }
     if (!PyType_IsSubtype((PyTypeObject *)step_class, &StepBaseType)) {
@@ -794,6 +847,7 @@ install(PyObject *module, PyObject *args)
     Py_XSETREF(ENTER_SLOW, Py_NewRef(enter_slow));
     Py_XSETREF(WAIT_FOR_SLOW, Py_NewRef(wait_for_slow));
     Py_XSETREF(EXIT_SLOW, Py_NewRef(exit_slow));
+    Py_XSETREF(LOG_SLOW, Py_NewRef(log_slow));
     Py_XSETREF(GLOBALS, Py_NewRef(globals));
     Py_RETURN_NONE;
 }
@@ -801,7 +855,7 @@ install(PyObject *module, PyObject *args)
 static PyMethodDef functions[] = {
     {"install", install, METH_VARARGS,
      "install(HOST, TORCH_TENSORS, StepHandle, Runtime.step, StepHandle.__enter__, StepHandle.wait_for, "
-     "StepHandle.__exit__, steptrace._handles.__dict__): the Python definitions the fast path hands the "
+     "StepHandle.__exit__, StepHandle.log, steptrace._handles.__dict__): the Python definitions the fast path hands the "
      "rest to"},
     {NULL, NULL, 0, NULL},
 };

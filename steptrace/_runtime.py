@@ -731,5 +731,6 @@ def compiled_hot_path(enabled: bool = True) -> bool:
 
 if _handles._hotpath is not None:
     del Runtime.step  # the compiled base's shows through
-    _handles._hotpath.install(HOST, TORCH_TENSORS, StepHandle, PYTHON_STEP, *_handles.PYTHON_STEP_METHODS.values(),
-                              vars(_handles))
+    _python = _handles.PYTHON_STEP_METHODS
+    _handles._hotpath.install(HOST, TORCH_TENSORS, StepHandle, PYTHON_STEP, _python["__enter__"], _python["wait_for"],
+                              _python["__exit__"], _python["log"], vars(_handles))

@@ -210,3 +210,33 @@ def test_a_step_is_annotated_while_a_profiler_runs_and_not_otherwise(hot_path):
     steptrace.shutdown()
     opened = [("annotate", 2), ("inside", 2), ("close", 2)]
     assert calls == (opened if hot_path == "compiled" else [("annotate", 1)] + opened)
+
+
+def test_logged_scalars_are_the_same_both_ways(hot_path):
+    """s.log: host floats are kept by the compiled call; anything else (a device scalar, a bad value, a
+    call outside the step) goes, with all its arguments, to the Python method."""
+    import jax.numpy as jnp
+
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id=f"log-{hot_path}", stall_watch=False, strict=False)
+    with steptrace.step(0) as s:
+        s.log(loss=0.5, grad_norm=2.0)
+        s.log(loss=0.25)  # a second call overwrites
+        s.wait_for(1.0)
+    with steptrace.step(1) as s:
+        s.log()
+        assert s.scalars == {}
+        s.wait_for(1.0)
+    with steptrace.step(2) as s:
+        with pytest.warns(UserWarning, match="is not a scalar"):
+            s.log(loss=0.75, tokens="many")
+        s.log(lr=jnp.float32(0.125), loss=1.5)
+        s.wait_for(1.0)
+    with pytest.warns(UserWarning, match="log\\(\\) called outside its step"):
+        s.log(loss=9.0)
+    assert steptrace.flush(30.0)
+    steps = {r["step"]: r for r in sink.steps()}
+    steptrace.shutdown()
+    assert steps[0]["scalars"] == {"loss": 0.25, "grad_norm": 2.0}
+    assert "scalars" not in steps[1]
+    assert steps[2]["scalars"] == {"loss": 1.5, "lr": 0.125}
