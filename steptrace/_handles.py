@@ -376,7 +376,10 @@ class MicrobatchHandle(TimedUnit):
         return False
 
 
-class SpanHandle:
+_SpanBase: Any = _hotpath.SpanBase if _hotpath is not None else object
+
+
+class SpanHandle(_SpanBase):
     """A named host span (``data``, ``eval``, ...); idle time it covers is charged to its name.
 
     A context manager, the span of :func:`steptrace.begin_span` (``imperative``), or a decorator.
@@ -431,13 +434,16 @@ class SpanHandle:
         rt.close_span(self.name, self.start, end, self.attrs, True, marker, end_marker)
         current = rt.current
         if current is not self.opened_in and not self.crossed and current is not None:
-            # Begun between steps (or in an earlier step, which its end reported), ended in this one.
-            # Recorded all the same; said here, where it happens.
-            self.crossed = True
-            rt.misuse(f"span {self.name!r} begun {_where(self.opened_in)} ended inside step({current.step}): "
-                      f"a span begun outside a step ends outside it (end_span() before begin_step()) and one "
-                      "begun in a step ends in it")
+            self._crossed_into(current)
         return False
+
+    def _crossed_into(self, current: "StepHandle") -> None:
+        # Begun between steps (or in an earlier step, which its end reported), ended in this one.
+        # Recorded all the same; said here, where it happens.
+        self.crossed = True
+        self._rt.misuse(f"span {self.name!r} begun {_where(self.opened_in)} ended inside step({current.step}): "
+                        f"a span begun outside a step ends outside it (end_span() before begin_step()) and one "
+                        "begun in a step ends in it")
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``@steptrace.span("eval")``: every call of ``fn`` is a span of this name."""
@@ -644,8 +650,15 @@ PYTHON_STEP_METHODS: dict[str, Any] = {
 #: StepHandle's class defaults that are fields of the compiled base (which sets the same values).
 STEP_BASE_DEFAULTS: dict[str, Any] = {
     name: StepHandle.__dict__[name]
-    for name in ("waited", "submitted", "spans", "_annotation", "auto_flops", "scalars")
+    for name in ("waited", "submitted", "spans", "_annotation", "auto_flops", "scalars", "loop")
+}
+#: The same for the span handle.
+PYTHON_SPAN_METHODS: dict[str, Any] = {"__enter__": SpanHandle.__enter__, "__exit__": SpanHandle.__exit__}
+SPAN_BASE_DEFAULTS: dict[str, Any] = {
+    name: SpanHandle.__dict__[name] for name in ("start", "marker", "opened_in", "crossed")
 }
 if _hotpath is not None:
     for _name in (*PYTHON_STEP_METHODS, *STEP_BASE_DEFAULTS):
         delattr(StepHandle, _name)  # else they would hide the compiled base's
+    for _name in (*PYTHON_SPAN_METHODS, *SPAN_BASE_DEFAULTS):
+        delattr(SpanHandle, _name)

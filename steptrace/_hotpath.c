@@ -36,10 +36,15 @@ static PyObject *ENTER_SLOW;     /* the Python StepHandle.__enter__ */
 static PyObject *WAIT_FOR_SLOW;  /* the Python StepHandle.wait_for */
 static PyObject *EXIT_SLOW;      /* the Python StepHandle.__exit__ */
 static PyObject *LOG_SLOW;       /* the Python StepHandle.log */
+static PyObject *SPAN_CLASS;     /* steptrace._handles.SpanHandle */
+static PyObject *SPAN_SLOW;      /* the Python Runtime.span */
+static PyObject *SPAN_ENTER_SLOW; /* the Python SpanHandle.__enter__ */
+static PyObject *SPAN_EXIT_SLOW; /* the Python SpanHandle.__exit__ */
 static PyObject *GLOBALS;        /* steptrace._handles.__dict__ (its `_perf`) */
 
 static PyObject *ZERO;           /* 0.0, the default host times */
-static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_forced_values, *s_by_type, *s_uses_events,
+static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_span_marker, *s_close_span,
+    *s__crossed_into, *s_start_event, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
     *s_append;
 
@@ -60,6 +65,7 @@ typedef struct {
     PyObject *hot;           /* `_hot`: active and set up: step() may take its fast path */
     PyObject *unsettled;     /* a steps() step whose exception is not read yet, or None */
     PyObject *step_extras;   /* `_step_extras`: the next step is more than a number */
+    PyObject *active;        /* not shut down */
 } RuntimeObject;
 
 typedef struct {
@@ -79,15 +85,30 @@ typedef struct {
     PyObject *start_event;
     PyObject *spans;
     PyObject *scalars;     /* name -> a float, or a reader the resolver calls (s.log); None until logged */
+    PyObject *loop;        /* the steptrace.steps() loop running the step, or None */
 } StepObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *rt;
+    PyObject *name;
+    PyObject *attrs;
+    PyObject *start;      /* host clock as it began */
+    PyObject *marker;     /* (device, marker, host time) recorded on the step's stream as it began, or None */
+    PyObject *opened_in;  /* the step open as it began, or None */
+    PyObject *crossed;    /* a step boundary inside it was reported already */
+} SpanObject;
 
 static PyTypeObject RuntimeBaseType;
 static PyTypeObject StepBaseType;
+static PyTypeObject SpanBaseType;
 
 #define RUNTIME_FIELDS(X) X(current) X(last_step) X(last_step_end) X(closed_spans) X(open_spans) X(capture) \
-    X(annotate) X(annotate_enabled) X(backends) X(resolver) X(hot) X(unsettled) X(step_extras)
+    X(annotate) X(annotate_enabled) X(backends) X(resolver) X(hot) X(unsettled) X(step_extras) X(active)
 #define STEP_FIELDS(X) X(rt) X(step) X(attrs) X(host_start) X(dispatch) X(host_end) X(device) X(waited) \
-    X(submitted) X(values) X(annotation) X(auto_flops) X(start_event) X(spans) X(scalars)
+    X(submitted) X(values) X(annotation) X(auto_flops) X(start_event) X(spans) X(scalars) X(loop)
+
+#define SPAN_FIELDS(X) X(rt) X(name) X(attrs) X(start) X(marker) X(opened_in) X(crossed)
 
 #define VISIT_FIELD(name) Py_VISIT(self->name);
 #define CLEAR_FIELD(name) Py_CLEAR(self->name);
@@ -135,6 +156,7 @@ runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->hot = Py_NewRef(Py_False);
     self->unsettled = Py_NewRef(Py_None);
     self->step_extras = Py_NewRef(Py_False);
+    self->active = Py_NewRef(Py_False);
     if (self->closed_spans == NULL || self->open_spans == NULL) {
         Py_DECREF(self);
         return NULL;
@@ -187,6 +209,7 @@ new_step(PyTypeObject *type)
     self->auto_flops = Py_NewRef(Py_False);
     self->start_event = Py_NewRef(Py_None);
     self->scalars = Py_NewRef(Py_None);
+    self->loop = Py_NewRef(Py_None);
     self->spans = PyTuple_New(0);
     if (self->spans == NULL) {
         Py_DECREF(self);
@@ -199,6 +222,49 @@ static PyObject *
 step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     return (PyObject *)new_step(type);
+}
+
+static int
+span_traverse(SpanObject *self, visitproc visit, void *arg)
+{
+    SPAN_FIELDS(VISIT_FIELD)
+    return 0;
+}
+
+static int
+span_clear(SpanObject *self)
+{
+    SPAN_FIELDS(CLEAR_FIELD)
+    return 0;
+}
+
+static void
+span_dealloc(SpanObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    span_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A span handle with the defaults steptrace._handles.SpanHandle declares (tests compare them). */
+static SpanObject *
+new_span(PyTypeObject *type)
+{
+    SpanObject *self = (SpanObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->start = Py_NewRef(ZERO);
+    self->marker = Py_NewRef(Py_None);
+    self->opened_in = Py_NewRef(Py_None);
+    self->crossed = Py_NewRef(Py_False);
+    return self;
+}
+
+static PyObject *
+span_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    return (PyObject *)new_span(type);
 }
 
 /* -- helpers ------------------------------------------------------------------------------------------------ */
@@ -275,6 +341,27 @@ runtime_of(StepObject *self)
         return NULL;
     }
     return (RuntimeObject *)rt;
+}
+
+/* `slow(first, *args, **kwargs)`: a Python method called with the arguments a compiled one got. */
+static PyObject *
+forward(PyObject *slow, PyObject *first, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *small[8];
+    Py_ssize_t total = nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames));
+    PyObject **full = total + 1 <= 8 ? small : PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *));
+    if (full == NULL) {
+        return PyErr_NoMemory();
+    }
+    full[0] = first;
+    for (Py_ssize_t i = 0; i < total; i++) {
+        full[i + 1] = args[i];
+    }
+    PyObject *result = PyObject_Vectorcall(slow, full, (size_t)(nargs + 1), kwnames);
+    if (full != small) {
+        PyMem_Free(full);
+    }
+    return result;
 }
 
 /* -- Runtime.step ------------------------------------------------------------------------------------------- */
@@ -740,6 +827,153 @@ step_exit(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_FALSE; /* never swallow the user's exception */
 }
 
+/* -- Runtime.span, SpanHandle.__enter__ / __exit__ --------------------------------------------------------- */
+
+/* steptrace.span(name, **attrs): a handle when the runtime is active, the name a non-empty str and no
+ * steps() loop is to be followed; else the Python method (misuse, a loop, a shut-down runtime). */
+static PyObject *
+runtime_span(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (SPAN_SLOW == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: install() was not called");
+        return NULL;
+    }
+    PyObject *current = self->current;
+    if (nargs == 1 && self->active == Py_True && self->unsettled == Py_None && PyUnicode_CheckExact(args[0]) &&
+            PyUnicode_GET_LENGTH(args[0]) > 0 &&
+            (current == Py_None ||
+             (PyObject_TypeCheck(current, &StepBaseType) && ((StepObject *)current)->loop == Py_None))) {
+        PyObject *attrs = PyDict_New();
+        if (attrs == NULL) {
+            return NULL;
+        }
+        Py_ssize_t count = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (PyDict_SetItem(attrs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+                Py_DECREF(attrs);
+                return NULL;
+            }
+        }
+        SpanObject *span = new_span((PyTypeObject *)SPAN_CLASS);
+        if (span == NULL) {
+            Py_DECREF(attrs);
+            return NULL;
+        }
+        span->rt = Py_NewRef((PyObject *)self);
+        span->name = Py_NewRef(args[0]);
+        span->attrs = attrs;
+        return (PyObject *)span;
+    }
+    return forward(SPAN_SLOW, (PyObject *)self, args, nargs, kwnames);
+}
+
+static RuntimeObject *
+span_runtime(SpanObject *self)
+{
+    PyObject *rt = self->rt;
+    return rt != NULL && PyObject_TypeCheck(rt, &RuntimeBaseType) ? (RuntimeObject *)rt : NULL;
+}
+
+static PyObject *
+span_enter(SpanObject *self, PyObject *unused)
+{
+    RuntimeObject *rt = span_runtime(self);
+    if (rt == NULL || !PyList_CheckExact(rt->open_spans)) {
+        return PyObject_CallOneArg(SPAN_ENTER_SLOW, (PyObject *)self);
+    }
+    PyObject *start = read_clock();
+    if (start == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(self->start, start);
+    PyObject *current = Py_NewRef(rt->current);
+    Py_XSETREF(self->opened_in, Py_NewRef(current));
+    if (current != Py_None) {
+        /* Inside an event-timed step: the device's own timeline says when it ran out of work. */
+        PyObject *start_event = PyObject_TypeCheck(current, &StepBaseType)
+            ? Py_NewRef(((StepObject *)current)->start_event) : PyObject_GetAttr(current, s_start_event);
+        if (start_event == NULL) {
+            Py_DECREF(current);
+            return NULL;
+        }
+        int timed = start_event != Py_None;
+        Py_DECREF(start_event);
+        if (timed) {
+            PyObject *call[2] = {(PyObject *)rt, current}; /* rt.span_marker(current) */
+            PyObject *marker = PyObject_VectorcallMethod(s_span_marker, call, 2, NULL);
+            if (marker == NULL) {
+                Py_DECREF(current);
+                return NULL;
+            }
+            Py_XSETREF(self->marker, marker);
+        }
+    }
+    Py_DECREF(current);
+    if (PyList_Append(rt->open_spans, (PyObject *)self) < 0) {
+        return NULL;
+    }
+    return Py_NewRef((PyObject *)self);
+}
+
+/* The innermost open span closing with no device marker (a host span; spans end in the reverse order
+ * they began): closed here, through Runtime.close_span (the one place that records a span); anything
+ * else by the Python method. */
+static PyObject *
+span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__() takes 3 arguments");
+        return NULL;
+    }
+    RuntimeObject *rt = span_runtime(self);
+    PyObject *open_spans = rt == NULL ? NULL : rt->open_spans;
+    if (open_spans == NULL || !PyList_CheckExact(open_spans) || PyList_GET_SIZE(open_spans) == 0 ||
+            PyList_GET_ITEM(open_spans, PyList_GET_SIZE(open_spans) - 1) != (PyObject *)self ||
+            self->marker != Py_None || self->start == NULL || self->name == NULL || self->attrs == NULL) {
+        PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
+        return PyObject_Vectorcall(SPAN_EXIT_SLOW, full, 4, NULL);
+    }
+    PyObject *end = read_clock();
+    if (end == NULL) {
+        return NULL;
+    }
+    Py_INCREF(rt);
+    if (PyList_SetSlice(open_spans, PyList_GET_SIZE(open_spans) - 1, PyList_GET_SIZE(open_spans), NULL) < 0) {
+        goto error;
+    }
+    {
+        /* rt.close_span(name, start, end, attrs, True, None, None) */
+        PyObject *call[8] = {(PyObject *)rt, self->name, self->start, end, self->attrs, Py_True, Py_None, Py_None};
+        PyObject *out = PyObject_VectorcallMethod(s_close_span, call, 8, NULL);
+        if (out == NULL) {
+            goto error;
+        }
+        Py_DECREF(out);
+    }
+    PyObject *current = rt->current;
+    if (current != self->opened_in && current != Py_None) {
+        int crossed = truth(self->crossed);
+        if (crossed < 0) {
+            goto error;
+        }
+        if (!crossed) {
+            /* Begun between steps (or in an earlier step), ended in this one: said where it happens. */
+            PyObject *out = PyObject_CallMethodOneArg((PyObject *)self, s__crossed_into, current);
+            if (out == NULL) {
+                goto error;
+            }
+            Py_DECREF(out);
+        }
+    }
+    Py_DECREF(end);
+    Py_DECREF(rt);
+    Py_RETURN_FALSE;
+error:
+    Py_DECREF(end);
+    Py_DECREF(rt);
+    return NULL;
+}
+
 /* -- type objects ------------------------------------------------------------------------------------------- */
 
 #define RUNTIME_MEMBER(name, attr) {attr, T_OBJECT_EX, offsetof(RuntimeObject, name), 0, NULL},
@@ -757,12 +991,15 @@ static PyMemberDef runtime_members[] = {
     RUNTIME_MEMBER(hot, "_hot")
     RUNTIME_MEMBER(unsettled, "unsettled")
     RUNTIME_MEMBER(step_extras, "_step_extras")
+    RUNTIME_MEMBER(active, "active")
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyMethodDef runtime_methods[] = {
     {"step", (PyCFunction)(void (*)(void))runtime_step, METH_FASTCALL | METH_KEYWORDS,
      "Time training step n (a context manager; see steptrace.step)."},
+    {"span", (PyCFunction)(void (*)(void))runtime_span, METH_FASTCALL | METH_KEYWORDS,
+     "Time a host span (see steptrace.span)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -797,6 +1034,7 @@ static PyMemberDef step_members[] = {
     STEP_MEMBER(start_event, "start_event")
     STEP_MEMBER(spans, "spans")
     STEP_MEMBER(scalars, "scalars")
+    STEP_MEMBER(loop, "loop")
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -825,19 +1063,53 @@ static PyTypeObject StepBaseType = {
     .tp_methods = step_methods,
 };
 
+#define SPAN_MEMBER(name, attr) {attr, T_OBJECT_EX, offsetof(SpanObject, name), 0, NULL},
+static PyMemberDef span_members[] = {
+    SPAN_MEMBER(rt, "_rt")
+    SPAN_MEMBER(name, "name")
+    SPAN_MEMBER(attrs, "attrs")
+    SPAN_MEMBER(start, "start")
+    SPAN_MEMBER(marker, "marker")
+    SPAN_MEMBER(opened_in, "opened_in")
+    SPAN_MEMBER(crossed, "crossed")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef span_methods[] = {
+    {"__enter__", (PyCFunction)span_enter, METH_NOARGS, "Open the span (SpanHandle.__enter__)."},
+    {"__exit__", (PyCFunction)(void (*)(void))span_exit, METH_FASTCALL, "Close the span (SpanHandle.__exit__)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SpanBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "steptrace._hotpath.SpanBase",
+    .tp_doc = PyDoc_STR("The hot fields and calls of steptrace._handles.SpanHandle."),
+    .tp_basicsize = sizeof(SpanObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = span_new,
+    .tp_dealloc = (destructor)span_dealloc,
+    .tp_traverse = (traverseproc)span_traverse,
+    .tp_clear = (inquiry)span_clear,
+    .tp_members = span_members,
+    .tp_methods = span_methods,
+};
+
 /* -- install ------------------------------------------------------------------------------------------------ */
 
 static PyObject *
 install(PyObject *module, PyObject *args)
 {
     PyObject *host, *torch_tensors, *step_class, *step_slow, *enter_slow, *wait_for_slow, *exit_slow, *log_slow,
-        *globals;
-    if (!PyArg_ParseTuple(args, "OOO!OOOOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
-                          &step_slow, &enter_slow, &wait_for_slow, &exit_slow, &log_slow, &PyDict_Type, &globals)) {
+        *span_class, *span_slow, *span_enter_slow, *span_exit_slow, *globals;
+    if (!PyArg_ParseTuple(args, "OOO!OOOOOO!OOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
+                          &step_slow, &enter_slow, &wait_for_slow, &exit_slow, &log_slow, &PyType_Type, &span_class,
+                          &span_slow, &span_enter_slow, &span_exit_slow, &PyDict_Type, &globals)) {
         return NULL;
     }
-    if (!PyType_IsSubtype((PyTypeObject *)step_class, &StepBaseType)) {
-        PyErr_SetString(PyExc_TypeError, "install(): the step class must derive from StepBase");
+    if (!PyType_IsSubtype((PyTypeObject *)step_class, &StepBaseType) ||
+            !PyType_IsSubtype((PyTypeObject *)span_class, &SpanBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "install(): the handle classes must derive from StepBase and SpanBase");
         return NULL;
     }
     Py_XSETREF(HOST, Py_NewRef(host));
@@ -848,6 +1120,10 @@ install(PyObject *module, PyObject *args)
     Py_XSETREF(WAIT_FOR_SLOW, Py_NewRef(wait_for_slow));
     Py_XSETREF(EXIT_SLOW, Py_NewRef(exit_slow));
     Py_XSETREF(LOG_SLOW, Py_NewRef(log_slow));
+    Py_XSETREF(SPAN_CLASS, Py_NewRef(span_class));
+    Py_XSETREF(SPAN_SLOW, Py_NewRef(span_slow));
+    Py_XSETREF(SPAN_ENTER_SLOW, Py_NewRef(span_enter_slow));
+    Py_XSETREF(SPAN_EXIT_SLOW, Py_NewRef(span_exit_slow));
     Py_XSETREF(GLOBALS, Py_NewRef(globals));
     Py_RETURN_NONE;
 }
@@ -855,7 +1131,8 @@ install(PyObject *module, PyObject *args)
 static PyMethodDef functions[] = {
     {"install", install, METH_VARARGS,
      "install(HOST, TORCH_TENSORS, StepHandle, Runtime.step, StepHandle.__enter__, StepHandle.wait_for, "
-     "StepHandle.__exit__, StepHandle.log, steptrace._handles.__dict__): the Python definitions the fast path hands the "
+     "StepHandle.__exit__, StepHandle.log, SpanHandle, Runtime.span, SpanHandle.__enter__, SpanHandle.__exit__, "
+     "steptrace._handles.__dict__): the Python definitions the fast path hands the "
      "rest to"},
     {NULL, NULL, 0, NULL},
 };
@@ -883,6 +1160,10 @@ PyInit__hotpath(void)
     INTERN(s_stream_for_unit, "stream_for_unit");
     INTERN(s_start_markers, "start_markers");
     INTERN(s__cuda, "_cuda");
+    INTERN(s_span_marker, "span_marker");
+    INTERN(s_close_span, "close_span");
+    INTERN(s__crossed_into, "_crossed_into");
+    INTERN(s_start_event, "start_event");
     INTERN(s_torch, "torch");
     INTERN(s_forced_values, "forced_values");
     INTERN(s_by_type, "by_type");
@@ -896,7 +1177,8 @@ PyInit__hotpath(void)
     INTERN(s__max_queue, "_max_queue");
     INTERN(s_append, "append");
     ZERO = PyFloat_FromDouble(0.0);
-    if (ZERO == NULL || PyType_Ready(&RuntimeBaseType) < 0 || PyType_Ready(&StepBaseType) < 0) {
+    if (ZERO == NULL || PyType_Ready(&RuntimeBaseType) < 0 || PyType_Ready(&StepBaseType) < 0 ||
+            PyType_Ready(&SpanBaseType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&hotpath_module);
@@ -904,7 +1186,8 @@ PyInit__hotpath(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "RuntimeBase", (PyObject *)&RuntimeBaseType) < 0 ||
-            PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0) {
+            PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0 ||
+            PyModule_AddObjectRef(module, "SpanBase", (PyObject *)&SpanBaseType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

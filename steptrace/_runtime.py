@@ -42,6 +42,7 @@ _perf = time.perf_counter
 _get_ident = threading.get_ident
 _new = object.__new__
 _new_step = StepHandle.__new__  # object.__new__, or the compiled base's (which sets the handle's defaults)
+_new_span = SpanHandle.__new__
 
 
 def _in_body(loop: Any, caller: Any) -> bool:
@@ -442,7 +443,7 @@ class Runtime(_RuntimeBase):
                 current is None or current.loop is None):
             # The common case, in one test; the handle made without an __init__ call (its defaults
             # live on the class), which costs as much as the rest of this method.
-            span = _new(SpanHandle)
+            span = _new_span(SpanHandle)
             span._rt = self
             span.name = name
             span.attrs = attrs
@@ -708,8 +709,9 @@ class Runtime(_RuntimeBase):
         return complete
 
 
-#: The Python Runtime.step (the compiled one hands everything but a plain step to it).
+#: The Python Runtime.step and Runtime.span (the compiled ones hand everything but the plain case to them).
 PYTHON_STEP = Runtime.step
+PYTHON_SPAN = Runtime.span
 
 
 def compiled_hot_path(enabled: bool = True) -> bool:
@@ -719,7 +721,8 @@ def compiled_hot_path(enabled: bool = True) -> bool:
     one. For tests and benchmarks: ``import steptrace`` runs them compiled when it can."""
     if _handles._hotpath is None:
         return False
-    for cls, methods in ((Runtime, {"step": PYTHON_STEP}), (StepHandle, _handles.PYTHON_STEP_METHODS)):
+    for cls, methods in ((Runtime, {"step": PYTHON_STEP, "span": PYTHON_SPAN}),
+                         (StepHandle, _handles.PYTHON_STEP_METHODS), (SpanHandle, _handles.PYTHON_SPAN_METHODS)):
         for name, method in methods.items():
             if enabled:
                 if name in cls.__dict__:
@@ -730,7 +733,8 @@ def compiled_hot_path(enabled: bool = True) -> bool:
 
 
 if _handles._hotpath is not None:
-    del Runtime.step  # the compiled base's shows through
-    _python = _handles.PYTHON_STEP_METHODS
+    del Runtime.step, Runtime.span  # the compiled base's show through
+    _python, _span = _handles.PYTHON_STEP_METHODS, _handles.PYTHON_SPAN_METHODS
     _handles._hotpath.install(HOST, TORCH_TENSORS, StepHandle, PYTHON_STEP, _python["__enter__"], _python["wait_for"],
-                              _python["__exit__"], _python["log"], vars(_handles))
+                              _python["__exit__"], _python["log"], SpanHandle, PYTHON_SPAN, _span["__enter__"],
+                              _span["__exit__"], vars(_handles))

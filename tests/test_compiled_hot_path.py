@@ -17,7 +17,7 @@ import pytest
 
 import steptrace
 from steptrace import _handles, _runtime
-from steptrace._handles import STEP_BASE_DEFAULTS, StepHandle, TimedUnit
+from steptrace._handles import SPAN_BASE_DEFAULTS, STEP_BASE_DEFAULTS, SpanHandle, StepHandle, TimedUnit
 from steptrace.testing import MemorySink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,15 +26,20 @@ compiled_only = pytest.mark.skipif(_handles._hotpath is None, reason=(
 
 
 @compiled_only
-def test_a_compiled_handle_starts_with_the_defaults_the_python_classes_declare():
-    """StepBase's fields shadow the class attributes of StepHandle and TimedUnit; it must start a handle
-    with the same values, or a step would read another default with the extension than without."""
-    base = _handles._hotpath.StepBase
+@pytest.mark.parametrize("kind", ["step", "span"])
+def test_a_compiled_handle_starts_with_the_defaults_the_python_classes_declare(kind):
+    """StepBase's fields shadow the class attributes of StepHandle and TimedUnit (SpanBase's, SpanHandle's);
+    it must start a handle with the same values, or a step would read another default with the extension
+    than without."""
+    if kind == "step":
+        base, cls, made_per_step = _handles._hotpath.StepBase, StepHandle, {"_rt", "step", "attrs"}
+        declared = {**{name: value for name, value in vars(TimedUnit).items() if not name.startswith("__")},
+                    **STEP_BASE_DEFAULTS}
+    else:
+        base, cls, made_per_step = _handles._hotpath.SpanBase, SpanHandle, {"_rt", "name", "attrs"}
+        declared = dict(SPAN_BASE_DEFAULTS)
     fields = sorted(name for name, value in vars(base).items() if isinstance(value, types.MemberDescriptorType))
-    handle = StepHandle.__new__(StepHandle)
-    made_per_step = {"_rt", "step", "attrs"}  # set by Runtime.step on every handle; no default
-    declared = {**{name: value for name, value in vars(TimedUnit).items() if not name.startswith("__")},
-                **STEP_BASE_DEFAULTS}
+    handle = cls.__new__(cls)  # made_per_step: set by Runtime.step / Runtime.span on every handle
     assert set(fields) - made_per_step <= set(declared), "a compiled field with no Python default"
     for name in sorted(set(fields) - made_per_step):
         assert getattr(handle, name) == declared[name], name
@@ -43,7 +48,7 @@ def test_a_compiled_handle_starts_with_the_defaults_the_python_classes_declare()
         with pytest.raises(AttributeError):
             getattr(handle, name)
     # And the Python class no longer hides them (a class attribute of the same name would).
-    assert not set(fields) & set(vars(StepHandle))
+    assert not set(fields) & set(vars(cls))
 
 
 @compiled_only
@@ -240,3 +245,40 @@ def test_logged_scalars_are_the_same_both_ways(hot_path):
     assert steps[0]["scalars"] == {"loss": 0.25, "grad_norm": 2.0}
     assert "scalars" not in steps[1]
     assert steps[2]["scalars"] == {"loss": 1.5, "lr": 0.125}
+
+
+def test_spans_open_and_close_the_same_both_ways(hot_path):
+    """Spans between and inside steps, nested, with attrs, begun by begin_span, as a decorator, one that
+    crosses into a step (misuse, said once) and one closed out of order: the records are the Python
+    methods' (tests/test_hot_path.py's golden test checks the common ones field by field)."""
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id=f"spans-{hot_path}", stall_watch=False, strict=False)
+
+    @steptrace.span("eval")
+    def evaluate():
+        return 7
+
+    with steptrace.span("data", shard=3):
+        pass
+    assert evaluate() == 7
+    with steptrace.step(0) as s:
+        with steptrace.span("data"):
+            with steptrace.span("h2d"):
+                pass
+        s.wait_for(1.0)
+    outer = steptrace.span("outer").__enter__()
+    with pytest.warns(UserWarning, match="ended inside step"):
+        with steptrace.step(1) as s:
+            inner = steptrace.span("inner").__enter__()
+            outer.__exit__(None, None, None)  # not the innermost: the Python method closes it
+            inner.__exit__(None, None, None)
+            s.wait_for(1.0)
+    steptrace.begin_span("save")
+    steptrace.end_span("save")
+    with pytest.warns(UserWarning, match="non-empty string"):
+        steptrace.span("")
+    assert steptrace.flush(30.0)
+    spans = [(r["name"], r.get("step"), r.get("attrs")) for r in sink.spans()]
+    steptrace.shutdown()
+    assert spans == [("data", None, {"shard": 3}), ("eval", None, {}), ("h2d", 0, {}), ("data", 0, {}),
+                     ("outer", 1, {}), ("inner", 1, {}), ("save", None, {})]
