@@ -114,6 +114,11 @@ def _off_step(n: Any, **attrs: Any) -> Any:
     return NULL_STEP
 
 
+if _handles._hotpath is not None:  # the same function, compiled (steptrace/_hotpath.c)
+    _handles._hotpath.set_null_step(NULL_STEP)
+    _off_step = _handles._hotpath.off_step  # noqa: F811
+
+
 _active: Any = _Disabled(warn_uninitialised=True)
 _HOT_CALLS = ("step", "span", "checkpoint", "microbatch", "begin_step", "end_step", "begin_span", "end_span")
 

@@ -574,8 +574,12 @@ class CheckpointHandle:
 
 
 # -- no-op objects: disabled steptrace, or a misused call --------------------------------
-class _NullContext:
-    """Does nothing, fast. Shared singletons; safe to re-enter."""
+_NullBase: Any = _hotpath.NullBase if _hotpath is not None else object
+
+
+class _NullContext(_NullBase):
+    """Does nothing, fast. Shared singletons; safe to re-enter. (With the compiled hot path its methods
+    but ``__call__`` are NullBase's, in C: the same answers, cheaper than a do-nothing Python ``with``.)"""
 
     __slots__ = ()
 
@@ -602,6 +606,9 @@ class _NullContext:
         return fn
 
 
+if _hotpath is not None:
+    for _name in ("__enter__", "__exit__", "wait_for", "log", "async_done", "track"):
+        delattr(_NullContext, _name)  # NullBase's show through
 NULL_STEP = _NullContext()
 NULL_SPAN = NULL_STEP
 NULL_CHECKPOINT = NULL_STEP

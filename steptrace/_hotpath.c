@@ -1095,6 +1095,86 @@ static PyTypeObject SpanBaseType = {
     .tp_methods = span_methods,
 };
 
+/* -- the no-op handles (steptrace off, before init(), misuse) ---------------------------------------------- */
+
+/* NullBase: the base of steptrace._handles._NullContext, whose shared instances every call returns while
+ * steptrace is off. Disabled means free: these cost what a call of a C method does, below a do-nothing
+ * Python `with` (bench_overhead's "steptrace disabled" row). */
+static PyObject *
+null_enter(PyObject *self, PyObject *unused)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *
+null_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_RETURN_FALSE; /* never swallow the user's exception */
+}
+
+static PyObject *
+null_any(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+null_none(PyObject *self, PyObject *unused)
+{
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef null_methods[] = {
+    {"__enter__", (PyCFunction)null_enter, METH_NOARGS, "Does nothing."},
+    {"__exit__", (PyCFunction)(void (*)(void))null_exit, METH_FASTCALL, "Does nothing; never swallows an exception."},
+    {"wait_for", (PyCFunction)(void (*)(void))null_any, METH_FASTCALL | METH_KEYWORDS, "Does nothing."},
+    {"log", (PyCFunction)(void (*)(void))null_any, METH_FASTCALL | METH_KEYWORDS, "Does nothing."},
+    {"async_done", (PyCFunction)null_none, METH_NOARGS, "Does nothing."},
+    {"track", (PyCFunction)(void (*)(void))null_any, METH_FASTCALL | METH_KEYWORDS, "Does nothing."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject NullBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "steptrace._hotpath.NullBase",
+    .tp_doc = PyDoc_STR("The methods of steptrace._handles._NullContext: each does nothing."),
+    .tp_basicsize = sizeof(PyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = null_methods,
+};
+
+/* steptrace.step while steptrace is off (init(enabled=False)): the shared no-op step, whatever it is given. */
+static PyObject *NULL_STEP_OBJECT;
+
+static PyObject *
+off_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    /* What `def step(n, **attrs)` accepts: n once, by position or by name. */
+    int named = 0;
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "n") == 0) {
+            named = 1;
+        }
+    }
+    if (nargs + named != 1) {
+        PyErr_SetString(PyExc_TypeError, "step() takes the step number n, once");
+        return NULL;
+    }
+    if (NULL_STEP_OBJECT == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: set_null_step() was not called");
+        return NULL;
+    }
+    return Py_NewRef(NULL_STEP_OBJECT);
+}
+
+static PyObject *
+set_null_step(PyObject *module, PyObject *null_step)
+{
+    Py_XSETREF(NULL_STEP_OBJECT, Py_NewRef(null_step));
+    Py_RETURN_NONE;
+}
+
 /* -- install ------------------------------------------------------------------------------------------------ */
 
 static PyObject *
@@ -1129,6 +1209,9 @@ install(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef functions[] = {
+    {"off_step", (PyCFunction)(void (*)(void))off_step, METH_FASTCALL | METH_KEYWORDS,
+     "steptrace.step while steptrace is off: accepts what the real one accepts, records nothing."},
+    {"set_null_step", set_null_step, METH_O, "set_null_step(NULL_STEP): what off_step returns"},
     {"install", install, METH_VARARGS,
      "install(HOST, TORCH_TENSORS, StepHandle, Runtime.step, StepHandle.__enter__, StepHandle.wait_for, "
      "StepHandle.__exit__, StepHandle.log, SpanHandle, Runtime.span, SpanHandle.__enter__, SpanHandle.__exit__, "
@@ -1178,7 +1261,7 @@ PyInit__hotpath(void)
     INTERN(s_append, "append");
     ZERO = PyFloat_FromDouble(0.0);
     if (ZERO == NULL || PyType_Ready(&RuntimeBaseType) < 0 || PyType_Ready(&StepBaseType) < 0 ||
-            PyType_Ready(&SpanBaseType) < 0) {
+            PyType_Ready(&SpanBaseType) < 0 || PyType_Ready(&NullBaseType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&hotpath_module);
@@ -1187,7 +1270,8 @@ PyInit__hotpath(void)
     }
     if (PyModule_AddObjectRef(module, "RuntimeBase", (PyObject *)&RuntimeBaseType) < 0 ||
             PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0 ||
-            PyModule_AddObjectRef(module, "SpanBase", (PyObject *)&SpanBaseType) < 0) {
+            PyModule_AddObjectRef(module, "SpanBase", (PyObject *)&SpanBaseType) < 0 ||
+            PyModule_AddObjectRef(module, "NullBase", (PyObject *)&NullBaseType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

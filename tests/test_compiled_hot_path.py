@@ -282,3 +282,28 @@ def test_spans_open_and_close_the_same_both_ways(hot_path):
     steptrace.shutdown()
     assert spans == [("data", None, {"shard": 3}), ("eval", None, {}), ("h2d", 0, {}), ("data", 0, {}),
                      ("outer", 1, {}), ("inner", 1, {}), ("save", None, {})]
+
+
+def test_steptrace_off_accepts_what_it_accepts_in_python():
+    """init(enabled=False): ``steptrace.step`` (compiled where built) takes n once, by position or by name,
+    with any step arguments, and returns the shared no-op, whose calls do nothing and swallow nothing."""
+    steptrace.init(enabled=False)
+    try:
+        null = steptrace.step(3, tokens=5, lr=0.1)
+        assert steptrace.step(n=4) is null
+        for bad in ((), (1, 2)):
+            with pytest.raises(TypeError):
+                steptrace.step(*bad)
+        with pytest.raises(TypeError):
+            steptrace.step(1, n=2)
+        with pytest.raises(TypeError):
+            steptrace.step(tokens=5)
+        with null as s:
+            assert s is null
+            assert s.wait_for(1.0, 2.0) is None and s.log(loss=0.5) is None
+            assert s.async_done() is None and s.track(object()) is None
+        with pytest.raises(KeyError):
+            with null:
+                raise KeyError("kept")
+    finally:
+        steptrace.shutdown()
