@@ -330,7 +330,10 @@ class StepHandle(_StepBase, TimedUnit):
         return False  # never swallow the user's exception
 
 
-class MicrobatchHandle(TimedUnit):
+_MicrobatchBase: Any = _hotpath.MicrobatchBase if _hotpath is not None else _PurePython
+
+
+class MicrobatchHandle(_MicrobatchBase, TimedUnit):
     """One pipeline microbatch inside a step; device-timed like a step."""
 
     def __init__(self, rt: "HandleRuntime", step: StepHandle, index: Any, stage: Any, chunk: Any, kind: str):
@@ -659,6 +662,11 @@ STEP_BASE_DEFAULTS: dict[str, Any] = {
     name: StepHandle.__dict__[name]
     for name in ("waited", "submitted", "spans", "_annotation", "auto_flops", "scalars", "loop")
 }
+#: The same for the microbatch handle (its fields' defaults are TimedUnit's, which the compiled base sets).
+PYTHON_MICROBATCH_METHODS: dict[str, Any] = {
+    "__enter__": MicrobatchHandle.__enter__, "wait_for": MicrobatchHandle.wait_for,
+    "__exit__": MicrobatchHandle.__exit__,
+}
 #: The same for the span handle.
 PYTHON_SPAN_METHODS: dict[str, Any] = {"__enter__": SpanHandle.__enter__, "__exit__": SpanHandle.__exit__}
 SPAN_BASE_DEFAULTS: dict[str, Any] = {
@@ -669,3 +677,5 @@ if _hotpath is not None:
         delattr(StepHandle, _name)  # else they would hide the compiled base's
     for _name in (*PYTHON_SPAN_METHODS, *SPAN_BASE_DEFAULTS):
         delattr(SpanHandle, _name)
+    for _name in PYTHON_MICROBATCH_METHODS:
+        delattr(MicrobatchHandle, _name)

@@ -40,11 +40,16 @@ static PyObject *SPAN_CLASS;     /* steptrace._handles.SpanHandle */
 static PyObject *SPAN_SLOW;      /* the Python Runtime.span */
 static PyObject *SPAN_ENTER_SLOW; /* the Python SpanHandle.__enter__ */
 static PyObject *SPAN_EXIT_SLOW; /* the Python SpanHandle.__exit__ */
+static PyObject *MICROBATCH_CLASS;      /* steptrace._handles.MicrobatchHandle */
+static PyObject *MICROBATCH_SLOW;       /* the Python Runtime.microbatch */
+static PyObject *MB_WAIT_FOR_SLOW;      /* the Python MicrobatchHandle.wait_for */
+static PyObject *MB_EXIT_SLOW;          /* the Python MicrobatchHandle.__exit__ */
+static PyObject *FORWARD, *BACKWARD;    /* the microbatch kinds */
 static PyObject *GLOBALS;        /* steptrace._handles.__dict__ (its `_perf`) */
 
 static PyObject *ZERO;           /* 0.0, the default host times */
 static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_span_marker, *s_close_span,
-    *s__crossed_into, *s_start_event, *s_forced_values, *s_by_type, *s_uses_events,
+    *s__crossed_into, *s_start_event, *s_microbatches, *s_backends, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
     *s_append;
 
@@ -99,15 +104,34 @@ typedef struct {
     PyObject *crossed;    /* a step boundary inside it was reported already */
 } SpanObject;
 
+typedef struct {
+    PyObject_HEAD
+    PyObject *rt;
+    PyObject *step;        /* `_step`: the step it belongs to */
+    PyObject *index;
+    PyObject *stage;
+    PyObject *chunk;
+    PyObject *kind;
+    PyObject *host_start;
+    PyObject *dispatch;
+    PyObject *host_end;
+    PyObject *device;
+    PyObject *values;
+    PyObject *start_event;
+} MicrobatchObject;
+
 static PyTypeObject RuntimeBaseType;
 static PyTypeObject StepBaseType;
 static PyTypeObject SpanBaseType;
+static PyTypeObject MicrobatchBaseType;
 
 #define RUNTIME_FIELDS(X) X(current) X(last_step) X(last_step_end) X(closed_spans) X(open_spans) X(capture) \
     X(annotate) X(annotate_enabled) X(backends) X(resolver) X(hot) X(unsettled) X(step_extras) X(active)
 #define STEP_FIELDS(X) X(rt) X(step) X(attrs) X(host_start) X(dispatch) X(host_end) X(device) X(waited) \
     X(submitted) X(values) X(annotation) X(auto_flops) X(start_event) X(spans) X(scalars) X(loop)
 
+#define MICROBATCH_FIELDS(X) X(rt) X(step) X(index) X(stage) X(chunk) X(kind) X(host_start) X(dispatch) \
+    X(host_end) X(device) X(values) X(start_event)
 #define SPAN_FIELDS(X) X(rt) X(name) X(attrs) X(start) X(marker) X(opened_in) X(crossed)
 
 #define VISIT_FIELD(name) Py_VISIT(self->name);
@@ -267,6 +291,55 @@ span_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)new_span(type);
 }
 
+static int
+microbatch_traverse(MicrobatchObject *self, visitproc visit, void *arg)
+{
+    MICROBATCH_FIELDS(VISIT_FIELD)
+    return 0;
+}
+
+static int
+microbatch_clear(MicrobatchObject *self)
+{
+    MICROBATCH_FIELDS(CLEAR_FIELD)
+    return 0;
+}
+
+static void
+microbatch_dealloc(MicrobatchObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    microbatch_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A microbatch handle with TimedUnit's defaults (tests compare them). */
+static MicrobatchObject *
+new_microbatch(PyTypeObject *type)
+{
+    if (HOST == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: install() was not called");
+        return NULL;
+    }
+    MicrobatchObject *self = (MicrobatchObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->host_start = Py_NewRef(ZERO);
+    self->dispatch = Py_NewRef(ZERO);
+    self->host_end = Py_NewRef(Py_None);
+    self->device = Py_NewRef(HOST);
+    self->values = Py_NewRef(Py_None);
+    self->start_event = Py_NewRef(Py_None);
+    return self;
+}
+
+static PyObject *
+microbatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    return (PyObject *)new_microbatch(type);
+}
+
 /* -- helpers ------------------------------------------------------------------------------------------------ */
 
 /* 1: true, 0: false, -1: error (the common values without a call). */
@@ -422,6 +495,41 @@ runtime_step(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObj
     return result;
 }
 
+/* Backends.stream_for_unit() (a new reference: the stream device, or None), answered without the call in
+ * the common CPU case: no stream device forced or known, and torch not even imported. */
+static PyObject *
+stream_for_unit(PyObject *backends)
+{
+    int none = attr_is_none(backends, s_forced_stream);
+    if (none == 1) {
+        none = attr_is_none(backends, s__cuda);
+    }
+    if (none == 1) {
+        int imported = PyDict_Contains(PyImport_GetModuleDict(), s_torch);
+        none = imported < 0 ? -1 : !imported;
+    }
+    if (none < 0) {
+        return NULL;
+    }
+    if (none) {
+        Py_RETURN_NONE;
+    }
+    return PyObject_CallMethodNoArgs(backends, s_stream_for_unit);
+}
+
+/* rt.start_markers(unit, device) where device is a stream device (not None); 0 or -1. */
+static int
+start_markers(PyObject *rt, PyObject *unit, PyObject *device)
+{
+    PyObject *call[3] = {rt, unit, device};
+    PyObject *out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+    if (out == NULL) {
+        return -1;
+    }
+    Py_DECREF(out);
+    return 0;
+}
+
 /* -- StepHandle.__enter__ ----------------------------------------------------------------------------------- */
 
 /* 1: the step opens here (no open step, no profiler to start or stop, no FLOP counters), 0: the Python
@@ -493,41 +601,19 @@ step_enter(StepObject *self, PyObject *unused)
      * whether this step is timed on a stream. */
     PyObject *backends = Py_NewRef(rt->backends);
     int r = attr_is_true(backends, s_may_stream);
-    if (r == 1) {
-        /* What Backends.stream_for_unit() answers without a call in the common CPU case: None when no
-         * stream device is forced, none is known and torch is not even imported. */
-        int none = attr_is_none(backends, s_forced_stream);
-        if (none == 1) {
-            none = attr_is_none(backends, s__cuda);
-        }
-        if (none == 1) {
-            PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
-            int imported = PyDict_Contains(modules, s_torch);
-            none = imported < 0 ? -1 : !imported;
-        }
-        if (none < 0) {
-            Py_DECREF(backends);
-            return NULL;
-        }
-        if (none) {
-            r = 0;
-        }
-    }
-    PyObject *device = r == 1 ? PyObject_CallMethodNoArgs(backends, s_stream_for_unit) : NULL;
+    PyObject *device = r == 1 ? stream_for_unit(backends) : NULL;
     Py_DECREF(backends);
     if (r < 0 || (r == 1 && device == NULL)) {
         return NULL;
     }
     if (device != NULL && device != Py_None) {
         PyObject *rt_object = Py_NewRef((PyObject *)rt);
-        PyObject *call[3] = {rt_object, (PyObject *)self, device}; /* rt.start_markers(self, device) */
-        PyObject *out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+        int failed = start_markers(rt_object, (PyObject *)self, device);
         Py_DECREF(rt_object);
-        if (out == NULL) {
+        if (failed) {
             Py_DECREF(device);
             return NULL;
         }
-        Py_DECREF(out);
     }
     Py_XDECREF(device);
     return Py_NewRef((PyObject *)self);
@@ -974,6 +1060,198 @@ error:
     return NULL;
 }
 
+/* -- Runtime.microbatch, MicrobatchHandle --------------------------------------------------------------------- */
+
+/* steptrace.microbatch(index, stage=, chunk=, kind=): a handle inside an open step (not a steps() loop's:
+ * that one may have to be followed first) of a known kind; anything else is the Python method's. */
+static PyObject *
+runtime_microbatch(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (MICROBATCH_SLOW == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: install() was not called");
+        return NULL;
+    }
+    PyObject *current = self->current;
+    PyObject *stage = Py_None, *chunk = Py_None, *kind = FORWARD;
+    int plain = nargs == 1 && self->active == Py_True && self->unsettled == Py_None &&
+        PyObject_TypeCheck(current, &StepBaseType) && ((StepObject *)current)->loop == Py_None;
+    Py_ssize_t count = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; plain && i < count; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
+        if (PyUnicode_CompareWithASCIIString(name, "stage") == 0) {
+            stage = value;
+        }
+        else if (PyUnicode_CompareWithASCIIString(name, "chunk") == 0) {
+            chunk = value;
+        }
+        else if (PyUnicode_CompareWithASCIIString(name, "kind") == 0) {
+            kind = value;
+        }
+        else {
+            plain = 0; /* an argument the method does not take: its TypeError */
+        }
+    }
+    if (plain && kind != FORWARD && kind != BACKWARD) {
+        plain = PyUnicode_CheckExact(kind) && (PyUnicode_Compare(kind, FORWARD) == 0 ||
+                                               PyUnicode_Compare(kind, BACKWARD) == 0);
+    }
+    if (!plain) {
+        return forward(MICROBATCH_SLOW, (PyObject *)self, args, nargs, kwnames);
+    }
+    MicrobatchObject *unit = new_microbatch((PyTypeObject *)MICROBATCH_CLASS);
+    if (unit == NULL) {
+        return NULL;
+    }
+    unit->rt = Py_NewRef((PyObject *)self);
+    unit->step = Py_NewRef(current);
+    unit->index = Py_NewRef(args[0]);
+    unit->stage = Py_NewRef(stage);
+    unit->chunk = Py_NewRef(chunk);
+    unit->kind = Py_NewRef(kind);
+    return (PyObject *)unit;
+}
+
+static PyObject *
+microbatch_enter(MicrobatchObject *self, PyObject *unused)
+{
+    if (self->rt == NULL || self->step == NULL || !PyObject_TypeCheck(self->step, &StepBaseType)) {
+        PyErr_SetString(PyExc_RuntimeError, "a microbatch handle without its step");
+        return NULL;
+    }
+    PyObject *clock = read_clock();
+    if (clock == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(self->host_start, Py_NewRef(clock));
+    Py_XSETREF(self->dispatch, clock);
+    PyObject *step_device = Py_NewRef(((StepObject *)self->step)->device);
+    int r = uses_events(step_device);
+    PyObject *device = NULL;
+    if (r == 1) {
+        device = Py_NewRef(step_device);
+    }
+    else if (r == 0) {
+        PyObject *backends = PyObject_GetAttr(self->rt, s_backends);
+        device = backends == NULL ? NULL : stream_for_unit(backends);
+        Py_XDECREF(backends);
+    }
+    Py_DECREF(step_device);
+    if (device == NULL) {
+        return NULL;
+    }
+    if (device != Py_None) {
+        PyObject *rt = Py_NewRef(self->rt);
+        int failed = start_markers(rt, (PyObject *)self, device);
+        Py_DECREF(rt);
+        if (failed) {
+            Py_DECREF(device);
+            return NULL;
+        }
+    }
+    Py_DECREF(device);
+    return Py_NewRef((PyObject *)self);
+}
+
+static PyObject *
+microbatch_wait_for(MicrobatchObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs == 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *backends = NULL, *by_type = NULL, *device = NULL, *result = NULL;
+    int done = 0;
+    if (nargs == 1 && self->rt != NULL && self->start_event == Py_None) {
+        backends = PyObject_GetAttr(self->rt, s_backends);
+        if (backends == NULL) {
+            return NULL;
+        }
+        int r = attr_is_none(backends, s_forced_values);
+        if (r < 0) {
+            goto cleanup;
+        }
+        by_type = r == 1 ? PyObject_GetAttr(backends, s_by_type) : NULL;
+        if (r == 1 && by_type == NULL) {
+            goto cleanup;
+        }
+        if (by_type != NULL && PyDict_CheckExact(by_type)) {
+            device = PyDict_GetItemWithError(by_type, (PyObject *)Py_TYPE(args[0]));
+            Py_XINCREF(device);
+            if (device == NULL && PyErr_Occurred()) {
+                goto cleanup;
+            }
+        }
+        if (device != NULL && device != TORCH_TENSORS) {
+            /* As the Python method: no device, a stream device or a forced stream leave it as it is. */
+            int events = uses_events(device);
+            int forced = events == 0 ? attr_is_none(backends, s_forced_stream) : 1;
+            if (events < 0 || forced < 0) {
+                goto cleanup;
+            }
+            if (device != Py_None && events == 0 && forced == 1) {
+                Py_XSETREF(self->device, Py_NewRef(device));
+                if (device != HOST) {
+                    PyObject *values = PyTuple_New(1);
+                    if (values == NULL) {
+                        goto cleanup;
+                    }
+                    PyTuple_SET_ITEM(values, 0, Py_NewRef(args[0]));
+                    Py_XSETREF(self->values, values);
+                }
+            }
+            done = 1;
+        }
+    }
+    result = done ? Py_NewRef(Py_None) : forward(MB_WAIT_FOR_SLOW, (PyObject *)self, args, nargs, NULL);
+cleanup:
+    Py_XDECREF(backends);
+    Py_XDECREF(by_type);
+    Py_XDECREF(device);
+    return result;
+}
+
+static PyObject *
+microbatch_exit(MicrobatchObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__() takes 3 arguments");
+        return NULL;
+    }
+    int r = self->step == NULL ? 1 : uses_events(self->device);
+    if (r != 0) {
+        if (r < 0) {
+            return NULL;
+        }
+        PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
+        return PyObject_Vectorcall(MB_EXIT_SLOW, full, 4, NULL);
+    }
+    PyObject *end = read_clock();
+    if (end == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(self->host_end, end);
+    PyObject *step = Py_NewRef(self->step);
+    PyObject *microbatches = PyObject_GetAttr(step, s_microbatches);
+    int failed = microbatches == NULL;
+    if (!failed && PyList_Check(microbatches)) {
+        failed = PyList_Append(microbatches, (PyObject *)self) < 0;
+    }
+    else if (!failed) {
+        PyObject *fresh = PyList_New(1);
+        failed = fresh == NULL;
+        if (!failed) {
+            PyList_SET_ITEM(fresh, 0, Py_NewRef((PyObject *)self));
+            failed = PyObject_SetAttr(step, s_microbatches, fresh) < 0;
+            Py_DECREF(fresh);
+        }
+    }
+    Py_XDECREF(microbatches);
+    Py_DECREF(step);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_FALSE;
+}
+
 /* -- type objects ------------------------------------------------------------------------------------------- */
 
 #define RUNTIME_MEMBER(name, attr) {attr, T_OBJECT_EX, offsetof(RuntimeObject, name), 0, NULL},
@@ -1000,6 +1278,8 @@ static PyMethodDef runtime_methods[] = {
      "Time training step n (a context manager; see steptrace.step)."},
     {"span", (PyCFunction)(void (*)(void))runtime_span, METH_FASTCALL | METH_KEYWORDS,
      "Time a host span (see steptrace.span)."},
+    {"microbatch", (PyCFunction)(void (*)(void))runtime_microbatch, METH_FASTCALL | METH_KEYWORDS,
+     "Time a pipeline microbatch (see steptrace.microbatch)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1095,6 +1375,46 @@ static PyTypeObject SpanBaseType = {
     .tp_methods = span_methods,
 };
 
+#define MICROBATCH_MEMBER(name, attr) {attr, T_OBJECT_EX, offsetof(MicrobatchObject, name), 0, NULL},
+static PyMemberDef microbatch_members[] = {
+    MICROBATCH_MEMBER(rt, "_rt")
+    MICROBATCH_MEMBER(step, "_step")
+    MICROBATCH_MEMBER(index, "index")
+    MICROBATCH_MEMBER(stage, "stage")
+    MICROBATCH_MEMBER(chunk, "chunk")
+    MICROBATCH_MEMBER(kind, "kind")
+    MICROBATCH_MEMBER(host_start, "host_start")
+    MICROBATCH_MEMBER(dispatch, "dispatch")
+    MICROBATCH_MEMBER(host_end, "host_end")
+    MICROBATCH_MEMBER(device, "device")
+    MICROBATCH_MEMBER(values, "values")
+    MICROBATCH_MEMBER(start_event, "start_event")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef microbatch_methods[] = {
+    {"__enter__", (PyCFunction)microbatch_enter, METH_NOARGS, "Open the microbatch (MicrobatchHandle.__enter__)."},
+    {"wait_for", (PyCFunction)(void (*)(void))microbatch_wait_for, METH_FASTCALL,
+     "The microbatch's device work ends when values are ready (JAX)."},
+    {"__exit__", (PyCFunction)(void (*)(void))microbatch_exit, METH_FASTCALL,
+     "Close the microbatch (MicrobatchHandle.__exit__)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MicrobatchBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "steptrace._hotpath.MicrobatchBase",
+    .tp_doc = PyDoc_STR("The hot fields and calls of steptrace._handles.MicrobatchHandle."),
+    .tp_basicsize = sizeof(MicrobatchObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = microbatch_new,
+    .tp_dealloc = (destructor)microbatch_dealloc,
+    .tp_traverse = (traverseproc)microbatch_traverse,
+    .tp_clear = (inquiry)microbatch_clear,
+    .tp_members = microbatch_members,
+    .tp_methods = microbatch_methods,
+};
+
 /* -- the no-op handles (steptrace off, before init(), misuse) ---------------------------------------------- */
 
 /* NullBase: the base of steptrace._handles._NullContext, whose shared instances every call returns while
@@ -1181,14 +1501,17 @@ static PyObject *
 install(PyObject *module, PyObject *args)
 {
     PyObject *host, *torch_tensors, *step_class, *step_slow, *enter_slow, *wait_for_slow, *exit_slow, *log_slow,
-        *span_class, *span_slow, *span_enter_slow, *span_exit_slow, *globals;
-    if (!PyArg_ParseTuple(args, "OOO!OOOOOO!OOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
+        *span_class, *span_slow, *span_enter_slow, *span_exit_slow, *microbatch_class, *microbatch_slow,
+        *mb_wait_for_slow, *mb_exit_slow, *globals;
+    if (!PyArg_ParseTuple(args, "OOO!OOOOOO!OOOO!OOOO!:install", &host, &torch_tensors, &PyType_Type, &step_class,
                           &step_slow, &enter_slow, &wait_for_slow, &exit_slow, &log_slow, &PyType_Type, &span_class,
-                          &span_slow, &span_enter_slow, &span_exit_slow, &PyDict_Type, &globals)) {
+                          &span_slow, &span_enter_slow, &span_exit_slow, &PyType_Type, &microbatch_class,
+                          &microbatch_slow, &mb_wait_for_slow, &mb_exit_slow, &PyDict_Type, &globals)) {
         return NULL;
     }
     if (!PyType_IsSubtype((PyTypeObject *)step_class, &StepBaseType) ||
-            !PyType_IsSubtype((PyTypeObject *)span_class, &SpanBaseType)) {
+            !PyType_IsSubtype((PyTypeObject *)span_class, &SpanBaseType) ||
+            !PyType_IsSubtype((PyTypeObject *)microbatch_class, &MicrobatchBaseType)) {
         PyErr_SetString(PyExc_TypeError, "install(): the handle classes must derive from StepBase and SpanBase");
         return NULL;
     }
@@ -1204,6 +1527,10 @@ install(PyObject *module, PyObject *args)
     Py_XSETREF(SPAN_SLOW, Py_NewRef(span_slow));
     Py_XSETREF(SPAN_ENTER_SLOW, Py_NewRef(span_enter_slow));
     Py_XSETREF(SPAN_EXIT_SLOW, Py_NewRef(span_exit_slow));
+    Py_XSETREF(MICROBATCH_CLASS, Py_NewRef(microbatch_class));
+    Py_XSETREF(MICROBATCH_SLOW, Py_NewRef(microbatch_slow));
+    Py_XSETREF(MB_WAIT_FOR_SLOW, Py_NewRef(mb_wait_for_slow));
+    Py_XSETREF(MB_EXIT_SLOW, Py_NewRef(mb_exit_slow));
     Py_XSETREF(GLOBALS, Py_NewRef(globals));
     Py_RETURN_NONE;
 }
@@ -1215,6 +1542,7 @@ static PyMethodDef functions[] = {
     {"install", install, METH_VARARGS,
      "install(HOST, TORCH_TENSORS, StepHandle, Runtime.step, StepHandle.__enter__, StepHandle.wait_for, "
      "StepHandle.__exit__, StepHandle.log, SpanHandle, Runtime.span, SpanHandle.__enter__, SpanHandle.__exit__, "
+     "MicrobatchHandle, Runtime.microbatch, MicrobatchHandle.wait_for, MicrobatchHandle.__exit__, "
      "steptrace._handles.__dict__): the Python definitions the fast path hands the "
      "rest to"},
     {NULL, NULL, 0, NULL},
@@ -1247,6 +1575,13 @@ PyInit__hotpath(void)
     INTERN(s_close_span, "close_span");
     INTERN(s__crossed_into, "_crossed_into");
     INTERN(s_start_event, "start_event");
+    INTERN(s_microbatches, "microbatches");
+    INTERN(s_backends, "backends");
+    FORWARD = PyUnicode_InternFromString("forward");
+    BACKWARD = PyUnicode_InternFromString("backward");
+    if (FORWARD == NULL || BACKWARD == NULL) {
+        return NULL;
+    }
     INTERN(s_torch, "torch");
     INTERN(s_forced_values, "forced_values");
     INTERN(s_by_type, "by_type");
@@ -1261,7 +1596,8 @@ PyInit__hotpath(void)
     INTERN(s_append, "append");
     ZERO = PyFloat_FromDouble(0.0);
     if (ZERO == NULL || PyType_Ready(&RuntimeBaseType) < 0 || PyType_Ready(&StepBaseType) < 0 ||
-            PyType_Ready(&SpanBaseType) < 0 || PyType_Ready(&NullBaseType) < 0) {
+            PyType_Ready(&SpanBaseType) < 0 || PyType_Ready(&NullBaseType) < 0 ||
+            PyType_Ready(&MicrobatchBaseType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&hotpath_module);
@@ -1271,7 +1607,8 @@ PyInit__hotpath(void)
     if (PyModule_AddObjectRef(module, "RuntimeBase", (PyObject *)&RuntimeBaseType) < 0 ||
             PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0 ||
             PyModule_AddObjectRef(module, "SpanBase", (PyObject *)&SpanBaseType) < 0 ||
-            PyModule_AddObjectRef(module, "NullBase", (PyObject *)&NullBaseType) < 0) {
+            PyModule_AddObjectRef(module, "NullBase", (PyObject *)&NullBaseType) < 0 ||
+            PyModule_AddObjectRef(module, "MicrobatchBase", (PyObject *)&MicrobatchBaseType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -712,6 +712,7 @@ class Runtime(_RuntimeBase):
 #: The Python Runtime.step and Runtime.span (the compiled ones hand everything but the plain case to them).
 PYTHON_STEP = Runtime.step
 PYTHON_SPAN = Runtime.span
+PYTHON_MICROBATCH = Runtime.microbatch
 
 
 def compiled_hot_path(enabled: bool = True) -> bool:
@@ -721,8 +722,9 @@ def compiled_hot_path(enabled: bool = True) -> bool:
     one. For tests and benchmarks: ``import steptrace`` runs them compiled when it can."""
     if _handles._hotpath is None:
         return False
-    for cls, methods in ((Runtime, {"step": PYTHON_STEP, "span": PYTHON_SPAN}),
-                         (StepHandle, _handles.PYTHON_STEP_METHODS), (SpanHandle, _handles.PYTHON_SPAN_METHODS)):
+    for cls, methods in ((Runtime, {"step": PYTHON_STEP, "span": PYTHON_SPAN, "microbatch": PYTHON_MICROBATCH}),
+                         (StepHandle, _handles.PYTHON_STEP_METHODS), (SpanHandle, _handles.PYTHON_SPAN_METHODS),
+                         (MicrobatchHandle, _handles.PYTHON_MICROBATCH_METHODS)):
         for name, method in methods.items():
             if enabled:
                 if name in cls.__dict__:
@@ -733,8 +735,10 @@ def compiled_hot_path(enabled: bool = True) -> bool:
 
 
 if _handles._hotpath is not None:
-    del Runtime.step, Runtime.span  # the compiled base's show through
+    del Runtime.step, Runtime.span, Runtime.microbatch  # the compiled base's show through
     _python, _span = _handles.PYTHON_STEP_METHODS, _handles.PYTHON_SPAN_METHODS
+    _microbatch = _handles.PYTHON_MICROBATCH_METHODS
     _handles._hotpath.install(HOST, TORCH_TENSORS, StepHandle, PYTHON_STEP, _python["__enter__"], _python["wait_for"],
                               _python["__exit__"], _python["log"], SpanHandle, PYTHON_SPAN, _span["__enter__"],
-                              _span["__exit__"], vars(_handles))
+                              _span["__exit__"], MicrobatchHandle, PYTHON_MICROBATCH, _microbatch["wait_for"],
+                              _microbatch["__exit__"], vars(_handles))

@@ -17,7 +17,14 @@ import pytest
 
 import steptrace
 from steptrace import _handles, _runtime
-from steptrace._handles import SPAN_BASE_DEFAULTS, STEP_BASE_DEFAULTS, SpanHandle, StepHandle, TimedUnit
+from steptrace._handles import (
+    SPAN_BASE_DEFAULTS,
+    STEP_BASE_DEFAULTS,
+    MicrobatchHandle,
+    SpanHandle,
+    StepHandle,
+    TimedUnit,
+)
 from steptrace.testing import MemorySink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +33,7 @@ compiled_only = pytest.mark.skipif(_handles._hotpath is None, reason=(
 
 
 @compiled_only
-@pytest.mark.parametrize("kind", ["step", "span"])
+@pytest.mark.parametrize("kind", ["step", "span", "microbatch"])
 def test_a_compiled_handle_starts_with_the_defaults_the_python_classes_declare(kind):
     """StepBase's fields shadow the class attributes of StepHandle and TimedUnit (SpanBase's, SpanHandle's);
     it must start a handle with the same values, or a step would read another default with the extension
@@ -35,9 +42,13 @@ def test_a_compiled_handle_starts_with_the_defaults_the_python_classes_declare(k
         base, cls, made_per_step = _handles._hotpath.StepBase, StepHandle, {"_rt", "step", "attrs"}
         declared = {**{name: value for name, value in vars(TimedUnit).items() if not name.startswith("__")},
                     **STEP_BASE_DEFAULTS}
-    else:
+    elif kind == "span":
         base, cls, made_per_step = _handles._hotpath.SpanBase, SpanHandle, {"_rt", "name", "attrs"}
         declared = dict(SPAN_BASE_DEFAULTS)
+    else:
+        base, cls = _handles._hotpath.MicrobatchBase, MicrobatchHandle
+        made_per_step = {"_rt", "_step", "index", "stage", "chunk", "kind"}
+        declared = {name: value for name, value in vars(TimedUnit).items() if not name.startswith("__")}
     fields = sorted(name for name, value in vars(base).items() if isinstance(value, types.MemberDescriptorType))
     handle = cls.__new__(cls)  # made_per_step: set by Runtime.step / Runtime.span on every handle
     assert set(fields) - made_per_step <= set(declared), "a compiled field with no Python default"
@@ -307,3 +318,30 @@ def test_steptrace_off_accepts_what_it_accepts_in_python():
                 raise KeyError("kept")
     finally:
         steptrace.shutdown()
+
+
+def test_microbatches_are_the_same_both_ways(hot_path):
+    """Pipeline microbatches (the hot path of a pipeline rank: hundreds a step): arguments, kinds, JAX
+    values, misuse; the records are the Python methods'."""
+    import jax.numpy as jnp
+
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id=f"mb-{hot_path}", stall_watch=False, strict=False)
+    value = jnp.ones(())
+    with pytest.warns(UserWarning, match="outside a step"):
+        steptrace.microbatch(0)
+    with steptrace.step(0) as s:
+        for index in range(3):
+            with steptrace.microbatch(index, stage=1, chunk=0):
+                pass
+            with steptrace.microbatch(index, stage=1, chunk=0, kind="backward") as mb:
+                mb.wait_for(value)
+        with pytest.warns(UserWarning, match="unknown"):
+            steptrace.microbatch(9, kind="sideways")
+        with pytest.raises(TypeError):
+            steptrace.microbatch(9, colour="red")
+        s.wait_for(value)
+    assert steptrace.flush(30.0)
+    units = [(r["microbatch"], r["stage"], r["chunk"], r["kind"]) for r in sink.microbatches()]
+    steptrace.shutdown()
+    assert units == [(i, 1, 0, kind) for i in range(3) for kind in ("forward", "backward")]
