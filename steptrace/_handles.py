@@ -13,14 +13,18 @@ and never raises into the loop unless ``strict`` is on.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import os
 import threading
 import time
+import warnings
+from pathlib import Path
 from typing import Any, Callable, Literal, Protocol
 
 from steptrace._config import ENV_PURE_PYTHON
 from steptrace._devices import HOST, Backends, scalar_reader
+from steptrace._errors import SteptraceWarning
 
 _perf = time.perf_counter
 MICROBATCH_KINDS = ("forward", "backward")
@@ -122,12 +126,31 @@ class HandleRuntime(Protocol):
 # calls in C. Where it was not built (no C compiler at install), or with STEPTRACE_PURE_PYTHON=1 (read
 # once, at import), StepHandle is a plain Python class and its methods below run alone, with the same
 # behaviour at a higher cost per step (bench/bench_overhead.py).
+def compiled_matching_source(module: Any, source: Path) -> Any:
+    """``module`` (the compiled hot path) if it was built from ``source`` as it is now, or where the
+    source is not shipped; else None, with a warning: an in-place build that failed (a compile error
+    after an edit) leaves the previous binary behind, whose fields and calls may not be the Python
+    classes' any more."""
+    try:
+        text = source.read_bytes()
+    except OSError:
+        return module  # an install without the source: the binary is the one it shipped
+    if hashlib.sha256(text).hexdigest() == getattr(module, "SOURCE_SHA256", None):
+        return module
+    warnings.warn(f"steptrace: {getattr(module, '__file__', 'the C extension')} was built from another "
+                  f"{source.name}; the per-step calls run in Python. Rebuild it: pip install -e .",
+                  SteptraceWarning, stacklevel=2)
+    return None
+
+
 _hotpath: Any = None
 if os.environ.get(ENV_PURE_PYTHON, "").strip().lower() not in ("1", "true", "yes", "on"):
     try:
         from steptrace import _hotpath  # type: ignore[attr-defined,no-redef]
     except ImportError:
         pass
+    else:
+        _hotpath = compiled_matching_source(_hotpath, Path(__file__).with_name("_hotpath.c"))
 
 
 class _PurePython:

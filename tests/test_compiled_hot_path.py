@@ -345,3 +345,29 @@ def test_microbatches_are_the_same_both_ways(hot_path):
     units = [(r["microbatch"], r["stage"], r["chunk"], r["kind"]) for r in sink.microbatches()]
     steptrace.shutdown()
     assert units == [(i, 1, 0, kind) for i in range(3) for kind in ("forward", "backward")]
+
+
+def test_a_binary_built_from_another_source_is_not_used(tmp_path):
+    """An in-place build that fails after an edit of _hotpath.c leaves the previous binary behind: it is
+    not used (the Python calls run, with a warning), where the source is there to compare."""
+    import hashlib
+
+    from steptrace._errors import SteptraceWarning
+
+    source = tmp_path / "_hotpath.c"
+    source.write_text("/* version 1 */")
+    module = types.SimpleNamespace(SOURCE_SHA256=hashlib.sha256(b"/* version 1 */").hexdigest(),
+                                   __file__="_hotpath.so")
+    assert _handles.compiled_matching_source(module, source) is module
+    source.write_text("/* version 2 */")
+    with pytest.warns(SteptraceWarning, match="built from another _hotpath.c"):
+        assert _handles.compiled_matching_source(module, source) is None
+    assert _handles.compiled_matching_source(module, tmp_path / "not-shipped.c") is module
+
+
+@compiled_only
+def test_the_extension_here_was_built_from_its_source():
+    import hashlib
+
+    source = (ROOT / "steptrace" / "_hotpath.c").read_bytes()
+    assert _handles._hotpath.SOURCE_SHA256 == hashlib.sha256(source).hexdigest()
