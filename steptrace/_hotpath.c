@@ -1604,7 +1604,11 @@ PyInit__hotpath(void)
     if (module == NULL) {
         return NULL;
     }
-    if (PyModule_AddObjectRef(module, "RuntimeBase", (PyObject *)&RuntimeBaseType) < 0 ||
+#ifndef STEPTRACE_HOTPATH_SHA256
+#define STEPTRACE_HOTPATH_SHA256 ""
+#endif
+    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", STEPTRACE_HOTPATH_SHA256) < 0 ||
+            PyModule_AddObjectRef(module, "RuntimeBase", (PyObject *)&RuntimeBaseType) < 0 ||
             PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0 ||
             PyModule_AddObjectRef(module, "SpanBase", (PyObject *)&SpanBaseType) < 0 ||
             PyModule_AddObjectRef(module, "NullBase", (PyObject *)&NullBaseType) < 0 ||
