@@ -353,6 +353,8 @@ class Resolver:
             return False  # a steps() body raised: its record waits (bounded) for the exception's text
         if getattr(item, "microbatches", None) is None or item.seen_complete:
             return True  # checkpoints and flush markers; or confirmed with an earlier batch
+        if not item.microbatches and item.device_end is None and not item.scalars and not item.device.uses_events:
+            return True  # no marker, pending device-clock end or device scalar: nothing to look at
         self._poll_clocks(item)
         if not self._markers_complete(item):
             return False
