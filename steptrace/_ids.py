@@ -26,6 +26,7 @@ replaced by 1.
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 #: The longest run id a rank accepts and the collector stores (it names a directory).
 MAX_RUN_ID_LENGTH = 200
@@ -76,6 +77,25 @@ def trace_id_hex(run_id: str, step: int, attempt: int = 0) -> str:
 
 _ZERO_TRACE_ID = "0" * 32
 _ONE_TRACE_ID = f"{1:032x}"
+
+
+def trace_id_hex_of_run(run_id: str, attempt: int = 0) -> Callable[[int], str]:
+    """``step -> trace_id_hex(run_id, step, attempt)``, the same digits for one run and attempt: the
+    step key's constant prefix is hashed once, and each step copies that state and adds its number
+    (the resolver gives every step record one; this is ~0.4 of its ~1.2 µs). An int step only; any
+    other goes through :func:`trace_id_hex`."""
+    prefix = _step_key(run_id, 0, attempt)[:-1]  # "steptrace/<run_id>/" (+ "a<attempt>/")
+    hashed_prefix = hashlib.sha256(prefix.encode())
+
+    def of_step(step: int) -> str:
+        if step.__class__ is not int:
+            return trace_id_hex(run_id, step, attempt)
+        state = hashed_prefix.copy()
+        state.update(b"%d" % step)
+        digits = state.hexdigest()[:32]
+        return digits if digits != _ZERO_TRACE_ID else _ONE_TRACE_ID
+
+    return of_step
 
 
 def orphan_span_ids(run_id: str, rank: int, name: str, start_us: int) -> tuple[int, int]:

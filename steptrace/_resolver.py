@@ -182,6 +182,8 @@ class Resolver:
         self._steps_wake = False
         self._device_platform: str | None = None
         self._warned_no_peak = False
+        #: Plain steps take the fast path (_resolve_plain); off, every step takes the general one (tests).
+        self.fast_path = True
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -351,6 +353,8 @@ class Resolver:
             return False  # a steps() body raised: its record waits (bounded) for the exception's text
         if getattr(item, "microbatches", None) is None or item.seen_complete:
             return True  # checkpoints and flush markers; or confirmed with an earlier batch
+        if not item.microbatches and item.device_end is None and not item.scalars and not item.device.uses_events:
+            return True  # no marker, pending device-clock end or device scalar: nothing to look at
         self._poll_clocks(item)
         if not self._markers_complete(item):
             return False
@@ -692,6 +696,72 @@ class Resolver:
             time.sleep(0.0002)
 
     def _resolve_step(self, step: "StepHandle") -> list[Mapping[str, Any]]:
+        """The records of a step taken off the queue: its own, its spans' and its microbatches'.
+
+        Most steps are a host or JAX step with no span, microbatch, stream marker or anything else
+        but their times, and take the fast path (:meth:`_resolve_plain`); the rest, and every step
+        while ``fast_path`` is off (tests compare the two), the general one."""
+        device = step.device
+        if step.microbatches or self._clocks or device.uses_events or not self.fast_path:
+            return self._resolve_general(step)
+        # No stream marker anywhere (no clock): nothing to locate or commit, the previous end as it
+        # is. A value device's outputs are waited on first, then its host exit (spans, microbatches
+        # and status are final only after it), as on the general path.
+        if device is HOST:
+            device_start = end_seen = None
+            end_source = END_HOST
+        else:
+            device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
+            if step.host_end is None:
+                self._await_host_exit(step)
+        host_end = step.host_end if step.host_end is not None else _perf()
+        prev_end = self._prev_end
+        if (prev_end is None or step.microbatches or step.spans or step.open_spans or self._recent
+                or step.collective_source is not None or self.collective_source is not None
+                or step.device_collectives or step.device_collectives_dropped or self.health is not None
+                or device_start is not None):
+            if prev_end is None:
+                prev_end = step.host_start  # attribution.previous_end
+            return self._finish_step(step, prev_end, step.seen_complete or _perf(), (), [], device_start, end_seen,
+                                     end_source, host_end)
+        return self._resolve_plain(step, prev_end, end_seen, end_source, host_end)
+
+    def _resolve_plain(self, step: "StepHandle", prev_end: float, end_seen: float | None, end_source: str,
+                       host_end: float) -> list[Mapping[str, Any]]:
+        """The fast path of :meth:`_resolve_step`: a step after the first, with no microbatch, span (its
+        own, open, or an earlier one that can still cover its idle time), stream marker, device start,
+        collective or health window. It skips only what is empty for such a step and gives the record
+        the general path gives (tests/test_hot_path.py compares them on the same steps), in about half
+        the CPU (host 19.5 -> 10.3 µs a step on the bench VM; bench/RESULTS.md, "background fast path")."""
+        by_values = step.device is not HOST
+        self._steps_wake = by_values
+        if not by_values:
+            step.dispatch = step.host_start  # the moved dispatch point is a value device's alone
+        timing, segments, idle = attribution.plain_unit(prev_end, step.dispatch,
+                                                        host_end if end_seen is None else end_seen)
+        end = timing.end
+        self._prev_end = end
+        if self.on_step_interval is not None:
+            self.on_step_interval(timing.interval_seconds)
+        ends = self._step_ends
+        ends[step.step] = end
+        if len(ends) > _STEP_ENDS_KEPT:
+            ends.popitem(last=False)
+        self.steps_resolved += 1
+        if not self._warned_no_peak and (step.flops is not None or step.hardware_flops is not None):
+            self._warn_no_peak()
+        record = self.records.step_of(
+            step, step.device.name, end_source, step.host_end or step.host_start, timing, segments, idle, None, None,
+            self._read_scalars(step) if step.scalars else None,
+            None if not by_values else self._memory(step.device), None, None, None, 0)
+        if self.on_step_finalized is not None and step.status == "ok":
+            try:
+                self.on_step_finalized(record)
+            except Exception:
+                log.debug("steptrace: the capture trigger failed", exc_info=True)
+        return [record]
+
+    def _resolve_general(self, step: "StepHandle") -> list[Mapping[str, Any]]:
         prev_end = attribution.previous_end(self._prev_end, step.host_start)
         # Every stream marker of this step was complete when _ready() looked.
         seen = step.seen_complete or _perf()
@@ -707,6 +777,13 @@ class Resolver:
         if step.host_end is None:
             self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
+        return self._finish_step(step, prev_end, seen, waited, mb_results, device_start, end_seen, end_source,
+                                 host_end)
+
+    def _finish_step(self, step: "StepHandle", prev_end: float, seen: float, waited: Sequence["TimedUnit"],
+                     mb_results: list[tuple[float | None, float | None, str]], device_start: float | None,
+                     end_seen: float | None, end_source: str, host_end: float) -> list[Mapping[str, Any]]:
+        """The general path's part after the step's end is known and its host part has exited."""
         if len(step.microbatches) > len(waited):  # begun after the step was handed over (value devices)
             mb_results += [self._unit_end(mb, seen) for mb in step.microbatches[len(waited):]]
         # Host spans that began inside the step: idle only while the device had drained (DESIGN §2).
@@ -898,21 +975,8 @@ class Resolver:
 
     def _step_record(self, step: "StepHandle", timing: attribution.Timing, segments: list[attribution.HostSpan],
                      mb_compute: list[tuple[Any, float, float]], end_source: str) -> StepRecord:
-        if self.records.peak_flops is None and not self._warned_no_peak and (
-                step.flops is not None or step.hardware_flops is not None):
-            # Never a guessed peak (another device's): no MFU, said once.
-            self._warned_no_peak = True
-            if self._device_platform == "cpu":
-                # The table's figures are bf16 tensor-core peaks; CPU training is usually fp32.
-                which = ("this CPU's peak in the precision the model trains in (fp32: physical cores x GHz x "
-                         "fp32 FLOPs per cycle per core / 1000, 32 per cycle with AVX2 and two FMA units; "
-                         "docs/flops.md)")
-            else:
-                which = ("the device's dense TFLOP/s in the precision the model trains in (the table's are bf16 "
-                         "tensor-core peaks; docs/flops.md)")
-            log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
-                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to %s",
-                        self._device_kind, which)
+        if not self._warned_no_peak and (step.flops is not None or step.hardware_flops is not None):
+            self._warn_no_peak()
         if step.device_collectives or step.device_collectives_dropped:
             collectives, collectives_dropped = self._device_collectives(step)
         else:
@@ -927,6 +991,22 @@ class Resolver:
             None if step.device is HOST else self._memory(step.device),  # device_memory
             step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,  # placement_uncertainty
             step.collective_source or self.collective_source, collectives, collectives_dropped)
+
+    def _warn_no_peak(self) -> None:
+        """A step counts FLOPs and no peak is known: said once (never a guessed peak, another device's)."""
+        if self.records.peak_flops is None:
+            self._warned_no_peak = True
+            if self._device_platform == "cpu":
+                # The table's figures are bf16 tensor-core peaks; CPU training is usually fp32.
+                which = ("this CPU's peak in the precision the model trains in (fp32: physical cores x GHz x "
+                         "fp32 FLOPs per cycle per core / 1000, 32 per cycle with AVX2 and two FMA units; "
+                         "docs/flops.md)")
+            else:
+                which = ("the device's dense TFLOP/s in the precision the model trains in (the table's are bf16 "
+                         "tensor-core peaks; docs/flops.md)")
+            log.warning("steptrace has no peak FLOP/s for device kind %r (not in steptrace.flops.PEAKS): MFU and "
+                        "HFU stay empty. Set init(peak_tflops=...) or STEPTRACE_PEAK_TFLOPS to %s",
+                        self._device_kind, which)
 
     @staticmethod
     def _device_collectives(step: "StepHandle") -> tuple[list[Any], int]:

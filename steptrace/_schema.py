@@ -19,7 +19,7 @@ import math
 from typing import Any, Iterable, NamedTuple, NotRequired, Sequence, TypedDict
 
 from steptrace._attribution import collective_wait_placement, own_seconds
-from steptrace._ids import trace_id_hex
+from steptrace._ids import trace_id_hex_of_run
 
 
 RECORD_TYPES = ("attempt", "metadata", "step", "microbatch", "checkpoint", "span", "stall", "stall_end", "capture",
@@ -347,6 +347,15 @@ class _StepFields(NamedTuple):
     first_after_restore: bool
 
 
+#: The fields every step record has, in the order it has them (the optional ones follow).
+_STEP_FIELD_ORDER = (
+    "type", "run_id", "rank", "attempt", "world_size", "step", "trace_id", "status", "backend", "end_source",
+    "host_start_time", "host_end_time", "dispatch_time", "start_time", "end_time", "interval_seconds",
+    "compute_seconds", "idle_seconds", "idle_breakdown", "idle_segments", "tokens", "samples", "flops",
+    "model_flops", "hardware_flops", "flops_source", "peak_flops", "tokens_per_second", "samples_per_second",
+    "tflops_per_second", "mfu", "hfu", "attrs")
+
+
 class RecordBuilder:
     """Builds the records of one rank's run. Times given are ``perf_counter`` seconds; records
     carry unix seconds (``+ unix_offset``)."""
@@ -361,6 +370,12 @@ class RecordBuilder:
         #: device kind (set_peak, once the resolver knows the device), else None (no MFU).
         self.peak_flops = peak_tflops * 1e12 if peak_tflops else None
         self.unix_offset = unix_offset
+        self._trace_id_hex = trace_id_hex_of_run(run_id, attempt)
+        #: Every field of a step record, in its order (the record's JSON text follows it), with the run's
+        #: own values (fixed here, as the trace ids' are) and None for the rest: step_of copies it and
+        #: sets the step's values.
+        self._step_fields: dict[str, Any] = dict.fromkeys(_STEP_FIELD_ORDER)
+        self._step_fields.update(type="step", run_id=run_id, rank=rank, attempt=attempt, world_size=world_size)
 
     def set_peak(self, peak_flops: float | None) -> None:
         """The device's peak from the table, unless one is configured."""
@@ -404,28 +419,48 @@ class RecordBuilder:
         flops_source = None if hardware_flops is None else unit.flops_source
         counted = hardware_flops if hardware_flops is not None else model_flops
         peak = self.peak_flops
-        record: StepRecord = {
-            "type": "step", "run_id": self.run_id, "rank": self.rank, "attempt": self.attempt,
-            "world_size": self.world_size,
-            "step": step, "trace_id": trace_id_hex(self.run_id, step, self.attempt), "status": unit.status,
-            "backend": backend, "end_source": end_source,
-            "host_start_time": host_start + off, "host_end_time": host_end + off, "dispatch_time": dispatch + off,
-            "start_time": timing.start + off, "end_time": timing.end + off,
-            "interval_seconds": interval, "compute_seconds": compute, "idle_seconds": timing.idle_seconds,
-            "idle_breakdown": breakdown,
-            "idle_segments": [[s.name, s.start + off, s.end + off] for s in segments],
-            "tokens": tokens, "samples": samples, "flops": counted,
-            "model_flops": model_flops, "hardware_flops": hardware_flops, "flops_source": flops_source,
-            "peak_flops": peak,
-            # The rates only where there is something to divide (most steps count nothing): five
-            # calls saved per record.
-            "tokens_per_second": None if tokens is None else _per_second(tokens, interval),
-            "samples_per_second": None if samples is None else _per_second(samples, interval),
-            "tflops_per_second": None if counted is None else _utilization(counted, compute, 1e12),
-            "mfu": None if model_flops is None else _utilization(model_flops, compute, peak),
-            "hfu": None if hardware_flops is None else _utilization(hardware_flops, compute, peak),
-            "attrs": unit.attrs,
-        }
+        # A copy of the record's fields in their order, then the step's values: copying a dict's table
+        # cost less than half of building the 33-key literal (~0.8 against ~1.8 µs on the bench VM).
+        record: StepRecord = self._step_fields.copy()  # type: ignore[assignment]
+        record["step"] = step
+        record["trace_id"] = self._trace_id_hex(step)
+        record["status"] = unit.status
+        record["backend"] = backend
+        record["end_source"] = end_source
+        record["host_start_time"] = host_start + off
+        record["host_end_time"] = host_end + off
+        record["dispatch_time"] = dispatch + off
+        record["start_time"] = timing.start + off
+        record["end_time"] = timing.end + off
+        record["interval_seconds"] = interval
+        record["compute_seconds"] = compute
+        record["idle_seconds"] = timing.idle_seconds
+        record["idle_breakdown"] = breakdown
+        if len(segments) == 1:  # a plain step's one idle window: no comprehension (a function call in 3.11)
+            only = segments[0]
+            record["idle_segments"] = [[only.name, only.start + off, only.end + off]]
+        else:
+            record["idle_segments"] = [[s.name, s.start + off, s.end + off] for s in segments]
+        # What a step counts, and the rates, only where there is something (most steps count nothing:
+        # the copy holds None for them).
+        if tokens is not None:
+            record["tokens"] = tokens
+            record["tokens_per_second"] = _per_second(tokens, interval)
+        if samples is not None:
+            record["samples"] = samples
+            record["samples_per_second"] = _per_second(samples, interval)
+        if counted is not None:
+            record["flops"] = counted
+            record["tflops_per_second"] = _utilization(counted, compute, 1e12)
+        if model_flops is not None:
+            record["model_flops"] = model_flops
+            record["mfu"] = _utilization(model_flops, compute, peak)
+        if hardware_flops is not None:
+            record["hardware_flops"] = hardware_flops
+            record["flops_source"] = flops_source
+            record["hfu"] = _utilization(hardware_flops, compute, peak)
+        record["peak_flops"] = peak
+        record["attrs"] = unit.attrs
         error = unit.error
         if error is not None:
             record["error"] = error

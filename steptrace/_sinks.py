@@ -113,12 +113,15 @@ class JsonlSink:
                 encode = self._encode = record_encoder()
         if not lines:
             return
-        body = ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        # One text and one bytes object for the batch: the last line's newline joined in, and the batch
+        # copied again only to end a torn line (each copy of a ~1 MB batch is fresh pages to fault in).
+        lines.append("")
+        body = "\n".join(lines).encode("utf-8", "replace")
         if self.max_bytes > 0:
             size = self._file.tell()
             if size > 0 and size + len(body) > self.max_bytes:
                 self._rotate()
-        data = ("\n" if self._torn else "").encode() + body
+        data = b"\n" + body if self._torn else body
         start = self._file.tell()
         try:
             view = memoryview(data)
@@ -271,9 +274,16 @@ class SinkWorker:
                 if wait > 0:
                     self._wake.wait(min(wait, 0.1))
                     break
+                # Only this thread takes from the queue (offer() appends), so what len() counts is there,
+                # unless stop() cleared it under a hung export: then what was taken goes out, as before.
+                take = self._queue.popleft
                 batch: list[Mapping[str, Any]] = []
-                while self._queue and len(batch) < _BATCH_RECORDS:
-                    batch.append(self._queue.popleft())
+                keep = batch.append
+                try:
+                    for _ in range(min(len(self._queue), _BATCH_RECORDS)):
+                        keep(take())
+                except IndexError:
+                    pass
                 self._export(batch)
                 self._done += len(batch)
             if self._stopping and not self._queue:

@@ -162,3 +162,21 @@ def test_window_segments_name_the_time_before_the_first_step_startup():
     assert breakdown(segs) == {"startup": 2.0, "eval": 2.0}
     segs = window_segments([(0.0, 1.0), (2.0, 3.0)], [HostSpan("data", 2.0, 2.5)])
     assert breakdown(segs) == {"other": 1.5, "data": 0.5}
+
+
+@given(prev_end=st.floats(-1e9, 2e9, allow_nan=False), dispatch_after=st.floats(-5.0, 5.0, allow_nan=False),
+       length=st.floats(-1.0, 10.0, allow_nan=False))
+def test_plain_unit_is_unit_timing_and_its_idle_split_for_a_step_with_nothing_else(prev_end, dispatch_after, length):
+    """The resolver's fast path (attribution.plain_unit) gives, float for float, what the general rules
+    give a step with no device start, no exposed window and no span to cover its idle time."""
+    from steptrace import _attribution as a
+
+    dispatch = prev_end + dispatch_after
+    end = dispatch + length
+    timing, segments, idle = a.plain_unit(prev_end, dispatch, end)
+    general = unit_timing(prev_end, dispatch, end, None, [])
+    assert type(timing) is a.Timing and tuple(timing) == tuple(general)
+    want_segments = a.window_segments(a.idle_windows(prev_end, general, []), [])
+    assert list(segments) == want_segments and all(type(s) is HostSpan for s in segments)
+    assert idle == breakdown(want_segments)
+    assert sum(idle.values()) == pytest.approx(timing.idle_seconds, abs=1e-5)

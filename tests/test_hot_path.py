@@ -363,6 +363,106 @@ def test_the_finalized_records_are_the_same_as_before_the_batched_path_field_by_
         assert got == expected  # the same values, and the same float text
 
 
+_GOLDEN_JSONL = _GOLDEN.with_suffix(".jsonl")
+
+
+def _jsonl_lines_of_the_fixed_loop(run_dir) -> list[bytes]:
+    steptrace.init(jsonl=True, run_dir=str(run_dir), run_id="golden-run", strict=False, peak_tflops=100.0,
+                   stall_watch=False)
+    _finalized(_feature_loop_items())
+    steptrace.shutdown()
+    lines = (run_dir / "golden-run" / "rank-0.jsonl").read_bytes().splitlines(keepends=True)
+    return [line for line in lines if json.loads(line)["type"] in ("step", "span", "checkpoint", "microbatch")]
+
+
+def test_the_jsonl_bytes_of_the_fixed_loop_are_the_same_as_before_the_background_cuts(tmp_path):
+    """The JSONL sink's bytes for the fixed loop's records, line for line, as the code before the
+    background fast path wrote them (tests/golden/hot_path_records.jsonl): the fields in the same order,
+    the same float text (the golden test above compares values, with sorted keys)."""
+    lines = _jsonl_lines_of_the_fixed_loop(tmp_path)
+    want = _GOLDEN_JSONL.read_bytes().splitlines(keepends=True)
+    assert len(lines) == len(want) == 40 + 50 + 4 + 18
+    for got, expected in zip(lines, want):
+        assert got == expected
+
+
+def _records_with_fast_path(fast_path: bool, make_items, run_id: str) -> tuple[list[str], int]:
+    """The records (JSON text) a fresh resolver makes of the handles ``make_items()`` captures, with its
+    fast path on or off, and how many steps took the fast path."""
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id=run_id, strict=False, peak_tflops=100.0, stall_watch=False)
+    resolver = steptrace._active.resolver
+    items = make_items()
+    resolver.fast_path = fast_path
+    plain = []
+    real_plain = resolver._resolve_plain
+
+    def counting_plain(step, *args):
+        plain.append(step.step)
+        return real_plain(step, *args)
+
+    resolver._resolve_plain = counting_plain
+    _finalized(items)
+    records = [json.dumps(r, sort_keys=True) for r in sink.records
+               if r["type"] in ("step", "span", "checkpoint", "microbatch")]
+    steptrace.shutdown()
+    return records, len(plain)
+
+
+def test_the_fast_path_gives_the_general_paths_records_on_the_same_steps():
+    """Plain steps (no span, microbatch, marker...) take the resolver's fast path; with it forced off,
+    the same handles give the same records, float for float. The fixed loop mixes plain steps with
+    every feature that sends a step down the general path, and the steps right after them."""
+    general, general_plain = _records_with_fast_path(False, _feature_loop_items, "fast-path")
+    fast, fast_plain = _records_with_fast_path(True, _feature_loop_items, "fast-path")
+    assert general_plain == 0
+    assert fast_plain == 12  # the odd steps with no span before them or microbatch in them
+    assert len(fast) == len(general) == 40 + 50 + 4 + 18
+    for got, expected in zip(fast, general):
+        assert got == expected
+
+
+def test_the_fast_path_of_a_value_device_step_gives_the_general_paths_record():
+    """The same for steps timed by their values (JAX's path: the outputs waited on by the resolver,
+    the dispatch point left where the step put it), with device end times, device memory, FLOPs
+    and a failed step."""
+    from steptrace._handles import StepHandle
+    from steptrace.testing import SimulatedDevice
+
+    device = SimulatedDevice(uses_events=False, report_end_times=True, memory_limit_bytes=1 << 30)
+    work = []
+    for n in range(30):  # dispatched once: both resolvers wait on the same, already computed, work
+        device.memory_in_use_bytes = (n % 5) << 20
+        work.append(device.run(0.0005 * (1 + n % 3)))
+    device.synchronize()
+
+    def value_steps():
+        resolver = steptrace._active.resolver
+        items = []
+        resolver.submit = lambda item, urgent=False: items.append(item)
+        for n, done in enumerate(work):
+            try:
+                with steptrace.step(n, **({"flops": 1e9} if n % 4 == 0 else {})) as s:
+                    s.wait_for(done)
+                    if n == 11:
+                        raise RuntimeError("lost")
+            except RuntimeError:
+                pass
+        del resolver.submit
+        steps = [item for item in items if isinstance(item, StepHandle)]
+        for i, step in enumerate(steps):  # fixed host times, so both runs are the same
+            step.host_start = step.dispatch = work[i].start_time - 1e-4
+            step.host_end = work[i].start_time + 2e-5
+        return steps
+
+    general, general_plain = _records_with_fast_path(False, value_steps, "fast-path-values")
+    fast, fast_plain = _records_with_fast_path(True, value_steps, "fast-path-values")
+    assert (general_plain, fast_plain) == (0, 29)  # all but the first step
+    assert len(fast) == 30
+    assert {json.loads(r)["end_source"] for r in fast} == {"device"}
+    assert fast == general
+
+
 def test_a_backlog_is_finalized_in_one_pass_and_a_step_that_fails_in_it_costs_itself_alone():
     """Steps queued behind each other are finalized in one pass of the resolver (not one trip through
     its loop per step); a step that fails in the middle is dropped and counted alone, and the steps

@@ -22,3 +22,18 @@ def test_span_ids_differ_by_rank_and_role_and_fit_64_bits():
     ids = {span_id("r", 1, rank, role) for rank in range(8) for role in ("step", "compute", "idle/0")}
     assert len(ids) == 24
     assert all(0 < i < 2**64 for i in ids)
+
+
+def test_the_per_run_trace_id_function_gives_the_documented_ids():
+    """What the record builder calls per step (the key's prefix hashed once) gives trace_id_hex's digits,
+    in the first attempt and a later one, and for a step number that is not a plain int."""
+    from steptrace._ids import trace_id_hex_of_run
+
+    class Step(int):
+        pass
+
+    for run_id, attempt in (("llama-8b-0419", 0), ("r/ü", 3), ("x", 0)):
+        of_step = trace_id_hex_of_run(run_id, attempt)
+        for step in (0, 1, 9, 10, 1234, 10**12, -1, Step(5)):
+            assert of_step(step) == trace_id_hex(run_id, step, attempt)
+    assert trace_id_hex_of_run("llama-8b-0419")(1234) == f"{trace_id('llama-8b-0419', 1234):032x}"

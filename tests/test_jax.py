@@ -418,3 +418,30 @@ def test_an_idle_resolver_timing_jax_steps_looks_at_its_queue_rarely(calibrated,
     assert len(idle_looks) <= 4, len(idle_looks)  # 30 at one look per 20 ms
     assert [r["step"] for r in sink.of_type("step")] == [0, 1, 2]
     assert len(checkpoints) == 1 and checkpoints[0]["blocking_seconds"] > 0.005
+
+
+def test_one_array_is_waited_on_with_its_own_method_and_a_pytree_with_jax_block_until_ready(monkeypatch):
+    """The resolver's wait on a step's outputs: one jax.Array (after the first) through its own
+    block_until_ready(), which is all jax.block_until_ready does for a single array, without the pytree
+    walk; several values or a pytree through jax.block_until_ready; a donated (deleted) array raises
+    the same error either way, which the resolver counts (test_donated_outputs_never_crash_training)."""
+    from steptrace.adapters.jax import JaxDevice
+
+    device = JaxDevice()
+    walked = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda values: walked.append(values) or real(values))
+    x = jnp.ones((4,)) + 1
+    assert device.wait_values((x,)) is None
+    assert len(walked) == 1  # the first: jax's own path, which says what a jax.Array is
+    assert device.wait_values((x,)) is None and device.wait_values((x * 2,)) is None
+    assert len(walked) == 1
+    device.wait_values((x, x * 3))
+    device.wait_values(({"loss": x},))
+    assert len(walked) == 3
+    donated = jnp.ones((3,)) + 2
+    donated.delete()
+    with pytest.raises(Exception, match="deleted or donated"):
+        device.wait_values((donated,))
+    with pytest.raises(Exception, match="deleted or donated"):
+        real((donated,))
