@@ -137,27 +137,40 @@ static PyTypeObject MicrobatchBaseType;
 #define VISIT_FIELD(name) Py_VISIT(self->name);
 #define CLEAR_FIELD(name) Py_CLEAR(self->name);
 
-static int
-runtime_traverse(RuntimeObject *self, visitproc visit, void *arg)
-{
-    RUNTIME_FIELDS(VISIT_FIELD)
-    return 0;
-}
+/* tp_traverse, tp_clear and tp_dealloc of a type whose object references are the fields FIELDS lists. */
+#define GC_FUNCTIONS(prefix, Type, FIELDS)                    \
+    static int                                                \
+    prefix##_traverse(Type *self, visitproc visit, void *arg) \
+    {                                                         \
+        FIELDS(VISIT_FIELD)                                   \
+        return 0;                                             \
+    }                                                         \
+    static int                                                \
+    prefix##_clear(Type *self)                                \
+    {                                                         \
+        FIELDS(CLEAR_FIELD)                                   \
+        return 0;                                             \
+    }                                                         \
+    static void                                               \
+    prefix##_dealloc(Type *self)                              \
+    {                                                         \
+        PyObject_GC_UnTrack(self);                            \
+        prefix##_clear(self);                                 \
+        Py_TYPE(self)->tp_free((PyObject *)self);             \
+    }
 
-static int
-runtime_clear(RuntimeObject *self)
-{
-    RUNTIME_FIELDS(CLEAR_FIELD)
-    return 0;
-}
+/* The defaults steptrace._handles.TimedUnit declares for the fields a step and a microbatch share. */
+#define TIMED_UNIT_DEFAULTS(self)                  \
+    do {                                           \
+        (self)->host_start = Py_NewRef(ZERO);      \
+        (self)->dispatch = Py_NewRef(ZERO);        \
+        (self)->host_end = Py_NewRef(Py_None);     \
+        (self)->device = Py_NewRef(HOST);          \
+        (self)->values = Py_NewRef(Py_None);       \
+        (self)->start_event = Py_NewRef(Py_None);  \
+    } while (0)
 
-static void
-runtime_dealloc(RuntimeObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    runtime_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+GC_FUNCTIONS(runtime, RuntimeObject, RUNTIME_FIELDS)
 
 static PyObject *
 runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -188,27 +201,7 @@ runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-static int
-step_traverse(StepObject *self, visitproc visit, void *arg)
-{
-    STEP_FIELDS(VISIT_FIELD)
-    return 0;
-}
-
-static int
-step_clear(StepObject *self)
-{
-    STEP_FIELDS(CLEAR_FIELD)
-    return 0;
-}
-
-static void
-step_dealloc(StepObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    step_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+GC_FUNCTIONS(step, StepObject, STEP_FIELDS)
 
 /* A handle with the defaults steptrace._handles.TimedUnit and StepHandle declare (tests compare them). */
 static StepObject *
@@ -222,16 +215,11 @@ new_step(PyTypeObject *type)
     if (self == NULL) {
         return NULL;
     }
-    self->host_start = Py_NewRef(ZERO);
-    self->dispatch = Py_NewRef(ZERO);
-    self->host_end = Py_NewRef(Py_None);
-    self->device = Py_NewRef(HOST);
+    TIMED_UNIT_DEFAULTS(self);
     self->waited = Py_NewRef(Py_False);
     self->submitted = Py_NewRef(Py_False);
-    self->values = Py_NewRef(Py_None);
     self->annotation = Py_NewRef(Py_None);
     self->auto_flops = Py_NewRef(Py_False);
-    self->start_event = Py_NewRef(Py_None);
     self->scalars = Py_NewRef(Py_None);
     self->loop = Py_NewRef(Py_None);
     self->spans = PyTuple_New(0);
@@ -248,27 +236,7 @@ step_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)new_step(type);
 }
 
-static int
-span_traverse(SpanObject *self, visitproc visit, void *arg)
-{
-    SPAN_FIELDS(VISIT_FIELD)
-    return 0;
-}
-
-static int
-span_clear(SpanObject *self)
-{
-    SPAN_FIELDS(CLEAR_FIELD)
-    return 0;
-}
-
-static void
-span_dealloc(SpanObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    span_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+GC_FUNCTIONS(span, SpanObject, SPAN_FIELDS)
 
 /* A span handle with the defaults steptrace._handles.SpanHandle declares (tests compare them). */
 static SpanObject *
@@ -291,27 +259,7 @@ span_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)new_span(type);
 }
 
-static int
-microbatch_traverse(MicrobatchObject *self, visitproc visit, void *arg)
-{
-    MICROBATCH_FIELDS(VISIT_FIELD)
-    return 0;
-}
-
-static int
-microbatch_clear(MicrobatchObject *self)
-{
-    MICROBATCH_FIELDS(CLEAR_FIELD)
-    return 0;
-}
-
-static void
-microbatch_dealloc(MicrobatchObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    microbatch_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+GC_FUNCTIONS(microbatch, MicrobatchObject, MICROBATCH_FIELDS)
 
 /* A microbatch handle with TimedUnit's defaults (tests compare them). */
 static MicrobatchObject *
@@ -325,12 +273,7 @@ new_microbatch(PyTypeObject *type)
     if (self == NULL) {
         return NULL;
     }
-    self->host_start = Py_NewRef(ZERO);
-    self->dispatch = Py_NewRef(ZERO);
-    self->host_end = Py_NewRef(Py_None);
-    self->device = Py_NewRef(HOST);
-    self->values = Py_NewRef(Py_None);
-    self->start_event = Py_NewRef(Py_None);
+    TIMED_UNIT_DEFAULTS(self);
     return self;
 }
 
@@ -476,23 +419,7 @@ runtime_step(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObj
         PyErr_SetString(PyExc_RuntimeError, "steptrace._hotpath: install() was not called");
         return NULL;
     }
-    /* The Python method with the same arguments, the runtime first. */
-    PyObject *small[8];
-    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-    Py_ssize_t total = nargs + nkw;
-    PyObject **full = total + 1 <= 8 ? small : PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *));
-    if (full == NULL) {
-        return PyErr_NoMemory();
-    }
-    full[0] = (PyObject *)self;
-    for (Py_ssize_t i = 0; i < total; i++) {
-        full[i + 1] = args[i];
-    }
-    PyObject *result = PyObject_Vectorcall(STEP_SLOW, full, (size_t)(nargs + 1), kwnames);
-    if (full != small) {
-        PyMem_Free(full);
-    }
-    return result;
+    return forward(STEP_SLOW, (PyObject *)self, args, nargs, kwnames);
 }
 
 /* Backends.stream_for_unit() (a new reference: the stream device, or None), answered without the call in
@@ -624,20 +551,28 @@ step_enter(StepObject *self, PyObject *unused)
 static PyObject *
 wait_for_slow(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *small[8];
-    PyObject **full = nargs + 1 <= 8 ? small : PyMem_Malloc((size_t)(nargs + 1) * sizeof(PyObject *));
-    if (full == NULL) {
-        return PyErr_NoMemory();
+    return forward(WAIT_FOR_SLOW, (PyObject *)self, args, nargs, NULL);
+}
+
+/* What Backends.for_values() answers for one value of a type seen before, without the call: the device (a
+ * new reference: a device, HOST, None for "the values do not say", or TORCH_TENSORS), or NULL: with an
+ * error set, or without one where only the Python method can answer (values forced, a type not seen yet). */
+static PyObject *
+seen_type_device(PyObject *backends, PyObject *value)
+{
+    int r = attr_is_none(backends, s_forced_values);
+    if (r != 1) {
+        return NULL;
     }
-    full[0] = (PyObject *)self;
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        full[i + 1] = args[i];
+    PyObject *by_type = PyObject_GetAttr(backends, s_by_type);
+    if (by_type == NULL) {
+        return NULL;
     }
-    PyObject *result = PyObject_Vectorcall(WAIT_FOR_SLOW, full, (size_t)(nargs + 1), NULL);
-    if (full != small) {
-        PyMem_Free(full);
-    }
-    return result;
+    PyObject *device = PyDict_CheckExact(by_type) ? PyDict_GetItemWithError(by_type, (PyObject *)Py_TYPE(value))
+                                                  : NULL;
+    Py_XINCREF(device);
+    Py_DECREF(by_type);
+    return device;
 }
 
 /* What the Python method does with one value of a type seen before: 1 done here, 0 the Python method
@@ -646,26 +581,12 @@ static int
 wait_for_one(StepObject *self, RuntimeObject *rt, PyObject *value)
 {
     PyObject *backends = rt->backends;
-    int r = attr_is_none(backends, s_forced_values);
-    if (r != 1) {
-        return r;
-    }
-    PyObject *by_type = PyObject_GetAttr(backends, s_by_type);
-    if (by_type == NULL) {
-        return -1;
-    }
-    if (!PyDict_CheckExact(by_type)) {
-        Py_DECREF(by_type);
-        return 0;
-    }
     /* One value of a type seen before (the loss, every step): its device without a call. */
-    PyObject *device = PyDict_GetItemWithError(by_type, (PyObject *)Py_TYPE(value));
-    Py_XINCREF(device);
-    Py_DECREF(by_type);
+    PyObject *device = seen_type_device(backends, value);
     if (device == NULL) {
         return PyErr_Occurred() ? -1 : 0; /* a type not seen yet: the Python method classifies it */
     }
-    int done = 0;
+    int r, done = 0;
     if (device == TORCH_TENSORS || self->device != HOST) {
         goto finish; /* a tensor (per value), or markers started at entry (a stream device) */
     }
@@ -761,21 +682,7 @@ step_log(StepObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         plain = PyFloat_CheckExact(args[i]);
     }
     if (!plain) {
-        PyObject *small[8];
-        Py_ssize_t total = nargs + count;
-        PyObject **full = total + 1 <= 8 ? small : PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *));
-        if (full == NULL) {
-            return PyErr_NoMemory();
-        }
-        full[0] = (PyObject *)self;
-        for (Py_ssize_t i = 0; i < total; i++) {
-            full[i + 1] = args[i];
-        }
-        PyObject *result = PyObject_Vectorcall(LOG_SLOW, full, (size_t)(nargs + 1), kwnames);
-        if (full != small) {
-            PyMem_Free(full);
-        }
-        return result;
+        return forward(LOG_SLOW, (PyObject *)self, args, nargs, kwnames);
     }
     if (self->scalars == Py_None) {
         PyObject *logged = PyDict_New();
@@ -1158,27 +1065,16 @@ microbatch_wait_for(MicrobatchObject *self, PyObject *const *args, Py_ssize_t na
     if (nargs == 0) {
         Py_RETURN_NONE;
     }
-    PyObject *backends = NULL, *by_type = NULL, *device = NULL, *result = NULL;
+    PyObject *backends = NULL, *device = NULL, *result = NULL;
     int done = 0;
     if (nargs == 1 && self->rt != NULL && self->start_event == Py_None) {
         backends = PyObject_GetAttr(self->rt, s_backends);
         if (backends == NULL) {
             return NULL;
         }
-        int r = attr_is_none(backends, s_forced_values);
-        if (r < 0) {
+        device = seen_type_device(backends, args[0]);
+        if (device == NULL && PyErr_Occurred()) {
             goto cleanup;
-        }
-        by_type = r == 1 ? PyObject_GetAttr(backends, s_by_type) : NULL;
-        if (r == 1 && by_type == NULL) {
-            goto cleanup;
-        }
-        if (by_type != NULL && PyDict_CheckExact(by_type)) {
-            device = PyDict_GetItemWithError(by_type, (PyObject *)Py_TYPE(args[0]));
-            Py_XINCREF(device);
-            if (device == NULL && PyErr_Occurred()) {
-                goto cleanup;
-            }
         }
         if (device != NULL && device != TORCH_TENSORS) {
             /* As the Python method: no device, a stream device or a forced stream leave it as it is. */
@@ -1204,7 +1100,6 @@ microbatch_wait_for(MicrobatchObject *self, PyObject *const *args, Py_ssize_t na
     result = done ? Py_NewRef(Py_None) : forward(MB_WAIT_FOR_SLOW, (PyObject *)self, args, nargs, NULL);
 cleanup:
     Py_XDECREF(backends);
-    Py_XDECREF(by_type);
     Py_XDECREF(device);
     return result;
 }
