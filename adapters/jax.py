@@ -77,7 +77,10 @@ class JaxDevice:
         if buffers is None:
             return None
         if not buffers:
-            self._device_ends_possible = False  # not CUDA arrays: this backend has no device-clock end
+            # Not CUDA arrays: this backend has no device-clock end. The resolver asks no more (it calls
+            # no prepare_end that is None: this instance attribute hides the method).
+            self._device_ends_possible = False
+            self.prepare_end = None  # type: ignore[assignment]
             return None
         ends = self._ends
         if ends is None:
@@ -109,6 +112,8 @@ class JaxDevice:
             return None
         if stats is None:  # the backend keeps none (CPU): it will not start to
             self._memory_stats_kept = False
+            # The resolver asks no more (it calls no memory_stats that is None: this hides the method).
+            self.memory_stats = None  # type: ignore[assignment]
             return None
         if "bytes_in_use" not in stats:
             return None

@@ -198,6 +198,9 @@ class StepHandle(_StepBase, TimedUnit):
     loop: Any = None
     #: its body raised an exception not read yet: the resolver holds the record until it is (_loops)
     error_pending = False
+    #: resolver: ``(device_start, end_seen, end_source, host_end, device_memory)`` of a value-timed step
+    #: observed as it ended and finalized later with the steps after it (Resolver._observe)
+    observed: tuple | None = None
     #: the first step after a ``restore`` span (set by the runtime as the step is made)
     first_after_restore = False
     #: step(n, tokens=, flops=, samples=), checked by the runtime (set on the handle only when given)

@@ -81,6 +81,14 @@ _PREPARE_AHEAD = 16
 # gathers them (one offer, one wake-up per sink instead of one per step); it hands them over as
 # soon as its queue is empty, before anything else, and before it waits.
 _EMIT_BATCH = 256
+# Steps timed by their values (JAX, no stream marker) are observed one at a time, as each ends (the wait
+# on its outputs, its end, its host exit, its device memory), and finalized together (their records, the
+# timing model, the spans): up to this many, or as soon as the oldest was observed this long ago. The
+# observation is the part that must happen per step, right after a wake-up, on caches the training loop
+# evicted; the rest costs ~2-4x less run back to back (bench_jax_trainer.py --cpu-breakdown). The stall
+# watch's pace is fed at the observation, so it does not wait for the batch.
+_DEFER_STEPS = 16
+_DEFER_S = 1.0
 # How long the record of a steps() step whose body raised waits for the exception to be readable
 # (it ended the program, or a steptrace call in its handler) before it is written with the place the
 # body raised instead (_loops). The training thread settles it at once at its next steptrace call.
@@ -184,6 +192,13 @@ class Resolver:
         self._warned_no_peak = False
         #: Plain steps take the fast path (_resolve_plain); off, every step takes the general one (tests).
         self.fast_path = True
+        #: Value-timed steps observed and not finalized yet (see _DEFER_STEPS); off (tests, or a run whose
+        #: capture or GPU health sampler reads each finalized step at once), each is finalized as observed.
+        self.defer_values = True
+        self._deferred: list[StepHandle] = []
+        self._deferred_since = 0.0
+        #: The end of the last deferred step (the next one's interval for the stall watch starts there).
+        self._observed_end = 0.0
         self._thread = threading.Thread(target=self._run, name="steptrace-resolver", daemon=True)
         self._thread.start()
 
@@ -232,7 +247,8 @@ class Resolver:
         self._wake.set()
         self._thread.join(max(0.0, resolve_deadline - time.monotonic()))
         self._abandon = True  # a unit still polled for will not be finalized now
-        unresolved = sum(1 for item in self._queue if not isinstance(item, _Tail)) + (1 if self._busy else 0)
+        unresolved = (sum(1 for item in self._queue if not isinstance(item, _Tail)) + (1 if self._busy else 0)
+                      + len(self._deferred))
         if unresolved:
             self.count_drop(DROP_UNRESOLVED_AT_SHUTDOWN, unresolved)
         # Stop the sinks first, so their counts are final (records still queued, a batch stuck in
@@ -264,6 +280,7 @@ class Resolver:
         self._emit_lock = threading.Lock()
         self._queue.clear()
         self._pending = []
+        self._deferred = []
         for worker in self.sinks:
             worker.forked()
 
@@ -273,6 +290,13 @@ class Resolver:
         cpu_start = time.thread_time()
         while True:
             if not queue:
+                timeout = _IDLE_POLL_VALUES_S if self._steps_wake and not self._clocks else _IDLE_POLL_S
+                if self._deferred:
+                    age = _perf() - self._deferred_since
+                    if age >= _DEFER_S or self._stopping:
+                        self._finalize_deferred()
+                    else:
+                        timeout = min(timeout, _DEFER_S - age)
                 if self._pending:
                     self._emit_pending()
                 if self._clocks and not self._stopping:
@@ -282,17 +306,20 @@ class Resolver:
                     return
                 self._sleeping = True
                 if not queue:  # re-check after announcing sleep: submit() may have just appended
-                    self._wake.wait(_IDLE_POLL_VALUES_S if self._steps_wake and not self._clocks else _IDLE_POLL_S)
+                    self._wake.wait(timeout)
                 self._sleeping = False
                 continue
             item = queue[0]
-            if item.__class__ is StepHandle and item.values is not None and not item.end_prepared:
+            if (item.__class__ is StepHandle and item.values is not None and not item.end_prepared
+                    and getattr(item.device, "prepare_end", None) is not None):
                 self._prepare_device_ends()
             try:
                 ready = self._ready(item)
             except Exception:
                 ready = True  # let _handle fail on it and count it
             if not ready:
+                if self._deferred:
+                    self._finalize_deferred()
                 if self._pending:
                     self._emit_pending()
                 self.cpu_seconds = time.thread_time() - cpu_start
@@ -325,7 +352,9 @@ class Resolver:
 
     def _prepare_device_ends(self) -> None:
         """Ask the value device of each step near the queue's head for a device-clock end, once per step
-        (JAX on a CUDA GPU hands the outputs to the device now, while they are still being computed)."""
+        (JAX on a CUDA GPU hands the outputs to the device now, while they are still being computed).
+        Not called for a device whose ``prepare_end`` is None: one that said it has no device-clock end
+        (JAX on CPU or TPU), where this look ahead cost ~12 µs of cold CPU per step for nothing."""
         queue = self._queue
         for i in range(min(len(queue), _PREPARE_AHEAD)):
             unit = queue[i]
@@ -444,6 +473,8 @@ class Resolver:
         if isinstance(item, StepHandle):
             self._finalize_steps(item)
             return
+        if self._deferred:
+            self._finalize_deferred()  # a checkpoint reads the ends of the steps before it
         if self._pending:
             self._emit_pending()  # records go out in the order they were finalized
         if isinstance(item, CheckpointHandle):
@@ -489,7 +520,14 @@ class Resolver:
         resolve = self._resolve_step
         while True:
             pending = self._pending
-            pending += resolve(step)
+            if self._deferrable(step):
+                self._observe(step)
+                if len(self._deferred) >= _DEFER_STEPS or _perf() - self._deferred_since >= _DEFER_S:
+                    self._finalize_deferred()
+            else:
+                if self._deferred:
+                    self._finalize_deferred()  # records in the order the steps ended
+                pending += resolve(step)
             if len(pending) >= _EMIT_BATCH:
                 self._emit_pending()
             if not queue or self._clocks:
@@ -497,7 +535,8 @@ class Resolver:
             later = queue[0]
             if type(later) is not StepHandle:
                 return
-            if later.values is not None and not later.end_prepared:
+            if (later.values is not None and not later.end_prepared
+                    and getattr(later.device, "prepare_end", None) is not None):
                 self._prepare_device_ends()  # a device-clock end asked for before the step is looked at
             try:
                 if not self._ready(later):
@@ -506,6 +545,51 @@ class Resolver:
                 return  # _run meets it again, and counts it
             queue.popleft()
             step = later
+
+    def _deferrable(self, step: "StepHandle") -> bool:
+        """Whether ``step`` is observed now and finalized with the ones after it (see _DEFER_STEPS): timed
+        by its values on a device without stream markers, nothing else timed by a device clock, and
+        nothing that reads each finalized step at once (the capture's triggers, the GPU health sampler)."""
+        return (step.values is not None and self.defer_values and not step.microbatches and not self._clocks
+                and not step.device.uses_events and step.device is not HOST and self.on_step_finalized is None
+                and self.health is None)
+
+    def _observe(self, step: "StepHandle") -> None:
+        """The part of a value-timed step that must happen as it ends: the wait on its outputs (its end),
+        its host exit, its device memory; and the stall watch told its interval. Finalized later
+        (_finalize_deferred), as if it had been finalized now."""
+        device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
+        if step.host_end is None:
+            self._await_host_exit(step)
+        host_end = step.host_end if step.host_end is not None else _perf()
+        step.observed = (device_start, end_seen, end_source, host_end, self._memory(step.device))
+        # (attribution.previous_end and unit_end, inline: this runs right after a wake-up, on cold caches.)
+        deferred = self._deferred
+        if deferred:
+            prev_end = self._observed_end
+        else:
+            prev_end = step.host_start if self._prev_end is None else self._prev_end
+            self._deferred_since = _perf()
+        end = host_end if end_seen is None else end_seen
+        if end < prev_end:
+            end = prev_end  # as unit_timing places it
+        self._observed_end = end
+        self._steps_wake = True
+        deferred.append(step)
+        if self.on_step_interval is not None:
+            self.on_step_interval(end - prev_end)
+
+    def _finalize_deferred(self) -> None:
+        """Finalize the observed steps, in order, their records gathered for the sinks; a step that fails
+        is counted alone (as _run counts one) and the ones after it are still finalized."""
+        steps, self._deferred = self._deferred, []
+        pending = self._pending
+        for step in steps:
+            try:
+                pending += self._resolve_step(step)
+            except Exception:
+                self.count_drop(DROP_RESOLVER_ERROR)
+                log.exception("steptrace resolver failed on %r; the record is dropped and counted", step)
 
     def _emit_pending(self) -> None:
         records, self._pending = self._pending, []
@@ -707,14 +791,18 @@ class Resolver:
         # No stream marker anywhere (no clock): nothing to locate or commit, the previous end as it
         # is. A value device's outputs are waited on first, then its host exit (spans, microbatches
         # and status are final only after it), as on the general path.
-        if device is HOST:
-            device_start = end_seen = None
-            end_source = END_HOST
+        observed = step.observed
+        if observed is not None:  # observed as it ended (_observe)
+            device_start, end_seen, end_source, host_end, _ = observed
         else:
-            device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
-            if step.host_end is None:
-                self._await_host_exit(step)
-        host_end = step.host_end if step.host_end is not None else _perf()
+            if device is HOST:
+                device_start = end_seen = None
+                end_source = END_HOST
+            else:
+                device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
+                if step.host_end is None:
+                    self._await_host_exit(step)
+            host_end = step.host_end if step.host_end is not None else _perf()
         prev_end = self._prev_end
         if (prev_end is None or step.microbatches or step.spans or step.open_spans or self._recent
                 or step.collective_source is not None or self.collective_source is not None
@@ -741,7 +829,7 @@ class Resolver:
                                                         host_end if end_seen is None else end_seen)
         end = timing.end
         self._prev_end = end
-        if self.on_step_interval is not None:
+        if self.on_step_interval is not None and step.observed is None:  # else told at the observation
             self.on_step_interval(timing.interval_seconds)
         ends = self._step_ends
         ends[step.step] = end
@@ -753,7 +841,7 @@ class Resolver:
         record = self.records.step_of(
             step, step.device.name, end_source, step.host_end or step.host_start, timing, segments, idle, None, None,
             self._read_scalars(step) if step.scalars else None,
-            None if not by_values else self._memory(step.device), None, None, None, 0)
+            None if not by_values else self._step_memory(step), None, None, None, 0)
         if self.on_step_finalized is not None and step.status == "ok":
             try:
                 self.on_step_finalized(record)
@@ -773,10 +861,14 @@ class Resolver:
         if self._prev_end_g is not None:
             prev_end = self._remapped_prev_end(step, prev_end)
         mb_results = [self._unit_end(mb, seen) for mb in waited] if waited else []
-        device_start, end_seen, end_source = self._unit_end(step, seen)
-        if step.host_end is None:
-            self._await_host_exit(step)
-        host_end = step.host_end if step.host_end is not None else _perf()
+        observed = step.observed
+        if observed is not None:  # observed as it ended (_observe)
+            device_start, end_seen, end_source, host_end, _ = observed
+        else:
+            device_start, end_seen, end_source = self._unit_end(step, seen)
+            if step.host_end is None:
+                self._await_host_exit(step)
+            host_end = step.host_end if step.host_end is not None else _perf()
         return self._finish_step(step, prev_end, seen, waited, mb_results, device_start, end_seen, end_source,
                                  host_end)
 
@@ -820,7 +912,7 @@ class Resolver:
         if self._recent:
             self._recent = attribution.spans_after(self._recent, timing.end)
         self._prev_end = timing.end
-        if self.on_step_interval is not None:
+        if self.on_step_interval is not None and step.observed is None:  # else told at the observation
             self.on_step_interval(timing.interval_seconds)
         self._step_ends[step.step] = timing.end
         if len(self._step_ends) > _STEP_ENDS_KEPT:
@@ -988,7 +1080,7 @@ class Resolver:
             (attribution.optimizer_seconds(timing.start, timing.end, mb_compute)
              if mb_compute else None),  # optimizer_seconds
             self._read_scalars(step) if step.scalars else None,  # scalars
-            None if step.device is HOST else self._memory(step.device),  # device_memory
+            None if step.device is HOST else self._step_memory(step),  # device_memory
             step.placement_uncertainty if end_source == END_DEVICE_CLOCK else None,  # placement_uncertainty
             step.collective_source or self.collective_source, collectives, collectives_dropped)
 
@@ -1032,6 +1124,11 @@ class Resolver:
             except Exception:
                 self.count_drop(DROP_SCALAR_ERROR)
         return values
+
+    def _step_memory(self, step: "StepHandle") -> dict[str, float] | None:
+        """The device memory of a step: read as it was observed (_observe), else now."""
+        observed = step.observed
+        return observed[4] if observed is not None else self._memory(step.device)
 
     def _memory(self, device: Any) -> dict[str, float] | None:
         read = getattr(device, "memory_stats", None)

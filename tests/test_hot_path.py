@@ -136,6 +136,37 @@ def test_a_sink_thread_busy_with_a_batch_is_not_woken_for_each_record_and_gets_e
     assert drops == []
 
 
+def test_an_idle_sink_thread_sleeps_until_something_wakes_it_not_on_a_short_poll(monkeypatch):
+    """An idle sink thread is woken by what it has to do (offer() into an empty queue, flush, stop), so it
+    sleeps up to _IDLE_WAIT_S (1 s) between looks: its 0.1 s poll was most of a sink's CPU on a JAX
+    loop. An offer still reaches the sink through the wake-up, not the timeout."""
+    from steptrace import _sinks
+
+    waits: list[tuple[float, bool]] = []
+
+    class _RecordingWakeup(Wakeup):
+        __slots__ = ()
+
+        def wait(self, timeout):
+            signalled = super().wait(timeout)
+            waits.append((timeout, signalled))
+            return signalled
+
+    monkeypatch.setattr(_sinks, "Wakeup", _RecordingWakeup)
+    assert _sinks._IDLE_WAIT_S >= 1.0
+    sink = MemorySink()
+    worker = SinkWorker(sink, 1000, lambda reason, count=1: None)
+    time.sleep(0.3)  # idle: at 0.1 s it would have looked twice or three times by now
+    assert waits == []
+    worker.offer([{"type": "step", "step": 0}])
+    deadline = time.monotonic() + 10
+    while not sink.records and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert sink.records == [{"type": "step", "step": 0}]
+    assert waits == [(_sinks._IDLE_WAIT_S, True)]  # woken by the offer, not by the timeout
+    assert worker.shutdown(time.monotonic() + 10.0)
+
+
 class _FakeLock:
     """Stands in for Wakeup's raw lock: says whether a signal is pending, counts releases."""
 
