@@ -37,7 +37,10 @@ Rows ``compute: late ends`` and ``compute: XLA start lag`` split each compute er
 of the two ends' lateness, and the time XLA's client left the device idle with the step queued (the
 line after the table says what the worst tenth of the errors is made of). ``CPU per step`` rows are the
 ``run`` record's ``background_cpu_seconds`` per step, by thread, in µs, next to the resolver thread's
-context switches per step; ``--cpu-breakdown`` adds one run that says where the resolver's CPU goes.
+context switches per step, and the resolver's without the records it writes once per process; the
+``floor`` line is the same loop without steptrace, its ends observed by a bare thread (the CPU per step no
+Python observer of JAX ends can go under). ``--cpu-breakdown`` adds one run that says where the
+resolver's CPU goes.
 
 Variants, run one after the other in this process, interleaved: ``documented`` (the loop above, as
 the README instruments it), ``timed`` (the same, with the jitted step wrapped in

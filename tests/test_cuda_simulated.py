@@ -292,9 +292,18 @@ def test_the_run_record_reports_the_device_clock_and_background_cpu(monkeypatch)
         for n in range(5):
             with steptrace.step(n):
                 fake.run(2 * MS)
+        # An anchor whose bracket a preemption widened past 50 µs is not placed, and retaken 50 ms later
+        # while the placement is wide (seen once on the 2-vCPU VM: 1 anchor, 1 unplaced): wait for one
+        # that placed, as a longer run would have.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            stats = list(steptrace._active.resolver.clock_stats().values())
+            if stats and stats[0]["anchors"] > stats[0]["anchors_unplaced"]:
+                break
+            time.sleep(0.01)
     (run,) = sink.of_type("run")
     (clock,) = run["device_clock"].values()
-    assert clock["anchors"] >= 1 and clock["anchors_unplaced"] == 0
+    assert clock["anchors"] > clock["anchors_unplaced"]
     assert clock["max_uncertainty_seconds"] < 50e-6
     assert all(r["placement_uncertainty_seconds"] < 50e-6 for r in sink.steps())
     assert set(run["background_cpu_seconds"]) == {"resolver", "sink:memory"}
