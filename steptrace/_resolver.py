@@ -556,13 +556,17 @@ class Resolver:
 
     def _observe(self, step: "StepHandle") -> None:
         """The part of a value-timed step that must happen as it ends: the wait on its outputs (its end),
-        its host exit, its device memory; and the stall watch told its interval. Finalized later
-        (_finalize_deferred), as if it had been finalized now."""
+        its host exit, its device memory, its logged scalars; and the stall watch told its interval.
+        Finalized later (_finalize_deferred), as if it had been finalized now."""
         device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
         if step.host_end is None:
             self._await_host_exit(step)
         host_end = step.host_end if step.host_end is not None else _perf()
         step.observed = (device_start, end_seen, end_source, host_end, self._memory(step.device))
+        if step.scalars:
+            # Read now, as the step ended (a logged device array may be donated by a later step); the
+            # floats are what finalizing reads back (a reader that is not callable is its value).
+            step.scalars = self._read_scalars(step)
         # (attribution.previous_end and unit_end, inline: this runs right after a wake-up, on cold caches.)
         deferred = self._deferred
         if deferred:

@@ -224,3 +224,37 @@ def test_real_jax_steps_on_cpu_are_deferred_and_the_device_is_not_asked_for_devi
     assert len(prepared) <= 1  # the first step only: the device then said it has no device-clock end
     assert steptrace.stats()["steps"] == 6
     steptrace.shutdown()
+
+
+def test_a_logged_jax_scalar_is_read_as_its_step_ends_not_when_the_batch_is_finalized():
+    """``s.log(loss=array)`` is read as the step is observed: a later step may donate (delete) the array
+    before the batch is finalized, and the record still has its value, with no drop counted."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="defer-scalar", strict=False, backend="jax")
+    runtime = steptrace._active
+    watch = runtime.stall_watch
+    told: list[float] = []
+    runtime.resolver.on_step_interval = lambda seconds: (told.append(seconds), watch.step_finalized(seconds))
+    step_fn = jax.jit(lambda x: (x * 0.5, jnp.sum(x)))
+    x = jnp.ones((16, 16))
+    logged = []
+    for n in range(3):
+        with steptrace.step(n) as s:
+            x, loss = step_fn(x)
+            s.log(loss=loss)
+            s.wait_for(x)
+        logged.append(loss)
+    deadline = time.monotonic() + 10
+    while len(told) < 3 and time.monotonic() < deadline:  # observed, not finalized (under 16 steps, 1 s)
+        time.sleep(0.002)
+    assert len(told) == 3 and steptrace.stats()["steps"] == 0
+    for loss in logged:
+        loss.delete()  # as a donating step would
+    assert steptrace.flush(30)
+    steps = sink.steps()
+    assert [r["scalars"]["loss"] for r in steps] == [256.0, 128.0, 64.0]
+    assert not steptrace.stats()["dropped"]
+    steptrace.shutdown()
