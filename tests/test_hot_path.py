@@ -167,6 +167,41 @@ def test_an_idle_sink_thread_sleeps_until_something_wakes_it_not_on_a_short_poll
     assert worker.shutdown(time.monotonic() + 10.0)
 
 
+def test_an_idle_resolver_with_nothing_to_wake_it_backs_off_and_looks_soon_again_after_an_item(monkeypatch):
+    """No step yet (a JAX program initialising and compiling), or host steps, which do not wake it: the
+    idle resolver doubles its sleep from 20 ms up to 0.25 s (at 20 ms, nanodo's start-up cost ~270 wake-ups)
+    and starts again at 20 ms after each item, so a host step's record is late by at most 0.25 s."""
+    from steptrace import _resolver
+
+    timeouts: list[float] = []
+
+    class _RecordingWakeup(Wakeup):
+        __slots__ = ()
+
+        def wait(self, timeout):
+            if threading.current_thread().name == "steptrace-resolver":
+                timeouts.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(_resolver, "Wakeup", _RecordingWakeup)
+    sink = MemorySink()
+    steptrace.init(jsonl=False, sinks=[sink], run_id="idle-backoff", strict=False, stall_watch=False)
+    time.sleep(0.7)  # 20 + 40 + 80 + 160 + 250 ms: five looks, not 35
+    idle = list(timeouts)
+    start = len(idle) - 1 - idle[::-1].index(0.02)  # after the last item init() queued (the run's start)
+    assert idle[start:start + 5] == [0.02, 0.04, 0.08, 0.16, 0.25]
+    assert len(idle) <= 9
+    with steptrace.step(0):
+        pass
+    deadline = time.monotonic() + 5
+    while not sink.steps() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [r["step"] for r in sink.steps()] == [0]  # found by a look, without a flush
+    time.sleep(0.1)
+    assert timeouts[len(idle):][:3] == [0.02, 0.04, 0.08]  # after the item, from 20 ms again
+    steptrace.shutdown()
+
+
 class _FakeLock:
     """Stands in for Wakeup's raw lock: says whether a signal is pending, counts releases."""
 
