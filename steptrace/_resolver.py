@@ -69,13 +69,13 @@ _IDLE_POLL_S = 0.02
 # Each look costs a thread wake-up: ~100 us of CPU on the 2-vCPU VM of bench_jax_trainer.py, where
 # the 20 ms looks during evals and checkpoints were ~100 us of the resolver's CPU per step.
 _IDLE_POLL_VALUES_S = 0.25
-# Otherwise (host-timed steps, which do not wake it; or no step yet) an idle resolver that found nothing
-# doubles its sleep, from _IDLE_POLL_S up to _IDLE_POLL_VALUES_S, and goes back to _IDLE_POLL_S at the next
-# item: a host step's record is then late by at most that, and an idle process does not wake 50 times a
-# second. On nanodo (a JAX loop) the 20 ms looks before its first step (initialisation and compiling, ~5 s)
-# were ~270 wake-ups: 100-170 µs of the resolver's CPU per step of a 121-step run. Not while a stream
-# device is timed (idle looks anchor its clock) or the capture reads each finalized step (a slow step arms
-# a profile of the steps right after it).
+# The idle back-off (Resolver._idle_poll). Otherwise (host-timed steps, which do not wake it; or no
+# step yet) an idle resolver that found nothing doubles its sleep, from _IDLE_POLL_S up to
+# _IDLE_POLL_VALUES_S, and goes back to _IDLE_POLL_S at the next item: a host step's record is then late
+# by at most that, and an idle process does not wake 50 times a second. On nanodo (a JAX loop) the 20 ms
+# looks before its first step (initialising and compiling, ~5 s) were ~270 wake-ups: 100-170 µs of the
+# resolver's CPU per step of a 121-step run. Not while a stream device is timed (idle looks anchor its
+# clock) or the capture reads each finalized step (a slow step arms a profile of the steps right after).
 # How often the resolver looks at the markers of a stream unit that has not completed. Its
 # times come from the device clock, so this sets only how fresh the records are.
 _STREAM_POLL_S = 0.02
@@ -89,7 +89,7 @@ _PREPARE_AHEAD = 16
 # soon as its queue is empty, before anything else, and before it waits.
 _EMIT_BATCH = 256
 # Steps timed by their values (JAX, no stream marker) are observed one at a time, as each ends (the wait
-# on its outputs, its end, its host exit, its device memory), and finalized together (their records, the
+# on its outputs, its end, its host exit, its device memory and scalars), and finalized together (their records, the
 # timing model, the spans): up to this many, or as soon as the oldest was observed this long ago. The
 # observation is the part that must happen per step, right after a wake-up, on caches the training loop
 # evicted; the rest costs ~2-4x less run back to back (bench_jax_trainer.py --cpu-breakdown). The stall
@@ -199,8 +199,8 @@ class Resolver:
         self._warned_no_peak = False
         #: Plain steps take the fast path (_resolve_plain); off, every step takes the general one (tests).
         self.fast_path = True
-        #: Value-timed steps observed and not finalized yet (see _DEFER_STEPS); off (tests, or a run whose
-        #: capture or GPU health sampler reads each finalized step at once), each is finalized as observed.
+        #: Value-timed steps observed and not finalized yet (see _DEFER_STEPS); off (tests), each is
+        #: finalized as observed, as in a run whose capture or GPU health sampler reads each one (_deferrable).
         self.defer_values = True
         self._deferred: list[StepHandle] = []
         #: The next idle sleep while nothing wakes this thread (see _IDLE_POLL_S): doubles while idle.
