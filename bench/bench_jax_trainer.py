@@ -150,6 +150,47 @@ def calibrate(target_s: float) -> int:
     return max(1, min(2000, round((target_s - max(0.0, seconds[1] - per_trip)) / per_trip)))
 
 
+def start_trace(trace_dir: str) -> None:
+    """Start the in-run ``jax.profiler`` trace the ground truth is read from."""
+    # No Python tracer: its event per Python call would fill the trace buffer and drop executions.
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+
+
+def trainer_loop(train_step: Any, eval_step: Any, state: Any, batch: Any, *, span: Any, checkpoint: Any,
+                 begin_step: Any, end_step: Any) -> None:
+    """The loop of the module's docstring, in nanodo's order, with steptrace's calls passed in: the
+    instrumented runs pass steptrace's, the floor (:func:`floor_loop`) no-ops and its own hand-over, so
+    both run the same loop. Returns once the device has finished every step."""
+    previous = None
+    numbers = np.random.default_rng(0).random(20_000).tolist()
+    for n in range(STEPS):
+        if n and n % EVAL_EVERY == 0:
+            with span("eval"):
+                float(eval_step(state, batch))
+        if n and n % CKPT_EVERY == 0:
+            with checkpoint(n):
+                jax.block_until_ready(state)
+                host = [np.asarray(layer["w"]) for layer in list(state.values())[:10]]
+                time.sleep(WRITE_S)
+                del host
+        begin_step(n)
+        with span("data"):
+            time.sleep(STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S)
+        state, metrics = train_step(state, batch)
+        end_step(wait_for=metrics)
+        if previous is not None:
+            logged = {k: float(v) for k, v in previous.items()}
+            history: dict[str, float] = {}
+            for i in range(12_000):  # bytecode: the GIL changes hands at the switch interval
+                key = f"m{i % 50}"
+                history[key] = history.get(key, 0.0) + logged["loss"] * i
+            sorted(numbers)  # one C call that holds the GIL
+        previous = metrics
+    jax.block_until_ready(state)
+
+
 def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[str, float]]:
     """One instrumented run under the profiler: the step records, and the background threads' CPU
     seconds per step (the run record's ``background_cpu_seconds`` over the steps)."""
@@ -167,47 +208,20 @@ def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[
     jax.block_until_ready(state)
     steptrace.init(jsonl=False, run_id=f"bench-{variant}", sinks=[ListSink(records)], annotate=True, backend="jax",
                    jax_switch_interval_s=switch)
-    # No Python tracer: its event per Python call would fill the trace buffer and drop executions.
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+    start_trace(trace_dir)
     try:
-        previous = None
-        numbers = np.random.default_rng(0).random(20_000).tolist()
-        for n in range(STEPS):
-            if n and n % EVAL_EVERY == 0:
-                with steptrace.span("eval"):
-                    float(eval_step(state, batch))
-            if n and n % CKPT_EVERY == 0:
-                with steptrace.checkpoint(n):
-                    jax.block_until_ready(state)
-                    host = [np.asarray(layer["w"]) for layer in list(state.values())[:10]]
-                    time.sleep(WRITE_S)
-                    del host
-            steptrace.begin_step(n)
-            with steptrace.span("data"):
-                time.sleep(STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S)
-            state, metrics = train_step(state, batch)
-            steptrace.end_step(wait_for=metrics)
-            if previous is not None:
-                logged = {k: float(v) for k, v in previous.items()}
-                history: dict[str, float] = {}
-                for i in range(12_000):  # bytecode: the GIL changes hands at the switch interval
-                    key = f"m{i % 50}"
-                    history[key] = history.get(key, 0.0) + logged["loss"] * i
-                sorted(numbers)  # one C call that holds the GIL
-            previous = metrics
-        jax.block_until_ready(state)
+        trainer_loop(train_step, eval_step, state, batch, span=steptrace.span, checkpoint=steptrace.checkpoint,
+                     begin_step=steptrace.begin_step, end_step=steptrace.end_step)
         steptrace.flush(30)
         switches = _context_switches("steptrace-resolver")
     finally:
         steptrace.shutdown()
+        once.restore()
         jax.profiler.stop_trace()
     (run,) = [r for r in records if r.get("type") == "run"]
     steps = [r for r in records if r.get("type") == "step"]
     cpu = run.get("background_cpu_seconds") or {}
     per_step = {thread: seconds / max(1, len(steps)) for thread, seconds in cpu.items()}
-    once.restore()
     if "resolver" in cpu:
         # What a run of 60 steps spreads over them and a real run of thousands does not: the records
         # written once per process (the attempt: /proc reads; the run's metadata: imports, the devices).
@@ -251,6 +265,7 @@ def floor_loop(reps: int, trace_dir: str) -> dict[str, float]:
     else. Its CPU per step is what observing each step's end from a Python thread costs on this machine in
     this loop (the wake-up, the GIL taken back), the floor under the resolver's figure."""
     import collections
+    import contextlib
     import threading
 
     train_step, eval_step = make_train_step(reps), make_eval_step()
@@ -277,36 +292,20 @@ def floor_loop(reps: int, trace_dir: str) -> dict[str, float]:
             ends.append(time.perf_counter())
         cpu[0] = time.thread_time() - start
 
+    def hand_over(wait_for: Any) -> None:
+        handed.append(wait_for)
+        if sleeping[0]:
+            wake.set()
+
+    def nothing(*_args: Any) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
     thread = threading.Thread(target=observer, name="floor-observer", daemon=True)
     thread.start()
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+    start_trace(trace_dir)
     try:
-        previous = None
-        numbers = np.random.default_rng(0).random(20_000).tolist()
-        for n in range(STEPS):
-            if n and n % EVAL_EVERY == 0:
-                float(eval_step(state, batch))
-            if n and n % CKPT_EVERY == 0:
-                jax.block_until_ready(state)
-                host = [np.asarray(layer["w"]) for layer in list(state.values())[:10]]
-                time.sleep(WRITE_S)
-                del host
-            time.sleep(STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S)
-            state, metrics = train_step(state, batch)
-            handed.append(metrics)
-            if sleeping[0]:
-                wake.set()
-            if previous is not None:
-                logged = {k: float(v) for k, v in previous.items()}
-                history: dict[str, float] = {}
-                for i in range(12_000):
-                    key = f"m{i % 50}"
-                    history[key] = history.get(key, 0.0) + logged["loss"] * i
-                sorted(numbers)
-            previous = metrics
-        jax.block_until_ready(state)
+        trainer_loop(train_step, eval_step, state, batch, span=nothing, checkpoint=nothing,
+                     begin_step=nothing, end_step=hand_over)
         while handed:
             time.sleep(0.01)
         switches = _context_switches("floor-observer")

@@ -325,8 +325,7 @@ class Resolver:
                 self._sleeping = False
                 continue
             item = queue[0]
-            if (item.__class__ is StepHandle and item.values is not None and not item.end_prepared
-                    and getattr(item.device, "prepare_end", None) is not None):
+            if item.__class__ is StepHandle and self._device_end_due(item):
                 self._prepare_device_ends()
             try:
                 ready = self._ready(item)
@@ -365,6 +364,13 @@ class Resolver:
             # hand-overs with the sink threads (bench_overhead: background 137 -> 60 us per step).
             if self._clocks:
                 time.sleep(_YIELD_S)
+
+    @staticmethod
+    def _device_end_due(step: "StepHandle") -> bool:
+        """Whether the queue is to be looked ahead for a device-clock end before ``step`` is: it has values
+        not yet handed to its device, and its device may give one (see _prepare_device_ends)."""
+        return (step.values is not None and not step.end_prepared
+                and getattr(step.device, "prepare_end", None) is not None)
 
     def _prepare_device_ends(self) -> None:
         """Ask the value device of each step near the queue's head for a device-clock end, once per step
@@ -551,8 +557,7 @@ class Resolver:
             later = queue[0]
             if type(later) is not StepHandle:
                 return
-            if (later.values is not None and not later.end_prepared
-                    and getattr(later.device, "prepare_end", None) is not None):
+            if self._device_end_due(later):
                 self._prepare_device_ends()  # a device-clock end asked for before the step is looked at
             try:
                 if not self._ready(later):
@@ -574,10 +579,7 @@ class Resolver:
         """The part of a value-timed step that must happen as it ends: the wait on its outputs (its end),
         its host exit, its device memory, its logged scalars; and the stall watch told its interval.
         Finalized later (_finalize_deferred), as if it had been finalized now."""
-        device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
-        if step.host_end is None:
-            self._await_host_exit(step)
-        host_end = step.host_end if step.host_end is not None else _perf()
+        device_start, end_seen, end_source, host_end = self._end_of(step, step.seen_complete)
         step.observed = (device_start, end_seen, end_source, host_end, self._memory(step.device))
         if step.scalars:
             # Read now, as the step ended (a logged device array may be donated by a later step); the
@@ -811,18 +813,7 @@ class Resolver:
         # No stream marker anywhere (no clock): nothing to locate or commit, the previous end as it
         # is. A value device's outputs are waited on first, then its host exit (spans, microbatches
         # and status are final only after it), as on the general path.
-        observed = step.observed
-        if observed is not None:  # observed as it ended (_observe)
-            device_start, end_seen, end_source, host_end, _ = observed
-        else:
-            if device is HOST:
-                device_start = end_seen = None
-                end_source = END_HOST
-            else:
-                device_start, end_seen, end_source = self._unit_end(step, step.seen_complete)
-                if step.host_end is None:
-                    self._await_host_exit(step)
-            host_end = step.host_end if step.host_end is not None else _perf()
+        device_start, end_seen, end_source, host_end = self._end_of(step, step.seen_complete)
         prev_end = self._prev_end
         if (prev_end is None or step.microbatches or step.spans or step.open_spans or self._recent
                 or step.collective_source is not None or self.collective_source is not None
@@ -833,6 +824,22 @@ class Resolver:
             return self._finish_step(step, prev_end, step.seen_complete or _perf(), (), [], device_start, end_seen,
                                      end_source, host_end)
         return self._resolve_plain(step, prev_end, end_seen, end_source, host_end)
+
+    def _end_of(self, step: "StepHandle", seen: float) -> tuple[float | None, float | None, str, float]:
+        """``(device_start, end_seen, end_source, host_end)`` of a step: as it was observed (_observe), else
+        read now. A value device's outputs are waited on first, then its host exit (spans, microbatches and
+        status are final only after it)."""
+        observed = step.observed
+        if observed is not None:
+            return observed[0], observed[1], observed[2], observed[3]
+        if step.device is HOST:
+            device_start = end_seen = None
+            end_source = END_HOST
+        else:
+            device_start, end_seen, end_source = self._unit_end(step, seen)
+            if step.host_end is None:
+                self._await_host_exit(step)
+        return device_start, end_seen, end_source, step.host_end if step.host_end is not None else _perf()
 
     def _resolve_plain(self, step: "StepHandle", prev_end: float, end_seen: float | None, end_source: str,
                        host_end: float) -> list[Mapping[str, Any]]:
@@ -881,14 +888,7 @@ class Resolver:
         if self._prev_end_g is not None:
             prev_end = self._remapped_prev_end(step, prev_end)
         mb_results = [self._unit_end(mb, seen) for mb in waited] if waited else []
-        observed = step.observed
-        if observed is not None:  # observed as it ended (_observe)
-            device_start, end_seen, end_source, host_end, _ = observed
-        else:
-            device_start, end_seen, end_source = self._unit_end(step, seen)
-            if step.host_end is None:
-                self._await_host_exit(step)
-            host_end = step.host_end if step.host_end is not None else _perf()
+        device_start, end_seen, end_source, host_end = self._end_of(step, seen)
         return self._finish_step(step, prev_end, seen, waited, mb_results, device_start, end_seen, end_source,
                                  host_end)
 

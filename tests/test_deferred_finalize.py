@@ -121,17 +121,26 @@ def test_value_steps_finalized_in_batches_give_the_records_finalized_one_at_a_ti
     assert steps[7]["device_memory"]["in_use_bytes"] == 3 << 20  # read as the step was observed
 
 
-def test_the_stall_watch_is_told_each_interval_as_the_step_ends_not_when_its_batch_is_finalized():
+def _value_run(run_id: str, **init_kwargs) -> tuple[MemorySink, SimulatedDevice]:
+    """A run of this test's own (a memory sink) and a simulated value device (JAX's path) to time steps by."""
     sink = MemorySink()
-    device = SimulatedDevice(uses_events=False)
-    steptrace.init(jsonl=False, sinks=[sink], run_id="pace", strict=False)
+    steptrace.init(jsonl=False, sinks=[sink], run_id=run_id, strict=False, **init_kwargs)
+    return sink, SimulatedDevice(uses_events=False)
+
+
+def _value_steps(device: SimulatedDevice, count: int, seconds: float) -> None:
+    for n in range(count):
+        with steptrace.step(n) as s:
+            s.wait_for(device.run(seconds))
+
+
+def test_the_stall_watch_is_told_each_interval_as_the_step_ends_not_when_its_batch_is_finalized():
+    sink, device = _value_run("pace")
     runtime = steptrace._active
     watch = runtime.stall_watch
     told: list[float] = []
     runtime.resolver.on_step_interval = lambda seconds: (told.append(seconds), watch.step_finalized(seconds))
-    for n in range(5):
-        with steptrace.step(n) as s:
-            s.wait_for(device.run(0.002))
+    _value_steps(device, 5, 0.002)
     deadline = time.monotonic() + 10
     while len(told) < 5 and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -145,12 +154,8 @@ def test_the_stall_watch_is_told_each_interval_as_the_step_ends_not_when_its_bat
 
 
 def test_deferred_steps_reach_the_sinks_without_a_flush_once_the_oldest_is_a_second_old():
-    sink = MemorySink()
-    device = SimulatedDevice(uses_events=False)
-    steptrace.init(jsonl=False, sinks=[sink], run_id="defer-age", strict=False, stall_watch=False)
-    for n in range(3):
-        with steptrace.step(n) as s:
-            s.wait_for(device.run(0.001))
+    sink, device = _value_run("defer-age", stall_watch=False)
+    _value_steps(device, 3, 0.001)
     ended = time.monotonic()
     deadline = ended + 10
     while len(sink.steps()) < 3 and time.monotonic() < deadline:
@@ -161,12 +166,8 @@ def test_deferred_steps_reach_the_sinks_without_a_flush_once_the_oldest_is_a_sec
 
 
 def test_steps_observed_and_not_finalized_are_finalized_at_shutdown_and_none_is_counted_lost():
-    sink = MemorySink()
-    device = SimulatedDevice(uses_events=False)
-    steptrace.init(jsonl=False, sinks=[sink], run_id="defer-stop", strict=False, stall_watch=False)
-    for n in range(5):
-        with steptrace.step(n) as s:
-            s.wait_for(device.run(0.001))
+    sink, device = _value_run("defer-stop", stall_watch=False)
+    _value_steps(device, 5, 0.001)
     steptrace.shutdown()
     assert [r["step"] for r in sink.steps()] == list(range(5))
     (run,) = sink.of_type("run")
@@ -176,9 +177,8 @@ def test_steps_observed_and_not_finalized_are_finalized_at_shutdown_and_none_is_
 def test_a_run_that_reads_each_finalized_step_at_once_finalizes_each_as_it_ends():
     """The capture's slow-step and spike triggers and the GPU health sampler read each finalized step:
     with either, value steps are not held for a batch."""
-    steptrace.init(jsonl=False, sinks=[MemorySink()], run_id="defer-off", strict=False, stall_watch=False)
+    _, device = _value_run("defer-off", stall_watch=False)
     resolver = steptrace._active.resolver
-    device = SimulatedDevice(uses_events=False)
     step = StepHandle.__new__(StepHandle)
     step.values = (device.run(0.0),)
     step.device = device
