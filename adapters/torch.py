@@ -238,6 +238,8 @@ def cuda_driver() -> Any:
 #: Events each GPU's pool starts with, made at its first marker (before it): creating one later, on the
 #: training thread, records it through torch, which releases the GIL right before the marker it is for.
 _POOL_RESERVE = 64
+#: Free events below which the resolver makes more (``TorchCudaGpu.replenish``).
+_POOL_LOW = 16
 
 
 def _driver_loads() -> bool:
@@ -604,6 +606,8 @@ class TorchCudaGpu:
         self._last: Any = None  # the newest marker the training thread recorded
         #: Events created so far (the pool's high-water mark).
         self.events_created = 0
+        #: Times the resolver topped the pool up (``replenish``).
+        self.events_replenished = 0
         self._total_memory: int | None = None
         #: The newest allocator sample (training thread): in use and peak bytes; replaced, never mutated.
         self.memory_sample: dict[str, int] | None = None
@@ -637,9 +641,12 @@ class TorchCudaGpu:
             return None
         owner.checked = None  # one use: a start marker recorded on the stream just looked up
         if marker is None:
-            if not self.events_created:
-                self._fill_first_reserve(stream.stream)
-            marker = self._take_event()
+            try:
+                marker = self._free.pop()  # (_take_event, inline: a call less per marker)
+            except IndexError:
+                if not self.events_created:
+                    self._fill_first_reserve(stream.stream)
+                marker = self._take_event()
         record_raw = self._record_raw
         handle = marker.cuda_event
         if record_raw is not None and handle and owner._get_device() == self.index:
@@ -670,16 +677,25 @@ class TorchCudaGpu:
 
     # -- resolver thread -----------------------------------------------------------------------
     def _off_thread(self) -> None:
-        _off_thread(self._torch, self.index)
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:  # else set up already (one check)
+            _off_thread(self._torch, self.index)
 
     def query(self, marker: Any) -> bool:
-        self._off_thread()
-        return _event_done(marker)
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:
+            _off_thread(self._torch, self.index)
+        handle = marker.cuda_event if state.driver else 0
+        if handle:
+            return _DRIVER.event_query(handle)
+        return bool(marker.query())
 
     def elapsed(self, start: Any, end: Any) -> float:
         """Seconds from ``start`` to ``end`` on this GPU's clock (``cudaEventElapsedTime``: float32 ms)."""
-        self._off_thread()
-        if _OFF_THREAD.driver:
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:
+            _off_thread(self._torch, self.index)
+        if state.driver:
             a, b = start.cuda_event, end.cuda_event
             if a and b:
                 return _DRIVER.event_elapsed_ms(a, b) / 1000.0
@@ -722,6 +738,22 @@ class TorchCudaGpu:
         to it once the resolver has read them, so it grows only past ``_POOL_RESERVE`` units in flight."""
         for _ in range(_POOL_RESERVE):
             self._free.append(self._new_event(stream))
+
+    def replenish(self) -> None:
+        """Resolver thread, after a step: give the pool back ``_POOL_RESERVE`` free events once the training
+        thread has taken it below ``_POOL_LOW`` (more units in flight than it held: a deep pipeline's first
+        steps, a resolver behind a burst of short steps), made here on steptrace's own stream, so the
+        training thread does not make them: torch's record that creates one gives the GIL away right
+        before the marker it is for."""
+        free = self._free
+        if len(free) >= _POOL_LOW or not self.events_created:
+            return
+        self._off_thread()
+        if self._anchor_stream is None:
+            self._anchor_stream = self._make_anchor_stream()
+        for _ in range(_POOL_RESERVE - len(free)):
+            free.append(self._new_event(self._anchor_stream))
+        self.events_replenished += 1
 
     def _take_event(self) -> Any:
         """A timing event from the pool (list.pop is atomic under the GIL), or a new one."""
@@ -818,6 +850,14 @@ class _ScalarCopies:
     def __init__(self) -> None:
         self.free: dict[tuple[int, Any], list[tuple[Any, Any]]] = {}
         self.streams: dict[tuple[int, int], Any] = {}
+        self._driver_record: bool | None = None
+
+    @property
+    def driver_record(self) -> bool:
+        """Whether the copies' events are recorded through the driver (it loads), asked once."""
+        if self._driver_record is None:
+            self._driver_record = _driver_loads()
+        return self._driver_record
 
 
 _SCALARS = _ScalarCopies()
@@ -884,7 +924,15 @@ def scalar_reader(value: Any) -> Any:
         except (KeyError, IndexError):
             host = scalar.to("cpu", non_blocking=True)  # pinned: torch pins a non_blocking copy's output
             event = torch.cuda.Event()  # created at its first record, on the stream's (the tensor's) GPU
-        event.record(stream)
+        handle = event.cuda_event
+        if handle and _SCALARS.driver_record and index == torch._C._cuda_getDevice():
+            # A pooled event (created by its first record): recorded through the driver keeping the GIL, as
+            # markers are, where torch's record would give the GIL away on the training thread.
+            rc = _DRIVER.record_keeping_gil(handle, raw)
+            if rc:
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        else:
+            event.record(stream)
     except Exception:
         return None
     return _CudaScalar(torch, index, key, host, event)
@@ -944,14 +992,29 @@ class _Ranges:
             self._record_function.__exit__(exc_type, exc, tb)
 
 
+#: The variable through which a tool attaches to NVTX (Nsight Systems sets it for the process it launches).
+#: NVTX reads it once, at its first call, and without a tool every NVTX call is a no-op (NVTX v3,
+#: ``nvtxDetail/nvtxInit.h``, ``nvtxInitializeInjectionLibrary``: the injection library is found through
+#: ``NVTX_INJECTION64_PATH``, else a statically linked one; none found: "all NVTX API functions will be set
+#: to no-ops").
+NVTX_TOOL_ENV = "NVTX_INJECTION64_PATH"
+
+
+def nvtx_tool_attached() -> bool:
+    """Whether an NVTX tool (Nsight Systems, Nsight Compute) is attached to this process."""
+    return bool(os.environ.get(NVTX_TOOL_ENV))
+
+
 def step_annotator() -> Callable[[int], Any]:
     """Build the per-step annotator: ``torch.profiler.record_function`` while the torch profiler
     runs (it costs ~10 µs per step otherwise, measured here) and an NVTX range where CUDA is
-    available (Nsight Systems shows steps by number)."""
+    available and an NVTX tool is attached (Nsight Systems shows steps by number). Without a tool
+    NVTX discards the range, so the range's Python (a string, two calls, ~2 µs a step on the
+    training thread) is not paid for nothing."""
     torch = require_torch()
     profiler_enabled = torch.autograd._profiler_enabled
     try:
-        nvtx = torch.cuda.nvtx if torch.cuda.is_available() else None
+        nvtx = torch.cuda.nvtx if nvtx_tool_attached() and torch.cuda.is_available() else None
         if nvtx is not None:  # probe once: a build without NVTX raises here, never inside a step
             nvtx.range_push("steptrace")
             nvtx.range_pop()

@@ -378,8 +378,11 @@ class DeviceClock:
         return used
 
     # -- anchors -----------------------------------------------------------------------------
-    def poll(self, drained: bool) -> None:
+    def poll(self, drained: "bool | Callable[[], bool]") -> None:
         """One look at the anchors (resolver thread, every poll; never waits on the device).
+
+        ``drained``: whether the device has no work left, or a call that says so, made only when an
+        anchor is due (it costs the device a query: most polls, between anchors, need no answer).
 
         Queries the anchor in flight, if any; else records a new one when one is due: every
         ``every_s``, and more often while the placement is wide and the device is ``drained``. A
@@ -392,6 +395,15 @@ class DeviceClock:
                 self._query_anchor()
                 return
             mapping = self.mapping()
+            if callable(drained):
+                # Its answer matters only for a device of one hardware queue that is placed already (see
+                # below), and only once an anchor is otherwise due: asked then, not at every poll.
+                if mapping is None or not getattr(self.device, "one_queue", True):
+                    drained = True
+                elif now - self._last_anchor < min(self.every_s, _TIGHTEN_EVERY_S):
+                    return  # not due, drained or not
+                else:
+                    drained = drained()
             since = now - self._last_anchor
             if mapping is None:
                 due = since >= _TIGHTEN_EVERY_S

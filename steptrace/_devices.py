@@ -236,7 +236,10 @@ class Backends:
             return self.forced_stream
         if not self.auto or self.timed_by_values:
             return None
-        if self._cuda is None and "torch" not in sys.modules:
+        cuda = self._cuda
+        if cuda is not None:
+            return cuda  # CUDA in use (every step of a CUDA loop), without a call
+        if "torch" not in sys.modules:
             return None  # the common CPU case, without a call
         return self.cuda_if_initialised()
 

@@ -51,7 +51,7 @@ static PyObject *ZERO;           /* 0.0, the default host times */
 static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_span_marker, *s_close_span,
     *s__crossed_into, *s_start_event, *s_microbatches, *s_backends, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
-    *s_append;
+    *s_append, *s_end_marker;
 
 /* -- the two types ------------------------------------------------------------------------------------------ */
 
@@ -744,19 +744,20 @@ error:
     return -1;
 }
 
-/* 1: the step closes here (the open step, ended without an exception, no stream markers, no FLOP
- * counters, no profiler annotation, no span open), 0: the Python method closes it, -1: error. */
+/* 1: the step closes here (the open step, ended without an exception, no FLOP counters, no profiler
+ * annotation, no span open), 2: the same for a step timed by stream markers (its end marker is recorded
+ * first, by the runtime), 0: the Python method closes it, -1: error. */
 static int
 exit_is_plain(StepObject *self, RuntimeObject *rt, PyObject *exc_type)
 {
     if (exc_type != Py_None || rt->current != (PyObject *)self || self->annotation != Py_None) {
         return 0;
     }
-    int r = uses_events(self->device);
-    if (r != 0) {
-        return r < 0 ? -1 : 0;
+    int events = uses_events(self->device);
+    if (events < 0) {
+        return -1;
     }
-    r = truth(self->auto_flops);
+    int r = truth(self->auto_flops);
     if (r != 0) {
         return r < 0 ? -1 : 0;
     }
@@ -764,7 +765,7 @@ exit_is_plain(StepObject *self, RuntimeObject *rt, PyObject *exc_type)
     if (r != 0) {
         return r < 0 ? -1 : 0;
     }
-    return 1;
+    return events ? 2 : 1;
 }
 
 static PyObject *
@@ -782,6 +783,18 @@ step_exit(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(EXIT_SLOW, full, 4, NULL);
+    }
+    if (plain == 2) {
+        /* rt.end_marker(self), as the Python method does first: the step's end marker on its stream (or,
+         * where none can be recorded, the step falls back to host timing there). */
+        PyObject *call[2] = {(PyObject *)rt, (PyObject *)self};
+        Py_INCREF(rt);
+        PyObject *out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
+        Py_DECREF(rt);
+        if (out == NULL) {
+            return NULL;
+        }
+        Py_DECREF(out);
     }
     PyObject *end = read_clock();
     if (end == NULL) {
@@ -1111,13 +1124,24 @@ microbatch_exit(MicrobatchObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "__exit__() takes 3 arguments");
         return NULL;
     }
-    int r = self->step == NULL ? 1 : uses_events(self->device);
-    if (r != 0) {
-        if (r < 0) {
-            return NULL;
-        }
+    int r = self->step == NULL || self->rt == NULL ? -2 : uses_events(self->device);
+    if (r == -1) {
+        return NULL;
+    }
+    if (r == -2) {
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(MB_EXIT_SLOW, full, 4, NULL);
+    }
+    if (r == 1) {
+        /* rt.end_marker(self), as the Python method does first (a pipeline rank's hundreds a step). */
+        PyObject *rt = Py_NewRef(self->rt);
+        PyObject *call[2] = {rt, (PyObject *)self};
+        PyObject *out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
+        Py_DECREF(rt);
+        if (out == NULL) {
+            return NULL;
+        }
+        Py_DECREF(out);
     }
     PyObject *end = read_clock();
     if (end == NULL) {
@@ -1465,6 +1489,7 @@ PyInit__hotpath(void)
     INTERN(s_may_stream, "may_stream");
     INTERN(s_stream_for_unit, "stream_for_unit");
     INTERN(s_start_markers, "start_markers");
+    INTERN(s_end_marker, "end_marker");
     INTERN(s__cuda, "_cuda");
     INTERN(s_span_marker, "span_marker");
     INTERN(s_close_span, "close_span");

@@ -250,6 +250,11 @@ class FakeCuda:
         self._handles: dict[int, Any] = {}
         self._external_streams: dict[int, Any] = {}
         self.gil_keeping_records = 0
+        #: Torch-binding calls made on the training thread that give the GIL away (``Event.record``): each
+        #: lets any other Python thread run between two of the training thread's lines (issue 47 budget).
+        self.gil_releases_on_training_thread = 0
+        #: Every stream by its raw handle (``cuda_stream``), as the driver finds a ``CUstream``.
+        self.streams_by_handle: dict[int, Any] = {}
         self._next_handle = itertools.count(0x1000)
         self.allocated = [0] * gpus
         self.peak = [0] * gpus
@@ -272,6 +277,7 @@ class FakeCuda:
                     stream = object.__new__(cls)
                     stream.device_index, stream.key, stream.priority = index, ("pool", bucket, slot), priority
                     fake._pools[key] = stream
+                    fake.streams_by_handle[id(stream)] = stream
                 return stream
 
             def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
@@ -288,6 +294,7 @@ class FakeCuda:
                 self.priority = -1
                 self.cuda_stream = stream_ptr
                 fake._external_streams[stream_ptr] = self
+                fake.streams_by_handle[stream_ptr] = self
 
         self.Stream, self.ExternalStream = Stream, ExternalStream
         self.default_streams = []
@@ -295,6 +302,7 @@ class FakeCuda:
             default = object.__new__(Stream)
             default.device_index, default.key, default.priority = i, None, 0
             self.default_streams.append(default)
+            self.streams_by_handle[id(default)] = default
         self.main_stream = self.default_streams[0]
 
         class Event:
@@ -338,6 +346,8 @@ class FakeCuda:
                 if self._marker is None:
                     self._marker = SimulatedMarker()
                 fake.gpus[self._device].stamp(self._marker, stream=stream.key)
+                if threading.get_ident() == fake.train_thread:
+                    fake.gil_releases_on_training_thread += 1
                 time.sleep(0)  # THCPEvent_record releases the GIL around cudaEventRecord
 
             def done(self) -> bool:
@@ -363,6 +373,10 @@ class FakeCuda:
                     raise RuntimeError("CUDA error: invalid resource handle (events of two devices)")
                 if not (self.done() and end.done()):
                     raise RuntimeError("Both events must be completed before calculating elapsed time.")
+                return self.elapsed_between(end)
+
+            def elapsed_between(self, end: "Event") -> float:
+                """The float32 milliseconds between two completed events of one device (checked by the caller)."""
                 gpu = fake.gpus[self._device]
                 seconds = gpu.device_clock(end._marker.done_at) - gpu.device_clock(self._marker.done_at)
                 return float32(seconds * 1000.0)
@@ -725,14 +739,10 @@ class _FakeDriver:
             raise OSError(f"cuEventElapsedTime failed (CUresult {CUDA_ERROR_INVALID_HANDLE})")
         if not (first.done() and second.done()):
             raise OSError(f"cuEventElapsedTime failed (CUresult {CUDA_ERROR_NOT_READY})")
-        return first.elapsed_ms(second)
+        return first.elapsed_between(second)  # both checked above, as the driver checks them
 
     def _stream(self, handle: int) -> Any:
-        fake = self.fake
-        for stream in (*fake.default_streams, *fake._pools.values(), *fake._external_streams.values()):
-            if stream.cuda_stream == handle:
-                return stream
-        return None
+        return self.fake.streams_by_handle.get(handle)
 
     def load_keeping_gil(self) -> None:
         pass
@@ -757,9 +767,10 @@ class _FakeDriver:
     def _record(self, event: int, stream: int, *, holds_gil: bool) -> int:
         fake, target = self.fake, self._stream(stream)
         marker = fake._handles.get(event) if event else None
-        self.calls.append((threading.current_thread().name, "cuEventRecord"))
+        thread = threading.current_thread().name
+        self.calls.append((thread, "cuEventRecord"))
         device_idle = marker is not None and fake.gpus[marker._device]._queue_until <= time.perf_counter()
-        self.record_routes.append((threading.current_thread().name, "PyDLL" if holds_gil else "CDLL", device_idle))
+        self.record_routes.append((thread, "PyDLL" if holds_gil else "CDLL", device_idle))
         if marker is not None:
             fake._wait_for_sync(marker._device, "cuEventRecord", holds_gil=holds_gil, table=fake._in_copy)
         if marker is None or target is None:
