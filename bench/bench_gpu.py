@@ -213,11 +213,88 @@ def measure(torch, small_work, host_bound_work, gpu_bound_work, *, rounds, iters
                     throughput[(kind, name)].append(steps / wall)
                     cpu_per_s[(kind, name)].append(cpu)
         clock = steptrace.stats().get("device_clock")
+        parts = breakdown(torch, small_work, iters)
     finally:
         steptrace.shutdown()
 
     return {"thread": thread, "throughput": throughput, "cpu_per_s": cpu_per_s,
-            "background_per_step": background_per_step, "thread_cpu": thread_cpu, "clock": clock}
+            "background_per_step": background_per_step, "thread_cpu": thread_cpu, "clock": clock,
+            "breakdown": parts}
+
+
+def breakdown(torch, small_work, n):
+    """The parts of a CUDA step's cost, each timed alone in a loop of ``n`` calls (µs per call), and the
+    Python calls of a whole step counted (``sys.setprofile``: each call and C call) on the training thread.
+
+    Training thread: the stream device's lookup (``Backends.stream_for_unit``), the current stream's
+    (``current_stream``: the capture check, the GPU, the cached placement), one marker recorded and given
+    back (the pool and ``cuEventRecord`` keeping the GIL). Resolver side, on a thread of its own as the
+    resolver runs them: ``query`` of a completed marker (``cuEventQuery``) and ``elapsed`` between two
+    (``cuEventElapsedTime``), each through ctypes releasing the GIL."""
+    import threading
+
+    import steptrace
+
+    runtime = steptrace._active
+    backends = runtime.backends if runtime is not None else None
+    device = backends.stream_for_unit() if backends is not None else None
+    if device is None:
+        return {}
+
+    def per_call(fn):
+        t0 = perf()
+        for _ in range(n):
+            fn()
+        return (perf() - t0) / n * 1e6
+
+    parts = {"stream device lookup": per_call(backends.stream_for_unit),
+             "current stream": per_call(device.current_stream)}
+    placement = device.current_stream()
+    gpu = placement.steptrace_device
+
+    def record_and_release():
+        gpu.release(gpu.record(placement))
+
+    parts["marker record + pool"] = per_call(record_and_release)
+    first, second = gpu.record(placement), gpu.record(placement)
+    torch.cuda.synchronize()
+
+    def resolver_side():
+        parts["query (resolver)"] = per_call(lambda: gpu.query(second))
+        parts["elapsed (resolver)"] = per_call(lambda: gpu.elapsed(first, second))
+
+    thread = threading.Thread(target=resolver_side, name="steptrace-bench-resolver-side")
+    thread.start()
+    thread.join()
+    gpu.release(first)
+    gpu.release(second)
+    calls = [0]
+    main = threading.get_ident()
+
+    def count(frame, event, arg):
+        if (event == "call" or event == "c_call") and threading.get_ident() == main:
+            calls[0] += 1
+
+    steps = 200
+    base = 10**9  # after every step the benchmark numbered
+    steptrace.flush()
+    sys.setprofile(count)
+    try:
+        for i in range(steps):
+            with steptrace.step(base + i):
+                small_work()
+    finally:
+        sys.setprofile(None)
+    traced, calls[0] = calls[0], 0
+    steptrace.flush()
+    sys.setprofile(count)
+    try:
+        for _ in range(steps):
+            small_work()
+    finally:
+        sys.setprofile(None)
+    parts["python calls per step, training thread (over the work's)"] = (traced - calls[0]) / steps
+    return parts
 
 
 def report(torch, measured, *, rounds, iters, steps, json_path):
@@ -248,6 +325,12 @@ def report(torch, measured, *, rounds, iters, steps, json_path):
             cpu = _median(cpu_per_s[(kind, name)])
             results[f"{kind}/{name}"] = {"steps_per_s": _median(values), "ratio": ratio, "cpu_per_s": cpu}
             print(f"{kind:<12}{name:<18}{_median(values):>10.1f}{ratio:>12.3f}{cpu:>10.2f}")
+    parts = measured.get("breakdown") or {}
+    if parts:
+        print()
+        print("the parts of a CUDA step (each timed alone, µs per call; calls counted)")
+        for name, value in parts.items():
+            print(f"  {name:<58}{value:10.2f}")
     if clock:
         print()
         print(f"device clock: {clock}")
@@ -256,7 +339,7 @@ def report(torch, measured, *, rounds, iters, steps, json_path):
             json.dump({"device": props.name, "torch": torch.__version__, "rounds": rounds,
                        "thread_seconds": thread, "thread_cpu_seconds": thread_cpu,
                        "background_cpu_per_step": background_per_step,
-                       "throughput": results, "device_clock": clock}, f, indent=1)
+                       "throughput": results, "device_clock": clock, "breakdown": parts}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,12 @@ def test_bench_gpu_runs_end_to_end_where_elapsed_time_refuses_incomplete_events(
     assert all(v > 0 for v in measured["thread_cpu"]["steptrace"])
     assert all(len(v) == 1 for v in measured["throughput"].values())
     assert not [t for t in fake.synchronize_threads if t.startswith("steptrace")]
+    parts = measured["breakdown"]
+    assert {"stream device lookup", "current stream", "marker record + pool", "query (resolver)",
+            "elapsed (resolver)"} <= set(parts)
+    assert all(v > 0 for v in parts.values()), parts
+    # The resolver-side calls ran off the training thread, through the driver (never torch's bindings there).
+    assert not [c for c in fake.binding_calls if c[0] == "steptrace-bench-resolver-side"], fake.binding_calls[:3]
 
 
 def test_a_memory_spike_is_never_put_on_another_step_and_the_users_peak_is_untouched(monkeypatch):
