@@ -57,6 +57,8 @@ from typing import Iterable, NamedTuple, Protocol
 OTHER = "other"
 #: What no span covers before the first step: process and framework start-up.
 STARTUP = "startup"
+#: The training thread's garbage collections (steptrace/_pauses.py): a host interval like a span's.
+GC = "gc"
 
 
 class HostSpan(NamedTuple):
