@@ -105,6 +105,7 @@ OTLP_MAX_COLLECTIVES = 64
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
 ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step
+ATTR_HOST_PAUSES_PREFIX = "train.host_pauses."  # + field (pauses=True, docs/pauses.md); a list's items + "." + index
 ATTR_HEALTH_PREFIX = "train.health."  # + field, or field + "." + key: a step's GPU health window
 
 

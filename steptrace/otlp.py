@@ -64,7 +64,8 @@ a bounded queue). Per rank and step ``n``::
   and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
   attributes), ``train.health.<field>`` and ``train.health.<field>.<key>`` (the GPU's health
-  window, health="nvml": docs/health.md; null fields left out).
+  window, health="nvml": docs/health.md; null fields left out), ``train.host_pauses.<field>`` (pauses=True:
+  docs/pauses.md; ``gc_collections`` as ``.0``/``.1``/``.2``; null fields left out).
   ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
   ``train.microbatch``, ``train.stage``, ``train.chunk``, ``train.kind``,
@@ -175,6 +176,7 @@ from steptrace._schema import (
     ATTR_COLLECTIVES_SEQ,
     ATTR_COMPUTE_SECONDS,
     ATTR_HEALTH_PREFIX,
+    ATTR_HOST_PAUSES_PREFIX,
     ATTR_PROCESS_START_TIME,
     ATTR_RANK,
     ATTR_RUN_ID,
@@ -864,6 +866,16 @@ class OtlpSink:
                         _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}.{inner}", item)
                 else:
                     _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}", value)
+        pauses = r.get("host_pauses")
+        if isinstance(pauses, dict):
+            # pauses=True (docs/pauses.md): the numbers, flat (train.host_pauses.<field>); gc_collections as
+            # train.host_pauses.gc_collections.<generation>; a null (unmeasured) counter is left out, never 0.
+            for key, value in pauses.items():
+                if isinstance(value, list):
+                    for generation, count in enumerate(value):
+                        _put(attrs, f"{ATTR_HOST_PAUSES_PREFIX}{key}.{generation}", count)
+                else:
+                    _put(attrs, f"{ATTR_HOST_PAUSES_PREFIX}{key}", value)
         self._put_microbatch_summary(attrs, n)
         spans = [self._span(SPAN_STEP, trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
                             error)]

@@ -12,6 +12,7 @@ against what it saw. The kernel side (Documentation/scheduler/sched-stats.rst): 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -217,3 +218,79 @@ def test_a_thread_sharing_its_cpu_with_a_busy_process_is_seen_waiting_on_the_run
     assert before[0] is not None and after[0] is not None
     assert after[0] - before[0] >= 0.25 * wall
     assert after[1] - before[1] >= 1  # involuntary switches: the kernel took the CPU away
+
+
+# -- across ranks: the OTLP step span, the collector's join and metrics -------------------------------------
+
+
+def test_otlp_step_span_carries_host_pauses_flat():
+    pytest.importorskip("opentelemetry.sdk", reason="needs steptrace[otlp]")
+    from otlp_receiver import OtlpHttpReceiver
+
+    with OtlpHttpReceiver() as receiver:
+        with capture(pauses=True, otlp_endpoint=receiver.url, otlp_batch_delay_s=0.05) as sink:
+            for n in range(4):
+                with steptrace.step(n):
+                    if n == 2:
+                        cyclic_garbage(50_000)
+                        gc.collect()
+        spans = {s.attributes["train.step"]: s.attributes for s in receiver.spans() if s.name == "train.step"}
+    record = next(r for r in sink.steps() if r["step"] == 2)
+    attrs, pauses = spans[2], record["host_pauses"]
+    assert attrs["train.host_pauses.gc_seconds"] == pauses["gc_seconds"] > 0
+    assert attrs["train.host_pauses.gc_max_generation"] == 2
+    assert attrs["train.host_pauses.gc_collections.2"] == pauses["gc_collections"][2] >= 1
+    assert attrs["train.idle.gc_seconds"] == record["idle_breakdown"]["gc"]
+    if pauses["preempted_seconds"] is None:
+        assert "train.host_pauses.preempted_seconds" not in attrs  # unmeasured: left out, never 0
+    else:
+        assert attrs["train.host_pauses.preempted_seconds"] == pauses["preempted_seconds"]
+
+
+def _pause_span(rank: int, *, gc_seconds: float, wait: float, step: int = 5, preempted: float | None = 0.001):
+    from collector_helpers import step_span
+
+    attrs = {"train.collective_wait_seconds": wait, "train.idle.gc_seconds": gc_seconds,
+             "train.host_pauses.gc_seconds": gc_seconds, "train.host_pauses.gc_max_seconds": gc_seconds,
+             "train.host_pauses.gc_max_generation": 2 if gc_seconds else 0}
+    if preempted is not None:
+        attrs["train.host_pauses.preempted_seconds"] = preempted
+    return step_span(step=step, rank=rank, compute=0.32, interval=0.33, world_size=2, **attrs)
+
+
+def test_the_collector_names_the_stragglers_host_cause_and_counts_it_per_rank():
+    pytest.importorskip("opentelemetry.proto", reason="the collector needs steptrace[collector]")
+    pytest.importorskip("prometheus_client", reason="the collector needs steptrace[prometheus]")
+    from prometheus_client import generate_latest
+
+    from collector_helpers import request, step_span, value
+    from steptrace.collector._decode import extract_steps
+    from steptrace.collector._join import Joiner
+    from steptrace.collector._metrics import ClusterMetrics
+    from steptrace.collector._runlog import _span_from_values, _span_line
+
+    # Rank 1 collected for 300 ms; rank 0 waited for it in the all-reduce.
+    steps = extract_steps(request(_pause_span(0, gc_seconds=0.0, wait=0.30),
+                                  _pause_span(1, gc_seconds=0.30, wait=0.002))).steps
+    assert steps[1].causes == {"gc": pytest.approx(0.30), "data": 0.0, "preempted": 0.001}
+    assert steps[1].gc_max == (pytest.approx(0.30), 2)
+    # The journal keeps them (a restarted collector replays them).
+    assert _span_from_values(json.loads(_span_line(steps[1]))) == steps[1]
+    (record,) = Joiner(world_size=2, per_rank=True).add(steps).records
+    assert record["straggler_rank"] == 1
+    assert record["straggler_causes"] == {"gc": pytest.approx(0.30)}
+    assert record["straggler_gc"] == {"max_seconds": pytest.approx(0.30), "generation": 2}
+    metrics = ClusterMetrics()
+    metrics.publish([record])
+    text = generate_latest(metrics.registry).decode()
+    assert value(text, "steptrace_cluster_straggler_cause_seconds_total", run_id=record["run_id"], rank="1",
+                 cause="gc") == pytest.approx(0.30)
+    assert value(text, "steptrace_cluster_straggler_cause_seconds_total", run_id=record["run_id"], rank="1",
+                 cause="preempted") is None  # no series for a cause it was not named with
+
+    # A rank that did not measure its pauses: no cause is claimed (its gc would read as none).
+    (unmeasured,) = Joiner(world_size=2).add(extract_steps(request(
+        _pause_span(0, gc_seconds=0.0, wait=0.30, step=6),
+        step_span(step=6, rank=1, compute=0.32, interval=0.33, world_size=2,
+                  **{"train.collective_wait_seconds": 0.002}))).steps).records
+    assert unmeasured["straggler_rank"] == 1 and unmeasured["straggler_causes"] is None

@@ -32,18 +32,12 @@ from steptrace._attribution import (
     STRAGGLER_PERSISTENT_SHARE,
     StragglerRule,
     StragglerScores,
+    straggler_causes,
     straggler_evidence,
     straggler_step_seconds,
 )
 
 __all__ = ["straggler_sentence", "straggler_steps", "summarize_stragglers", "step_causes"]
-
-#: The host causes a straggler's excess is broken down by (docs/pauses.md): ``gc`` and ``data`` as charged in
-#: ``idle_breakdown``, ``preempted`` from ``host_pauses.preempted_seconds`` (the run-queue wait, evidence).
-HOST_CAUSES = ("gc", "preempted", "data")
-#: A cause is named when the straggler had that much more of it than the other ranks' median: a quarter of
-#: its excess in the step (less than that explains little of why it stood out).
-CAUSE_MIN_SHARE = 0.25
 
 
 def _seconds(value: Any) -> float | None:
@@ -61,23 +55,9 @@ def _cause_seconds(record: dict) -> dict[str, float | None]:
 
 
 def step_causes(records: dict[int, dict], rank: int, excess_seconds: float | None) -> dict[str, float]:
-    """Why ``rank`` stood out in a step whose ranks' records are ``records``: per host cause
-    (:data:`HOST_CAUSES`), its seconds less the other ranks' median, for the causes that explain at least
-    :data:`CAUSE_MIN_SHARE` of its excess. Empty when none does (the cause is elsewhere: its compute)."""
-    if not excess_seconds or rank not in records:
-        return {}
-    mine = _cause_seconds(records[rank])
-    others = [_cause_seconds(record) for r, record in records.items() if r != rank]
-    out: dict[str, float] = {}
-    for cause in HOST_CAUSES:
-        value = mine[cause]
-        if value is None:
-            continue
-        theirs = [v for v in (o[cause] for o in others) if v is not None]
-        extra = value - (statistics.median(theirs) if theirs else 0.0)
-        if extra >= CAUSE_MIN_SHARE * excess_seconds:
-            out[cause] = extra
-    return out
+    """Why ``rank`` stood out in a step whose ranks' step records are ``records``
+    (``steptrace._attribution.straggler_causes``, the rule the collector applies too)."""
+    return straggler_causes({r: _cause_seconds(record) for r, record in records.items()}, rank, excess_seconds)
 
 
 def _gc_evidence(record: dict) -> dict | None:
