@@ -216,3 +216,39 @@ def summary(pauses: list[tuple[float, float, int, int]], counters: tuple[float |
     if dropped:
         out["gc_dropped"] = dropped
     return out
+
+
+class GcEvery:
+    """Coordinated garbage collection (``steptrace.gc_every``): CPython's automatic collection off, and a
+    collection of ``generation`` at every ``n``-th step, called between steps on every rank at the same
+    step numbers, so the ranks pause together instead of one at a time (each rank's pause, alone, makes
+    every other rank wait for it in the next collective). The recipe torchtitan (``gc_freq``), Megatron
+    (``--manual-gc``) and OLMo apply; the collection is a host pause like any other (``gc``, charged by the
+    overlap rule where ``pauses=True``).
+
+    ``schedule(n)`` before step ``n`` runs (cheap when it does not collect: a modulo); ``close()`` turns
+    automatic collection back on as it was."""
+
+    def __init__(self, every_steps: int, generation: int = 2):
+        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
+            raise ValueError(f"gc_every(n): n must be a whole number of steps >= 1, got {every_steps!r}")
+        if isinstance(generation, bool) or generation not in (0, 1, 2):
+            raise ValueError(f"gc_every(generation=...): a generation is 0, 1 or 2, got {generation!r}")
+        self.every_steps = every_steps
+        self.generation = generation
+        self.collections = 0
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+        gc.collect()  # a clean start: what the automatic collector left is collected now, once, on every rank
+
+    def __call__(self, step: int) -> bool:
+        """Before step ``step``: collect when it is a multiple of ``n``; whether it did."""
+        if step % self.every_steps:
+            return False
+        gc.collect(self.generation)
+        self.collections += 1
+        return True
+
+    def close(self) -> None:
+        if self._was_enabled:
+            gc.enable()

@@ -294,3 +294,64 @@ def test_the_collector_names_the_stragglers_host_cause_and_counts_it_per_rank():
         step_span(step=6, rank=1, compute=0.32, interval=0.33, world_size=2,
                   **{"train.collective_wait_seconds": 0.002}))).steps).records
     assert unmeasured["straggler_rank"] == 1 and unmeasured["straggler_causes"] is None
+
+
+# -- the job's GC finding and coordinated collection --------------------------------------------------------
+
+
+def _gc_record(step: int, gc_seconds: float, wait: float | None = None) -> dict:
+    record = {"type": "step", "status": "ok", "step": step, "idle_breakdown": {"gc": gc_seconds} if gc_seconds else {},
+              "host_pauses": {"gc_seconds": gc_seconds}}
+    if wait is not None:
+        record["collective_wait_seconds"] = wait
+    return record
+
+
+def test_the_gc_finding_prices_staggered_collections_and_the_coordinated_alternative():
+    from steptrace.analysis.pauses import gc_finding, gc_sentence
+
+    # Two ranks collect 300 ms every 6 steps, three steps apart: each collection makes the other wait.
+    ranks = {rank: [_gc_record(n, 0.3 if n % 6 == 3 * rank and n else 0.001, wait=0.0) for n in range(24)]
+             for rank in (0, 1)}
+    for rank in (0, 1):
+        for record in ranks[rank]:
+            other_collects = any(r["step"] == record["step"] and r["idle_breakdown"].get("gc", 0) > 0.1
+                                 for r in ranks[1 - rank])
+            record["collective_wait_seconds"] = 0.3 if other_collects else 0.0
+    finding = gc_finding(ranks)
+    assert finding["long_collections"] == {"0": 3, "1": 4}
+    assert finding["aligned_share"] == 0.0
+    assert finding["job_gc_seconds"] == pytest.approx(7 * 0.3 + 17 * 0.001)
+    assert finding["waited_seconds"] == pytest.approx(7 * 0.3)
+    assert finding["every_steps"] == 7  # the median of the ranks' periods, 24/3 and 24/4
+    assert finding["coordinated_estimate_seconds"] == pytest.approx((23 // 7) * 0.3)
+    assert finding["saving_seconds"] == pytest.approx(finding["job_gc_seconds"] - 0.9)
+    assert gc_finding(ranks, every_steps=6)["coordinated_estimate_seconds"] == pytest.approx(3 * 0.3)
+    assert "steptrace.gc_every(7)" in gc_sentence(finding)
+    # Aligned collections: nothing to suggest; a rank that measured no pauses: no finding.
+    aligned = {rank: [_gc_record(n, 0.3 if n % 6 == 5 else 0.0) for n in range(12)] for rank in (0, 1)}
+    assert gc_finding(aligned)["aligned_share"] == 1.0 and "gc_every" not in gc_sentence(gc_finding(aligned))
+    assert gc_finding({0: ranks[0], 1: [{**r, "host_pauses": None} for r in ranks[1]]}) is None
+
+
+def test_gc_every_turns_automatic_collection_off_and_collects_every_nth_step():
+    with pytest.raises(ValueError, match="n must be a whole number"):
+        steptrace.gc_every(0)
+    with pytest.raises(ValueError, match="generation"):
+        steptrace.gc_every(5, generation=3)
+    assert gc.isenabled()
+    watch = _pauses._PyGcWatch(64)
+    gc.callbacks.append(watch)
+    sched = steptrace.gc_every(4, generation=1)
+    try:
+        assert not gc.isenabled()
+        watch.arm()
+        collected = [n for n in range(10) if sched(n)]
+        cyclic_garbage(5000)  # automatic collection is off: nothing collects these
+        kept = watch.take()
+    finally:
+        sched.close()
+        gc.callbacks.remove(watch)
+    assert gc.isenabled()
+    assert collected == [0, 4, 8] and sched.collections == 3
+    assert [p[2] for p in kept] == [1, 1, 1]  # the scheduled ones, of the generation asked

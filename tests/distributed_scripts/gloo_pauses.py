@@ -9,7 +9,12 @@ One run per scenario (run id = the scenario's name), each rank writing its JSONL
   at each of ``--gc-steps``, drops one and runs ``gc.collect()``: a full collection of a heap of cycles;
 * ``preempted``: every rank spins ``--work-s`` of CPU a step; the slow rank's process is pinned to one
   CPU together with a process that never sleeps (``os.sched_setaffinity``, what ``taskset`` does);
-* ``none``: no rank is slowed.
+* ``none``: no rank is slowed;
+* ``gc-staggered``: every rank leaves ``--garbage`` reference cycles of garbage a step with automatic
+  collection off, and collects them every ``--period`` steps, each rank at another step of the period (as
+  uncoordinated automatic collections fall): one rank pauses while the others wait for it;
+* ``gc-every``: the same garbage, collected by ``steptrace.gc_every(--period)`` before the same step on
+  every rank (coordinated collection).
 
 Every rank all-reduces a tensor at the end of each step (measured by steptrace as its wait in
 collectives, source ``torch.distributed``) and records, with a plain ``gc.callbacks`` entry of its own
@@ -86,6 +91,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     for scenario in args.scenarios.split(","):
         heaps = {step: _cycles(args.cycles) for step in gc_steps} if slow and scenario == "gc" else {}
         busy = None
+        if scenario.startswith("gc-") and len(cpus) >= args.world_size:
+            os.sched_setaffinity(0, {cpus[rank]})  # a core per rank, as on a real node: collections do not contend
         if scenario == "preempted":
             # Each rank on its own CPU where there are two; the slow one shares its CPU with a spinner.
             cpu = cpus[rank % len(cpus)]
@@ -94,6 +101,13 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
                 busy = subprocess.Popen([sys.executable, "-c",
                                          f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
                 time.sleep(0.3)
+        sched = None
+        if scenario == "gc-every":
+            sched = steptrace.gc_every(args.period)
+        elif scenario == "gc-staggered":
+            gc.disable()
+        offset = rank * args.period // args.world_size
+        garbage: list = []
         reference = Reference()
         gc.callbacks.append(reference)
         out = Path(args.run_dir) / scenario
@@ -103,7 +117,14 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         dist.barrier()
         for n in range(args.steps):
             reference.step = n
+            if sched is not None:
+                sched(n)
+            elif scenario == "gc-staggered" and n % args.period == offset:
+                gc.collect()
             with steptrace.step(n):
+                if scenario.startswith("gc-"):
+                    garbage = _cycles(args.garbage)
+                    del garbage
                 if scenario == "preempted":
                     _spin(args.work_s)
                 else:
@@ -116,6 +137,9 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             reference.step = None
         steptrace.shutdown()
         gc.callbacks.remove(reference)
+        if sched is not None:
+            sched.close()
+        gc.enable()
         if busy is not None:
             busy.kill()
             busy.wait()
@@ -136,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gc-steps", default="8,13,18")
     parser.add_argument("--cycles", type=int, default=150_000)
     parser.add_argument("--work-s", type=float, default=0.02)
+    parser.add_argument("--period", type=int, default=6)
+    parser.add_argument("--garbage", type=int, default=20_000)
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
