@@ -94,7 +94,8 @@ Every point carries ``train.run_id`` and ``train.rank``. Histograms with explici
 ``steptrace.step.interval``, ``steptrace.step.compute``,
 ``steptrace.checkpoint.blocking``. Counters: ``steptrace.microbatch.compute`` (seconds) and
 ``steptrace.microbatches`` (``train.stage``, ``train.kind``), ``steptrace.steps``
-(``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
+(``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``), ``steptrace.host_pause``
+(seconds, ``train.pause.cause``: ``gc``, ``preempted``; pauses=True, docs/pauses.md),
 ``steptrace.tokens``, ``steptrace.step.collective_wait`` and ``steptrace.step.own`` (seconds,
 where the wait in collectives is measured), ``steptrace.productive`` and ``steptrace.wall`` (seconds:
 own compute of the steps; process start to the latest record), ``steptrace.dropped_records``
@@ -339,6 +340,8 @@ class _Metrics:
         self._mb: dict[tuple[str | None, str], list[float]] = {}  # (stage, kind) -> [count, Σcompute]
         self._steps: dict[str, int] = {}
         self._idle: dict[str, float] = {}
+        #: pauses=True (docs/pauses.md): host pause seconds by cause (gc, preempted), summed
+        self._pauses: dict[str, float] = {}
         self._collective: dict[str, float] = {}  # "collective_wait" / "own" -> seconds
         self._tokens: int | float | None = None
         self._last: dict[str, float] = {}
@@ -358,6 +361,10 @@ class _Metrics:
         meter.create_observable_counter(
             "steptrace.step.idle", unit="s", description="Device idle time by the host span that caused it",
             callbacks=[observe(lambda: [(v, {**base, "train.idle.reason": r}) for r, v in self._idle.items()])])
+        meter.create_observable_counter(
+            "steptrace.host_pause", unit="s", description="Time the training thread was paused on the host, by "
+            "cause: gc (every collection), preempted (run-queue wait); pauses=True",
+            callbacks=[observe(lambda: [(v, {**base, "train.pause.cause": c}) for c, v in self._pauses.items()])])
         for name, description in (("collective_wait", "Step time spent waiting for other ranks in collectives"),
                                   ("own", "Step time on the rank's own (interval - collective wait)")):
             meter.create_observable_counter(
@@ -431,6 +438,12 @@ class _Metrics:
                 for reason, seconds in split.idle_breakdown.items():
                     if seconds > 0:
                         self._idle[reason] = self._idle.get(reason, 0.0) + seconds
+                pauses = r.get("host_pauses")
+                if isinstance(pauses, dict):
+                    for cause, field in (("gc", "gc_seconds"), ("preempted", "preempted_seconds")):
+                        seconds = pauses.get(field)
+                        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0:
+                            self._pauses[cause] = self._pauses.get(cause, 0.0) + seconds
                 host_start = r.get("host_start_time")
                 self._goodput_totals.step(split.own_compute_seconds, None if host_start is None
                                           else host_start - (r.get("before_step_seconds") or 0.0))

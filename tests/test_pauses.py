@@ -355,3 +355,36 @@ def test_gc_every_turns_automatic_collection_off_and_collects_every_nth_step():
     assert gc.isenabled()
     assert collected == [0, 4, 8] and sched.collections == 3
     assert [p[2] for p in kept] == [1, 1, 1]  # the scheduled ones, of the generation asked
+
+
+def test_rank_metrics_count_each_cause_and_leave_unmeasured_counters_alone():
+    pytest.importorskip("prometheus_client", reason="needs steptrace[prometheus]")
+    from prometheus_client import generate_latest
+
+    from collector_helpers import value
+    from steptrace.prometheus import PrometheusSink
+
+    sink = PrometheusSink(0, run_id="r", rank=1)
+    try:
+        base = {"type": "step", "run_id": "r", "rank": 1, "step": 0, "status": "ok", "interval_seconds": 0.4,
+                "compute_seconds": 0.1, "idle_breakdown": {"gc": 0.3}}
+        plain = {**base, "idle_breakdown": {}}
+        sink.export([plain])  # pauses off: no pause series
+        text = generate_latest(sink._metrics).decode()
+        assert value(text, "steptrace_host_pause_seconds_total", run_id="r", rank="1", cause="gc") is None
+        assert value(text, "steptrace_major_faults_total", run_id="r", rank="1") is None
+        pauses = {"gc_seconds": 0.3, "gc_collections": [4, 1, 1], "gc_collected": 10, "gc_max_seconds": 0.29,
+                  "gc_max_generation": 2, "preempted_seconds": 0.02, "involuntary_switches": 3, "major_faults": 2}
+        sink.export([{**base, "step": 1, "host_pauses": pauses},
+                     {**base, "step": 2, "host_pauses": {**pauses, "preempted_seconds": None, "major_faults": None}}])
+        text = generate_latest(sink._metrics).decode()
+        labels = {"run_id": "r", "rank": "1"}
+        assert value(text, "steptrace_host_pause_seconds_total", cause="gc", **labels) == pytest.approx(0.6)
+        assert value(text, "steptrace_host_pause_seconds_total", cause="preempted", **labels) == pytest.approx(0.02)
+        assert value(text, "steptrace_gc_collections_total", generation="2", **labels) == 2
+        assert value(text, "steptrace_gc_collections_total", generation="0", **labels) == 8
+        assert value(text, "steptrace_major_faults_total", **labels) == 2
+        assert value(text, "steptrace_involuntary_switches_total", **labels) == 6
+        assert value(text, "steptrace_step_idle_seconds_total", reason="gc", **labels) == pytest.approx(0.6)
+    finally:
+        sink.shutdown(1)
