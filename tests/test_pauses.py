@@ -235,6 +235,11 @@ def test_otlp_step_span_carries_host_pauses_flat():
                         cyclic_garbage(50_000)
                         gc.collect()
         spans = {s.attributes["train.step"]: s.attributes for s in receiver.spans() if s.name == "train.step"}
+        metric = receiver.last_metric("steptrace.host_pause")
+    # The counter: every step's collections, by cause (point attributes as the OTLP proto holds them).
+    by_cause = {next(kv.value.string_value for kv in p.attributes if kv.key == "train.pause.cause"): p.as_double
+                for p in metric.sum.data_points}
+    assert by_cause["gc"] == pytest.approx(sum(r["host_pauses"]["gc_seconds"] for r in sink.steps()), rel=1e-9)
     record = next(r for r in sink.steps() if r["step"] == 2)
     attrs, pauses = spans[2], record["host_pauses"]
     assert attrs["train.host_pauses.gc_seconds"] == pauses["gc_seconds"] > 0
