@@ -218,6 +218,30 @@ def summary(pauses: list[tuple[float, float, int, int]], counters: tuple[float |
     return out
 
 
+def pause_clause(record: dict[str, Any]) -> str:
+    """What paused the host in a step, for a sentence about it (the capture's ``slow`` reason): e.g. ``; host
+    pauses: gc 300 ms (largest a gen-2 collection of 290 ms), preempted 12 ms``, or "" where none was over a
+    millisecond or the step has no ``host_pauses``."""
+    pauses = record.get("host_pauses")
+    if not isinstance(pauses, dict):
+        return ""
+    parts = []
+    gc_seconds = pauses.get("gc_seconds") or 0.0
+    if gc_seconds >= 1e-3:
+        part = f"gc {gc_seconds * 1e3:.0f} ms"
+        longest, generation = pauses.get("gc_max_seconds") or 0.0, pauses.get("gc_max_generation")
+        if longest >= 1e-3 and generation is not None:
+            part += f" (largest a gen-{generation} collection of {longest * 1e3:.0f} ms)"
+        parts.append(part)
+    preempted = pauses.get("preempted_seconds")
+    if preempted is not None and preempted >= 1e-3:
+        parts.append(f"preempted {preempted * 1e3:.0f} ms")
+    faults = pauses.get("major_faults")
+    if faults:
+        parts.append(f"{faults} major faults")
+    return "; host pauses: " + ", ".join(parts) if parts else ""
+
+
 class GcEvery:
     """Coordinated garbage collection (``steptrace.gc_every``): CPython's automatic collection off, and a
     collection of ``generation`` at every ``n``-th step, called between steps on every rank at the same

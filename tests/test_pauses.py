@@ -393,3 +393,20 @@ def test_rank_metrics_count_each_cause_and_leave_unmeasured_counters_alone():
         assert value(text, "steptrace_step_idle_seconds_total", reason="gc", **labels) == pytest.approx(0.6)
     finally:
         sink.shutdown(1)
+
+
+def test_trackers_and_the_slow_capture_say_what_paused_the_host():
+    from steptrace._pauses import pause_clause
+    from steptrace.trackers import tracker_points
+
+    pauses = {"gc_seconds": 0.3, "gc_collections": [3, 0, 1], "gc_max_seconds": 0.29, "gc_max_generation": 2,
+              "preempted_seconds": 0.012, "major_faults": 0, "involuntary_switches": 4}
+    record = {"type": "step", "step": 3, "status": "ok", "end_time": 10.0, "interval_seconds": 0.4,
+              "compute_seconds": 0.1, "idle_breakdown": {"gc": 0.3}, "host_pauses": pauses}
+    (point,) = tracker_points([record])
+    assert point.values["idle/gc_seconds"] == 0.3
+    assert point.values["pause/gc_seconds"] == 0.3 and point.values["pause/preempted_seconds"] == 0.012
+    assert point.values["pause/major_faults"] == 0
+    assert pause_clause(record) == "; host pauses: gc 300 ms (largest a gen-2 collection of 290 ms), preempted 12 ms"
+    assert pause_clause({**record, "host_pauses": {**pauses, "gc_seconds": 0.0, "preempted_seconds": None}}) == ""
+    assert pause_clause({"type": "step"}) == ""
