@@ -95,7 +95,7 @@ DEFAULT_SCORE_RANKS = 10
 
 class _RunState:
     __slots__ = ("health", "health_window", "last_complete", "last_step", "persistence", "persistent", "scored",
-                 "scores", "stages", "straggler_ranks", "window", "cause_series")
+                 "scores", "stages", "straggler_ranks", "window", "cause_series", "recent_causes")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = ComputeShareWindow(window_steps)
@@ -107,6 +107,9 @@ class _RunState:
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
         self.cause_series: set[tuple[str, str]] = set()  # (rank, cause) with a straggler-cause series
+        #: (rank named, its host causes) of the last complete steps with a straggler: the verdict's "why"
+        self.recent_causes: collections.deque[tuple[int, tuple[str, ...]]] = collections.deque(
+            maxlen=straggler_window_steps)
         self.scored: set[tuple[str, str]] = set()  # (rank, kind) with a score series
         #: per rank, its last GPU health windows: (steps sharing it, throttled 0/1 or None, errors)
         self.health: dict[int, collections.deque[tuple[float, float | None, int]]] = {}
@@ -374,6 +377,8 @@ class ClusterMetrics:
             if cost is not None:
                 cost_total.inc(cost)
             causes = r.get("straggler_causes")
+            state.recent_causes.append((int(named), tuple(sorted(c for c in causes if c in HOST_CAUSES))
+                                        if isinstance(causes, dict) else ()))
             if isinstance(causes, dict):
                 for cause, seconds in causes.items():
                     if cause in HOST_CAUSES and isinstance(seconds, (int, float)) and seconds > 0:
@@ -442,9 +447,13 @@ class ClusterMetrics:
             reference = others[(len(others) - 1) // 2][1] if others else None
             cost = "" if found.cost_median_seconds is None else \
                 f", median cost {found.cost_median_seconds * 1e3:.0f} ms"
+            named = [causes for r, causes in state.recent_causes if r == found.rank]
+            counts = collections.Counter(c for causes in named for c in causes)
+            why = "" if not counts else ", host cause: " + ", ".join(
+                f"{c} in {n} of {len(named)} steps it was named" for c, n in counts.most_common())
             self.on_verdict(run_id, found.rank, reference, step,
                             f"named in {found.share_of_steps * 100:.0f} % of its last {found.complete_steps} "
-                            f"complete steps{cost}")
+                            f"complete steps{cost}{why}")
         if state.persistent is not None and state.persistent != rank:
             for metric in (self.persistent_share, self.persistent_cost, self.persistent_own,
                            self.persistent_gpu_throttled, self.persistent_gpu_others_throttled,

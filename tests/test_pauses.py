@@ -410,3 +410,27 @@ def test_trackers_and_the_slow_capture_say_what_paused_the_host():
     assert pause_clause(record) == "; host pauses: gc 300 ms (largest a gen-2 collection of 290 ms), preempted 12 ms"
     assert pause_clause({**record, "host_pauses": {**pauses, "gc_seconds": 0.0, "preempted_seconds": None}}) == ""
     assert pause_clause({"type": "step"}) == ""
+
+
+def test_the_collectors_straggler_verdict_says_its_host_cause_to_the_capture():
+    """The verdict the capture's ``straggler`` trigger hands to the ranks (collector/_captures.py) says why."""
+    pytest.importorskip("opentelemetry.proto", reason="the collector needs steptrace[collector]")
+    pytest.importorskip("prometheus_client", reason="the collector needs steptrace[prometheus]")
+    from collector_helpers import request
+    from steptrace.collector._decode import extract_steps
+    from steptrace.collector._join import Joiner
+    from steptrace.collector._metrics import ClusterMetrics
+
+    verdicts = []
+    metrics = ClusterMetrics(straggler_window_steps=8)
+    metrics.on_verdict = lambda *args: verdicts.append(args)
+    joiner = Joiner(world_size=2, per_rank=True)
+    for n in range(8):
+        steps = extract_steps(request(_pause_span(0, gc_seconds=0.0, wait=0.30, step=n),
+                                      _pause_span(1, gc_seconds=0.30, wait=0.002, step=n))).steps
+        metrics.publish(joiner.add(steps).records)
+    _run_id, culprit, _reference, _step, detail = verdicts[0]
+    assert culprit == 1
+    # The verdict comes once the rank is persistent (3 complete steps, steptrace._attribution's minimum).
+    assert detail == ("named in 100 % of its last 3 complete steps, median cost 298 ms, host cause: gc in 3 of 3 "
+                      "steps it was named")
