@@ -434,3 +434,45 @@ def test_the_collectors_straggler_verdict_says_its_host_cause_to_the_capture():
     # The verdict comes once the rank is persistent (3 complete steps, steptrace._attribution's minimum).
     assert detail == ("named in 100 % of its last 3 complete steps, median cost 298 ms, host cause: gc in 3 of 3 "
                       "steps it was named")
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs os.posix_fadvise (Linux) to evict a file's pages")
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/stat"),
+                    reason="needs Linux's per-thread /proc stat")
+def test_major_faults_count_pages_read_from_disk_by_this_thread(tmp_path):
+    """proc(5): majflt (field 12 of /proc/<pid>/task/<tid>/stat) counts the thread's faults that loaded a page
+    from disk. A mapped file whose pages were dropped from the page cache (POSIX_FADV_DONTNEED on clean,
+    synced pages) faults them in from disk as it is read."""
+    import mmap
+
+    path = tmp_path / "pages"
+    pages = 256
+    with open(path, "wb") as f:
+        f.write(os.urandom(pages * mmap.PAGESIZE))
+        f.flush()
+        os.fsync(f.fileno())
+    counters = _pauses.ThreadCounters(threading.get_native_id())
+    try:
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            before = counters.read()
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                total = sum(mapped[i] for i in range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE))
+            after = counters.read()
+    finally:
+        counters.close()
+    assert total >= 0
+    if after[2] - before[2] == 0:
+        pytest.skip("the kernel kept the file's pages (a filesystem that ignores DONTNEED, e.g. tmpfs)")
+    assert after[2] - before[2] >= 1
+
+
+def test_counters_the_kernel_does_not_offer_are_absent_not_zero():
+    counters = _pauses.ThreadCounters(2**31 - 1)  # no such thread: no file to read
+    try:
+        assert counters.read() == (None, None, None)
+    finally:
+        counters.close()
+    summary = _pauses.summary([], (None, None, None), 0)
+    assert summary["preempted_seconds"] is None and summary["major_faults"] is None
+    assert summary["involuntary_switches"] is None and summary["gc_seconds"] == 0.0
