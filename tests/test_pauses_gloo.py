@@ -102,7 +102,7 @@ def test_a_healthy_job_names_no_cause(gc_and_healthy_runs):
 @pytest.mark.skipif(not SCHEDSTAT, reason="this kernel gives no per-thread schedstat (CONFIG_SCHEDSTATS)")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one per rank")
 def test_a_rank_sharing_its_cpu_with_a_busy_process_is_named_with_preempted(tmp_path):
-    _run(tmp_path, "--scenarios", "preempted", "--work-s", "0.05", "--steps", "16")
+    _run(tmp_path, "--scenarios", "preempted", "--work-s", "0.03", "--steps", "16")
     records = _records(tmp_path, "preempted")
     steps = straggler_steps(records)
     summary = summarize_stragglers(steps)

@@ -8,7 +8,10 @@ One run per scenario (run id = the scenario's name), each rank writing its JSONL
 * ``gc``: the slow rank holds a large cyclic heap (built before the first step, one per chosen step) and,
   at each of ``--gc-steps``, drops one and runs ``gc.collect()``: a full collection of a heap of cycles;
 * ``preempted``: every rank spins ``--work-s`` of CPU a step; the slow rank's process is pinned to one
-  CPU together with a process that never sleeps (``os.sched_setaffinity``, what ``taskset`` does);
+  CPU together with a process that never sleeps (``os.sched_setaffinity``, what ``taskset`` does), at
+  ``--slow-nice`` (default 5: the fair scheduler gives it a third of the spinner's share, so it waits on
+  the run queue however busy the machine is with other work; a nice value cannot be lowered back, so run
+  this scenario last);
 * ``none``: no rank is slowed;
 * ``gc-staggered``: every rank leaves ``--garbage`` reference cycles of garbage a step with automatic
   collection off, and collects them every ``--period`` steps, each rank at another step of the period (as
@@ -98,6 +101,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             cpu = cpus[rank % len(cpus)]
             os.sched_setaffinity(0, {cpu})
             if slow:
+                os.nice(args.slow_nice)
                 busy = subprocess.Popen([sys.executable, "-c",
                                          f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
                 time.sleep(0.3)
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=150_000)
     parser.add_argument("--work-s", type=float, default=0.02)
     parser.add_argument("--period", type=int, default=6)
+    parser.add_argument("--slow-nice", type=int, default=5)
     parser.add_argument("--garbage", type=int, default=20_000)
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
