@@ -476,3 +476,22 @@ def test_counters_the_kernel_does_not_offer_are_absent_not_zero():
     summary = _pauses.summary([], (None, None, None), 0)
     assert summary["preempted_seconds"] is None and summary["major_faults"] is None
     assert summary["involuntary_switches"] is None and summary["gc_seconds"] == 0.0
+
+
+def test_collections_the_ring_cannot_hold_are_counted_as_dropped(monkeypatch):
+    monkeypatch.setattr(_pauses, "GC_RING", 4)
+    with capture(pauses=True) as sink:
+        with steptrace.step(0):
+            pass
+        with steptrace.step(1):
+            for _ in range(10):
+                gc.collect(0)
+        steptrace.flush()
+        dropped = steptrace.stats()["dropped"]
+    record = next(r for r in sink.steps() if r["step"] == 1)
+    kept = sum(record["host_pauses"]["gc_collections"])
+    assert kept == 4  # the newest four: the oldest went first
+    # Counted on the record the resolver was finalizing when it found them gone (which step a dropped
+    # collection belonged to is what was lost), and in the run's drops.
+    on_records = sum(r["host_pauses"].get("gc_dropped", 0) for r in sink.steps())
+    assert on_records == dropped["gc_pauses"] >= 6
