@@ -323,6 +323,11 @@ class Bench:
         finally:
             _runtime.compiled_hot_path(True)
 
+    def loop_enabled_host_memory_pauses(self):
+        # Host pauses watched (issue 50): no per-step call on the training thread (the gc callback runs per
+        # collection, none here); the resolver reads the thread's /proc counters per step (bg column).
+        return self._enabled(self.host_value, "memory", pauses=True)
+
     def loop_enabled_host_memory_capture(self):
         # Deep capture armed with every trigger (issue 37). The slow-step factor is set out of reach so
         # no capture starts in a loop of microsecond steps: what is timed is the armed cost alone.
@@ -393,6 +398,7 @@ VARIANTS = [
     ("host value, Memory, + s.log(loss=0.5)", "loop_enabled_host_memory_log"),
     ("host value, Memory, + one span in the step", "loop_enabled_host_memory_span"),
     ("host value, Memory, capture armed (slow,stall,request)", "loop_enabled_host_memory_capture"),
+    ("host value, Memory, pauses=True (gc, preempted, faults)", "loop_enabled_host_memory_pauses"),
     ("host value, Memory, per-step calls in Python", "loop_enabled_host_memory_python"),
     ("OpenTelemetry SDK span (batch, discard)", "loop_otel"),
 ]
@@ -535,6 +541,86 @@ def feature_table(results: dict) -> str:
     return wl.fmt_table(["variant", "thread ns/step", "x floor", "bg us/step"], rows)
 
 
+#: The Python-heavy loop of the gc row: container objects kept alive for a step, so CPython's young
+#: generation fills ~100 times a step (threshold 700 allocations), then dropped.
+GC_HEAVY_OBJECTS = 70_000
+#: Issue 50's budget for the gc callback on that loop: its share of the loop's time.
+BUDGET_GC_CALLBACK_SHARE = 0.005
+
+
+def gc_callback_cost(rounds: int, steps: int = 10) -> dict:
+    """The gc callback's cost on a loop whose steps run ~100 young collections each. Two measures: (1) the
+    loop's steps with steptrace's watch in gc.callbacks (armed on this thread, as init(pauses=True) does)
+    and without, alternating step by step (the medians' ratio), and with a plain Python callback for
+    scale; (2) what the watch adds to one collection (gc.collect(0) with and without it, in alternating
+    blocks) times the collections per step, over the step: the same share with far less of a shared
+    machine's noise."""
+    from steptrace._pauses import HostPauses, _PyGcWatch
+
+    compiled = HostPauses(_handles._hotpath).watch
+    compiled.arm()
+    python = _PyGcWatch()
+    python.arm()
+
+    def one_step(callback) -> float:
+        if callback is not None:
+            gc.callbacks.append(callback)
+        try:
+            t = pc()
+            keep = [[] for _ in range(GC_HEAVY_OBJECTS)]
+            del keep
+            return pc() - t
+        finally:
+            if callback is not None:
+                gc.callbacks.remove(callback)
+
+    times: dict[str, list[float]] = {"base": [], "compiled": [], "python": []}
+    before = gc.get_stats()[0]["collections"]
+    one_step(None)  # warm-up
+    for _ in range(rounds * steps):
+        times["base"].append(one_step(None))
+        times["compiled"].append(one_step(compiled))
+        times["python"].append(one_step(python))
+        compiled.take()
+        python.take()
+    young = (gc.get_stats()[0]["collections"] - before) / (3 * rounds * steps + 1)
+    base = wl.median(times["base"])
+    # Per collection, everything the callback adds (CPython builds the info dict and calls it twice only
+    # while gc.callbacks is not empty): gc.collect(0) of a near-empty young generation, in blocks with and
+    # without the watch, alternating; the median block difference.
+    n = 200
+    diffs = []
+    for _ in range(rounds * 40):
+        t = pc()
+        for _ in range(n):
+            gc.collect(0)
+        plain = pc() - t
+        gc.callbacks.append(compiled)
+        t = pc()
+        for _ in range(n):
+            gc.collect(0)
+        watched = pc() - t
+        gc.callbacks.remove(compiled)
+        compiled.take()
+        diffs.append((watched - plain) / n)
+    per_collection_ns = max(0.0, wl.median(diffs))
+    return {"step_ns": base, "young_per_step": young,
+            "compiled_share": wl.median(times["compiled"]) / base - 1.0,
+            "python_share": wl.median(times["python"]) / base - 1.0,
+            "per_collection_ns": per_collection_ns,
+            "direct_share": per_collection_ns * young / base,
+            "compiled": type(compiled).__module__ != "steptrace._pauses"}
+
+
+def render_gc(r: dict) -> str:
+    return (f"  gc callback on a Python-heavy loop ({r['young_per_step']:.0f} young collections a step, "
+            f"{r['step_ns'] / 1e6:.1f} ms a step): {'C' if r['compiled'] else 'Python'} watch adds "
+            f"{r['per_collection_ns']:.0f} ns a collection = {r['direct_share'] * 100:.3f} % of the step (budget <= "
+            f"{BUDGET_GC_CALLBACK_SHARE * 100:.1f} %: {_verdict(r['direct_share'] <= BUDGET_GC_CALLBACK_SHARE)}); "
+            f"steps timed with it {r['compiled_share'] * 100:+.2f} %, with a plain Python callback "
+            f"{r['python_share'] * 100:+.2f} % (alternating steps, medians: the machine's noise)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 rounds x 1000 steps")
@@ -547,6 +633,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results = run(rounds, iters)
     print(render(results, rounds, iters))
+    gc_row = gc_callback_cost(rounds)
+    results["gc_callback"] = gc_row
+    print(render_gc(gc_row))
     print(f"  (wall {time.perf_counter() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

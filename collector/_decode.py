@@ -55,6 +55,7 @@ from steptrace._schema import (
     ATTR_COMPUTE_SECONDS,
     ATTR_EXPOSED_COMMUNICATION_SECONDS,
     ATTR_HEALTH_PREFIX,
+    ATTR_HOST_PAUSES_PREFIX,
     ATTR_IDLE_SECONDS,
     ATTR_INTERVAL_SECONDS,
     ATTR_OWN_COMPUTE_SECONDS,
@@ -408,6 +409,11 @@ class StepSpan:
     #: seconds or None)``, at most OTLP_MAX_COLLECTIVES; the join derives each rank's wait from them
     #: where no rank measured it itself. Last, for the journals
     collectives: tuple[tuple[str, int, float | None], ...] | None = None
+    #: pauses=True (docs/pauses.md): the rank's seconds per host cause (``gc``, ``data`` charged idle,
+    #: ``preempted`` run-queue wait; a cause it did not measure left out) and its largest collection
+    #: (``gc_max_seconds``, ``gc_max_generation``); None where the rank sent none. Last, for the journals
+    causes: dict[str, float] | None = None
+    gc_max: tuple[float, int | None] | None = None
 
 
 @dataclass
@@ -547,10 +553,42 @@ def _health(attrs: dict[str, Any]) -> dict[str, Any] | None:
     return health
 
 
+#: The attributes a straggler's host causes are read from (steptrace._attribution.HOST_CAUSES).
+_CAUSE_ATTRS = {"train.idle.gc_seconds": "gc", "train.idle.data_seconds": "data",
+                ATTR_HOST_PAUSES_PREFIX + "preempted_seconds": "preempted"}
+_GC_MAX_SECONDS = ATTR_HOST_PAUSES_PREFIX + "gc_max_seconds"
+_GC_MAX_GENERATION = ATTR_HOST_PAUSES_PREFIX + "gc_max_generation"
+_PAUSE_KEYS = frozenset((*_CAUSE_ATTRS, _GC_MAX_SECONDS, _GC_MAX_GENERATION, ATTR_HOST_PAUSES_PREFIX + "gc_seconds"))
+
+
+def _causes(attrs: dict[str, Any], interval: float) -> tuple[dict[str, float] | None, tuple[float, int | None] | None]:
+    """A span's host causes (numbers in ``[0, interval]``, bad ones left out) and its largest collection; both
+    None where the rank measured no host pauses (no ``train.host_pauses.*``: its gc would read as 0)."""
+    if not any(key.startswith(ATTR_HOST_PAUSES_PREFIX) for key in attrs):
+        return None, None
+    causes = {"gc": 0.0, "data": 0.0}  # charged idle reasons: absent means none in the step
+    for key, cause in _CAUSE_ATTRS.items():
+        value = attrs.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            if cause == "preempted":
+                causes.pop(cause, None)
+            continue
+        causes[cause] = min(float(value), interval)
+    longest = attrs.get(_GC_MAX_SECONDS)
+    generation = attrs.get(_GC_MAX_GENERATION)
+    gc_max = None
+    if not isinstance(longest, bool) and isinstance(longest, (int, float)) and 0 < longest < math.inf:
+        gc_max = (min(float(longest), interval),
+                  generation if isinstance(generation, int) and not isinstance(generation, bool)
+                  and 0 <= generation <= 2 else None)
+    return causes, gc_max
+
+
 def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
                max_step: int = DEFAULT_MAX_STEP, ends: tuple[float, float] | None = None) -> StepSpan:
     attrs = {kv.key: _scalar(kv.value) for kv in span.attributes
-             if kv.key in _STEP_ATTRS or kv.key.startswith(_BUBBLE_PREFIX) or kv.key in _HEALTH_KEYS}
+             if kv.key in _STEP_ATTRS or kv.key.startswith(_BUBBLE_PREFIX) or kv.key in _HEALTH_KEYS
+             or kv.key in _PAUSE_KEYS}
     run_id = attrs.get(ATTR_RUN_ID)
     if run_id is None:
         raise _Invalid("missing_attribute")
@@ -596,13 +634,14 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     end_ns = span.end_time_unix_nano
     if ends is not None and end_ns and not ends[0] <= end_ns / 1e9 <= ends[1]:
         raise _Invalid("end_out_of_range")
+    causes, gc_max = _causes(attrs, interval)
     return StepSpan(run_id=run_id, step=step, rank=rank, world_size=span_world,
                     trace_id=trace.hex() if len(trace) == 16 else "", compute_seconds=compute,
                     interval_seconds=interval, idle_seconds=idle, status=status,
                     end_time=end_ns / 1e9 if end_ns else None, bubble=bubble, attempt=attempt,
                     collective_wait_seconds=wait, own_seconds=None if wait is None else _own_seconds(interval, wait),
                     own_compute_seconds=own_compute, health=_health(attrs), exposed_communication_seconds=exposed,
-                    collectives=_collectives(span))
+                    collectives=_collectives(span), causes=causes, gc_max=gc_max)
 
 
 #: What one stall span may bring: its stack text and its frames (the sender sends 4 KiB, 24 frames).

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from steptrace._attribution import (STRAGGLER_MIN_RATIO, STRAGGLER_MIN_SECONDS, STRAGGLER_NOISE_WINDOW,
-                                     StragglerRule, straggler_step_seconds)
+                                     StragglerRule, straggler_causes, straggler_step_seconds)
 from steptrace._attribution import own_seconds as _own_seconds
 from steptrace._ids import trace_id_hex
 from steptrace.collector._decode import StepSpan, span_fingerprint
@@ -557,6 +557,16 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
                                                                        min_ratio=straggler_min_ratio)
         verdict = rule.judge({s.rank: (own[s.rank], s.collective_wait_seconds) for s in spans}, step_seconds)
     found = None if verdict is None else verdict.straggler
+    # Why, on the host (docs/pauses.md): only where every rank measured its pauses (a rank that did not
+    # would count as having none).
+    causes = None
+    gc_evidence = None
+    if found is not None and all(s.causes is not None for s in spans):
+        causes = straggler_causes({s.rank: s.causes for s in spans}, found.rank,  # type: ignore[misc]
+                                  found.excess_seconds)
+        culprit = next(s for s in spans if s.rank == found.rank)
+        if "gc" in causes and culprit.gc_max is not None and culprit.causes is not None:
+            gc_evidence = {"max_seconds": culprit.gc_max[0], "generation": culprit.gc_max[1]}
     by_stage: dict[str, list[float]] = {}
     for s in spans:
         for stage, ratio in s.bubble.items():
@@ -603,6 +613,8 @@ def cluster_record(run_id: str, step: int, trace_id: str, world_size: int | None
         "straggler_excess_seconds": None if found is None else found.excess_seconds,
         "straggler_threshold_seconds": None if verdict is None else verdict.threshold_seconds,
         "straggler_noise_seconds": None if verdict is None else verdict.noise_seconds,
+        "straggler_causes": causes,
+        "straggler_gc": gc_evidence,
         "compute_sum_seconds": sum(compute),
         "interval_sum_seconds": sum(interval),
         # Waiting shown as waiting: the ranks' own compute (the wait in collectives inside their

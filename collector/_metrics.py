@@ -30,6 +30,8 @@ so far (a step completed out of order does not move them back):
   own; 0 when no rank stood out), ``steptrace_cluster_straggler_steps_total{rank}`` and
   ``steptrace_cluster_straggler_cost_seconds_total{rank}`` (summed over the steps it was named;
   a rank's two counters appear when it is first named, at their first value), and
+  ``steptrace_cluster_straggler_cause_seconds_total{rank, cause}`` (the part of that excess a host
+  cause, ``gc``/``preempted``/``data``, explains: docs/pauses.md; where the ranks run ``pauses=True``),
   ``steptrace_cluster_straggler_score{rank, kind}`` over the last ``straggler_window_steps``
   complete steps, for the ``straggler_score_ranks`` (10) lowest scores of each kind only
   (``relative``: median rank's mean time on its own / this rank's; ``individual``: this rank's
@@ -69,7 +71,8 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by users without the extra
     raise ImportError("the steptrace collector needs prometheus_client: pip install 'steptrace[prometheus]'") from _exc
 
-from steptrace._attribution import ComputeShareWindow, Straggler, StragglerPersistence, StragglerScores
+from steptrace._attribution import (HOST_CAUSES, ComputeShareWindow, Straggler, StragglerPersistence,
+                                     StragglerScores)
 from steptrace._health import window_errors, window_throttled
 from steptrace._version import __version__
 from steptrace.collector._decode import INVALID_SPAN_REASONS, REJECTION_REASONS
@@ -92,7 +95,7 @@ DEFAULT_SCORE_RANKS = 10
 
 class _RunState:
     __slots__ = ("health", "health_window", "last_complete", "last_step", "persistence", "persistent", "scored",
-                 "scores", "stages", "straggler_ranks", "window")
+                 "scores", "stages", "straggler_ranks", "window", "cause_series", "recent_causes")
 
     def __init__(self, window_steps: int, straggler_window_steps: int):
         self.window = ComputeShareWindow(window_steps)
@@ -103,6 +106,10 @@ class _RunState:
         self.last_complete = -1
         self.stages: set[str] = set()
         self.straggler_ranks: set[str] = set()
+        self.cause_series: set[tuple[str, str]] = set()  # (rank, cause) with a straggler-cause series
+        #: (rank named, its host causes) of the last complete steps with a straggler: the verdict's "why"
+        self.recent_causes: collections.deque[tuple[int, tuple[str, ...]]] = collections.deque(
+            maxlen=straggler_window_steps)
         self.scored: set[tuple[str, str]] = set()  # (rank, kind) with a score series
         #: per rank, its last GPU health windows: (steps sharing it, throttled 0/1 or None, errors)
         self.health: dict[int, collections.deque[tuple[float, float | None, int]]] = {}
@@ -165,6 +172,11 @@ class ClusterMetrics:
                                             "Seconds this rank cost the job as the straggler (the other ranks' "
                                             "median wait less its own), summed over the steps it was named.",
                                             run + ("rank",))
+        self.straggler_cause_total = counter(
+            "steptrace_cluster_straggler_cause_seconds", "Seconds of this host cause (gc, preempted, data: "
+            "docs/pauses.md) this rank had beyond the other ranks' median in the steps it was named the straggler "
+            "with that cause, summed; where every rank measures its host pauses (pauses=True).",
+            run + ("rank", "cause"))
         self.straggler_threshold = gauge("steptrace_cluster_step_straggler_threshold_seconds",
                                          "The excess of time on its own the last complete step's candidate "
                                          "needed to be named the straggler: the largest of the fixed bounds "
@@ -364,6 +376,14 @@ class ClusterMetrics:
             cost_total = self.straggler_cost_total.labels(run_id, straggler)  # both appear together
             if cost is not None:
                 cost_total.inc(cost)
+            causes = r.get("straggler_causes")
+            state.recent_causes.append((int(named), tuple(sorted(c for c in causes if c in HOST_CAUSES))
+                                        if isinstance(causes, dict) else ()))
+            if isinstance(causes, dict):
+                for cause, seconds in causes.items():
+                    if cause in HOST_CAUSES and isinstance(seconds, (int, float)) and seconds > 0:
+                        state.cause_series.add((straggler, cause))  # at most ranks named x 3 causes
+                        self.straggler_cause_total.labels(run_id, straggler, cause).inc(seconds)
         if own is None:
             own = {int(rank): seconds for rank, seconds in (r.get("rank_own_seconds") or {}).items()}
         state.scores.add(own)
@@ -427,9 +447,13 @@ class ClusterMetrics:
             reference = others[(len(others) - 1) // 2][1] if others else None
             cost = "" if found.cost_median_seconds is None else \
                 f", median cost {found.cost_median_seconds * 1e3:.0f} ms"
+            named = [causes for r, causes in state.recent_causes if r == found.rank]
+            counts = collections.Counter(c for causes in named for c in causes)
+            why = "" if not counts else ", host cause: " + ", ".join(
+                f"{c} in {n} of {len(named)} steps it was named" for c, n in counts.most_common())
             self.on_verdict(run_id, found.rank, reference, step,
                             f"named in {found.share_of_steps * 100:.0f} % of its last {found.complete_steps} "
-                            f"complete steps{cost}")
+                            f"complete steps{cost}{why}")
         if state.persistent is not None and state.persistent != rank:
             for metric in (self.persistent_share, self.persistent_cost, self.persistent_own,
                            self.persistent_gpu_throttled, self.persistent_gpu_others_throttled,
@@ -519,6 +543,8 @@ class ClusterMetrics:
         for rank in state.straggler_ranks:
             remove(self.straggler_steps, rank)
             remove(self.straggler_cost_total, rank)
+        for rank, cause in state.cause_series:
+            remove(self.straggler_cause_total, rank, cause)
         for rank, kind in state.scored:
             remove(self.straggler_score, rank, kind)
 

@@ -389,13 +389,24 @@ def _span_from_values(values: Any) -> StepSpan | None:
     """A journal line's span, or None when any field is not what the decoder would have produced."""
     # Journals written before spans had an attempt, the collective wait and time on its own, or the
     # own compute lack those last fields (a collector upgraded across a crash still replays them).
-    # ... and before the GPU health window, exposed communication and the collectives (the last two).
-    if not isinstance(values, list) or len(values) not in (len(_SPAN_FIELDS), len(_SPAN_FIELDS) - 1,
-                                                           len(_SPAN_FIELDS) - 2, len(_SPAN_FIELDS) - 3,
-                                                           len(_SPAN_FIELDS) - 4, len(_SPAN_FIELDS) - 6,
-                                                           len(_SPAN_FIELDS) - 7):
+    # ... and before the GPU health window, exposed communication and the collectives (the last two), and
+    # before the host causes (causes, gc_max: the last two, written together).
+    if not isinstance(values, list) or len(values) not in (len(_SPAN_FIELDS), len(_SPAN_FIELDS) - 2,
+                                                           len(_SPAN_FIELDS) - 3, len(_SPAN_FIELDS) - 4,
+                                                           len(_SPAN_FIELDS) - 5, len(_SPAN_FIELDS) - 6,
+                                                           len(_SPAN_FIELDS) - 8, len(_SPAN_FIELDS) - 9):
         return None
     span = dict(zip(_SPAN_FIELDS, values))
+    causes = span.get("causes")
+    if causes is not None and not (isinstance(causes, dict) and all(
+            isinstance(k, str) and _number(v) for k, v in causes.items())):
+        return None
+    gc_max = span.get("gc_max")
+    if gc_max is not None:
+        if not (isinstance(gc_max, list) and len(gc_max) == 2 and _number(gc_max[0])
+                and (gc_max[1] is None or _is_int(gc_max[1]))):
+            return None
+        span["gc_max"] = (float(gc_max[0]), gc_max[1])
     collectives = span.get("collectives")
     if collectives is not None:
         if not (isinstance(collectives, list) and all(

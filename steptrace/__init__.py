@@ -46,6 +46,7 @@ __all__ = [
     "end_span",
     "end_step",
     "flush",
+    "gc_every",
     "init",
     "last_step",
     "log",
@@ -500,6 +501,16 @@ def request_capture(reason: str = "requested") -> bool:
         return False
     runtime.capture.request(str(reason)[:200])
     return True
+
+
+def gc_every(n: int, generation: int = 2) -> Any:
+    """Coordinated garbage collection (docs/pauses.md): turns CPython's automatic collection off and returns
+    a schedule to call before each step, ``sched(step)``, which collects ``generation`` at every ``n``-th
+    step, on every rank at the same steps; ``sched.close()`` turns automatic collection back on. Bad
+    arguments raise ``ValueError`` here, never in the loop. Works with steptrace on or off."""
+    from steptrace._pauses import GcEvery
+
+    return GcEvery(n, generation)
 
 
 def config() -> Config | None:

@@ -57,6 +57,8 @@ from typing import Iterable, NamedTuple, Protocol
 OTHER = "other"
 #: What no span covers before the first step: process and framework start-up.
 STARTUP = "startup"
+#: The training thread's garbage collections (steptrace/_pauses.py): a host interval like a span's.
+GC = "gc"
 
 
 class HostSpan(NamedTuple):
@@ -899,3 +901,32 @@ class StragglerScores:
             individual = min(1.0, best / mean) if best is not None and mean > 0 else None
             out[rank] = (relative, individual)
         return out
+
+
+#: The host causes a straggler's excess is broken down by (docs/pauses.md): ``gc`` and ``data`` as charged in
+#: ``idle_breakdown``, ``preempted`` from ``host_pauses.preempted_seconds`` (the run-queue wait, evidence).
+HOST_CAUSES = ("gc", "preempted", "data")
+#: A cause is named when the straggler had that much more of it than the other ranks' median: a quarter of
+#: its excess in the step (less than that explains little of why it stood out).
+CAUSE_MIN_SHARE = 0.25
+
+
+def straggler_causes(by_rank: dict[int, dict[str, float | None]], rank: int,
+                     excess_seconds: float | None) -> dict[str, float]:
+    """Why ``rank`` stood out in a step: ``by_rank`` holds each rank's seconds per host cause
+    (:data:`HOST_CAUSES`, None where it did not measure one). Per cause, the rank's seconds less the other
+    ranks' median, for the causes that explain at least :data:`CAUSE_MIN_SHARE` of its excess; empty when
+    none does (the cause is elsewhere: its compute). One rule for the report and the collector."""
+    if not excess_seconds or rank not in by_rank:
+        return {}
+    mine = by_rank[rank]
+    out: dict[str, float] = {}
+    for cause in HOST_CAUSES:
+        value = mine.get(cause)
+        if value is None:
+            continue
+        theirs = [v for r, c in by_rank.items() if r != rank and (v := c.get(cause)) is not None]
+        extra = value - (_median(theirs) if theirs else 0.0)
+        if extra >= CAUSE_MIN_SHARE * excess_seconds:
+            out[cause] = extra
+    return out

@@ -48,6 +48,7 @@ import time
 from typing import Any, Callable
 
 from steptrace._attribution import MAD_TO_SIGMA
+from steptrace._pauses import pause_clause
 
 log = logging.getLogger("steptrace")
 _perf = time.perf_counter
@@ -258,7 +259,7 @@ class Capture:
         if verdict is not None:
             ratio, threshold = verdict
             self._arm("slow", step, f"step {step} took {interval * 1e3:.1f} ms, {ratio:.1f}x the run's median "
-                                    f"(threshold {threshold * 1e3:.1f} ms)")
+                                    f"(threshold {threshold * 1e3:.1f} ms){pause_clause(record)}")
 
     def stalled(self, step: int, open_seconds: float) -> None:
         """The stall watch, once per stall."""

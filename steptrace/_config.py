@@ -106,6 +106,9 @@ ENV_HEALTH_DEVICE = "STEPTRACE_HEALTH_DEVICE"
 #: Seconds between health samples (default and least: 1).
 ENV_HEALTH_PERIOD_S = "STEPTRACE_HEALTH_PERIOD_S"
 HEALTH_SOURCES = ("off", "nvml")
+#: Host pauses per step (steptrace/_pauses.py, docs/pauses.md): the training thread's garbage collections
+#: (charged as ``gc``), run-queue wait and major faults. ``1``/``0`` (default off).
+ENV_PAUSES = "STEPTRACE_PAUSES"
 #: The shortest health sampling period: NVML's power is a 1 s average, its counters are cumulative,
 #: so a faster reader adds calls and no information (docs/health.md).
 MIN_HEALTH_PERIOD_S = 1.0
@@ -216,6 +219,8 @@ class Config:
     health: str = "off"
     health_device: str | None = None  # NVML UUID or PCI bus id; None: the GPU the steps are timed on
     health_period_s: float = 1.0
+    # Host pauses per step (steptrace/_pauses.py, docs/pauses.md): gc, preemption, major faults.
+    pauses: bool = False
 
 
 def _env_bool(name: str, environ: dict[str, str]) -> bool | None:
@@ -382,6 +387,7 @@ def resolve_config(environ: dict[str, str] | None = None, **code: Any) -> Config
         health=str(_first(code.get("health"), env.get(ENV_HEALTH) or None, "off")).strip().lower(),
         health_device=_first(code.get("health_device"), env.get(ENV_HEALTH_DEVICE) or None),
         health_period_s=_first(code.get("health_period_s"), _env_float(ENV_HEALTH_PERIOD_S, env), 1.0),
+        pauses=_first(code.get("pauses"), _env_bool(ENV_PAUSES, env), False),
         capture_token=_first(code.get("capture_token"), env.get(ENV_CAPTURE_TOKEN) or None),
         tracker_step_offset=_first(code.get("tracker_step_offset"), _env_int(ENV_TRACKER_STEP_OFFSET, env), 0),
         tracker_ranks=_parse_tracker_ranks(_first(code.get("tracker_ranks"), env.get(ENV_TRACKER_RANKS) or None,
@@ -602,6 +608,9 @@ def _validate(config: Config) -> None:
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
             raise ValueError(f"{field} must be a number >= {least:g}, got {value!r}")
+    if not isinstance(config.pauses, bool):
+        raise ValueError(f"pauses must be True or False, got {config.pauses!r} (set by init(pauses=...) or "
+                         f"{ENV_PAUSES})")
     if config.health not in HEALTH_SOURCES:
         raise ValueError(f"health must be one of {', '.join(HEALTH_SOURCES)}, got {config.health!r} (set by "
                          f"init(health=...) or {ENV_HEALTH})")

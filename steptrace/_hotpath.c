@@ -1454,6 +1454,220 @@ install(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+
+/* -- GcWatch: the training thread's garbage-collection pauses (issue 50) ------------------------------------
+ *
+ * A gc.callbacks entry (steptrace/_pauses.py installs it): CPython calls it with ("start", info) before and
+ * ("stop", info) after every collection, on the thread that triggered it. A loop that allocates much runs
+ * ~100 young collections a step, so the callback is C: it reads the perf counter (time.perf_counter's clock)
+ * and, at "stop", keeps (start, end, generation, collected) in a ring the resolver drains. Collections on
+ * other threads are counted, not kept: they did not pause the training thread. A full ring drops the oldest
+ * pause and counts it (`dropped`).
+ */
+typedef struct {
+    double start;
+    double end;
+    long generation;
+    Py_ssize_t collected;
+} GcPause;
+
+typedef struct {
+    PyObject_HEAD
+    unsigned long thread;   /* PyThread_get_thread_ident() of the training thread; 0: none yet */
+    double started;         /* the collection under way on it: its start, or -1 */
+    GcPause *ring;
+    Py_ssize_t capacity;
+    Py_ssize_t head;        /* the oldest kept pause */
+    Py_ssize_t count;
+    unsigned long long dropped;
+    unsigned long long other_threads;
+} GcWatchObject;
+
+static PyObject *s_generation, *s_collected;
+
+static double
+perf_seconds(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    (void)PyTime_PerfCounterRaw(&t);
+    return PyTime_AsSecondsDouble(t);
+#else
+    return _PyTime_AsSecondsDouble(_PyTime_GetPerfCounter());
+#endif
+}
+
+static PyObject *
+gcwatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Py_ssize_t capacity = 4096;
+    static char *kwlist[] = {"capacity", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n", kwlist, &capacity)) {
+        return NULL;
+    }
+    if (capacity < 1) {
+        PyErr_SetString(PyExc_ValueError, "GcWatch capacity must be >= 1");
+        return NULL;
+    }
+    GcWatchObject *self = (GcWatchObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->ring = PyMem_Calloc((size_t)capacity, sizeof(GcPause));
+    if (self->ring == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    self->capacity = capacity;
+    self->started = -1.0;
+    return (PyObject *)self;
+}
+
+static void
+gcwatch_dealloc(GcWatchObject *self)
+{
+    PyMem_Free(self->ring);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+gcwatch_call(GcWatchObject *self, PyObject *args, PyObject *kwds)
+{
+    /* Never raises: an exception here would be printed by the collector as unraisable, in the loop. */
+    if (PyTuple_GET_SIZE(args) != 2 || self->thread == 0) {
+        Py_RETURN_NONE;
+    }
+    if (PyThread_get_thread_ident() != self->thread) {
+        self->other_threads += PyUnicode_Check(PyTuple_GET_ITEM(args, 0)) &&
+            PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(args, 0)) == 4;  /* each "stop" */
+        Py_RETURN_NONE;
+    }
+    PyObject *phase = PyTuple_GET_ITEM(args, 0);
+    if (!PyUnicode_Check(phase)) {
+        Py_RETURN_NONE;
+    }
+    if (PyUnicode_GET_LENGTH(phase) == 5) { /* "start" */
+        self->started = perf_seconds();
+        Py_RETURN_NONE;
+    }
+    if (self->started < 0) {
+        Py_RETURN_NONE; /* a "stop" whose start was before the watch was armed */
+    }
+    double end = perf_seconds();
+    long generation = -1;
+    Py_ssize_t collected = 0;
+    PyObject *info = PyTuple_GET_ITEM(args, 1);
+    if (PyDict_Check(info)) {
+        PyObject *value = PyDict_GetItemWithError(info, s_generation);
+        if (value != NULL && PyLong_Check(value)) {
+            generation = PyLong_AsLong(value);
+        }
+        value = PyDict_GetItemWithError(info, s_collected);
+        if (value != NULL && PyLong_Check(value)) {
+            collected = PyLong_AsSsize_t(value);
+        }
+        PyErr_Clear();
+    }
+    Py_ssize_t slot;
+    if (self->count == self->capacity) {
+        slot = self->head; /* overwrite the oldest */
+        self->head = (self->head + 1) % self->capacity;
+        self->dropped++;
+    } else {
+        slot = (self->head + self->count) % self->capacity;
+        self->count++;
+    }
+    self->ring[slot].start = self->started;
+    self->ring[slot].end = end;
+    self->ring[slot].generation = generation;
+    self->ring[slot].collected = collected;
+    self->started = -1.0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+gcwatch_take(GcWatchObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out = PyList_New(self->count);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        GcPause *p = &self->ring[(self->head + i) % self->capacity];
+        PyObject *item = Py_BuildValue("(ddln)", p->start, p->end, p->generation, p->collected);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    self->head = 0;
+    self->count = 0;
+    return out;
+}
+
+static PyObject *
+gcwatch_arm(GcWatchObject *self, PyObject *Py_UNUSED(ignored))
+{
+    self->thread = PyThread_get_thread_ident();
+    self->started = -1.0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+gcwatch_disarm(GcWatchObject *self, PyObject *Py_UNUSED(ignored))
+{
+    self->thread = 0;
+    self->started = -1.0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+gcwatch_get_dropped(GcWatchObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(self->dropped);
+}
+
+static PyObject *
+gcwatch_get_other_threads(GcWatchObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(self->other_threads);
+}
+
+static PyObject *
+gcwatch_get_armed(GcWatchObject *self, void *closure)
+{
+    return PyBool_FromLong(self->thread != 0);
+}
+
+static PyMethodDef gcwatch_methods[] = {
+    {"take", (PyCFunction)gcwatch_take, METH_NOARGS,
+     "take(): the pauses kept since the last take, oldest first, as (start, end, generation, collected)"},
+    {"arm", (PyCFunction)gcwatch_arm, METH_NOARGS, "arm(): watch the calling thread's collections"},
+    {"disarm", (PyCFunction)gcwatch_disarm, METH_NOARGS, "disarm(): keep nothing more"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef gcwatch_getset[] = {
+    {"dropped", (getter)gcwatch_get_dropped, NULL, "pauses overwritten before they were taken", NULL},
+    {"other_threads", (getter)gcwatch_get_other_threads, NULL, "collections seen on other threads", NULL},
+    {"armed", (getter)gcwatch_get_armed, NULL, "whether a thread is watched", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject GcWatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "steptrace._hotpath.GcWatch",
+    .tp_basicsize = sizeof(GcWatchObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "GcWatch(capacity=4096): a gc.callbacks entry keeping the armed thread's collection pauses",
+    .tp_new = gcwatch_new,
+    .tp_dealloc = (destructor)gcwatch_dealloc,
+    .tp_call = (ternaryfunc)gcwatch_call,
+    .tp_methods = gcwatch_methods,
+    .tp_getset = gcwatch_getset,
+};
+
 static PyMethodDef functions[] = {
     {"off_step", (PyCFunction)(void (*)(void))off_step, METH_FASTCALL | METH_KEYWORDS,
      "steptrace.step while steptrace is off: accepts what the real one accepts, records nothing."},
@@ -1514,10 +1728,12 @@ PyInit__hotpath(void)
     INTERN(s__queue, "_queue");
     INTERN(s__max_queue, "_max_queue");
     INTERN(s_append, "append");
+    INTERN(s_generation, "generation");
+    INTERN(s_collected, "collected");
     ZERO = PyFloat_FromDouble(0.0);
     if (ZERO == NULL || PyType_Ready(&RuntimeBaseType) < 0 || PyType_Ready(&StepBaseType) < 0 ||
             PyType_Ready(&SpanBaseType) < 0 || PyType_Ready(&NullBaseType) < 0 ||
-            PyType_Ready(&MicrobatchBaseType) < 0) {
+            PyType_Ready(&MicrobatchBaseType) < 0 || PyType_Ready(&GcWatchType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&hotpath_module);
@@ -1532,7 +1748,8 @@ PyInit__hotpath(void)
             PyModule_AddObjectRef(module, "StepBase", (PyObject *)&StepBaseType) < 0 ||
             PyModule_AddObjectRef(module, "SpanBase", (PyObject *)&SpanBaseType) < 0 ||
             PyModule_AddObjectRef(module, "NullBase", (PyObject *)&NullBaseType) < 0 ||
-            PyModule_AddObjectRef(module, "MicrobatchBase", (PyObject *)&MicrobatchBaseType) < 0) {
+            PyModule_AddObjectRef(module, "MicrobatchBase", (PyObject *)&MicrobatchBaseType) < 0 ||
+            PyModule_AddObjectRef(module, "GcWatch", (PyObject *)&GcWatchType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -36,10 +36,12 @@ from steptrace import _attribution as attribution
 from steptrace import _loops, _peaks
 from steptrace._clock import DeviceClock
 from steptrace._devices import HOST
+from steptrace._pauses import summary as host_pauses_summary
 from steptrace._handles import CheckpointHandle, ClosedSpan, StepHandle, TimedUnit
 from steptrace._schema import (
     DROP_DEVICE_CLOCK_ERROR,
     DROP_DEVICE_WAIT_ERROR,
+    DROP_GC_PAUSES,
     DROP_RESOLVER_ERROR,
     DROP_RESOLVER_QUEUE,
     DROP_SCALAR_ERROR,
@@ -168,6 +170,9 @@ class Resolver:
         self.on_step_finalized: Any = None
         #: The GPU health sampler (steptrace/_health.py), when one runs: each step takes its window.
         self.health: Any = None
+        #: The training thread's host pauses (steptrace/_pauses.py), when watched: each step takes its own.
+        self.pauses: Any = None
+        self._pauses_dropped = 0
         self._wake = Wakeup()
         self._sleeping = False
         #: True while the resolver waits for the head step's device-clock end (submit() then wakes it).
@@ -176,7 +181,7 @@ class Resolver:
         self._prev_end: float | None = None
         #: When steptrace started (init()): time before the first step is counted from here.
         self.started = _perf()
-        self._recent: list[ClosedSpan] = []
+        self._recent: list[Any] = []  # ClosedSpan, and HostSpan for a garbage collection (pauses)
         self._step_ends: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._wait_failures = 0
         self._clocks: dict[int, DeviceClock] = {}
@@ -582,7 +587,7 @@ class Resolver:
         nothing that reads each finalized step at once (the capture's triggers, the GPU health sampler)."""
         return (step.values is not None and self.defer_values and not step.microbatches and not self._clocks
                 and not step.device.uses_events and step.device is not HOST and self.on_step_finalized is None
-                and self.health is None)
+                and self.health is None and self.pauses is None)
 
     def _observe(self, step: "StepHandle") -> None:
         """The part of a value-timed step that must happen as it ends: the wait on its outputs (its end),
@@ -827,6 +832,7 @@ class Resolver:
         if (prev_end is None or step.microbatches or step.spans or step.open_spans or self._recent
                 or step.collective_source is not None or self.collective_source is not None
                 or step.device_collectives or step.device_collectives_dropped or self.health is not None
+                or self.pauses is not None
                 or device_start is not None):
             if prev_end is None:
                 prev_end = step.host_start  # attribution.previous_end
@@ -917,6 +923,21 @@ class Resolver:
         end = attribution.unit_end(host_end, end_seen)
         device = step.device
         by_values = device is not HOST and not device.uses_events
+        pauses = self.pauses
+        gc_pauses = None
+        if pauses is not None:
+            gc_pauses = pauses.gc_until(end)
+            if gc_pauses:
+                # Each collection is a host interval named "gc", charged by the overlap rule (DESIGN §2): it
+                # names the idle windows it covers (innermost: it began inside any span around it) and stays
+                # in _recent while it can still cover a later window. On a synchronous backend the host is
+                # the device, so a collection inside the step is idle where it happened; with a device of
+                # its own, only where the device was idle anyway (the wait before the step's start, or a
+                # span's exposed part): a collection while the device computes is hidden.
+                gc_spans = [attribution.HostSpan(attribution.GC, start, stop) for start, stop, _, _ in gc_pauses]
+                self._recent.extend(gc_spans)
+                if device is HOST:
+                    inside = [*inside, *(s for s in gc_spans if s.start >= step.host_start)]
         self._steps_wake = by_values
         exposed = [] if by_values or not inside else attribution.exposed_gaps(
             [self._span_window(s, drained) for s in inside], step.host_start, end)
@@ -956,6 +977,17 @@ class Resolver:
         record = self._step_record(step, timing, segments, mb_compute, end_source)
         if before is not None:
             self.records.add_before_steps(record, before)
+        if pauses is not None:
+            dropped = pauses.dropped
+            if dropped > self._pauses_dropped:
+                self.count_drop(DROP_GC_PAUSES, dropped - self._pauses_dropped)
+            try:
+                counters = pauses.counters_delta()
+            except Exception:
+                log.debug("steptrace: reading the thread's counters failed", exc_info=True)
+                counters = (None, None, None)
+            record["host_pauses"] = host_pauses_summary(gc_pauses or [], counters, dropped - self._pauses_dropped)
+            self._pauses_dropped = dropped
         health = self.health
         if health is not None:
             try:

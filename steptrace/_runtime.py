@@ -110,6 +110,8 @@ class Runtime(_RuntimeBase):
             resolver.on_step_interval = self.stall_watch.step_finalized
         #: GPU health (steptrace/_health.py): its sampler starts at the first step, once the GPU is known.
         self.health: Any = None
+        #: Host pauses (steptrace/_pauses.py): watched from the first step, on the thread that runs it.
+        self.pauses: Any = None
         #: Deep capture (steptrace/_capture.py): armed by a trigger, run at step boundaries.
         self.capture: Any = None
         if config.capture:
@@ -631,6 +633,24 @@ class Runtime(_RuntimeBase):
         self.resolver.submit(RunStart(_perf(), dict(self.config.tags), cuda_index=cuda_index))
         if self.config.health == "nvml":
             self._start_health(cuda_index)
+        if self.config.pauses:
+            self._start_pauses()
+
+    def _start_pauses(self) -> None:
+        """Host pauses (steptrace/_pauses.py): the collections of this thread, the one running the steps, and
+        its scheduler counters, which the resolver reads as it finalizes each step."""
+        from steptrace._pauses import HostPauses
+
+        pauses = HostPauses(_handles._hotpath)
+        try:
+            pauses.start()
+        except Exception as exc:
+            misuse(f"steptrace could not watch host pauses ({exc}); steps are recorded without them",
+                   strict=False, stacklevel=6)
+            pauses.close()
+            return
+        self.pauses = pauses
+        self.resolver.pauses = pauses
 
     def _start_health(self, cuda_index: int | None) -> None:
         """The health sampler of the GPU this rank is timed on (its own thread reads NVML); a failure
@@ -676,6 +696,9 @@ class Runtime(_RuntimeBase):
         self.pending_async.clear()
         if self.health is not None:
             self.health.forked()
+        if self.pauses is not None:
+            self.pauses.close()  # the child's collections are not the parent's training thread's
+            self.pauses = self.resolver.pauses = None
         self.resolver.forked()
 
     def shutdown(self, timeout_s: float) -> bool:
@@ -706,6 +729,8 @@ class Runtime(_RuntimeBase):
         complete = self.resolver.shutdown(self.take_closed_spans(), timeout_s)
         if self.health is not None:
             self.health.close()  # after the last step took its window
+        if self.pauses is not None:
+            self.pauses.close()  # after the last step took its pauses
         return complete
 
 

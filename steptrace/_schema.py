@@ -36,9 +36,12 @@ DROP_SCALAR_ERROR = "scalar_error"  # a logged scalar could not be read (the ste
 # Degraded, not dropped: the record is written, host-timed instead of device-timed.
 DROP_DEVICE_MARKER_ERROR = "device_marker_error"  # a device marker could not be recorded
 DROP_DEVICE_CLOCK_ERROR = "device_clock_error"  # a marker could not be placed on the host clock
+# pauses=True: garbage collections the ring (steptrace/_pauses.py, GC_RING) could not hold between two of
+# the resolver's drains; the step records are written without them.
+DROP_GC_PAUSES = "gc_pauses"
 RESOLVER_DROP_REASONS = (DROP_RESOLVER_QUEUE, DROP_MISUSE, DROP_DEVICE_WAIT_ERROR, DROP_UNRESOLVED_AT_SHUTDOWN,
                          DROP_RESOLVER_ERROR, DROP_SCALAR_ERROR, DROP_DEVICE_MARKER_ERROR,
-                         DROP_DEVICE_CLOCK_ERROR)
+                         DROP_DEVICE_CLOCK_ERROR, DROP_GC_PAUSES)
 # Counted at a run's end only (not exported at 0 before: a series on every rank for a count that
 # can only appear as the run closes). Collectives a step would have held (the next step holds one
 # that completes between steps) with no step left to hold them: completed after the run's last step
@@ -102,6 +105,7 @@ OTLP_MAX_COLLECTIVES = 64
 ATTR_BUBBLE_PREFIX = "train.pipeline.bubble_ratio."  # + stage
 ATTR_BEFORE_STEP_PREFIX = "train.before_step."  # + reason + "_seconds": a rank's first step only
 ATTR_PROCESS_START_TIME = "train.process_start_time"  # unix seconds, on an attempt's first step
+ATTR_HOST_PAUSES_PREFIX = "train.host_pauses."  # + field (pauses=True, docs/pauses.md); a list's items + "." + index
 ATTR_HEALTH_PREFIX = "train.health."  # + field, or field + "." + key: a step's GPU health window
 
 
@@ -203,6 +207,11 @@ class StepRecord(_Common):
     # min/mean/max (sm_clock_mhz_*, temperature_c_max, power_watts_mean), clocks_event_reasons OR-ed;
     # a field the GPU does not support is null and named in unsupported (field -> NVML error).
     health: NotRequired[dict[str, Any]]
+    # pauses=True (steptrace/_pauses.py, docs/pauses.md): what paused the training thread in this step:
+    # gc_seconds, gc_collections ([gen 0, gen 1, gen 2]), gc_collected, gc_max_seconds, gc_max_generation
+    # (the collections that began in its interval; the part of them charged is idle_breakdown["gc"]),
+    # preempted_seconds (run-queue wait), involuntary_switches, major_faults (null where the kernel has none).
+    host_pauses: NotRequired[dict[str, Any]]
 
 
 class MicrobatchRecord(_Common):

@@ -64,7 +64,8 @@ a bounded queue). Per rank and step ``n``::
   and ``train.process_start_time`` (unix seconds: goodput's wall starts there),
   ``train.pipeline.bubble_ratio.<stage>``, ``train.attrs.<key>`` (user
   attributes), ``train.health.<field>`` and ``train.health.<field>.<key>`` (the GPU's health
-  window, health="nvml": docs/health.md; null fields left out).
+  window, health="nvml": docs/health.md; null fields left out), ``train.host_pauses.<field>`` (pauses=True:
+  docs/pauses.md; ``gc_collections`` as ``.0``/``.1``/``.2``; null fields left out).
   ``train.compute``: ``train.compute_seconds``. ``train.idle``:
   ``train.idle.reason``, ``train.idle_seconds``. ``train.microbatch``:
   ``train.microbatch``, ``train.stage``, ``train.chunk``, ``train.kind``,
@@ -93,7 +94,8 @@ Every point carries ``train.run_id`` and ``train.rank``. Histograms with explici
 ``steptrace.step.interval``, ``steptrace.step.compute``,
 ``steptrace.checkpoint.blocking``. Counters: ``steptrace.microbatch.compute`` (seconds) and
 ``steptrace.microbatches`` (``train.stage``, ``train.kind``), ``steptrace.steps``
-(``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``),
+(``train.status``), ``steptrace.step.idle`` (seconds, ``train.idle.reason``), ``steptrace.host_pause``
+(seconds, ``train.pause.cause``: ``gc``, ``preempted``; pauses=True, docs/pauses.md),
 ``steptrace.tokens``, ``steptrace.step.collective_wait`` and ``steptrace.step.own`` (seconds,
 where the wait in collectives is measured), ``steptrace.productive`` and ``steptrace.wall`` (seconds:
 own compute of the steps; process start to the latest record), ``steptrace.dropped_records``
@@ -175,6 +177,7 @@ from steptrace._schema import (
     ATTR_COLLECTIVES_SEQ,
     ATTR_COMPUTE_SECONDS,
     ATTR_HEALTH_PREFIX,
+    ATTR_HOST_PAUSES_PREFIX,
     ATTR_PROCESS_START_TIME,
     ATTR_RANK,
     ATTR_RUN_ID,
@@ -337,6 +340,8 @@ class _Metrics:
         self._mb: dict[tuple[str | None, str], list[float]] = {}  # (stage, kind) -> [count, Σcompute]
         self._steps: dict[str, int] = {}
         self._idle: dict[str, float] = {}
+        #: pauses=True (docs/pauses.md): host pause seconds by cause (gc, preempted), summed
+        self._pauses: dict[str, float] = {}
         self._collective: dict[str, float] = {}  # "collective_wait" / "own" -> seconds
         self._tokens: int | float | None = None
         self._last: dict[str, float] = {}
@@ -356,6 +361,10 @@ class _Metrics:
         meter.create_observable_counter(
             "steptrace.step.idle", unit="s", description="Device idle time by the host span that caused it",
             callbacks=[observe(lambda: [(v, {**base, "train.idle.reason": r}) for r, v in self._idle.items()])])
+        meter.create_observable_counter(
+            "steptrace.host_pause", unit="s", description="Time the training thread was paused on the host, by "
+            "cause: gc (every collection), preempted (run-queue wait); pauses=True",
+            callbacks=[observe(lambda: [(v, {**base, "train.pause.cause": c}) for c, v in self._pauses.items()])])
         for name, description in (("collective_wait", "Step time spent waiting for other ranks in collectives"),
                                   ("own", "Step time on the rank's own (interval - collective wait)")):
             meter.create_observable_counter(
@@ -429,6 +438,12 @@ class _Metrics:
                 for reason, seconds in split.idle_breakdown.items():
                     if seconds > 0:
                         self._idle[reason] = self._idle.get(reason, 0.0) + seconds
+                pauses = r.get("host_pauses")
+                if isinstance(pauses, dict):
+                    for cause, field in (("gc", "gc_seconds"), ("preempted", "preempted_seconds")):
+                        seconds = pauses.get(field)
+                        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0:
+                            self._pauses[cause] = self._pauses.get(cause, 0.0) + seconds
                 host_start = r.get("host_start_time")
                 self._goodput_totals.step(split.own_compute_seconds, None if host_start is None
                                           else host_start - (r.get("before_step_seconds") or 0.0))
@@ -864,6 +879,16 @@ class OtlpSink:
                         _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}.{inner}", item)
                 else:
                     _put(attrs, f"{ATTR_HEALTH_PREFIX}{key}", value)
+        pauses = r.get("host_pauses")
+        if isinstance(pauses, dict):
+            # pauses=True (docs/pauses.md): the numbers, flat (train.host_pauses.<field>); gc_collections as
+            # train.host_pauses.gc_collections.<generation>; a null (unmeasured) counter is left out, never 0.
+            for key, value in pauses.items():
+                if isinstance(value, list):
+                    for generation, count in enumerate(value):
+                        _put(attrs, f"{ATTR_HOST_PAUSES_PREFIX}{key}.{generation}", count)
+                else:
+                    _put(attrs, f"{ATTR_HOST_PAUSES_PREFIX}{key}", value)
         self._put_microbatch_summary(attrs, n)
         spans = [self._span(SPAN_STEP, trace, step_span, None, _ns(r["end_time"] - interval), end_ns, attrs,
                             error)]

@@ -51,6 +51,10 @@ name                                                   type       extra labels
 ``steptrace_gpu_temperature_celsius``                  gauge      (health="nvml", last window's max)
 ``steptrace_gpu_clocks_event_reasons``                 gauge      (health="nvml", bitmask)
 ``steptrace_gpu_errors_total``                         counter    ``kind`` (xid, ecc_uncorrected, remapped_rows, nvlink)
+``steptrace_host_pause_seconds_total``                 counter    ``cause`` (gc, preempted; pauses=True: docs/pauses.md)
+``steptrace_gc_collections_total``                     counter    ``generation`` (pauses=True)
+``steptrace_major_faults_total``                       counter    (pauses=True)
+``steptrace_involuntary_switches_total``               counter    (pauses=True)
 ``steptrace_microbatch_seconds``                       summary    ``kind, stage, chunk``
 ``steptrace_checkpoint_blocking_seconds``              summary
 ``steptrace_checkpoint_async_seconds``                 summary
@@ -356,6 +360,17 @@ class PrometheusSink:
         self._gpu_errors = Counter("steptrace_gpu_errors", "GPU errors seen by the health sampler, by kind: xid "
                                    "(events; NVML coalesces bursts), ecc_uncorrected (volatile), remapped_rows "
                                    "(uncorrectable), nvlink.", run + ("kind",), registry=reg)
+        # Host pauses (pauses=True, docs/pauses.md): 7 series, created by the first step that has them. The part
+        # of a collection charged as idle time is steptrace_step_idle_seconds_total{reason="gc"}.
+        self._pause_seconds = Counter("steptrace_host_pause_seconds", "Time the training thread was paused on the "
+                                      "host, by cause: gc (every collection on it, charged or hidden), preempted "
+                                      "(its run-queue wait).", run + ("cause",), registry=reg)
+        self._gc_collections = Counter("steptrace_gc_collections", "Garbage collections on the training thread, by "
+                                       "generation.", run + ("generation",), registry=reg)
+        self._major_faults = Counter("steptrace_major_faults", "Major page faults of the training thread.", run,
+                                     registry=reg)
+        self._involuntary_switches = Counter("steptrace_involuntary_switches", "Involuntary context switches of the "
+                                             "training thread (the kernel took its CPU away).", run, registry=reg)
         self._info = Info("steptrace", "steptrace version and the device backend timing the steps.", run,
                           registry=reg)
         self._interval_median = Gauge("steptrace_step_interval_median_seconds", "Median interval of the last "
@@ -529,9 +544,32 @@ class PrometheusSink:
             self._memory.labels(*labels, kind).set(value)
         if isinstance(r.get("health"), dict):
             self._health(r["health"])
+        if isinstance(r.get("host_pauses"), dict):
+            self._pauses(r["host_pauses"])
         if isinstance(backend, str) and backend != self._backend:
             self._set_info(backend)
         self._intervals.append(interval)
+
+    def _pauses(self, p: dict[str, Any]) -> None:
+        """A step's host pauses (docs/pauses.md); a null (unmeasured) counter leaves its series alone."""
+        labels = self._labels
+        # Every value is checked before any series moves: a bad record is dropped whole (ValueError).
+        gc_seconds = _optional(p.get("gc_seconds"), nonnegative=True)
+        preempted = _optional(p.get("preempted_seconds"), nonnegative=True)
+        faults = _optional(p.get("major_faults"), nonnegative=True)
+        switches = _optional(p.get("involuntary_switches"), nonnegative=True)
+        collections = p.get("gc_collections") or ()
+        counts = [_optional(c, nonnegative=True) or 0.0 for c in list(collections)[:3]]
+        if gc_seconds is not None:
+            self._pause_seconds.labels(*labels, "gc").inc(gc_seconds)
+        if preempted is not None:
+            self._pause_seconds.labels(*labels, "preempted").inc(preempted)
+        for generation, count in enumerate(counts):
+            self._gc_collections.labels(*labels, str(generation)).inc(count)
+        if faults is not None:
+            self._major_faults.labels(*labels).inc(faults)
+        if switches is not None:
+            self._involuntary_switches.labels(*labels).inc(switches)
 
     def _health(self, h: dict[str, Any]) -> None:
         """A GPU health window (docs/health.md): counters add its deltas, gauges show it; a null

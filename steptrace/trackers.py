@@ -14,7 +14,8 @@ written, under the namespace ``steptrace/`` (:func:`tracker_points`):
 
 * per step record: ``interval_seconds``, ``compute_seconds`` (own compute: less the time waiting in
   collectives where the rank measures it), ``collective_wait_seconds`` (where measured),
-  ``idle/<reason>_seconds``, ``tokens_per_second``, ``samples_per_second``, ``tflops_per_second``,
+  ``idle/<reason>_seconds``, ``pause/gc_seconds``, ``pause/preempted_seconds``, ``pause/major_faults``
+  (pauses=True), ``tokens_per_second``, ``samples_per_second``, ``tflops_per_second``,
   ``mfu``, ``hfu``, ``device_memory_in_use_bytes``, ``device_memory_peak_bytes`` (where known),
   ``before_step_seconds`` (the first step), ``goodput`` (this process's, as docs/goodput.md defines
   it: own compute over the wall from the process start, up to the step);
@@ -119,6 +120,14 @@ class _Points:
             values["collective_wait_seconds"] = split.collective_wait_seconds
         for reason, seconds in split.idle_breakdown.items():
             values[f"idle/{_key_part(reason)}_seconds"] = seconds
+        pauses = r.get("host_pauses")
+        if isinstance(pauses, Mapping):
+            # pauses=True (docs/pauses.md): what paused the host, beside idle/gc_seconds (its charged part).
+            for field, key in (("gc_seconds", "pause/gc_seconds"), ("preempted_seconds", "pause/preempted_seconds"),
+                               ("major_faults", "pause/major_faults")):
+                value = _number(pauses.get(field))
+                if value is not None:
+                    values[key] = value
         for field in ("tokens_per_second", "samples_per_second", "tflops_per_second", "mfu", "hfu",
                       "before_step_seconds"):
             value = _number(r.get(field))

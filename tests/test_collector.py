@@ -950,10 +950,12 @@ def test_exposed_communication_survives_the_journal_and_old_journal_lines_still_
     log.close()
     (journal,) = tmp_path.rglob(JOURNAL_FILE)
     lines = journal.read_text().splitlines()
-    # The second rank's line as a collector before the field (and the collectives after it) wrote it:
-    # two values fewer.
+    # The second rank's line as a collector before the field (and the fields after it) wrote it.
+    from steptrace.collector._runlog import _SPAN_FIELDS
+
+    at = _SPAN_FIELDS.index("exposed_communication_seconds")
     old = json.loads(lines[-1])
-    assert old[-2] == pytest.approx(0.02) and old[-1] is None
-    journal.write_text("\n".join(lines[:-1] + [json.dumps(old[:-2])]) + "\n")
+    assert old[at] == pytest.approx(0.02) and old[at + 1] is None
+    journal.write_text("\n".join(lines[:-1] + [json.dumps(old[:at])]) + "\n")
     replayed = sorted(ClusterLog(tmp_path).replay(), key=lambda s: s.rank)
     assert [(s.rank, s.exposed_communication_seconds) for s in replayed] == [(0, 0.01), (1, None)]

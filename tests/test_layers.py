@@ -29,7 +29,7 @@ LAYER = {
     **{f"steptrace.{leaf}": 0 for leaf in (
         "_version", "_errors", "_ids", "_buckets", "_wakeup", "_config", "_attribution", "_clock",
         "_devices", "_schema", "_metadata", "_ratelimit", "_attempts", "_stall", "_capture", "_health", "_peaks",
-        "_loops", "_hotpath",
+        "_loops", "_hotpath", "_pauses",
         "adapters.jax", "adapters.torch", "adapters.torch_distributed")},
     "steptrace._handles": 1,
     "steptrace._sinks": 2, "steptrace.prometheus": 2, "steptrace.otlp": 2, "steptrace.trackers": 2,

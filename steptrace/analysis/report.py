@@ -26,6 +26,7 @@ from steptrace.analysis.hangs import job_view
 from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
 from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
+from steptrace.analysis.pauses import gc_finding, gc_sentence
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
 from steptrace.analysis.summary import as_number, percent_text, percentile, step_split, summarize, summarize_cluster
 
@@ -669,6 +670,9 @@ def render_report(
     sentence = _straggler_line(stragglers, cause) if stragglers is not None else None
     if sentence is not None:
         console.print(f"[bold]Straggler:[/] {escape(sentence)}")
+    gc_line = gc_sentence(gc_finding(run.records_by_rank)) if len(run.ranks) > 1 else None
+    if gc_line is not None:
+        console.print(f"[bold]GC:[/] {escape(gc_line)}")
     for line in health_lines(health):
         console.print(f"[bold]GPU health[/] {escape(line)}")
 
@@ -809,6 +813,9 @@ def run_report(args: argparse.Namespace) -> int:
         health, cause = _health(run, stragglers)
         # the straggler's GPU cause (docs/health.md): null without a straggler or its GPU's health
         payload["stragglers"] = {**stragglers, "sentence": _straggler_line(stragglers, cause), "gpu": cause}
+        # the job-level garbage-collection finding (pauses=True, docs/pauses.md); null without it
+        finding = gc_finding(run.records_by_rank)
+        payload["gc"] = None if finding is None else {**finding, "sentence": gc_sentence(finding)}
         # per rank, its GPU's health over the run (health="nvml"); {} when no rank sampled it
         payload["health"] = {str(rank): summary for rank, summary in health.items()}
         print(json.dumps(payload, indent=2))

@@ -32,17 +32,40 @@ from steptrace._attribution import (
     STRAGGLER_PERSISTENT_SHARE,
     StragglerRule,
     StragglerScores,
+    straggler_causes,
     straggler_evidence,
     straggler_step_seconds,
 )
 
-__all__ = ["straggler_sentence", "straggler_steps", "summarize_stragglers"]
+__all__ = ["straggler_sentence", "straggler_steps", "summarize_stragglers", "step_causes"]
 
 
 def _seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         return None
     return float(value)
+
+
+def _cause_seconds(record: dict) -> dict[str, float | None]:
+    breakdown = record.get("idle_breakdown") if isinstance(record.get("idle_breakdown"), dict) else {}
+    pauses = record.get("host_pauses") if isinstance(record.get("host_pauses"), dict) else {}
+    return {"gc": _seconds(breakdown.get("gc", 0.0)) if pauses else _seconds(breakdown.get("gc")),
+            "preempted": _seconds(pauses.get("preempted_seconds")),
+            "data": _seconds(breakdown.get("data", 0.0))}
+
+
+def step_causes(records: dict[int, dict], rank: int, excess_seconds: float | None) -> dict[str, float]:
+    """Why ``rank`` stood out in a step whose ranks' step records are ``records``
+    (``steptrace._attribution.straggler_causes``, the rule the collector applies too)."""
+    return straggler_causes({r: _cause_seconds(record) for r, record in records.items()}, rank, excess_seconds)
+
+
+def _gc_evidence(record: dict) -> dict | None:
+    pauses = record.get("host_pauses")
+    if not isinstance(pauses, dict) or not _seconds(pauses.get("gc_max_seconds")):
+        return None
+    return {"max_seconds": pauses["gc_max_seconds"], "generation": pauses.get("gc_max_generation"),
+            "collections": pauses.get("gc_collections"), "seconds": pauses.get("gc_seconds")}
 
 
 def straggler_steps(records_by_rank: dict[int, Sequence[dict]], world_size: int | None = None, *,
@@ -54,7 +77,10 @@ def straggler_steps(records_by_rank: dict[int, Sequence[dict]], world_size: int 
     ``rank_own_seconds``, ``straggler_rank`` (None when no rank stands out),
     ``straggler_cost_seconds``, ``straggler_excess_seconds``, ``straggler_threshold_seconds`` (the
     excess the step's candidate had to reach) and ``straggler_noise_seconds`` (the run's noise floor
-    in it, None while unknown): the keys of the collector's ``cluster_step`` records. The steps are
+    in it, None while unknown): the keys of the collector's ``cluster_step`` records; and, where a rank is
+    named, ``straggler_causes`` (host cause -> its seconds beyond the other ranks' median, for the causes
+    that explain a quarter of its excess: :func:`step_causes`) and ``straggler_gc`` (its largest
+    collection in the step, when ``gc`` is one). The steps are
     judged in order by one :class:`~steptrace._attribution.StragglerRule`, as the collector judges
     them as they arrive."""
     ranks = sorted(records_by_rank) if world_size is None else list(range(world_size))
@@ -90,6 +116,7 @@ def straggler_steps(records_by_rank: dict[int, Sequence[dict]], world_size: int 
         verdict = rule.judge({r: (own[r], waits[r]) for r in records},
                              straggler_step_seconds(interval_median, compute_median, measured))
         found = verdict.straggler
+        causes = None if found is None else step_causes(records, found.rank, found.excess_seconds)
         out.append({
             "step": step, "complete": True, "interval_median_seconds": interval_median,
             "rank_own_seconds": {str(r): own[r] for r in sorted(own)},
@@ -98,6 +125,8 @@ def straggler_steps(records_by_rank: dict[int, Sequence[dict]], world_size: int 
             "straggler_excess_seconds": None if found is None else found.excess_seconds,
             "straggler_threshold_seconds": verdict.threshold_seconds,
             "straggler_noise_seconds": verdict.noise_seconds,
+            "straggler_causes": causes,
+            "straggler_gc": _gc_evidence(records[found.rank]) if causes and "gc" in causes else None,
         })
     return out
 
@@ -125,6 +154,8 @@ def summarize_stragglers(steps: Iterable[dict], *, window_steps: int = 100) -> d
     scores = StragglerScores(window_steps)
     named: list[tuple[int, float | None, float | None, float | None]] = []
     shares: dict[int, list[float]] = {}
+    causes: dict[int, dict[str, list[float]]] = {}
+    largest_gc: dict[int, dict] = {}
     for step in complete:
         own = step.get("rank_own_seconds")
         if isinstance(own, dict):
@@ -135,6 +166,15 @@ def summarize_stragglers(steps: Iterable[dict], *, window_steps: int = 100) -> d
         cost = _seconds(step.get("straggler_cost_seconds"))
         named.append((rank, cost, _seconds(step.get("straggler_excess_seconds")),
                       _seconds(step.get("straggler_threshold_seconds"))))
+        step_causes_ = step.get("straggler_causes")
+        if isinstance(step_causes_, dict):
+            for cause, seconds in step_causes_.items():
+                if _seconds(seconds) is not None:
+                    causes.setdefault(rank, {}).setdefault(str(cause), []).append(float(seconds))
+        gc_evidence = step.get("straggler_gc")
+        if isinstance(gc_evidence, dict) and _seconds(gc_evidence.get("max_seconds")) is not None and \
+                gc_evidence["max_seconds"] > largest_gc.get(rank, {}).get("max_seconds", -1.0):
+            largest_gc[rank] = {**gc_evidence, "step": step.get("step")}
         interval = _seconds(step.get("interval_median_seconds"))
         if cost is not None and interval:
             shares.setdefault(rank, []).append(cost / interval)
@@ -157,6 +197,11 @@ def summarize_stragglers(steps: Iterable[dict], *, window_steps: int = 100) -> d
             "cost_share_of_step": statistics.median(shares[rank]) if rank in shares else None,
             "excess_median_seconds": facts.excess_median_seconds,
             "threshold_median_seconds": facts.threshold_median_seconds,
+            # Why, on the host (docs/pauses.md): per cause, the named steps it explained and its median seconds
+            # beyond the other ranks'; the largest collection in those steps.
+            "causes": {cause: {"steps": len(values), "median_seconds": statistics.median(values)}
+                       for cause, values in sorted(causes.get(rank, {}).items(), key=lambda kv: -len(kv[1]))},
+            "largest_gc": largest_gc.get(rank),
         }
     noise = [v for v in (_seconds(s.get("straggler_noise_seconds")) for s in complete) if v is not None]
     return {
@@ -180,6 +225,27 @@ def _ms_range(low: float, high: float) -> str:
     return f"{_ms(low).removesuffix(' ms')}–{_ms(high)}"
 
 
+def _why(facts: dict, *, short: bool = False) -> str:
+    """The host causes of a named rank, e.g. "; why: gc in 5 of 6 steps (median 172 ms; largest a gen-2
+    collection of 180 ms at step 1200)", or "" where none was measured to explain its excess."""
+    causes = facts.get("causes") or {}
+    if not causes:
+        return ""
+    named = facts.get("steps") or 0
+    if short:
+        return " (" + ", ".join(f"{cause} {_ms(c['median_seconds'])}" for cause, c in causes.items()) + ")"
+    parts = []
+    for cause, c in causes.items():
+        part = f"{cause} in {c['steps']} of {named} step{'' if named == 1 else 's'} (median {_ms(c['median_seconds'])}"
+        largest = facts.get("largest_gc")
+        if cause == "gc" and largest:
+            generation = largest.get("generation")
+            kind = f"a gen-{generation} collection" if isinstance(generation, int) else "a collection"
+            part += f"; largest {kind} of {_ms(largest['max_seconds'])} at step {largest.get('step')}"
+        parts.append(part + ")")
+    return "; why: " + ", ".join(parts)
+
+
 def straggler_sentence(summary: dict) -> str | None:
     """The report's one line, or None when there were no complete steps."""
     complete = summary.get("complete_steps") or 0
@@ -191,7 +257,8 @@ def straggler_sentence(summary: dict) -> str | None:
         ranks = summary.get("ranks") or {}
         if not ranks:
             return f"no rank stood out in {steps} joined across ranks"
-        most = ", ".join(f"rank {rank} in {facts['steps']}" for rank, facts in list(ranks.items())[:3])
+        most = ", ".join(f"rank {rank} in {facts['steps']}{_why(facts, short=True)}"
+                         for rank, facts in list(ranks.items())[:3])
         return (f"none: no rank was named in half of {steps} joined across ranks (now and then, above the "
                 f"run's noise: {most})")
     facts = summary["ranks"][top]
@@ -204,6 +271,6 @@ def straggler_sentence(summary: dict) -> str | None:
             line += f" (IQR {_ms_range(facts['cost_q1_seconds'], facts['cost_q3_seconds'])})"
         if facts["cost_share_of_step"] is not None:
             line += f", {facts['cost_share_of_step'] * 100:.0f} % of its step time"
-        return f"{line}: {share}"
+        return f"{line}: {share}{_why(facts)}"
     return (f"rank {top} was the slowest by {_ms(facts['excess_median_seconds'] or 0.0)} per step ({share}; its "
             "cost to the job is unknown: the ranks did not measure their wait in collectives)")
