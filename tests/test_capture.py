@@ -7,8 +7,9 @@ The rules of the profilers relied on, and enforced here by using the real ones:
   (``traceEvents``); ``record_function`` ranges (steptrace's step annotations, ``annotate=True``)
   appear as events named as the range. A profiler already running sets
   ``torch.autograd.profiler._is_profiler_enabled``.
-* jax.profiler: ``start_trace(dir, create_perfetto_trace=True)`` / ``stop_trace()`` write an XProf
-  trace under ``dir/plugins/profile/<run>/`` and ``perfetto_trace.json.gz``; a second
+* jax.profiler: ``start_trace(dir)`` / ``stop_trace()`` write an XProf trace under
+  ``dir/plugins/profile/<run>/`` (``*.xplane.pb`` and ``*.trace.json.gz``; steptrace rewrites the latter as
+  ``perfetto_trace.json.gz`` in a child process); ``stop_trace`` may be called from any thread; a second
   ``start_trace`` while one runs raises ("Only one profile may be run at a time").
   ``StepTraceAnnotation`` steps appear with their ``step_num``.
 """
@@ -80,6 +81,8 @@ def test_a_slow_step_triggers_exactly_one_torch_capture_of_the_next_steps(tmp_pa
     assert {f"steptrace.step.{n}" for n in range(first, first + 3)} <= names, sorted(map(str, names))[:40]
     assert f"steptrace.step.{first + 3}" not in names and f"steptrace.step.{first - 1}" not in names
     assert capture["bytes"] == Path(capture["path"]).stat().st_size > 0
+    # The training thread paid the stop (torch keeps the profiler's state per thread), not the export.
+    assert capture["stop_seconds"] > 0 and capture["write_seconds"] > 0 and capture["start_seconds"] > 0
     # The trace's write is named in the next step's idle time, not hidden in "other".
     after = {s["step"]: s for s in sink.steps()}[first + 3]
     assert after["idle_breakdown"].get("capture", 0) > 0
@@ -678,3 +681,82 @@ def test_the_collector_counts_the_capture_requests_it_issued_handed_out_and_let_
         assert counted("ghost") == {}
     finally:
         collector.close()
+
+
+def test_a_jax_capture_is_collected_and_written_while_the_training_thread_runs_on(tmp_path):
+    """Issue 49: nanodo's training thread stood 7.9-16.4 s in ``jax.profiler.stop_trace()`` (collect, export,
+    rewrite as Perfetto). jax.profiler's ``stop_trace`` (jax/_src/profiler.py) is one call that collects and
+    writes; the capture runs it on its writer thread, so steps after the capture start while the trace is
+    still being written, and the record says how long the training thread paused."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="jaxw", sinks=[sink], jsonl=False, capture="request",
+                   capture_profiler="jax", capture_steps=3)
+    f = jax.jit(lambda x: jnp.tanh(x @ x) / 128)
+    x = jnp.ones((64, 64))
+    starts: dict[int, float] = {}
+    try:
+        n = 0
+        while not sink.of_type("capture") and n < 20000:  # until the writer's record arrives
+            if n == 2:
+                steptrace.request_capture("test")
+            starts[n] = time.time()
+            with steptrace.step(n) as s:
+                x = f(x)
+                s.wait_for(x)
+            n += 1
+        steptrace.flush()
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["status"] == "ok", capture
+    assert (capture["first_step"], capture["last_step"]) == (2, 4)
+    # The training thread entered steps after the capture's last one before the trace was written.
+    after = [step for step, start in starts.items() if step > capture["last_step"] + 1 and start < capture["end_time"]]
+    assert after, (capture, n)
+    assert 0 <= capture["stop_seconds"] < capture["write_seconds"]
+    assert capture["start_seconds"] >= 0
+    assert capture["bytes"] > 0
+    # Written whole: the XProf trace and its Perfetto copy (from the child process), holding the steps named.
+    assert glob.glob(str(Path(capture["path"]) / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    (perfetto,) = glob.glob(str(Path(capture["path"]) / "**" / "perfetto_trace.json.gz"), recursive=True)
+    events = json.loads(gzip.decompress(Path(perfetto).read_bytes()))
+    assert isinstance(events, dict) and "metadata" not in events  # ui.perfetto.dev refuses it
+    steps = {str(e["args"]["step_num"]) for e in events["traceEvents"]
+             if isinstance(e, dict) and "step_num" in (e.get("args") or {})}
+    assert {"2", "3", "4"} <= steps, sorted(steps)[:20]
+
+
+def test_a_trace_still_being_written_at_shutdown_is_a_failed_capture_recorded_once(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from steptrace import _capture
+
+    release = threading.Event()
+    real_write = _capture._TorchProfiler.write
+
+    def slow_write(self):
+        release.wait(30)  # a disk that does not answer
+        return real_write(self)
+
+    monkeypatch.setattr(_capture._TorchProfiler, "write", slow_write)
+    sink = MemorySink()
+    steptrace.init(run_dir=str(tmp_path), run_id="late", backend="host", jsonl=False, sinks=[sink],
+                   capture="request", capture_profiler="torch", capture_steps=1)
+    with steptrace.step(0):
+        steptrace.request_capture("try")
+    for n in (1, 2, 3):
+        with steptrace.step(n):
+            pass
+    capture_state = steptrace._active.capture  # type: ignore[attr-defined]
+    writer = capture_state.active["writer"]
+    started = time.perf_counter()
+    steptrace.shutdown(timeout_s=1.0)
+    waited = time.perf_counter() - started
+    release.set()
+    writer.join(30)
+    (record,) = sink.of_type("capture")  # the writer, finishing after shutdown, records nothing more
+    assert record["status"] == "failed" and record["first_step"] == 1 and record["last_step"] == 1
+    assert record["error"].startswith("the trace was still being written when shutdown stopped waiting")
+    assert capture_state.failures == 1 and waited < 30
