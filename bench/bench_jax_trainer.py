@@ -80,7 +80,7 @@ LAYERS = 100  # w, b and a momentum per layer: a 300-leaf state
 WIDTH = 96
 BATCH = 64
 EVAL_EVERY = 20
-CKPT_EVERY = 20
+CKPT_EVERY = 25  # nanodo's eval_every_steps and checkpoint_every_steps differ: evals and saves apart
 STALL_EVERY = 12
 DATA_S = 0.002
 STALL_S = 0.040
@@ -159,7 +159,8 @@ def start_trace(trace_dir: str) -> None:
 
 
 def trainer_loop(train_step: Any, eval_step: Any, state: Any, batch: Any, *, span: Any, checkpoint: Any,
-                 begin_step: Any, end_step: Any) -> None:
+                 begin_step: Any, end_step: Any, slow: dict[int, float] | None = None,
+                 step_starts: list[float] | None = None) -> None:
     """The loop of the module's docstring, in nanodo's order, with steptrace's calls passed in: the
     instrumented runs pass steptrace's, the floor (:func:`floor_loop`) no-ops and its own hand-over, so
     both run the same loop. Returns once the device has finished every step."""
@@ -175,9 +176,11 @@ def trainer_loop(train_step: Any, eval_step: Any, state: Any, batch: Any, *, spa
                 host = [np.asarray(layer["w"]) for layer in list(state.values())[:10]]
                 time.sleep(WRITE_S)
                 del host
+        if step_starts is not None:
+            step_starts.append(time.perf_counter())
         begin_step(n)
         with span("data"):
-            time.sleep(STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S)
+            time.sleep((slow or {}).get(n, STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S))
         state, metrics = train_step(state, batch)
         end_step(wait_for=metrics)
         if previous is not None:
@@ -257,6 +260,59 @@ class _count_once_per_process_items:
 
     def restore(self) -> None:
         self._owner._handle = self._original
+
+
+def capture_run(reps: int, inline: bool) -> dict[str, Any]:
+    """The loop with ``init(capture="slow")`` and one slow step (a 1 s data stall at step 30; no in-run
+    trace: one trace at a time): the capture record, the training thread's longest time from one step's
+    entry to the next, and whether the trace holds the steps the record names. ``inline``: the trace
+    collected and written on the training thread, as before issue 49 (the writer thread joined at once)."""
+    from steptrace import _capture
+
+    records: list[dict] = []
+    train_step = timed(make_train_step(reps))
+    eval_step = make_eval_step()
+    state = make_state()
+    batch = jnp.ones((BATCH, WIDTH))
+    jax.block_until_ready(state)
+    original = _capture.Capture._finish
+
+    def finish_inline(self: Any, active: dict, last_step: Any) -> None:
+        original(self, active, last_step)
+        active["writer"].join()
+
+    if inline:
+        _capture.Capture._finish = finish_inline  # type: ignore[method-assign]
+    starts: list[float] = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        steptrace.init(run_dir=run_dir, jsonl=False, run_id="bench-capture", sinks=[ListSink(records)],
+                       annotate=True, backend="jax", capture="slow", capture_profiler="jax", capture_steps=3)
+        try:
+            trainer_loop(train_step, eval_step, state, batch, span=steptrace.span, checkpoint=steptrace.checkpoint,
+                         begin_step=steptrace.begin_step, end_step=steptrace.end_step, slow={30: 1.0},
+                         step_starts=starts)
+            steptrace.flush(30)
+        finally:
+            steptrace.shutdown(120)
+            _capture.Capture._finish = original  # type: ignore[method-assign]
+        captures = [r for r in records if r.get("type") == "capture"]
+        out: dict[str, Any] = {"captures": captures}
+        # Step n's entry to step n+1's, for the steps after compile and warm-up.
+        gaps = {n: b - a for n, (a, b) in enumerate(zip(starts, starts[1:])) if n >= SKIP}
+        out["longest_step_to_step_s"] = max((g, n) for n, g in gaps.items())
+        out["median_step_to_step_s"] = statistics.median(gaps.values())
+        for capture in captures:
+            if capture.get("last_step") is not None:
+                # The capture stops at the boundary entering last_step + 1: in that step's entry-to-next.
+                capture["stop_step_to_step_s"] = gaps.get(capture["last_step"] + 1)
+        for capture in captures:
+            if capture.get("status") != "ok":
+                continue
+            (perfetto,) = glob.glob(os.path.join(capture["path"], "**", "perfetto_trace.json.gz"), recursive=True)
+            events = json.loads(gzip.decompress(Path(perfetto).read_bytes()))["traceEvents"]
+            capture["trace_steps"] = sorted({int(e["args"]["step_num"]) for e in events
+                                             if isinstance(e, dict) and "step_num" in (e.get("args") or {})})
+    return out
 
 
 def floor_loop(reps: int, trace_dir: str) -> dict[str, float]:
@@ -517,8 +573,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.12, help="device time per step (default 0.12 s)")
     parser.add_argument("--cpu-breakdown", action="store_true",
                         help="one more run that says where the resolver's CPU per step goes")
+    parser.add_argument("--capture", action="store_true",
+                        help="only the capture check: capture=\"slow\" on the loop with a slow step, the trace "
+                             "written off the training thread and on it (as before issue 49)")
     args = parser.parse_args(argv)
     reps = calibrate(args.step_s)
+    if args.capture:
+        results = {}
+        for label, inline in (("writer thread", False), ("on the training thread (before 49)", True)):
+            run = capture_run(reps, inline)
+            results[label] = run
+            print(f"{label}: longest step entry to next {run['longest_step_to_step_s'][0]:.3f} s (step "
+                  f"{run['longest_step_to_step_s'][1]}), median {run['median_step_to_step_s']:.3f} s")
+            for c in run["captures"]:
+                print(f"  capture {c['status']} trigger {c['trigger']} at step {c['trigger_step']}: steps "
+                      f"{c['first_step']}-{c['last_step']}, trace holds steps {c.get('trace_steps')}, "
+                      f"{c['bytes'] / 1e6:.1f} MB; training thread: start {c.get('start_seconds', 0):.3f} s, "
+                      f"stop {c.get('stop_seconds', 0):.3f} s; written in {c.get('write_seconds', 0):.3f} s; the "
+                      f"stopping step's entry to the next: {c.get('stop_step_to_step_s') or 0:.3f} s")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        return 0
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"{STEPS} steps, reps={reps} (~{args.step_s * 1000:.0f} ms of device time per step)")
     variants = ("documented", "timed", "timed+switch")
