@@ -281,7 +281,11 @@ def rank_view(run: Run, rank: int, window: StepWindow) -> RankView:
         name = str(span.get("name", "span"))
         args = without_none({"step": span.get("step"), "seconds": span.get("seconds"),
                        "attrs": span.get("attrs") or None})
-        view.host.append(Bar(("host",), name, start, max(start, end), "span",
+        label = name
+        function = (span.get("attrs") or {}).get("function") if isinstance(span.get("attrs"), dict) else None
+        if name == "compile" and isinstance(function, str) and function:
+            label = f"compile {function}"  # which jitted function (adapters/jax.py): 25 unnamed slices say nothing
+        view.host.append(Bar(("host",), label, start, max(start, end), "span",
                               "compile" if name == "compile" else "span", args, reason=name))
 
     for mb in run.records("microbatch", rank):

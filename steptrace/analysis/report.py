@@ -27,7 +27,8 @@ from steptrace.analysis.plotting import plot_timeline
 from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run, load_run
 from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
-from steptrace.analysis.summary import as_number, percent_text, percentile, step_split, summarize, summarize_cluster
+from steptrace.analysis.summary import (as_number, compile_by_function, compile_sentence, percent_text, percentile,
+                                        step_split, summarize, summarize_cluster)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -655,6 +656,9 @@ def render_report(
         stalls = job_view(run)
         if stalls is not None:
             console.print(_stall_panel(stalls))
+        compiles = compile_by_function(run.records("span", rank))
+        if compiles:
+            console.print(f"[bold]Compile by function[/] (rank {rank}): {escape(compile_sentence(compiles))}")
         for line in capture_lines(run):
             console.print(f"[bold]Capture[/] {markup(line['sentence'])}")
     elif rank is not None:
@@ -790,6 +794,8 @@ def run_report(args: argparse.Namespace) -> int:
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
             # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
             "stalls": job_view(run) if run.ranks else None,
+            # the shown rank's compile time by jitted function, largest first, with its compilations' steps
+            "compile_by_function": compile_by_function(run.records("span", rank)) if rank is not None else {},
             # deep captures (docs/capture.md): the profiler traces taken, or why not
             "captures": capture_lines(run) if run.ranks else [],
             # every second of the job across attempts and ranks (docs/goodput.md), with the shown
