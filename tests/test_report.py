@@ -361,7 +361,7 @@ def test_columns_and_summary_rows_without_data_are_left_out(tmp_path):
     run_dir = tmp_path / "r1"
     write_rank(run_dir, 0, [step_record(i, 1.0, 0.9, tokens=None, flops=None) for i in range(3)])
     text = capture(load_run(run_dir))
-    assert "TFLOP/s" not in text and "tokens/s" not in text and "MFU" not in text
+    assert "FLOP/s" not in text and "tokens/s" not in text and "MFU" not in text
     assert "—" not in text
     write_rank(tmp_path / "r2", 0, [step_record(i, 1.0, 0.9, mfu=0.4) for i in range(3)])
     text = capture(load_run(tmp_path / "r2"))
@@ -375,7 +375,19 @@ def test_multi_rank_table_leaves_out_rates_no_rank_has(tmp_path):
                                    for s in range(3)])
     text = capture(load_run(run_dir))
     per_rank = text[text.index("Per-rank summary"):]
-    assert "tok/s" not in per_rank and "TFLOP/s" not in per_rank and "top idle" in per_rank
+    assert "tok/s" not in per_rank and "FLOP/s" not in per_rank and "top idle" in per_rank
+
+
+def test_flop_rates_keep_three_significant_figures_on_small_and_large_devices(tmp_path):
+    """issue 49: a small device's 0.00-0.03 TFLOP/s (two decimals) hid the spread between steps."""
+    assert [report_view.flops_rate(v) for v in (0.0312, 0.00049, 12.345, 1632.088, 999.7, 0.0, None)] == [
+        "31.2 GFLOP/s", "490 MFLOP/s", "12.3 TFLOP/s", "1.63 PFLOP/s", "1.00 PFLOP/s", "0 TFLOP/s", "—"]
+    run_dir = tmp_path / "small"
+    # 3.1e9 and 4.6e9 FLOPs in 0.1 s of compute: 0.031 and 0.046 TFLOP/s, "0.03" and "0.05" in two decimals.
+    write_rank(run_dir, 0, [step_record(0, 0.12, 0.1, flops=3.1e9), step_record(1, 0.12, 0.1, flops=4.6e9)])
+    text = capture(load_run(run_dir), max_rows=0)
+    assert "31.0 GFLOP/s" in text and "46.0 GFLOP/s" in text
+    assert "38.5 GFLOP/s" in text  # the summary: Σ FLOPs / Σ compute
 
 
 def test_report_width_follows_the_option_the_terminal_or_columns_else_never_wraps(monkeypatch):

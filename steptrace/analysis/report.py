@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
@@ -133,6 +134,28 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "—" if number is None else format(number, spec)
 
 
+_FLOPS_UNITS = ((1e3, "PFLOP/s"), (1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s"), (1e-9, "kFLOP/s"))
+
+
+def flops_rate(tflops_per_second: Any) -> str:
+    """A FLOP rate given in TFLOP/s, in the unit that shows it with three significant figures
+    (``0.0312`` -> ``31.2 GFLOP/s``; two decimals of TFLOP/s showed 0.00-0.03 on a small device)."""
+    number = as_number(tflops_per_second)
+    if number is None:
+        return "—"
+    if number == 0:
+        return "0 TFLOP/s"
+    # The largest unit the rate is at least 1 of (the smallest for a rate below it).
+    scale, unit = next(((s, u) for s, u in _FLOPS_UNITS if abs(number) >= s), _FLOPS_UNITS[-1])
+    value = abs(number) / scale
+    text = f"{value:#.3g}".rstrip(".")
+    if ("e" in text or float(text) >= 1000) and scale < _FLOPS_UNITS[0][0]:
+        return flops_rate(math.copysign(1000 * scale, number))  # rounded up to the next unit (999.7 -> 1000)
+    if value >= 1000:  # above the largest unit: all the digits
+        text = f"{value:,.0f}"
+    return f"{'-' if number < 0 else ''}{text} {unit}"
+
+
 
 
 def _top_reasons(breakdown: Any, limit: int = 3) -> str:
@@ -197,7 +220,7 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
     if _has(steps, "tokens_per_second"):
         columns.append(("tokens/s", lambda step: _fmt(step.get("tokens_per_second"), ",.0f")))
     if _has(steps, "tflops_per_second"):
-        columns.append(("TFLOP/s", lambda step: _fmt(step.get("tflops_per_second"), ".2f")))
+        columns.append(("FLOP/s", lambda step: flops_rate(step.get("tflops_per_second"))))
     if _has(steps, "mfu"):
         columns.append(("MFU", lambda step: percent_text(as_number(step.get("mfu")))))
     columns.append(("status", _status_cell))
@@ -287,7 +310,7 @@ def _summary_panel(summary: dict, job: dict, title: str):
         # The whole run's rate; `steptrace compare` shows "steady tokens/s", a median over steady steps.
         grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "whole run: Σ tokens / Σ step intervals")
     if summary["tflops_per_second"] is not None:
-        grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
+        grid.add_row("FLOP/s", flops_rate(summary["tflops_per_second"]),
                      "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
                      else "per second of compute")
     for row in _flops_rows(summary):
@@ -467,7 +490,7 @@ def _rank_table(run: Run, jobs: dict):
              if any(s[key] is not None for _, s in summaries)]
     waits = any(s["collective_wait_seconds"] is not None for _, s in summaries)
     headers = ["rank", "steps", "wall s", "goodput"] + (["wait s"] if waits else []) + ["compute p50"]
-    headers += [{"tokens_per_second": "tok/s", "tflops_per_second": "TFLOP/s"}[key] for key in rates]
+    headers += [{"tokens_per_second": "tok/s", "tflops_per_second": "FLOP/s"}[key] for key in rates]
     headers += ["top idle", "ckpt s", "errors"]
     for name in headers:
         table.add_column(name, justify="left" if name == "top idle" else "right")
@@ -484,7 +507,7 @@ def _rank_table(run: Run, jobs: dict):
             "—" if job is None else percent_text(job["goodput"]),
             *([_fmt(s["collective_wait_seconds"])] if waits else []),
             _fmt(s["own_compute_p50"] if waits else s["compute_p50"]),
-            *(_fmt(s[key], ",.0f" if key == "tokens_per_second" else ".2f") for key in rates),
+            *(_fmt(s[key], ",.0f") if key == "tokens_per_second" else flops_rate(s[key]) for key in rates),
             f"{escape(top[0])} {top[1]:.2f}" if top else "",
             f"{s['checkpoint_blocking_seconds']:.3f}",
             f"[red]{s['error_steps']}[/]" if s["error_steps"] else "0",
