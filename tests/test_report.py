@@ -588,3 +588,22 @@ def test_mfu_and_hfu_are_sums_over_compute_with_their_formula_line(tmp_path):
         s.update(peak_flops=None, mfu=None, hfu=None)
     write_rank(run_dir, 0, steps)
     assert "no peak for this device" in capture(load_run(run_dir))
+
+
+def test_checkpoint_blocking_and_idle_checkpoint_that_differ_say_why(tmp_path):
+    """issue 49: ``checkpoint blocking 0.767 s`` beside ``idle: checkpoint 0.768 s``, without a word on the
+    0.2 ms between them. Here the second step waits 0.2 s for an async commit outside any save (orbax's
+    ``wait_until_finished``, a ``checkpoint`` span): idle checkpoint, not a save's blocking."""
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [
+        step_record(1, 1.0, 0.5, {"checkpoint": 0.5}, start=0.0), checkpoint_record(1, 0.5),
+        step_record(2, 1.0, 0.8, {"checkpoint": 0.2}, start=1.0),
+        {"type": "span", "run_id": "r1", "rank": 0, "name": "checkpoint", "step": None,
+         "start_time": 1_700_000_001.0, "end_time": 1_700_000_001.2, "seconds": 0.2, "attrs": {}},
+    ])
+    text = capture(load_run(run_dir))
+    line = next(line for line in text.splitlines() if "checkpoint blocking" in line)
+    assert "0.500 s" in line and "idle: checkpoint +200.0 ms: such as waits for an async commit" in line
+    assert "idle: checkpoint" in text and "0.700 s" in text
+    assert report_view.checkpoint_gap_note(0.7672, 0.7674) == ""  # the same to the millisecond: no note
+    assert report_view.checkpoint_gap_note(0.768, 0.7673).startswith("; idle: checkpoint -0.7 ms: such as a span")
