@@ -282,9 +282,12 @@ class Capture:
 
     # -- triggers (any thread) ----------------------------------------------------------------
     def _arm(self, trigger: str, step: int | None, reason: str) -> bool:
-        """Whether this trigger armed the next capture (False: one armed or running covers it)."""
+        """Whether this trigger armed the next capture (False: one armed or running covers it). A capture
+        whose steps are over but whose trace is still being written covers nothing more: the trigger arms
+        the next, which starts once the write has ended."""
         with self._lock:
-            if self.pending is not None or self.active is not None:
+            active = self.active
+            if self.pending is not None or (active is not None and "writer" not in active):
                 return False  # one at a time: the running (or armed) capture covers this too
             self.pending = (trigger, step, reason)
             return True
@@ -356,12 +359,13 @@ class Capture:
         active = self.active
         if active is not None:
             writer = active.get("writer")
-            if writer is not None:
-                if not writer.is_alive():
-                    self._written(active, next_step)
-            elif next_step >= active["first_step"] + self.steps:
-                self._finish(active, next_step - 1)
-            return
+            if writer is None:
+                if next_step >= active["first_step"] + self.steps:
+                    self._finish(active, next_step - 1)
+                return
+            if writer.is_alive():
+                return  # one profiler at a time: an armed capture starts once this trace is written
+            self._written(active, next_step)
         pending = self.pending
         if pending is None:
             return
@@ -404,15 +408,21 @@ class Capture:
             return _JaxProfiler(directory)
         return None
 
-    def _start(self, pending: tuple[str, int | None, str], step: int) -> None:
-        if self._cooldown_until is not None and step < self._cooldown_until:
-            self._skip(pending, step, "cooldown", kind="cooldown")
-            return
+    def _refused(self, step: int | None) -> tuple[str, str] | None:
+        """Why a capture armed for ``step`` takes no trace (why, kind), or None: the cooldown, a budget
+        (``step`` None: the budgets only)."""
+        if step is not None and self._cooldown_until is not None and step < self._cooldown_until:
+            return "cooldown", "cooldown"
         if self.taken >= self.max_captures:
-            self._skip(pending, step, f"capture_max ({self.max_captures}) reached", kind="max")
-            return
+            return f"capture_max ({self.max_captures}) reached", "max"
         if self.bytes >= self.max_bytes:
-            self._skip(pending, step, f"capture_max_bytes ({self.max_bytes}) reached", kind="bytes")
+            return f"capture_max_bytes ({self.max_bytes}) reached", "bytes"
+        return None
+
+    def _start(self, pending: tuple[str, int | None, str], step: int) -> None:
+        refused = self._refused(step)
+        if refused is not None:
+            self._skip(pending, step, refused[0], kind=refused[1])
             return
         directory = os.path.join(self.directory, f"step-{step}")
         profiler = self._profiler(directory)
@@ -533,5 +543,12 @@ class Capture:
                              reason=active["reason"], first_step=active["first_step"],
                              last_step=active["last_step"], path=None, profiler=active["profiler"].name,
                              bytes=0, start_time=active["start"], end_time=time.time(), error=error)
-        elif self.pending is not None:
-            self._skip(self.pending, -1, "the run ended before the next step")
+        pending = self.pending
+        if pending is not None:
+            # Armed while the last trace was written, or after the last step: a budget spent by that trace
+            # is the reason, else the run's end.
+            refused = self._refused(None)
+            if refused is not None:
+                self._skip(pending, -1, refused[0], kind=refused[1])
+            else:
+                self._skip(pending, -1, "the run ended before the next step")

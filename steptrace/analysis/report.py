@@ -435,13 +435,18 @@ def capture_lines(run: Any) -> list[dict]:
                 steps = f"step {first}" if first == last else f"steps {first}–{last}"
                 sentence = (f"rank {rank}: {reason}: {record.get('profiler')} trace at {record.get('path')} "
                             f"({steps}, {int(record.get('bytes') or 0) / 2**20:.1f} MiB)")
+                paused = [as_number(record.get(k)) for k in ("start_seconds", "stop_seconds")]
+                written = as_number(record.get("write_seconds"))
+                if None not in paused and written is not None:
+                    sentence += (f"; the training thread paused {sum(p for p in paused if p is not None):.3f} s "
+                                 f"to start and stop it, the trace written in {written:.3f} s beside the steps")
             elif record.get("status") == "skipped":
                 sentence = f"rank {rank}: {reason}: no trace ({record.get('skipped_because')})"
             else:
                 sentence = f"rank {rank}: {reason}: the trace failed ({record.get('error')})"
             out.append({"rank": rank, **{k: record.get(k) for k in (
                 "status", "trigger", "trigger_step", "first_step", "last_step", "path", "profiler", "bytes",
-                "start_time")}, "sentence": sentence})
+                "start_time", "start_seconds", "stop_seconds", "write_seconds")}, "sentence": sentence})
     out.sort(key=lambda c: (c["start_time"] or 0.0, c["rank"]))
     return out
 
