@@ -30,7 +30,9 @@ failure is never raised into the training loop.
 Profilers: ``torch.profiler`` (CPU, and CUDA where available; a Chrome trace, ``trace.json``) or
 ``jax.profiler`` (an XProf trace under ``plugins/profile/``, and a Perfetto trace
 ``perfetto_trace.json.gz``). Both hold steptrace's step annotations (``annotate=True``), so the
-trace's steps carry the recorded step numbers.
+trace's steps carry the recorded step numbers. The training thread starts and stops the profiler; a
+writer thread collects and writes the trace and its record (``stop_seconds``: what the training thread
+paid; ``write_seconds``: what it did not), so a trace of seconds to write does not stall the loop.
 
 A leaf-level module: the runtime hands it what it needs as callables.
 """
