@@ -505,15 +505,16 @@ class Capture:
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         if error is not None:
-            self.failures += 1
             shutil.rmtree(profiler.directory, ignore_errors=True)
             fields.update(status="failed", error=error)
         fields.update(path=path, bytes=size, write_seconds=_perf() - start, end_time=time.time())
         with self._lock:
             if active["recorded"]:
-                return  # shutdown stopped waiting for this write and recorded it as failed
+                return  # shutdown stopped waiting for this write and recorded it as failed (and counted it)
             active["recorded"] = True
             self.bytes += size
+            if error is not None:
+                self.failures += 1
         self._record(**fields)
 
     def _written(self, active: dict[str, Any], next_step: int) -> None:
