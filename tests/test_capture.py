@@ -818,3 +818,34 @@ def test_a_trigger_while_the_last_trace_is_written_arms_the_next_capture_after_i
     first, second = sink.of_type("capture")
     assert (first["reason"], first["first_step"], first["last_step"]) == ("first", 1, 1)
     assert second["reason"] == "second" and second["status"] == "ok" and second["first_step"] == 5
+
+
+def test_a_torch_captures_chrome_trace_is_exported_while_the_training_thread_runs_on(tmp_path):
+    """torch keeps the profiler's state per thread, so the stop stays on the training thread, but the
+    Chrome trace's export (``kineto_results.save``, C++ releasing the GIL) runs on the writer: steps after
+    the capture start before the trace is written."""
+    torch = pytest.importorskip("torch")
+    sink = MemorySink()
+    # backend "auto": torch's step annotations (record_function while a profiler runs) are on.
+    steptrace.init(run_dir=str(tmp_path), run_id="torchw", backend="auto", jsonl=False, sinks=[sink],
+                   capture="request", capture_profiler="torch", capture_steps=2)
+    x = torch.ones(8, 8)
+    starts: dict[int, float] = {}
+    try:
+        n = 0
+        while not sink.of_type("capture") and n < 100000:
+            if n == 1:
+                steptrace.request_capture("test")  # before step 1: it starts at step 1's boundary
+            starts[n] = time.time()
+            with steptrace.step(n):
+                for _ in range(3000 if n in (1, 2) else 1):  # the profiled steps: a trace of ~6,000 ops
+                    x = x * 1.0
+            n += 1
+    finally:
+        steptrace.shutdown()
+    (capture,) = sink.of_type("capture")
+    assert capture["status"] == "ok" and (capture["first_step"], capture["last_step"]) == (1, 2)
+    after = [step for step, start in starts.items() if step > capture["last_step"] + 1 and start < capture["end_time"]]
+    assert after, capture
+    names = {e.get("name") for e in json.loads(Path(capture["path"]).read_text())["traceEvents"]}
+    assert {"steptrace.step.1", "steptrace.step.2"} <= names
