@@ -377,7 +377,25 @@ def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any
         return
     # jax reports time.time(); steptrace runs on perf_counter.
     offset = runtime.resolver.unix_offset
-    runtime.close_span("compile", start_time - offset, end_time - offset, {"event": event[len(_COMPILE_PREFIX):]})
+    attrs = {"event": event[len(_COMPILE_PREFIX):]}
+    function = compiled_function(event, _kwargs.get("fun_name"))
+    if function is not None:
+        attrs["function"] = function
+    runtime.close_span("compile", start_time - offset, end_time - offset, attrs)
+
+
+def compiled_function(event: str, fun_name: Any) -> str | None:
+    """The jitted function a compile event is for, as JAX names its programs: ``jit(train_step)``.
+
+    JAX passes ``fun_name`` with each of its three compile events (``dispatch.log_elapsed_time``, jax
+    0.10): the trace (``jaxpr_trace_duration``, from pjit, with the Python function's name,
+    ``train_step``), the lowering and the backend compile (the module's name, ``jit(train_step)``). The
+    trace's name gets the ``jit(...)`` of the other two, so that the three events of one compile share it."""
+    if not isinstance(fun_name, str) or not fun_name:
+        return None
+    if event.endswith("/jaxpr_trace_duration") and not fun_name.startswith("jit("):
+        return f"jit({fun_name})"
+    return fun_name
 
 
 def _on_duration(event: str, duration: float, **kwargs: Any) -> None:

@@ -80,7 +80,7 @@ LAYERS = 100  # w, b and a momentum per layer: a 300-leaf state
 WIDTH = 96
 BATCH = 64
 EVAL_EVERY = 20
-CKPT_EVERY = 20
+CKPT_EVERY = 25  # nanodo's eval_every_steps and checkpoint_every_steps differ: evals and saves apart
 STALL_EVERY = 12
 DATA_S = 0.002
 STALL_S = 0.040
@@ -159,7 +159,8 @@ def start_trace(trace_dir: str) -> None:
 
 
 def trainer_loop(train_step: Any, eval_step: Any, state: Any, batch: Any, *, span: Any, checkpoint: Any,
-                 begin_step: Any, end_step: Any) -> None:
+                 begin_step: Any, end_step: Any, slow: dict[int, float] | None = None,
+                 step_starts: list[float] | None = None, save: Any = None) -> None:
     """The loop of the module's docstring, in nanodo's order, with steptrace's calls passed in: the
     instrumented runs pass steptrace's, the floor (:func:`floor_loop`) no-ops and its own hand-over, so
     both run the same loop. Returns once the device has finished every step."""
@@ -169,15 +170,19 @@ def trainer_loop(train_step: Any, eval_step: Any, state: Any, batch: Any, *, spa
         if n and n % EVAL_EVERY == 0:
             with span("eval"):
                 float(eval_step(state, batch))
-        if n and n % CKPT_EVERY == 0:
+        if n and n % CKPT_EVERY == 0 and save is not None:
+            save(n, state)  # nanodo's: an orbax CheckpointManager's async save (--orbax)
+        elif n and n % CKPT_EVERY == 0:
             with checkpoint(n):
                 jax.block_until_ready(state)
                 host = [np.asarray(layer["w"]) for layer in list(state.values())[:10]]
                 time.sleep(WRITE_S)
                 del host
+        if step_starts is not None:
+            step_starts.append(time.perf_counter())
         begin_step(n)
         with span("data"):
-            time.sleep(STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S)
+            time.sleep((slow or {}).get(n, STALL_S if n % STALL_EVERY == STALL_EVERY - 1 else DATA_S))
         state, metrics = train_step(state, batch)
         end_step(wait_for=metrics)
         if previous is not None:
@@ -191,9 +196,26 @@ def trainer_loop(train_step: Any, eval_step: Any, state: Any, batch: Any, *, spa
     jax.block_until_ready(state)
 
 
-def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[str, float]]:
+def orbax_saver(directory: str) -> tuple[Any, Any]:
+    """nanodo's checkpointing: an orbax ``CheckpointManager`` (async saves), through
+    ``steptrace.adapters.orbax.instrument`` as its README says; ``save(n, state)`` and the manager."""
+    import orbax.checkpoint as ocp
+
+    import steptrace.adapters.orbax
+
+    manager = steptrace.adapters.orbax.instrument(ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)))
+
+    def save(n: int, state: Any) -> None:
+        manager.save(n, args=ocp.args.StandardSave(state))
+
+    return save, manager
+
+
+def run_loop(variant: str, reps: int, trace_dir: str, orbax: bool = False) -> tuple[list[dict], dict[str, float]]:
     """One instrumented run under the profiler: the step records, and the background threads' CPU
-    seconds per step (the run record's ``background_cpu_seconds`` over the steps)."""
+    seconds per step (the run record's ``background_cpu_seconds`` over the steps). ``orbax``: checkpoints
+    saved as nanodo saves them (:func:`orbax_saver`)."""
     records: list[dict] = []
     once = _count_once_per_process_items()
 
@@ -208,16 +230,23 @@ def run_loop(variant: str, reps: int, trace_dir: str) -> tuple[list[dict], dict[
     jax.block_until_ready(state)
     steptrace.init(jsonl=False, run_id=f"bench-{variant}", sinks=[ListSink(records)], annotate=True, backend="jax",
                    jax_switch_interval_s=switch)
+    saves = tempfile.TemporaryDirectory() if orbax else None
+    save, manager = orbax_saver(os.path.join(saves.name, "ckpt")) if saves is not None else (None, None)
     start_trace(trace_dir)
     try:
         trainer_loop(train_step, eval_step, state, batch, span=steptrace.span, checkpoint=steptrace.checkpoint,
-                     begin_step=steptrace.begin_step, end_step=steptrace.end_step)
+                     begin_step=steptrace.begin_step, end_step=steptrace.end_step, save=save)
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
         steptrace.flush(30)
         switches = _context_switches("steptrace-resolver")
     finally:
         steptrace.shutdown()
         once.restore()
         jax.profiler.stop_trace()
+        if saves is not None:
+            saves.cleanup()
     (run,) = [r for r in records if r.get("type") == "run"]
     steps = [r for r in records if r.get("type") == "step"]
     cpu = run.get("background_cpu_seconds") or {}
@@ -257,6 +286,59 @@ class _count_once_per_process_items:
 
     def restore(self) -> None:
         self._owner._handle = self._original
+
+
+def capture_run(reps: int, inline: bool) -> dict[str, Any]:
+    """The loop with ``init(capture="slow")`` and one slow step (a 1 s data stall at step 30; no in-run
+    trace: one trace at a time): the capture record, the training thread's longest time from one step's
+    entry to the next, and whether the trace holds the steps the record names. ``inline``: the trace
+    collected and written on the training thread, as before issue 49 (the writer thread joined at once)."""
+    from steptrace import _capture
+
+    records: list[dict] = []
+    train_step = timed(make_train_step(reps))
+    eval_step = make_eval_step()
+    state = make_state()
+    batch = jnp.ones((BATCH, WIDTH))
+    jax.block_until_ready(state)
+    original = _capture.Capture._finish
+
+    def finish_inline(self: Any, active: dict, last_step: Any) -> None:
+        original(self, active, last_step)
+        active["writer"].join()
+
+    if inline:
+        _capture.Capture._finish = finish_inline  # type: ignore[method-assign]
+    starts: list[float] = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        steptrace.init(run_dir=run_dir, jsonl=False, run_id="bench-capture", sinks=[ListSink(records)],
+                       annotate=True, backend="jax", capture="slow", capture_profiler="jax", capture_steps=3)
+        try:
+            trainer_loop(train_step, eval_step, state, batch, span=steptrace.span, checkpoint=steptrace.checkpoint,
+                         begin_step=steptrace.begin_step, end_step=steptrace.end_step, slow={30: 1.0},
+                         step_starts=starts)
+            steptrace.flush(30)
+        finally:
+            steptrace.shutdown(120)
+            _capture.Capture._finish = original  # type: ignore[method-assign]
+        captures = [r for r in records if r.get("type") == "capture"]
+        out: dict[str, Any] = {"captures": captures}
+        # Step n's entry to step n+1's, for the steps after compile and warm-up.
+        gaps = {n: b - a for n, (a, b) in enumerate(zip(starts, starts[1:])) if n >= SKIP}
+        out["longest_step_to_step_s"] = max((g, n) for n, g in gaps.items())
+        out["median_step_to_step_s"] = statistics.median(gaps.values())
+        for capture in captures:
+            if capture.get("last_step") is not None:
+                # The capture stops at the boundary entering last_step + 1: in that step's entry-to-next.
+                capture["stop_step_to_step_s"] = gaps.get(capture["last_step"] + 1)
+        for capture in captures:
+            if capture.get("status") != "ok":
+                continue
+            (perfetto,) = glob.glob(os.path.join(capture["path"], "**", "perfetto_trace.json.gz"), recursive=True)
+            events = json.loads(gzip.decompress(Path(perfetto).read_bytes()))["traceEvents"]
+            capture["trace_steps"] = sorted({int(e["args"]["step_num"]) for e in events
+                                             if isinstance(e, dict) and "step_num" in (e.get("args") or {})})
+    return out
 
 
 def floor_loop(reps: int, trace_dir: str) -> dict[str, float]:
@@ -399,6 +481,24 @@ def compare(steps: list[dict], cpu_per_step: dict[str, float], windows: list[tup
     return rows
 
 
+def checkpoint_steps(steps: list[dict], windows: list[tuple[float, float]], annotations: dict[int, float]) -> str:
+    """Each checkpoint step's compute error against the trace's execution (issue 49: "within 5 ms"), in
+    its two parts: the start placed early (+: the device's gap counted as compute) and the end seen late."""
+    by_step = sorted(steps, key=lambda r: r["step"])
+    offset = statistics.median(r["host_start_time"] - annotations[r["step"]] for r in by_step
+                               if r["step"] in annotations)
+    parts = []
+    for n in range(CKPT_EVERY, len(by_step), CKPT_EVERY):
+        record, (start, end) = by_step[n], windows[n]
+        error = record["compute_seconds"] - (end - start)
+        early = (start + offset) - record["start_time"]
+        late = record["end_time"] - (end + offset)
+        parts.append(f"step {n} compute {1e3 * error:+.1f} ms (start early {1e3 * early:+.1f}, end late "
+                     f"{1e3 * late:+.1f}; the device's gap {1e3 * (start - windows[n - 1][1]):.1f} ms, idle "
+                     f"{1e3 * record['idle_seconds']:.1f} ms)")
+    return "; ".join(parts)
+
+
 def summarize(values: list[float], *, relative: bool, scale: float | None = None) -> dict:
     absolute = sorted(abs(v) for v in values)
     scale = scale or (100 if relative else 1000)
@@ -517,8 +617,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.12, help="device time per step (default 0.12 s)")
     parser.add_argument("--cpu-breakdown", action="store_true",
                         help="one more run that says where the resolver's CPU per step goes")
+    parser.add_argument("--orbax", action="store_true",
+                        help="checkpoint as nanodo does: an orbax CheckpointManager's async save before the step "
+                             "(steptrace.adapters.orbax), instead of a timed block_until_ready and a sleep")
+    parser.add_argument("--checkpoint-steps", action="store_true",
+                        help="print each checkpoint step's compute against the trace's execution, and its parts")
+    parser.add_argument("--capture", action="store_true",
+                        help="only the capture check: capture=\"slow\" on the loop with a slow step, the trace "
+                             "written off the training thread and on it (as before issue 49)")
     args = parser.parse_args(argv)
     reps = calibrate(args.step_s)
+    if args.capture:
+        results = {}
+        for label, inline in (("writer thread", False), ("on the training thread (before 49)", True)):
+            run = capture_run(reps, inline)
+            results[label] = run
+            print(f"{label}: longest step entry to next {run['longest_step_to_step_s'][0]:.3f} s (step "
+                  f"{run['longest_step_to_step_s'][1]}), median {run['median_step_to_step_s']:.3f} s")
+            for c in run["captures"]:
+                print(f"  capture {c['status']} trigger {c['trigger']} at step {c['trigger_step']}: steps "
+                      f"{c['first_step']}-{c['last_step']}, trace holds steps {c.get('trace_steps')}, "
+                      f"{c['bytes'] / 1e6:.1f} MB; training thread: start {c.get('start_seconds', 0):.3f} s, "
+                      f"stop {c.get('stop_seconds', 0):.3f} s; written in {c.get('write_seconds', 0):.3f} s; the "
+                      f"stopping step's entry to the next: {c.get('stop_step_to_step_s') or 0:.3f} s")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        return 0
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"{STEPS} steps, reps={reps} (~{args.step_s * 1000:.0f} ms of device time per step)")
     variants = ("documented", "timed", "timed+switch")
@@ -527,8 +651,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(1 if args.quick else 2):
         for variant in variants:
             with tempfile.TemporaryDirectory() as trace_dir:
-                steps, cpu_per_step = run_loop(variant, reps, trace_dir)
+                steps, cpu_per_step = run_loop(variant, reps, trace_dir, orbax=args.orbax)
                 windows, annotations = device_windows(trace_dir)
+                if args.checkpoint_steps:
+                    print(f"{variant}: " + checkpoint_steps(steps, windows, annotations))
                 for key, values in compare(steps, cpu_per_step, windows, annotations).items():
                     pooled[variant].setdefault(key, []).extend(values)
         with tempfile.TemporaryDirectory() as trace_dir:

@@ -30,7 +30,9 @@ failure is never raised into the training loop.
 Profilers: ``torch.profiler`` (CPU, and CUDA where available; a Chrome trace, ``trace.json``) or
 ``jax.profiler`` (an XProf trace under ``plugins/profile/``, and a Perfetto trace
 ``perfetto_trace.json.gz``). Both hold steptrace's step annotations (``annotate=True``), so the
-trace's steps carry the recorded step numbers.
+trace's steps carry the recorded step numbers. The training thread starts and stops the profiler; a
+writer thread collects and writes the trace and its record (``stop_seconds``: what the training thread
+paid; ``write_seconds``: what it did not), so a trace of seconds to write does not stall the loop.
 
 A leaf-level module: the runtime hands it what it needs as callables.
 """
@@ -99,7 +101,9 @@ class SlowStepRule:
 
 
 class _Profiler:
-    """One running profiler: ``start()``, then ``stop()`` -> the path written."""
+    """One running profiler: ``start()`` and ``stop()`` on the training thread, then ``write()`` on the
+    capture's writer thread -> the path written. ``stop()`` is all the training thread waits for: what the
+    profiler can collect and write on another thread, it does there."""
 
     name = "none"
 
@@ -113,11 +117,20 @@ class _Profiler:
     def start(self) -> None:
         raise NotImplementedError
 
-    def stop(self) -> str:
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def write(self) -> str:
         raise NotImplementedError
 
 
 class _TorchProfiler(_Profiler):
+    """torch keeps the profiler's state per thread (``ProfilerStateBase`` in the calling thread's debug
+    info): ``stop()`` from another thread finds "no active profiling session" and leaves the profiler
+    running (torch 2.13, tried). So the stop, which also builds Kineto's results, stays on the training
+    thread, and only the Chrome trace's export (``kineto_results.save``, C++ that releases the GIL: the
+    training thread ran on, tested in tests/test_capture.py) goes to the writer."""
+
     name = "torch"
 
     @staticmethod
@@ -135,15 +148,45 @@ class _TorchProfiler(_Profiler):
         self._profile = torch.profiler.profile(activities=activities)
         self._profile.start()
 
-    def stop(self) -> str:
+    def stop(self) -> None:
         self._profile.stop()
+
+    def write(self) -> str:
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, "trace.json")
         self._profile.export_chrome_trace(path)
         return path
 
 
+#: Rewrites a JAX trace's ``*.trace.json.gz`` as ``perfetto_trace.json.gz`` beside it, without its
+#: ``metadata`` (which ui.perfetto.dev refuses): what ``start_trace(create_perfetto_trace=True)`` makes,
+#: in a child process, because it is one ``json.load`` of the whole trace holding the GIL (1.8 s for a
+#: 3.5 MB trace here) that would stop the training thread just as long.
+_PERFETTO_SCRIPT = """
+import gzip, json, pathlib, sys
+runs = (pathlib.Path(sys.argv[1]) / "plugins" / "profile").iterdir()
+folder = max(runs, key=lambda run: run.stat().st_mtime)
+(source,) = folder.glob("*.trace.json.gz")
+with gzip.open(source, "rb") as f:
+    trace = json.load(f)
+trace.pop("metadata", None)
+with gzip.open(folder / "perfetto_trace.json.gz", "wb") as f:
+    f.write(json.dumps(trace).encode())
+"""
+#: How long the child process may take to write the Perfetto trace.
+PERFETTO_TIMEOUT_S = 600.0
+
+
 class _JaxProfiler(_Profiler):
+    """jax.profiler's ``stop_trace()`` is one call that stops the tracers, collects the trace (XLA's
+    ``ProfilerSession::CollectData``) and exports it (``ExportToTensorBoard``), then, with
+    ``create_perfetto_trace``, rewrites it in Python (jax/_src/profiler.py, jaxlib 0.10.2). No public call
+    stops the tracers alone, so the whole ``stop_trace`` runs on the writer thread, the moment the
+    training thread hands it over: the trace runs on into the next step for the writer's first
+    instructions (a GIL switch, ~5 ms). The collection and export release the GIL (the training thread's
+    longest pause beside them: 0.09 s, for a 12 MB trace collected in 2.3 s and exported in 2.9 s); the
+    Perfetto rewrite, which does not, runs in a child process (``_PERFETTO_SCRIPT``)."""
+
     name = "jax"
 
     def start(self) -> None:
@@ -151,12 +194,27 @@ class _JaxProfiler(_Profiler):
 
         os.makedirs(self.directory, exist_ok=True)
         # jax.profiler raises if a trace is already running (the user's): that is the busy check.
-        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        jax.profiler.start_trace(self.directory)
 
-    def stop(self) -> str:
+    def stop(self) -> None:
+        pass  # stop_trace() collects as it stops: the writer calls it (the class's docstring)
+
+    def write(self) -> str:
+        import subprocess
+        import sys
+
         import jax
 
         jax.profiler.stop_trace()
+        # -I -S: the child needs only the standard library, and nothing of the user's environment.
+        try:
+            subprocess.run([sys.executable, "-I", "-S", "-c", _PERFETTO_SCRIPT, self.directory], check=True,
+                           timeout=PERFETTO_TIMEOUT_S, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except (OSError, subprocess.SubprocessError) as exc:
+            # The XProf trace (the capture) is written; only its Perfetto copy is missing: said, not raised.
+            detail = getattr(exc, "stderr", None)
+            log.warning("steptrace capture: no perfetto_trace.json.gz beside the JAX trace in %s (%s%s)",
+                        self.directory, exc, f": {detail.decode(errors='replace')[-500:]}" if detail else "")
         return self.directory
 
 
@@ -227,9 +285,12 @@ class Capture:
 
     # -- triggers (any thread) ----------------------------------------------------------------
     def _arm(self, trigger: str, step: int | None, reason: str) -> bool:
-        """Whether this trigger armed the next capture (False: one armed or running covers it)."""
+        """Whether this trigger armed the next capture (False: one armed or running covers it). A capture
+        whose steps are over but whose trace is still being written covers nothing more: the trigger arms
+        the next, which starts once the write has ended."""
         with self._lock:
-            if self.pending is not None or self.active is not None:
+            active = self.active
+            if self.pending is not None or (active is not None and "writer" not in active):
                 return False  # one at a time: the running (or armed) capture covers this too
             self.pending = (trigger, step, reason)
             return True
@@ -300,9 +361,14 @@ class Capture:
         """Called before step ``next_step`` starts when ``pending`` or ``active`` is set."""
         active = self.active
         if active is not None:
-            if next_step >= active["first_step"] + self.steps:
-                self._finish(active, next_step - 1)
-            return
+            writer = active.get("writer")
+            if writer is None:
+                if next_step >= active["first_step"] + self.steps:
+                    self._finish(active, next_step - 1)
+                return
+            if writer.is_alive():
+                return  # one profiler at a time: an armed capture starts once this trace is written
+            self._written(active, next_step)
         pending = self.pending
         if pending is None:
             return
@@ -345,15 +411,21 @@ class Capture:
             return _JaxProfiler(directory)
         return None
 
-    def _start(self, pending: tuple[str, int | None, str], step: int) -> None:
-        if self._cooldown_until is not None and step < self._cooldown_until:
-            self._skip(pending, step, "cooldown", kind="cooldown")
-            return
+    def _refused(self, step: int | None) -> tuple[str, str] | None:
+        """Why a capture armed for ``step`` takes no trace (why, kind), or None: the cooldown, a budget
+        (``step`` None: the budgets only)."""
+        if step is not None and self._cooldown_until is not None and step < self._cooldown_until:
+            return "cooldown", "cooldown"
         if self.taken >= self.max_captures:
-            self._skip(pending, step, f"capture_max ({self.max_captures}) reached", kind="max")
-            return
+            return f"capture_max ({self.max_captures}) reached", "max"
         if self.bytes >= self.max_bytes:
-            self._skip(pending, step, f"capture_max_bytes ({self.max_bytes}) reached", kind="bytes")
+            return f"capture_max_bytes ({self.max_bytes}) reached", "bytes"
+        return None
+
+    def _start(self, pending: tuple[str, int | None, str], step: int) -> None:
+        refused = self._refused(step)
+        if refused is not None:
+            self._skip(pending, step, refused[0], kind=refused[1])
             return
         directory = os.path.join(self.directory, f"step-{step}")
         profiler = self._profiler(directory)
@@ -366,6 +438,7 @@ class Capture:
                 self._skip(pending, step, f"a {profiler.name} profiler is already running (yours): left alone")
                 return
             profiler.start()
+            started_seconds = _perf() - started
             if self._span is not None:
                 # Starting a profiler can take seconds (Kineto's first start): idle time of its own, named.
                 self._span("capture", started, _perf())
@@ -387,47 +460,99 @@ class Capture:
             self.pending = None
             self._ignored = (step, None)
             self.active = {"trigger": pending[0], "trigger_step": pending[1], "reason": pending[2],
-                           "first_step": step, "profiler": profiler, "start": time.time()}
+                           "first_step": step, "profiler": profiler, "start": time.time(),
+                           "start_seconds": started_seconds}
         self.taken += 1
 
     def _finish(self, active: dict[str, Any], last_step: int | None) -> None:
+        """The training thread: stop the profiler and hand the collection and the write to a writer thread.
+        The capture stays ``active`` (one at a time) until the next boundary after the write ended."""
         profiler: _Profiler = active["profiler"]
         start = _perf()
-        status, path, size, error = "ok", None, 0, None
+        error = None
         try:
-            path = profiler.stop()
-            size = directory_bytes(path)
+            profiler.stop()
         except Exception as exc:
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
-            self.failures += 1
-            shutil.rmtree(profiler.directory, ignore_errors=True)
+            error = f"{type(exc).__name__}: {exc}"
         end = _perf()
         if self._span is not None:
             try:
-                self._span("capture", start, end)  # the trace's write is idle time of its own, named
+                self._span("capture", start, end)  # the stop's pause is idle time of its own, named
             except Exception:
                 pass
-        self.bytes += size
-        with self._lock:
-            self.active = None
-            # The next step's interval holds the write (its idle "capture"): skipped by the rule too.
-            self._ignored = (active["first_step"], (last_step if last_step is not None else active["first_step"]) + 1)
-        self._cooldown_until = (last_step if last_step is not None else active["first_step"]) + 1 + \
-            self.cooldown_steps
-        fields = {"status": status, "trigger": active["trigger"], "trigger_step": active["trigger_step"],
+        covered = last_step if last_step is not None else active["first_step"]
+        self._cooldown_until = covered + 1 + self.cooldown_steps
+        fields = {"status": "ok", "trigger": active["trigger"], "trigger_step": active["trigger_step"],
                   "reason": active["reason"], "first_step": active["first_step"], "last_step": last_step,
-                  "path": path, "profiler": profiler.name, "bytes": size, "start_time": active["start"],
-                  "end_time": time.time()}
+                  "path": None, "profiler": profiler.name, "bytes": 0, "start_time": active["start"],
+                  "start_seconds": active["start_seconds"], "stop_seconds": end - start}
+        writer = threading.Thread(target=self._write, args=(active, fields, error), daemon=True,
+                                  name="steptrace-capture-write")
+        with self._lock:
+            active["writer"] = writer
+            active["recorded"] = False
+            active["last_step"] = last_step
+        writer.start()
+
+    def _write(self, active: dict[str, Any], fields: dict[str, Any], error: str | None) -> None:
+        """The writer thread: collect and write the trace, then its record."""
+        profiler: _Profiler = active["profiler"]
+        start = _perf()
+        path, size = None, 0
+        if error is None:
+            try:
+                path = profiler.write()
+                size = directory_bytes(path)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
         if error is not None:
-            fields["error"] = error
+            shutil.rmtree(profiler.directory, ignore_errors=True)
+            fields.update(status="failed", error=error)
+        fields.update(path=path, bytes=size, write_seconds=_perf() - start, end_time=time.time())
+        with self._lock:
+            if active["recorded"]:
+                return  # shutdown stopped waiting for this write and recorded it as failed (and counted it)
+            active["recorded"] = True
+            self.bytes += size
+            if error is not None:
+                self.failures += 1
         self._record(**fields)
 
-    def close(self, last_step: int | None) -> None:
-        """At shutdown: stop a running capture (it covered the steps up to ``last_step``); an armed one
-        that never started is recorded as skipped."""
+    def _written(self, active: dict[str, Any], next_step: int) -> None:
+        """The training thread, at the first boundary after the write ended: the capture is over. Steps up
+        to this one ran beside the write (its CPU, the pauses it may cause): the slow-step rule skips them."""
+        with self._lock:
+            self.active = None
+            self._ignored = (active["first_step"], next_step - 1)
+
+    def close(self, last_step: int | None, timeout_s: float | None = None) -> None:
+        """At shutdown: stop a running capture (it covered the steps up to ``last_step``) and wait up to
+        ``timeout_s`` for its write; a write still going then is recorded as failed. An armed capture that
+        never started is recorded as skipped."""
         self._stop.set()
         active = self.active
         if active is not None:
-            self._finish(active, max(active["first_step"], last_step if last_step is not None else -1))
-        elif self.pending is not None:
-            self._skip(self.pending, -1, "the run ended before the next step")
+            if active.get("writer") is None:
+                self._finish(active, max(active["first_step"], last_step if last_step is not None else -1))
+            waited = _perf()
+            active["writer"].join(timeout_s)
+            with self._lock:
+                late = not active["recorded"]
+                active["recorded"] = True
+                self.active = None
+            if late:
+                self.failures += 1
+                error = f"the trace was still being written when shutdown stopped waiting ({_perf() - waited:.1f} s)"
+                self._record(status="failed", trigger=active["trigger"], trigger_step=active["trigger_step"],
+                             reason=active["reason"], first_step=active["first_step"],
+                             last_step=active["last_step"], path=None, profiler=active["profiler"].name,
+                             bytes=0, start_time=active["start"], end_time=time.time(), error=error)
+        pending = self.pending
+        if pending is not None:
+            # Armed while the last trace was written, or after the last step: a budget spent by that trace
+            # is the reason, else the run's end.
+            refused = self._refused(None)
+            if refused is not None:
+                self._skip(pending, -1, refused[0], kind=refused[1])
+            else:
+                self._skip(pending, -1, "the run ended before the next step")

@@ -713,7 +713,11 @@ class Runtime(_RuntimeBase):
         if self.stall_watch is not None:
             self.stall_watch.close()
         if self.capture is not None and self.current is None:
-            self.capture.close(self.last_step)  # a trace still running covers the steps up to here
+            # A trace still running covers the steps up to here. Its write (on the capture's writer thread)
+            # may use half the shutdown's time; the records get the rest.
+            waited = time.perf_counter()
+            self.capture.close(self.last_step, timeout_s / 2)
+            timeout_s = max(0.0, timeout_s - (time.perf_counter() - waited))
         self.backends.framework_teardown(self)
         if self.current is not None:
             self.misuse(f"shutdown() while step({self.current.step}) is open; it is recorded as an error")
@@ -722,7 +726,9 @@ class Runtime(_RuntimeBase):
             step.loop = None
             step.__exit__(RuntimeError, RuntimeError("steptrace.shutdown() inside the step"), None)
             if self.capture is not None:
-                self.capture.close(self.last_step)
+                waited = time.perf_counter()
+                self.capture.close(self.last_step, timeout_s / 2)
+                timeout_s = max(0.0, timeout_s - (time.perf_counter() - waited))
         for ckpt in list(self.pending_async):
             ckpt.status = "incomplete"
             ckpt._submit()

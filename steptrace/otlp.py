@@ -1028,7 +1028,7 @@ class OtlpSink:
             raise ValueError("a capture record names no step")
         attrs = self._attrs(n)
         for field in ("status", "trigger", "trigger_step", "reason", "first_step", "last_step", "path", "profiler",
-                      "bytes", "skipped_because", "error"):
+                      "bytes", "skipped_because", "error", "start_seconds", "stop_seconds", "write_seconds"):
             _put(attrs, f"train.capture.{field}", r.get(field))
         run, rank, attempt = self.run_id, self.rank, self.attempt
         return self._span("train.capture", trace_id(run, n, attempt),

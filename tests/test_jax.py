@@ -445,3 +445,117 @@ def test_one_array_is_waited_on_with_its_own_method_and_a_pytree_with_jax_block_
         device.wait_values((donated,))
     with pytest.raises(Exception, match="deleted or donated"):
         real((donated,))
+
+
+def test_compile_time_is_named_by_jitted_function_in_records_report_json_timeline_and_otlp(calibrated, tmp_path,
+                                                                                           capsys):
+    """issue 49: ``before_step_breakdown {'compile': 12.955}`` did not say that 8.1 s of it was ``jit(init)``.
+    JAX passes each compile event's ``fun_name`` to jax.monitoring listeners (jax/_src/dispatch.py,
+    ``log_elapsed_time``): the trace with the Python name, the lowering and the backend compile with
+    ``jit(<name>)``. A function compiled twice (new shapes) is named as recompiled, at the steps it was."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from otlp_receiver import OtlpHttpReceiver
+
+    from steptrace import _cli
+    from steptrace.analysis.runs import load_run
+    from steptrace.analysis.summary import compile_by_function
+    from steptrace.analysis.timeline import build_trace
+
+    x, reps = calibrated
+
+    @jax.jit
+    def init_params(y):
+        return jnp.tanh(y @ y.T) * 0.5
+
+    @jax.jit
+    def grow(y):  # compiled again when the shape changes: at step 2
+        return jnp.sin(y) * 2.0
+
+    with OtlpHttpReceiver() as receiver:
+        steptrace.init(run_dir=str(tmp_path), run_id="names", otlp_endpoint=receiver.url, backend="jax")
+        try:
+            state = init_params(x).block_until_ready()
+            with steptrace.span("eval"):
+                float(grow(state[:64]).sum())  # device work before step 0 (and a compile)
+            for n in range(4):
+                with steptrace.step(n) as s:
+                    y = grow(state if n < 2 else state[:128])
+                    s.wait_for(y)
+            steptrace.flush(30)
+        finally:
+            steptrace.shutdown()
+        otlp = [sp for sp in receiver.spans() if sp.name == "compile"]
+
+    run = load_run(tmp_path / "names")
+    spans = run.records("span", 0)
+    named = {(s["attrs"]["event"], s["attrs"].get("function")) for s in spans if s["name"] == "compile"}
+    assert ("backend_compile_duration", "jit(init_params)") in named
+    assert ("jaxpr_trace_duration", "jit(grow)") in named  # the trace's "grow", named as the other two
+    by_function = compile_by_function(spans)
+    assert by_function["jit(init_params)"]["compiles"] == 1 and by_function["jit(init_params)"]["steps"] == [None]
+    assert by_function["jit(grow)"]["compiles"] == 3 and by_function["jit(grow)"]["steps"] == [None, 0, 2]
+    for function, entry in by_function.items():
+        assert entry["seconds"] == pytest.approx(sum(
+            s["seconds"] for s in spans if s["name"] == "compile" and s["attrs"].get("function") == function))
+    # The first step's before-step compile is the init's (what the report names).
+    first = run.steps(0)[0]
+    before_init = sum(s["seconds"] for s in spans if s["name"] == "compile" and s["step"] is None
+                      and s["attrs"].get("function") == "jit(init_params)")
+    assert first["before_step_breakdown"]["compile"] >= before_init > 0
+
+    assert _cli.main(["report", str(tmp_path / "names"), "--width", "400"]) == 0
+    text = capsys.readouterr().out
+    assert "Compile by function" in text and "jit(init_params)" in text
+    assert "jit(grow)" in text and "compiled 3×: outside a step, step 0, step 2; recompiled" in text
+    assert _cli.main(["report", str(tmp_path / "names"), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["compile_by_function"]["jit(grow)"]["steps"] == [None, 0, 2]
+
+    trace = build_trace(run)
+    labels = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compile"}
+    assert {"compile jit(init_params)", "compile jit(grow)"} <= labels and "compile" not in labels
+
+    assert {sp.attributes.get("train.attrs.function") for sp in otlp} >= {"jit(init_params)", "jit(grow)"}
+
+
+def test_the_timelines_device_lane_covers_the_time_before_the_first_step(calibrated, tmp_path):
+    """issue 49: the device lane started at the first step (30.5 s into a nanodo run), though the summary
+    counted the compile and the eval before it. It now starts at ``init()``, split as the first step's
+    ``before_step_breakdown`` is: the eval, the compiles, ``startup`` for the rest."""
+    from steptrace.analysis.lanes import rank_view
+    from steptrace.analysis.runs import load_run
+
+    x, reps = calibrated
+
+    @jax.jit
+    def setup(y):
+        return jnp.cos(y @ y) * 0.5
+
+    steptrace.init(run_dir=str(tmp_path), run_id="before", backend="jax")
+    try:
+        time.sleep(0.02)  # start-up: nothing recorded
+        state = setup(x).block_until_ready()
+        with steptrace.span("eval"):
+            float(work(state, reps).sum())
+        for n in range(2):
+            with steptrace.step(n) as s:
+                state = work(state, reps)
+                s.wait_for(state)
+    finally:
+        steptrace.shutdown()
+    run = load_run(tmp_path / "before")
+    first = run.steps(0)[0]
+    view = rank_view(run, 0, (None, None))
+    before = [b for b in view.device if b.end <= first["host_start_time"] + 1e-9]
+    assert before, [(b.name, b.start) for b in view.device][:5]
+    window_start = first["host_start_time"] - first["before_step_seconds"]
+    assert min(b.start for b in view.device) == pytest.approx(window_start, abs=1e-6)
+    by_reason: dict[str, float] = {}
+    for bar in before:
+        by_reason[bar.name] = by_reason.get(bar.name, 0.0) + bar.end - bar.start
+    assert set(by_reason) == set(first["before_step_breakdown"]) >= {"startup", "compile", "eval"}
+    for reason, seconds in first["before_step_breakdown"].items():
+        assert by_reason[reason] == pytest.approx(seconds, abs=1e-6), reason

@@ -361,7 +361,7 @@ def test_columns_and_summary_rows_without_data_are_left_out(tmp_path):
     run_dir = tmp_path / "r1"
     write_rank(run_dir, 0, [step_record(i, 1.0, 0.9, tokens=None, flops=None) for i in range(3)])
     text = capture(load_run(run_dir))
-    assert "TFLOP/s" not in text and "tokens/s" not in text and "MFU" not in text
+    assert "FLOP/s" not in text and "tokens/s" not in text and "MFU" not in text
     assert "—" not in text
     write_rank(tmp_path / "r2", 0, [step_record(i, 1.0, 0.9, mfu=0.4) for i in range(3)])
     text = capture(load_run(tmp_path / "r2"))
@@ -375,7 +375,19 @@ def test_multi_rank_table_leaves_out_rates_no_rank_has(tmp_path):
                                    for s in range(3)])
     text = capture(load_run(run_dir))
     per_rank = text[text.index("Per-rank summary"):]
-    assert "tok/s" not in per_rank and "TFLOP/s" not in per_rank and "top idle" in per_rank
+    assert "tok/s" not in per_rank and "FLOP/s" not in per_rank and "top idle" in per_rank
+
+
+def test_flop_rates_keep_three_significant_figures_on_small_and_large_devices(tmp_path):
+    """issue 49: a small device's 0.00-0.03 TFLOP/s (two decimals) hid the spread between steps."""
+    assert [report_view.flops_rate(v) for v in (0.0312, 0.00049, 12.345, 1632.088, 999.7, 0.0, None)] == [
+        "31.2 GFLOP/s", "490 MFLOP/s", "12.3 TFLOP/s", "1.63 PFLOP/s", "1.00 PFLOP/s", "0 TFLOP/s", "—"]
+    run_dir = tmp_path / "small"
+    # 3.1e9 and 4.6e9 FLOPs in 0.1 s of compute: 0.031 and 0.046 TFLOP/s, "0.03" and "0.05" in two decimals.
+    write_rank(run_dir, 0, [step_record(0, 0.12, 0.1, flops=3.1e9), step_record(1, 0.12, 0.1, flops=4.6e9)])
+    text = capture(load_run(run_dir), max_rows=0)
+    assert "31.0 GFLOP/s" in text and "46.0 GFLOP/s" in text
+    assert "38.5 GFLOP/s" in text  # the summary: Σ FLOPs / Σ compute
 
 
 def test_report_width_follows_the_option_the_terminal_or_columns_else_never_wraps(monkeypatch):
@@ -576,3 +588,22 @@ def test_mfu_and_hfu_are_sums_over_compute_with_their_formula_line(tmp_path):
         s.update(peak_flops=None, mfu=None, hfu=None)
     write_rank(run_dir, 0, steps)
     assert "no peak for this device" in capture(load_run(run_dir))
+
+
+def test_checkpoint_blocking_and_idle_checkpoint_that_differ_say_why(tmp_path):
+    """issue 49: ``checkpoint blocking 0.767 s`` beside ``idle: checkpoint 0.768 s``, without a word on the
+    0.2 ms between them. Here the second step waits 0.2 s for an async commit outside any save (orbax's
+    ``wait_until_finished``, a ``checkpoint`` span): idle checkpoint, not a save's blocking."""
+    run_dir = tmp_path / "r1"
+    write_rank(run_dir, 0, [
+        step_record(1, 1.0, 0.5, {"checkpoint": 0.5}, start=0.0), checkpoint_record(1, 0.5),
+        step_record(2, 1.0, 0.8, {"checkpoint": 0.2}, start=1.0),
+        {"type": "span", "run_id": "r1", "rank": 0, "name": "checkpoint", "step": None,
+         "start_time": 1_700_000_001.0, "end_time": 1_700_000_001.2, "seconds": 0.2, "attrs": {}},
+    ])
+    text = capture(load_run(run_dir))
+    line = next(line for line in text.splitlines() if "checkpoint blocking" in line)
+    assert "0.500 s" in line and "idle: checkpoint +200.0 ms: such as waits for an async commit" in line
+    assert "idle: checkpoint" in text and "0.700 s" in text
+    assert report_view.checkpoint_gap_note(0.7672, 0.7674) == ""  # the same to the millisecond: no note
+    assert report_view.checkpoint_gap_note(0.768, 0.7673).startswith("; idle: checkpoint -0.7 ms: such as a span")

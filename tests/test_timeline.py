@@ -206,18 +206,20 @@ def assert_threads_nest(trace: dict) -> None:
 
 
 def assert_device_tiles(trace: dict, run, rank: int) -> None:
-    """The device track covers [first step's window start, last step's end] without gaps or
-    overlaps, and its durations add up to Σ interval_seconds (1 µs per event)."""
+    """The device track covers [init(), last step's end] without gaps or overlaps (from the first
+    step's window start less its ``before_step_seconds``: the time before the first step, issue 49),
+    and its durations add up to Σ interval_seconds + before_step_seconds (1 µs per event)."""
     steps = run.steps(rank)
     device = slices(trace, rank, "device")
     assert device, "no device events"
-    first_window_start = steps[0]["end_time"] - steps[0]["interval_seconds"]
+    before_first = steps[0].get("before_step_seconds") or 0.0
+    first_window_start = steps[0]["end_time"] - steps[0]["interval_seconds"] - before_first
     assert device[0]["ts"] == pytest.approx(us(trace, first_window_start), abs=1.5)
     assert device[-1]["ts"] + device[-1]["dur"] == pytest.approx(us(trace, steps[-1]["end_time"]), abs=1.5)
     for before, after in zip(device, device[1:]):
         assert after["ts"] == before["ts"] + before["dur"], (before, after)
     total_us = sum(e["dur"] for e in device)
-    wall_us = sum(s["interval_seconds"] for s in steps) * 1e6
+    wall_us = (sum(s["interval_seconds"] for s in steps) + before_first) * 1e6
     assert total_us == pytest.approx(wall_us, abs=1.0 * len(device))
 
 

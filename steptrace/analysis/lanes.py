@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
+from steptrace._attribution import HostSpan, idle_segments
 from steptrace.analysis.runs import Run, RunDirError
 from steptrace.analysis.summary import as_number
 
@@ -184,6 +185,25 @@ def _step_name(step: dict) -> str:
     return f"{name} (error)" if step.get("status") == "error" else name
 
 
+def _before_step_bars(run: Run, rank: int, step: dict, window_start: float, window_end: float) -> list[Bar]:
+    """The device lane from ``init()`` to an attempt's first step, as the step's ``before_step_breakdown``
+    counts it: split by the host spans recorded outside steps (an eval, a compile, a restore), innermost
+    first, ``startup`` where none is (the resolver's rule, steptrace/_attribution.py)."""
+    covers = [HostSpan(str(r.get("name", "span")), start, end) for r in run.records("span", rank)
+              if r.get("step") is None and (start := as_number(r.get("start_time"))) is not None
+              and (end := as_number(r.get("end_time"))) is not None]
+    covers += [HostSpan("checkpoint", start, end) for r in run.checkpoints(rank)
+               if (start := as_number(r.get("start_time"))) is not None
+               and (end := as_number(r.get("end_time"))) is not None]
+    bars = []
+    for segment in idle_segments(window_start, window_end, covers, uncovered="startup"):
+        bars.append(Bar(("device",), segment.name, segment.start, segment.end, "idle", f"idle.{segment.name}",
+                        without_none({"before_step": step.get("step"), "reason": segment.name,
+                                      "seconds": round(segment.end - segment.start, 9)}),
+                        reason=segment.name))
+    return bars
+
+
 def rank_view(run: Run, rank: int, window: StepWindow) -> RankView:
     """*rank*'s records in *window* as bars on their tracks (host bars not yet in lanes)."""
     view = RankView(rank)
@@ -244,6 +264,11 @@ def rank_view(run: Run, rank: int, window: StepWindow) -> RankView:
                                 args, error, reason="compute", label=str(step_no)))
         interval = as_number(step.get("interval_seconds"))
         widen(host_start, host_end, start, end, None if interval is None else end - interval)
+        before = as_number(step.get("before_step_seconds"))
+        if before and before > 0 and host_start is not None:
+            for bar in _before_step_bars(run, rank, step, host_start - before, host_start):
+                view.device.append(bar)
+                widen(bar.start)
 
     for ckpt in run.checkpoints(rank):
         if not (all_window or in_window(ckpt.get("step"), window)):
@@ -281,7 +306,11 @@ def rank_view(run: Run, rank: int, window: StepWindow) -> RankView:
         name = str(span.get("name", "span"))
         args = without_none({"step": span.get("step"), "seconds": span.get("seconds"),
                        "attrs": span.get("attrs") or None})
-        view.host.append(Bar(("host",), name, start, max(start, end), "span",
+        label = name
+        function = (span.get("attrs") or {}).get("function") if isinstance(span.get("attrs"), dict) else None
+        if name == "compile" and isinstance(function, str) and function:
+            label = f"compile {function}"  # which jitted function (adapters/jax.py): 25 unnamed slices say nothing
+        view.host.append(Bar(("host",), label, start, max(start, end), "span",
                               "compile" if name == "compile" else "span", args, reason=name))
 
     for mb in run.records("microbatch", rank):

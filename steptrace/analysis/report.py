@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
@@ -28,7 +29,8 @@ from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run,
 from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
 from steptrace.analysis.pauses import gc_finding, gc_sentence
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
-from steptrace.analysis.summary import as_number, percent_text, percentile, step_split, summarize, summarize_cluster
+from steptrace.analysis.summary import (as_number, compile_by_function, compile_sentence, percent_text, percentile,
+                                        step_split, summarize, summarize_cluster)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -133,6 +135,28 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "—" if number is None else format(number, spec)
 
 
+_FLOPS_UNITS = ((1e3, "PFLOP/s"), (1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s"), (1e-9, "kFLOP/s"))
+
+
+def flops_rate(tflops_per_second: Any) -> str:
+    """A FLOP rate given in TFLOP/s, in the unit that shows it with three significant figures
+    (``0.0312`` -> ``31.2 GFLOP/s``; two decimals of TFLOP/s showed 0.00-0.03 on a small device)."""
+    number = as_number(tflops_per_second)
+    if number is None:
+        return "—"
+    if number == 0:
+        return "0 TFLOP/s"
+    # The largest unit the rate is at least 1 of (the smallest for a rate below it).
+    scale, unit = next(((s, u) for s, u in _FLOPS_UNITS if abs(number) >= s), _FLOPS_UNITS[-1])
+    value = abs(number) / scale
+    text = f"{value:#.3g}".rstrip(".")
+    if ("e" in text or float(text) >= 1000) and scale < _FLOPS_UNITS[0][0]:
+        return flops_rate(math.copysign(1000 * scale, number))  # rounded up to the next unit (999.7 -> 1000)
+    if value >= 1000:  # above the largest unit: all the digits
+        text = f"{value:,.0f}"
+    return f"{'-' if number < 0 else ''}{text} {unit}"
+
+
 
 
 def _top_reasons(breakdown: Any, limit: int = 3) -> str:
@@ -197,7 +221,7 @@ def _step_table(steps: list[dict], rank: int, max_rows: int):
     if _has(steps, "tokens_per_second"):
         columns.append(("tokens/s", lambda step: _fmt(step.get("tokens_per_second"), ",.0f")))
     if _has(steps, "tflops_per_second"):
-        columns.append(("TFLOP/s", lambda step: _fmt(step.get("tflops_per_second"), ".2f")))
+        columns.append(("FLOP/s", lambda step: flops_rate(step.get("tflops_per_second"))))
     if _has(steps, "mfu"):
         columns.append(("MFU", lambda step: percent_text(as_number(step.get("mfu")))))
     columns.append(("status", _status_cell))
@@ -287,7 +311,7 @@ def _summary_panel(summary: dict, job: dict, title: str):
         # The whole run's rate; `steptrace compare` shows "steady tokens/s", a median over steady steps.
         grid.add_row("tokens/s", _fmt(summary["tokens_per_second"], ",.0f"), "whole run: Σ tokens / Σ step intervals")
     if summary["tflops_per_second"] is not None:
-        grid.add_row("TFLOP/s", _fmt(summary["tflops_per_second"], ".2f"),
+        grid.add_row("FLOP/s", flops_rate(summary["tflops_per_second"]),
                      "hardware FLOPs per second of compute" if summary.get("hardware_flops_per_step") is not None
                      else "per second of compute")
     for row in _flops_rows(summary):
@@ -301,7 +325,8 @@ def _summary_panel(summary: dict, job: dict, title: str):
     grid.add_row(
         "checkpoint blocking",
         f"{summary['checkpoint_blocking_seconds']:.3f} s",
-        f"{summary['checkpoints']} checkpoint{'' if summary['checkpoints'] == 1 else 's'}",
+        f"{summary['checkpoints']} checkpoint{'' if summary['checkpoints'] == 1 else 's'}"
+        + checkpoint_gap_note(summary["checkpoint_blocking_seconds"], job["badput"].get("checkpoint", 0.0)),
     )
     # The rest of the wall, by why: with "productive" it adds up to the wall.
     pieces = [(bucket, seconds) for bucket, seconds in job["badput"].items() if bucket != "custom"]
@@ -315,6 +340,18 @@ def _summary_panel(summary: dict, job: dict, title: str):
             share += " (exposed communication)"
         grid.add_row(label, f"{seconds:.3f} s", share)
     return Panel(grid, title=title, title_align="left", expand=False)
+
+
+def checkpoint_gap_note(blocking_seconds: float, idle_seconds: float) -> str:
+    """Why "checkpoint blocking" and "idle: checkpoint" differ, where they show different numbers: they
+    count different things (docs/report.md), and two figures side by side must not look like a rounding slip."""
+    if f"{blocking_seconds:.3f}" == f"{idle_seconds:.3f}":
+        return ""
+    difference = idle_seconds - blocking_seconds
+    why = ("such as waits for an async commit outside a save (a `checkpoint` span: wait_until_finished, "
+           "close) are idle, not a save's blocking" if difference > 0 else
+           "such as a span inside a save (a compile): its blocking, but idle under its own name")
+    return f"; idle: checkpoint {'+' if difference > 0 else '-'}{abs(difference) * 1e3:.1f} ms: {why}"
 
 
 def goodput_line(job: dict) -> str:
@@ -399,13 +436,18 @@ def capture_lines(run: Any) -> list[dict]:
                 steps = f"step {first}" if first == last else f"steps {first}–{last}"
                 sentence = (f"rank {rank}: {reason}: {record.get('profiler')} trace at {record.get('path')} "
                             f"({steps}, {int(record.get('bytes') or 0) / 2**20:.1f} MiB)")
+                paused = [as_number(record.get(k)) for k in ("start_seconds", "stop_seconds")]
+                written = as_number(record.get("write_seconds"))
+                if None not in paused and written is not None:
+                    sentence += (f"; the training thread paused {sum(p for p in paused if p is not None):.3f} s "
+                                 f"to start and stop it, the trace written in {written:.3f} s beside the steps")
             elif record.get("status") == "skipped":
                 sentence = f"rank {rank}: {reason}: no trace ({record.get('skipped_because')})"
             else:
                 sentence = f"rank {rank}: {reason}: the trace failed ({record.get('error')})"
             out.append({"rank": rank, **{k: record.get(k) for k in (
                 "status", "trigger", "trigger_step", "first_step", "last_step", "path", "profiler", "bytes",
-                "start_time")}, "sentence": sentence})
+                "start_time", "start_seconds", "stop_seconds", "write_seconds")}, "sentence": sentence})
     out.sort(key=lambda c: (c["start_time"] or 0.0, c["rank"]))
     return out
 
@@ -467,7 +509,7 @@ def _rank_table(run: Run, jobs: dict):
              if any(s[key] is not None for _, s in summaries)]
     waits = any(s["collective_wait_seconds"] is not None for _, s in summaries)
     headers = ["rank", "steps", "wall s", "goodput"] + (["wait s"] if waits else []) + ["compute p50"]
-    headers += [{"tokens_per_second": "tok/s", "tflops_per_second": "TFLOP/s"}[key] for key in rates]
+    headers += [{"tokens_per_second": "tok/s", "tflops_per_second": "FLOP/s"}[key] for key in rates]
     headers += ["top idle", "ckpt s", "errors"]
     for name in headers:
         table.add_column(name, justify="left" if name == "top idle" else "right")
@@ -484,7 +526,7 @@ def _rank_table(run: Run, jobs: dict):
             "—" if job is None else percent_text(job["goodput"]),
             *([_fmt(s["collective_wait_seconds"])] if waits else []),
             _fmt(s["own_compute_p50"] if waits else s["compute_p50"]),
-            *(_fmt(s[key], ",.0f" if key == "tokens_per_second" else ".2f") for key in rates),
+            *(_fmt(s[key], ",.0f") if key == "tokens_per_second" else flops_rate(s[key]) for key in rates),
             f"{escape(top[0])} {top[1]:.2f}" if top else "",
             f"{s['checkpoint_blocking_seconds']:.3f}",
             f"[red]{s['error_steps']}[/]" if s["error_steps"] else "0",
@@ -656,6 +698,9 @@ def render_report(
         stalls = job_view(run)
         if stalls is not None:
             console.print(_stall_panel(stalls))
+        compiles = compile_by_function(run.records("span", rank))
+        if compiles:
+            console.print(f"[bold]Compile by function[/] (rank {rank}): {escape(compile_sentence(compiles))}")
         for line in capture_lines(run):
             console.print(f"[bold]Capture[/] {markup(line['sentence'])}")
     elif rank is not None:
@@ -794,6 +839,8 @@ def run_report(args: argparse.Namespace) -> int:
             "cluster": summarize_cluster(cluster_steps, run.late_spans()) if run.cluster_records else None,
             # where each stalled rank was, and the cause (docs/hangs.md); null without stall records
             "stalls": job_view(run) if run.ranks else None,
+            # the shown rank's compile time by jitted function, largest first, with its compilations' steps
+            "compile_by_function": compile_by_function(run.records("span", rank)) if rank is not None else {},
             # deep captures (docs/capture.md): the profiler traces taken, or why not
             "captures": capture_lines(run) if run.ranks else [],
             # every second of the job across attempts and ranks (docs/goodput.md), with the shown

@@ -277,3 +277,45 @@ def after_restore_costs(steps: Sequence[dict]) -> list[dict]:
             "one_off_compute_seconds": None if typical is None else max(0.0, own - typical),
         })
     return costs
+
+
+#: The JAX compile event that is one XLA compilation (the other two, the trace and the lowering, precede it).
+BACKEND_COMPILE_EVENT = "backend_compile_duration"
+
+
+def compile_by_function(spans: Iterable[dict]) -> dict[str, dict]:
+    """Compile time by the jitted function compiled (the ``compile`` spans' ``attrs.function``,
+    adapters/jax.py), largest first: ``{function: {"seconds", "compiles", "steps"}}``. ``seconds``: the
+    host time the training thread spent tracing, lowering and compiling it; ``compiles``: its XLA
+    compilations (backend compile events); ``steps``: the step each compilation happened in (null: outside
+    every step, before the first or between two). A function compiled more than once was recompiled (new
+    shapes, dtypes or static arguments). Compile spans without a function (older JAX) are ``unnamed``."""
+    out: dict[str, dict] = {}
+    for span in spans:
+        if span.get("name") != "compile":
+            continue
+        attrs = span.get("attrs") if isinstance(span.get("attrs"), dict) else {}
+        function = attrs.get("function")
+        entry = out.setdefault(str(function) if isinstance(function, str) and function else "unnamed",
+                               {"seconds": 0.0, "compiles": 0, "steps": []})
+        entry["seconds"] += as_number(span.get("seconds")) or 0.0
+        if attrs.get("event") == BACKEND_COMPILE_EVENT:
+            entry["compiles"] += 1
+            step = span.get("step")
+            entry["steps"].append(step if isinstance(step, int) and not isinstance(step, bool) else None)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
+
+
+def compile_sentence(by_function: dict[str, dict], limit: int = 8) -> str:
+    """One line naming each function's compile time, and where one was recompiled."""
+    parts = []
+    for function, entry in list(by_function.items())[:limit]:
+        text = f"{function} {entry['seconds']:.3f} s"
+        if entry["compiles"] > 1:
+            where = ", ".join("outside a step" if s is None else f"step {s}" for s in entry["steps"])
+            text += f" (compiled {entry['compiles']}×: {where}; recompiled)"
+        parts.append(text)
+    more = len(by_function) - limit
+    if more > 0:
+        parts.append(f"{more} more")
+    return "; ".join(parts)
