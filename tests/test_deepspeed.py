@@ -143,6 +143,11 @@ def test_pipeline_engine_microbatches_are_recorded_once_in_the_schedules_order(p
             assert step["optimizer_seconds"] >= 0
             # The stages that load micro-batches (first and last) wait on the data iterator in `data` spans.
             assert "data" in step["idle_breakdown"]
+        # eval_batch: an `eval` span after the training steps, with no step and no microbatch in it.
+        (evaluation,) = [r for r in records if r["type"] == "span" and r["name"] == "eval"]
+        last = max(s["host_end_time"] for s in steps)
+        assert evaluation["step"] is None and evaluation["start_time"] >= last and evaluation["seconds"] > 0
+        assert not [r for r in records if r["type"] == "microbatch" and r["host_start_time"] >= last]
 
 
 # -- installation, in this process -------------------------------------------------------------

@@ -8,8 +8,8 @@ Launched by tests/test_deepspeed.py with ``python -m torch.distributed.run``. Tw
   sleeps FORWARD_S (a stand-in for device work). Writes ``<out>/engine.json``: the global steps and
   whether the restored weights equal the saved ones.
 - ``pipe`` (2 processes): a 2-stage ``PipelineModule`` (one sleeping layer a stage) trained with
-  ``train_batch`` for --steps steps of --microbatches micro-batches. Writes ``<out>/pipe-rank<R>.json``:
-  the losses.
+  ``train_batch`` for --steps steps of --microbatches micro-batches, then one ``eval_batch``.
+  Writes ``<out>/pipe-rank<R>.json``: the losses.
 """
 
 import argparse
@@ -114,6 +114,7 @@ else:
                                            config=config(args.microbatches))
     data = iter(batches(args.steps * args.microbatches))
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(args.steps)]
+    engine.eval_batch(iter(batches(args.microbatches, seed=7)))  # an `eval` span, no step
     with open(os.path.join(args.out, f"pipe-rank{rank}.json"), "w") as f:
         json.dump({"losses": losses, "stage": engine.stage_id}, f)
 

@@ -7,10 +7,11 @@ weight gradient, so a zero-bubble schedule's split backward has two halves of kn
 pipeline's timing is deterministic on a 2-core machine.
 
 For each schedule named in --schedules: one step without steptrace's hooks (the reference
-gradients), then --steps steps with them, each in its own steptrace run (run id = the schedule's
-name). Writes ``<out>/rank<R>.pt``: per schedule, the reference and the hooked step 0's gradients,
-and the compute actions the schedule planned for this rank (``pipeline_order_with_comms``, the list
-``_PipelineScheduleRuntime._step_microbatches`` executes), for the multi-stage schedules.
+gradients), then --steps steps with them (GPipe and 1F1B then one ``schedule.eval``), each in its
+own steptrace run (run id = the schedule's name). Writes ``<out>/rank<R>.pt``: per schedule, the
+reference and the hooked step 0's gradients, and the compute actions the schedule planned for this
+rank (``pipeline_order_with_comms``, the list ``_PipelineScheduleRuntime._step_microbatches``
+executes), for the multi-stage schedules.
 """
 
 import argparse
@@ -145,6 +146,12 @@ for name in names:
         grads = run_step(stages, schedule, num_stages, step)
         if step == 0:
             results[name]["hooked"] = grads
+    if name in ("gpipe", "1f1b"):  # schedule.eval(): forward only, an `eval` span and no step
+        dist.barrier()
+        g = torch.Generator().manual_seed(99)
+        x, target = torch.randn(BATCH, HIDDEN, generator=g), torch.randn(BATCH, HIDDEN, generator=g)
+        with torch.no_grad():
+            schedule.eval(*((x,) if rank == 0 else ()), **({"target": target} if rank == world - 1 else {}))
     steptrace.shutdown()
     steptrace.adapters.torch_pipelining.uninstall()
 
