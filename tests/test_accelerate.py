@@ -145,6 +145,28 @@ def test_a_loop_without_accumulate_has_a_step_per_optimizer_step_from_the_forwar
         assert s["compute_seconds"] >= FORWARD_S and s["attrs"]["micro_batches"] == 1
 
 
+def test_an_optimizer_step_after_the_accumulate_block_closes_the_step_itself():
+    """``optimizer.step()`` called after ``with accelerator.accumulate(model):`` (not inside it): the
+    block's exit sees no update yet, so the step stays open until the update, which closes it."""
+    sink = MemorySink()
+    _start(sink, "after")
+    accelerator, model, optimizer, loader = _parts(2)
+    updates = 0
+    for x in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).pow(2).mean())
+        if accelerator.sync_gradients:
+            assert steptrace.current_step() is not None  # still open: the update is part of the step
+            optimizer.step()
+            updates += 1
+            assert steptrace.current_step() is None
+            optimizer.zero_grad()
+    steptrace.shutdown()
+    steps = sink.steps()
+    assert updates == SAMPLES // BATCH // 2 and [s["step"] for s in steps] == list(range(updates))
+    assert all(s["attrs"]["micro_batches"] == 2 and s["compute_seconds"] >= 2 * FORWARD_S for s in steps)
+
+
 def test_save_state_is_a_checkpoint_of_the_last_step_and_load_state_a_restore_before_the_first_step_after(
         tmp_path):
     sink = MemorySink()
