@@ -48,8 +48,7 @@ def require_accelerate() -> Any:
     try:
         import accelerate
     except ImportError as exc:
-        raise ImportError("steptrace's Accelerate hooks need accelerate: pip install 'steptrace[huggingface]' "
-                          "(or accelerate)") from exc
+        raise ImportError("steptrace's Accelerate hooks need accelerate: pip install 'steptrace[accelerate]'") from exc
     return accelerate
 
 

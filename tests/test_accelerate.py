@@ -9,6 +9,7 @@ k-th call (``gradient_accumulation_steps=k``) and on the data loader's last batc
 (``optimizer.py``); ``DataLoaderShard.__iter__`` fetches one batch ahead (``data_loader.py``).
 """
 
+import sys
 import time
 import warnings
 
@@ -20,7 +21,7 @@ from steptrace.testing import MemorySink
 
 torch = pytest.importorskip("torch", reason="the Accelerate tests need torch: pip install 'steptrace[torch]'")
 accelerate = pytest.importorskip("accelerate", reason="the Accelerate tests need accelerate: "
-                                 "pip install 'steptrace[huggingface]'")
+                                 "pip install 'steptrace[accelerate]'")
 
 from steptrace.adapters import accelerate as acc_hooks  # noqa: E402
 
@@ -226,3 +227,9 @@ def test_a_method_whose_signature_changed_disables_its_hook_with_one_warning(mon
     assert len([w for w in caught if issubclass(w.category, SteptraceWarning)]) == 1
     assert "accelerate.Accelerator.accumulate" not in names and len(names) == 6
     assert accelerate.Accelerator.accumulate is accumulate
+
+
+def test_install_without_accelerate_names_the_pip_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    with pytest.raises(ImportError, match=r"pip install 'steptrace\[accelerate\]'"):
+        acc_hooks.install()

@@ -203,3 +203,9 @@ def test_a_method_whose_signature_changed_disables_its_hook_with_one_warning(ds_
         assert DeepSpeedEngine.step is step
     finally:
         steptrace.shutdown()
+
+
+def test_install_without_deepspeed_names_the_install_line(ds_hooks, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ImportError, match=r"DS_BUILD_OPS=0 pip install 'steptrace\[deepspeed\]'"):
+        ds_hooks.install()
