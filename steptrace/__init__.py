@@ -446,7 +446,8 @@ def checkpoint(step: int, *, async_save: bool = False) -> Any:
 
 
 def microbatch(index: int, *, stage: int | None = None, chunk: int | None = None, kind: str = "forward") -> Any:
-    """Time one pipeline microbatch (``kind`` is ``"forward"`` or ``"backward"``) inside the current step."""
+    """Time one pipeline microbatch inside the current step. ``kind``: ``"forward"``, ``"backward"``, or
+    a zero-bubble schedule's split backward, ``"backward_input"`` and ``"backward_weight"``."""
     return _active.microbatch(index, stage=stage, chunk=chunk, kind=kind)
 
 

@@ -27,7 +27,9 @@ from steptrace._devices import HOST, Backends, scalar_reader
 from steptrace._errors import SteptraceWarning
 
 _perf = time.perf_counter
-MICROBATCH_KINDS = ("forward", "backward")
+#: Microbatch kinds: a forward, a full backward, and the two halves of a zero-bubble schedule's split
+#: backward (the input gradient, sent on at once; the weight gradient, deferred to fill the bubble).
+MICROBATCH_KINDS = ("forward", "backward", "backward_input", "backward_weight")
 
 
 class ClosedSpan:

@@ -481,7 +481,7 @@ class Runtime(_RuntimeBase):
         if not self.active:
             return NULL_MICROBATCH
         if kind not in MICROBATCH_KINDS:
-            self.misuse(f"microbatch kind={kind!r} is unknown; use 'forward' or 'backward'")
+            self.misuse(f"microbatch kind={kind!r} is unknown; use one of {', '.join(MICROBATCH_KINDS)}")
             return NULL_MICROBATCH
         current = self.current
         if current is not None and current.loop is not None and not _in_body(current.loop, sys._getframe(1)):

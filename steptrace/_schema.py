@@ -219,7 +219,7 @@ class MicrobatchRecord(_Common):
     microbatch: Any
     stage: Any
     chunk: Any
-    kind: str  # "forward" | "backward"
+    kind: str  # "forward" | "backward" | "backward_input" | "backward_weight" (a zero-bubble split backward)
     host_start_time: float
     host_end_time: float
     start_time: float

@@ -163,7 +163,7 @@ def microbatch_outside_step():
         (nested_step, "steps cannot nest"),
         (decreasing_steps, "step numbers must increase"),
         (negative_tokens, "non-negative number"),
-        (unknown_kind, "use 'forward' or 'backward'"),
+        (unknown_kind, "use one of forward, backward, backward_input, backward_weight"),
         (wait_for_outside_step, "inside `with steptrace.step"),
         (microbatch_outside_step, "outside a step"),
     ],

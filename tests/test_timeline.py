@@ -441,6 +441,27 @@ def test_interleaved_chunks_get_a_track_each(tmp_path):
     assert all(e["args"]["chunk"] == 1 for e in slices(trace, 0, "stage 0 chunk 1"))
 
 
+def test_a_zero_bubble_split_backward_is_drawn_as_input_and_weight_halves(tmp_path):
+    """torch.distributed.pipelining's zero-bubble schedules split a backward into I (input gradient)
+    and W (weight gradient), the letters its own schedule dumps use."""
+    records = [
+        {"type": "step", "run_id": "zb", "rank": 0, "step": 0, "status": "ok",
+         "host_start_time": T0, "host_end_time": T0 + 0.001, "start_time": T0, "end_time": T0 + 0.05,
+         "interval_seconds": 0.05, "compute_seconds": 0.05, "idle_seconds": 0.0, "idle_segments": []},
+    ]
+    order = [("forward", 0), ("backward_input", 0), ("forward", 1), ("backward_weight", 0), ("backward", 1)]
+    for k, (kind, i) in enumerate(order):
+        records.append({"type": "microbatch", "run_id": "zb", "rank": 0, "step": 0, "microbatch": i,
+                        "stage": 0, "chunk": None, "kind": kind, "start_time": T0 + k * 0.005,
+                        "end_time": T0 + (k + 1) * 0.005, "compute_seconds": 0.005})
+    write_rank(tmp_path / "zb", 0, records)
+    run = load_run(tmp_path / "zb")
+    drawn = slices(build_trace(run), 0, "stage 0")
+    assert [e["name"] for e in drawn] == ["F0", "I0", "F1", "W0", "B1"]
+    assert [e["args"]["kind"] for e in drawn] == [kind for kind, _ in order]
+    assert render_png(run, tmp_path / "zb.png").stat().st_size > 0
+
+
 def test_spans_that_overlap_without_nesting_go_to_a_second_host_track(tmp_path):
     step = {"type": "step", "run_id": "ov", "rank": 0, "step": 0, "status": "ok",
             "host_start_time": T0 + 0.01, "host_end_time": T0 + 0.03, "start_time": T0 + 0.02,

@@ -43,7 +43,8 @@ __all__ = [
 
 _MAX_HOST_LANES = 90
 
-_KIND_LETTER = {"forward": "F", "backward": "B"}
+# The letters torch.distributed.pipelining names its actions with (F, B, I, W).
+_KIND_LETTER = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
 StepWindow = tuple[int | None, int | None]
 

@@ -257,6 +257,10 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
             return reason_colour(bar.reason), {}, bar.reason
         if bar.kind == "backward":
             return BACKWARD_COLOUR, SEPARATE, "backward microbatch"
+        if bar.kind == "backward_input":
+            return BACKWARD_COLOUR, SEPARATE, "backward (input) microbatch"
+        if bar.kind == "backward_weight":
+            return BACKWARD_COLOUR, {**SEPARATE, "hatch": "///"}, "backward (weight) microbatch"
         return FORWARD_COLOUR, SEPARATE, "forward microbatch"
 
     labels_left = _MAX_LABELS
@@ -289,7 +293,7 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
         for bar, _depth in drawn:
             if labels_left <= 0:
                 break
-            if bar.kind in ("forward", "backward"):
+            if bar.kind in ("forward", "backward", "backward_input", "backward_weight"):
                 text = bar.name
                 if (bar.end - bar.start) * px_per_second < len(text) * char_px + 3:
                     text = bar.label
@@ -301,7 +305,7 @@ def render_png(run: Run, path: str | Path, *, ranks: Iterable[int] | None = None
                 continue
             if (bar.end - bar.start) * px_per_second < len(text) * char_px + 3:
                 continue
-            colour = "white" if bar.kind in ("backward", "compute") else "black"
+            colour = "white" if bar.kind in ("backward", "backward_input", "backward_weight", "compute") else "black"
             ax.text((bar.start + bar.end) / 2 - origin, y, text, ha="center", va="center",
                     fontsize=font_pt, color=colour, zorder=5, clip_on=True)
             labels_left -= 1
