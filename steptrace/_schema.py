@@ -304,7 +304,7 @@ class CaptureRecord(_Common):
     bytes: int
     start_time: float
     end_time: float
-    triggers_skipped: int  # triggers since the previous capture record that took no trace and were not recorded
+    triggers_skipped: int  # requests since the previous capture record refused again for a reason already said
     skipped_because: NotRequired[str]
     error: NotRequired[str]
 
