@@ -17,7 +17,8 @@ written, under the namespace ``steptrace/`` (:func:`tracker_points`):
   ``idle/<reason>_seconds``, ``tokens_per_second``, ``samples_per_second``, ``tflops_per_second``,
   ``mfu``, ``hfu``, ``device_memory_in_use_bytes``, ``device_memory_peak_bytes`` (where known),
   ``before_step_seconds`` (the first step), ``goodput`` (this process's, as docs/goodput.md defines
-  it: own compute over the wall from the process start, up to the step);
+  it: own compute over the wall from the process start, up to the step), and ``scalars/<name>`` for
+  each finite number the user logged with ``s.log(name=...)`` (the step record's ``scalars``);
 * per checkpoint: ``checkpoint/blocking_seconds``, ``checkpoint/host_seconds``,
   ``checkpoint/async_seconds``, at the checkpoint's step;
 * per stall: ``stall/open_seconds`` when the stall watch saw it, ``stall/lasted_seconds`` when the
@@ -124,6 +125,13 @@ class _Points:
             value = _number(r.get(field))
             if value is not None:
                 values[field] = value
+        scalars = r.get("scalars")
+        if isinstance(scalars, Mapping):
+            # What the user logged with s.log(loss=...): its finite numbers, at the step's own step.
+            for name, value in scalars.items():
+                number = _number(value)
+                if number is not None:
+                    values[f"scalars/{_key_part(str(name))}"] = number
         memory = r.get("device_memory")
         if isinstance(memory, Mapping):
             for field in ("in_use_bytes", "peak_bytes"):

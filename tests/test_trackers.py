@@ -69,6 +69,13 @@ def _expected(records: list[dict]) -> dict[str, dict[int, float]]:
     return out
 
 
+def _logged_loss(records: list[dict]) -> dict[int, float]:
+    """step -> the loss _train logged with s.log, from the JSONL records (issue 48: it reaches the trackers)."""
+    loss = {r["step"]: r["scalars"]["loss"] for r in records if r.get("type") == "step"}
+    assert loss == pytest.approx({n: 1.0 / (n + 1) for n in range(8)})
+    return loss
+
+
 def test_the_points_are_the_records_own_numbers_at_their_own_steps():
     records = [
         {"type": "attempt", "start_time": 100.0},
@@ -112,6 +119,8 @@ def test_tensorboard_reads_back_every_value_at_its_step_in_a_directory_per_rank(
     for tag, by_step in expected.items():
         got = {e.step: e.value for e in reader.Scalars(tag)}
         assert got == pytest.approx(by_step, rel=1e-6), tag  # TensorBoard scalars are 32-bit floats
+    assert {e.step: e.value for e in reader.Scalars("steptrace/scalars/loss")} == \
+        pytest.approx(_logged_loss(records), rel=1e-6)
     steps = {r["step"]: r for r in records if r.get("type") == "step"}
     assert {e.step: e.value for e in reader.Scalars("steptrace/interval_seconds")} == \
         pytest.approx({n: r["interval_seconds"] for n, r in steps.items()}, rel=1e-6)
@@ -171,6 +180,8 @@ def test_mlflow_reads_back_every_value_in_the_ranks_own_run(tmp_path, monkeypatc
     for key, by_step in expected.items():
         assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} == \
             pytest.approx(by_step, rel=1e-12), key
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "steptrace/scalars/loss")} == \
+        pytest.approx(_logged_loss(records), rel=1e-12)
 
 
 def test_mlflow_writes_beside_the_users_metrics_in_the_run_they_opened(tmp_path, monkeypatch):
@@ -212,6 +223,7 @@ def test_wandb_offline_run_holds_every_value_on_the_steptrace_step_axis(tmp_path
     assert set(got) == set(expected)
     for key, by_step in expected.items():
         assert got[key] == pytest.approx(by_step, rel=1e-12), key
+    assert got["steptrace/scalars/loss"] == pytest.approx(_logged_loss(records), rel=1e-12)
 
 
 def test_wandb_writes_late_values_at_their_own_step(tmp_path, monkeypatch):
