@@ -270,9 +270,14 @@ class Resolver:
         # the one record those counts cannot include (it is written after them).
         for worker in self.sinks:
             worker.begin_stop()
-        flushes = [worker.stop_thread(deadline) for worker in self.sinks]
+        # What is left is shared by the phases: a sink stuck in its export must not use up the time of the
+        # others' last export and shutdown (a JSONL file's close would be called hung for want of a turn).
+        left = max(0.0, deadline - time.monotonic())
+        stop_deadline = deadline - 0.4 * left
+        deliver_deadline = deadline - 0.2 * left
+        flushes = [worker.stop_thread(stop_deadline) for worker in self.sinks]
         for worker, call in zip(self.sinks, flushes):
-            worker.end_stop(call, deadline)
+            worker.end_stop(call, stop_deadline)
             complete = worker._stop_complete and complete
         run_record = self.records.run(steps=self.steps_resolved, dropped=self.dropped_snapshot(),
                                       background_cpu_seconds=self.background_cpu_seconds(),
@@ -284,7 +289,7 @@ class Resolver:
         # tracker's shutdown that hangs leaves its unconfirmed records counted as dropped, and said.
         delivered = [worker.begin_deliver([run_record]) for worker in self.sinks]
         for worker, call in zip(self.sinks, delivered):
-            worker.end_deliver(call, 1, deadline)
+            worker.end_deliver(call, 1, deliver_deadline)
         closing = [worker.begin_close(deadline) for worker in self.sinks]
         for worker, call in zip(self.sinks, closing):
             complete = worker.end_close(call, deadline) and complete

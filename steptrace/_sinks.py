@@ -404,8 +404,9 @@ class SinkWorker:
             if not self._said_hung:
                 self._said_hung = True
                 log.warning("steptrace sink %s: its %s did not return within the shutdown timeout; left "
-                            "running on a daemon thread, and the %d records it had not confirmed written are "
-                            "counted as dropped (sink:%s)", self.name, what, lost, self.name)
+                            "running on a daemon thread%s", self.name, what,
+                            f", and the {lost} records it had not confirmed written are counted as dropped "
+                            f"(sink:{self.name})" if lost else "")
         return False, None
 
     def _flushed(self, call: SinkCall | None, deadline: float, final: bool) -> bool:

@@ -787,3 +787,77 @@ def test_a_tracker_whose_records_are_written_only_at_its_shutdown_counts_them_al
     finally:
         hang.set()
     assert drops == {"sink:tensorboard": len(_late_records()) + 1}  # every record, the last one too
+
+
+# MLflow's REST client against a tracking server that answers init() and then goes away (the issue's case). What
+# MLflow does then, relied on here (mlflow/utils/rest_utils.py, http_request): each request is retried on a refused
+# connection with exponential backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES, 7; backoff factor 2; up to 120 s a
+# request), so its log_batch and set_terminated hold their caller for minutes. The server answers runs/create as
+# MLflow's REST API does ({"run": {"info": ...}}), and every other call with {}.
+_MLFLOW_GONE_SCRIPT = r"""
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+paths = []
+
+class Server(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        paths.append(self.path)
+        out = {}
+        if self.path.endswith("/runs/create"):
+            out = {"run": {"info": {"run_id": "r1", "run_uuid": "r1", "experiment_id": "0", "user_id": "u",
+                                    "status": "RUNNING", "start_time": 1, "artifact_uri": "",
+                                    "lifecycle_stage": "active", "run_name": "gone/rank-0"}, "data": {}}}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+os.environ["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{server.server_address[1]}"
+import steptrace
+
+steptrace.init(run_dir=sys.argv[1], run_id="gone", backend="host", trackers="mlflow")
+for n in range(3):
+    with steptrace.step(n) as s:
+        s.log(loss=1.0)
+steptrace.flush(30)
+server.shutdown()
+server.server_close()  # the server is gone: MLflow's requests are refused and retried
+for n in range(3, 6):
+    with steptrace.step(n):
+        pass
+started = time.monotonic()
+complete = steptrace.shutdown(2.0)
+print(json.dumps({"paths": paths, "complete": complete, "shutdown_s": time.monotonic() - started}), flush=True)
+os._exit(0)  # MLflow's retries go on in daemon threads: nothing to wait for
+"""
+
+
+def test_mlflow_with_its_server_gone_after_init_holds_neither_the_loop_nor_shutdown(tmp_path):
+    script = tmp_path / "mlflow_gone.py"
+    script.write_text(_MLFLOW_GONE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    try:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                              timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("shutdown(2.0) waited on MLflow's retries to a server that is gone")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["paths"][:2] == ["/api/2.0/mlflow/runs/create", "/api/2.0/mlflow/runs/log-batch"]
+    assert result["complete"] is False and result["shutdown_s"] < 60  # 2 s asked; never minutes
+    assert "steptrace sink mlflow: its shutdown did not return within the shutdown timeout" in done.stderr
+    records = _records(tmp_path, "gone")
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(6))  # the JSONL has every step
+    (run,) = [r for r in records if r["type"] == "run"]
+    assert run["dropped"].get("sink:mlflow", 0) >= 1 and "sink:jsonl" not in run["dropped"]  # the stuck batch
