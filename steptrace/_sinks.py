@@ -60,6 +60,7 @@ class JsonlSink:
     """
 
     name = "jsonl"
+    instant_flush = True  # unbuffered: force_flush only says so (SinkWorker calls it on the caller's thread)
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int = 0):
         self.path = os.fspath(path)
@@ -217,6 +218,10 @@ _BATCH_RECORDS = 1024
 _IDLE_WAIT_S = 1.0
 
 
+_DONE = threading.Event()
+_DONE.set()
+
+
 class SinkCall:
     """One of a sink's own calls (``force_flush``, ``shutdown``, a last ``export``) on a thread of its own,
     so the caller (``flush()``, ``shutdown()``, the atexit shutdown, on the training thread) waits for it
@@ -224,11 +229,18 @@ class SinkCall:
     server gone, W&B's ``finish()``, TensorBoard's ``close()`` behind a hung writer). A call that outlives
     the deadline is left to finish (or not) on its daemon thread."""
 
-    def __init__(self, name: str, call: Callable[[], Any]):
+    def __init__(self, name: str, call: Callable[[], Any], inline: bool = False):
         self._call = call
-        self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        if inline:
+            # A call that cannot block (``instant_flush``): a thread of its own would cost more than it
+            # (~1 ms a flush() on the 2-vCPU VM), and so would an Event's locks (each release can hand the GIL
+            # to a sink thread): run here, already done.
+            self.done = _DONE
+            self._run()
+            return
+        self.done = threading.Event()
         try:
             threading.Thread(target=self._run, name=name, daemon=True).start()
         except RuntimeError:  # no new thread (the interpreter is finalizing): run it here
@@ -240,10 +252,13 @@ class SinkCall:
         except BaseException as exc:  # the sink's own failure, reported by the caller
             self.error = exc
         finally:
-            self.done.set()
+            if self.done is not _DONE:
+                self.done.set()
 
     def wait(self, deadline: float) -> bool:
         """Whether the call returned by ``deadline`` (``time.monotonic()``)."""
+        if self.done.is_set():  # no lock taken: an inline call's case, every flush() of JSONL and memory
+            return True
         return self.done.wait(max(0.0, deadline - time.monotonic()))
 
 
@@ -280,6 +295,10 @@ class SinkWorker:
         # unfinished: counted as dropped then.
         self._unconfirmed = 0
         self._flush_confirms = getattr(sink, "flush_confirms", True) is not False
+        # A sink whose force_flush only returns a value (JSONL: unbuffered; Prometheus; the in-memory sink)
+        # says ``instant_flush = True``: it is called on the caller's thread, where a thread of its own would
+        # cost ~1 ms a flush() (thread start and GIL hand-offs, measured on the 2-vCPU VM) for nothing.
+        self._instant_flush = getattr(sink, "instant_flush", False) is True
         self._hung: SinkCall | None = None  # a force_flush/shutdown/export of the sink's that has not returned
         self._said_hung = False
         #: CPU seconds this sink's thread has used (it holds the GIL for nearly all of them).
@@ -376,14 +395,14 @@ class SinkWorker:
         else:
             self._unconfirmed += len(batch) - invalid
 
-    def _call(self, what: str, call: Callable[[], Any]) -> SinkCall | None:
-        """Start one of the sink's own calls off the caller's thread; None while an earlier one has not
-        returned (the sink is stuck in it: another would only pile up threads)."""
+    def _call(self, what: str, call: Callable[[], Any], inline: bool = False) -> SinkCall | None:
+        """Start one of the sink's own calls off the caller's thread (``inline``: on it); None while an
+        earlier one has not returned (the sink is stuck in it: another would only pile up threads)."""
         hung = self._hung
         if hung is not None and not hung.done.is_set():
             return None
         self._hung = None
-        return SinkCall(f"steptrace-sink-{self.name}-{what}", call)
+        return SinkCall(f"steptrace-sink-{self.name}-{what}", call, inline)
 
     def _ended(self, what: str, call: SinkCall | None, deadline: float, final: bool) -> tuple[bool, Any]:
         """Wait for ``call`` until ``deadline``: ``(returned, result)``. With ``final`` (shutdown), a call
@@ -424,7 +443,8 @@ class SinkWorker:
         """Start the sink's ``force_flush`` (every sink's at once: one that hangs must not use up the
         others' time); :meth:`end_flush` waits for it."""
         return self._call("force_flush",
-                          lambda: self.sink.force_flush(max(0.0, self._flush_deadline - time.monotonic())))
+                          lambda: self.sink.force_flush(max(0.0, self._flush_deadline - time.monotonic())),
+                          self._instant_flush)
 
     def end_flush(self, call: SinkCall | None, deadline: float) -> bool:
         return self._flushed(call, deadline, final=False)
