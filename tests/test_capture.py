@@ -817,3 +817,25 @@ def test_the_slow_trigger_judges_the_steps_own_time_and_a_refused_one_leaves_a_r
     assert refused["status"] == "skipped" and refused["trigger"] == "slow" and refused["trigger_step"] == 70
     assert refused["skipped_because"].startswith("cooldown: no capture before step ")
     assert "step 70 took" in refused["reason"]
+
+
+def test_the_report_gives_a_run_of_cooldown_refusals_one_line_and_json_each():
+    """Every refused slow trigger is a record (issue 48); a slow stretch refuses one a step, so the text report
+    says a rank's run of them in one line, and --json keeps each."""
+    from steptrace.analysis.report import capture_sentences
+
+    def line(status, step, because=None, rank=0, trigger="slow"):
+        return {"rank": rank, "status": status, "trigger": trigger, "trigger_step": step, "skipped_because": because,
+                "sentence": f"rank {rank}: step {step} took 90.0 ms" + (f": no trace ({because})" if because else "")}
+
+    cooldown = "cooldown: no capture before step 600 (capture_cooldown_steps=500)"
+    lines = [line("ok", 30), line("skipped", 41, cooldown), line("skipped", 42, cooldown),
+             line("skipped", 47, cooldown), line("skipped", 48, cooldown, rank=1),
+             line("skipped", 700, "capture_max (5) reached"), line("skipped", 701, cooldown)]
+    assert capture_sentences(lines) == [
+        "rank 0: step 30 took 90.0 ms",
+        "rank 0: 3 slow triggers refused by the cooldown, steps 41–47 (the first: rank 0: step 41 took 90.0 ms: no "
+        f"trace ({cooldown}))",
+        f"rank 1: step 48 took 90.0 ms: no trace ({cooldown})",
+        "rank 0: step 700 took 90.0 ms: no trace (capture_max (5) reached)",
+        f"rank 0: step 701 took 90.0 ms: no trace ({cooldown})"]
