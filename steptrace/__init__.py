@@ -397,10 +397,36 @@ def restore(step: int | None = None, **attrs: Any) -> Any:
     """Time restoring a checkpoint (of ``step``) as a ``restore`` span: before the first step it is
     the attempt's restore time in the job's accounting (``steptrace report``'s badput table). The
     next step's record carries ``first_after_restore: true``. A hook that learns the step only from
-    the restore sets ``attrs["restored_step"]`` on the span it entered, before it closes."""
+    the restore sets ``attrs["restored_step"]`` on the span it entered, before it closes.
+
+    A restore that raised restored nothing: its span still goes out (the time was spent) with
+    ``attrs["error"]`` (the exception) and ``attrs["restored"] = False``, and the next step is not
+    marked. The exception propagates unchanged."""
     if step is not None:
         attrs["restored_step"] = step
-    return span(RESTORE_SPAN, **attrs)
+    handle = span(RESTORE_SPAN, **attrs)
+    return _Restore(handle) if isinstance(handle, _handles.SpanHandle) else handle
+
+
+class _Restore:
+    """The ``with`` of :func:`restore`: the span (``as`` gives it), told when the block raised. The
+    span's own ``__exit__`` (compiled on the hot path) does not look at the exception; a restore must."""
+
+    __slots__ = ("_span",)
+
+    def __init__(self, handle: Any):
+        self._span = handle
+
+    def __enter__(self) -> Any:
+        return self._span.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        handle = self._span
+        if exc_type is not None:
+            attrs = handle.attrs
+            attrs["restored"] = False  # nothing was restored: the next step is no first after a restore
+            attrs["error"] = f"{exc_type.__name__}: {exc}"[:500]
+        return bool(handle.__exit__(exc_type, exc, tb))
 
 
 def span(name: str, **attrs: Any) -> Any:

@@ -4,15 +4,18 @@ A trigger *arms* a capture; the training thread starts the profiler at the next 
 start of the next step, never inside one) and stops it at the boundary ``capture_steps`` steps later
 (or at shutdown). Triggers:
 
-* ``slow``: a finalized step whose interval is above both ``capture_slow_factor`` × the run's median
-  and the median + ``capture_slow_mad`` robust standard deviations (1.4826 × MAD) over the last
-  ``capture_window_steps`` steps (ml-goodput-measurement's ideal step time uses median + 3·MAD; a
-  capture wants fewer false alarms). Judged on the resolver thread as steps are finalized; needs
-  ``MIN_STEPS`` steps first (the first ones compile).
+* ``slow``: a finalized step whose own time (:func:`own_seconds`: its interval less the idle time a
+  span names, an eval, a data wait, a checkpoint, a capture) is above both ``capture_slow_factor`` ×
+  the run's median and the median + ``capture_slow_mad`` robust standard deviations (1.4826 × MAD)
+  over the last ``capture_window_steps`` steps (ml-goodput-measurement's ideal step time uses
+  median + 3·MAD; a capture wants fewer false alarms). A step that held an eval or waited on its data
+  is not slow: its trace would show the eval, not the step. Judged on the resolver thread as steps
+  are finalized; needs ``MIN_STEPS`` steps first (the first ones compile).
 * ``stall``: the stall watch saw the rank stop moving. A profiler cannot start inside a hang (the
   training thread is stuck), so the ``stall`` record's stacks are the hang's evidence, and the
   capture covers the steps once the rank moves again.
-* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler), or ``POST
+* ``request``: ``steptrace.request_capture()`` (from any thread, or a signal handler: it takes no lock,
+  see :meth:`Capture.request`), or ``POST
   /v1/steptrace/capture`` with the ``capture_token`` on the rank's ``/metrics`` server
   (``steptrace.prometheus.CaptureRoute``).
 * ``straggler``: the collector named this rank the run's straggler, or the reference rank to compare
@@ -24,8 +27,10 @@ start of the next step, never inside one) and stops it at the boundary ``capture
 At most one capture at a time; then ``capture_cooldown_steps`` steps without one; at most
 ``capture_max`` per run and ``capture_max_bytes`` of trace files. A profiler that is already running
 (the user's own) is detected and left alone: the capture is skipped and says so. Every capture, taken
-or not, is a ``capture`` record (``status``: ``ok``, ``failed``, ``skipped``; ``reason``), and a
-failure is never raised into the training loop.
+or not, is a ``capture`` record (``status``: ``ok``, ``failed``, ``skipped``; ``reason``): an anomaly
+trigger refused by the cooldown or a spent budget writes its own ``skipped`` record naming its step
+and why; a repeated ``request`` refused for a budget already said spent is counted in the next
+record's ``triggers_skipped``. A failure is never raised into the training loop.
 
 Profilers: ``torch.profiler`` (CPU, and CUDA where available; a Chrome trace, ``trace.json``) or
 ``jax.profiler`` (an XProf trace under ``plugins/profile/``, and a Perfetto trace
@@ -64,6 +69,24 @@ CAPTURE_PATH = "/v1/steptrace/capture"
 #: The slow-step threshold is recomputed every this many steps (a median and a MAD of the window each
 #: time; in between a step costs one comparison on the resolver thread).
 RECOMPUTE_EVERY = 10
+
+
+#: Idle reasons that are not the step's own doing when judging a slow step: everything a span names.
+#: ``other`` (idle no span covers) stays in: an unexplained host pause is what a trace should show.
+UNNAMED_IDLE = "other"
+
+
+def own_seconds(record: dict[str, Any]) -> tuple[float, float]:
+    """``(the step's own seconds, its named idle seconds)``: the interval less the idle time that host
+    spans name (``eval``, ``data``, ``checkpoint``, ``capture``, ``compile``, the user's own names). An
+    eval run before ``begin_step`` (as the README says to) or a data stall is in the step's interval,
+    as idle time by its reason; the step itself did not take longer."""
+    interval = record["interval_seconds"]
+    named = 0.0
+    for reason, seconds in (record.get("idle_breakdown") or {}).items():
+        if reason != UNNAMED_IDLE and isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0:
+            named += seconds
+    return max(0.0, interval - named), named
 
 
 class SlowStepRule:
@@ -256,7 +279,6 @@ class Capture:
         #: robust sigmas of its last values, or not finite.
         self.spike_scalar = spike_scalar
         self._spike = SlowStepRule(window_steps, 1.0, slow_mad) if "spike" in triggers else None
-        self._lock = threading.Lock()
         #: Set by a trigger: (trigger, step it fired at, reason). Read by the training thread.
         self.pending: tuple[str, int | None, str] | None = None
         #: The running capture, or None.
@@ -265,6 +287,9 @@ class Capture:
         self.bytes = 0
         self._cooldown_until: int | None = None  # first step that may start a capture again
         self.failures = 0
+        # Guards a trace's write (the writer thread) against shutdown's wait for it. Never taken by a
+        # trigger (see _arm): a signal handler may run while the training thread holds it.
+        self._lock = threading.Lock()
         #: Triggers that took no trace and were not recorded (the cooldown, a budget already said spent),
         #: since the last capture record: its ``triggers_skipped``.
         self.triggers_skipped = 0
@@ -287,13 +312,21 @@ class Capture:
     def _arm(self, trigger: str, step: int | None, reason: str) -> bool:
         """Whether this trigger armed the next capture (False: one armed or running covers it). A capture
         whose steps are over but whose trace is still being written covers nothing more: the trigger arms
-        the next, which starts once the write has ended."""
-        with self._lock:
-            active = self.active
-            if self.pending is not None or (active is not None and "writer" not in active):
-                return False  # one at a time: the running (or armed) capture covers this too
-            self.pending = (trigger, step, reason)
-            return True
+        the next, which starts once the write has ended.
+
+        Takes no lock: a signal handler (``request_capture()``) runs on the training thread between
+        two bytecodes, possibly while that thread is inside :meth:`boundary`; a lock held there would
+        never be released to it (the handler waits, nested handlers pile up until a RecursionError).
+        Plain attribute reads and one store, each atomic under the GIL: two triggers racing from
+        two threads can both see nothing armed, and the later store wins; one capture is armed either
+        way, which covers both (as a trigger arriving while one is armed is covered). The training
+        thread stores ``active`` before it clears ``pending``, so a trigger never sees neither while a
+        capture starts."""
+        active = self.active
+        if self.pending is not None or (active is not None and "writer" not in active):
+            return False  # one at a time: the running (or armed) capture covers this too
+        self.pending = (trigger, step, reason)
+        return True
 
     def step_finalized(self, record: dict[str, Any]) -> None:
         """The resolver, for each finalized ok step's record. Steps a capture profiled, and the one whose
@@ -315,11 +348,13 @@ class Capture:
         low, high = self._ignored
         if low is not None and step >= low and (high is None or step <= high):
             return
-        interval = record["interval_seconds"]
-        verdict = self._rule.judge(interval)
+        own, named = own_seconds(record)
+        verdict = self._rule.judge(own)
         if verdict is not None:
             ratio, threshold = verdict
-            self._arm("slow", step, f"step {step} took {interval * 1e3:.1f} ms, {ratio:.1f}x the run's median "
+            less = f" of its own (interval {record['interval_seconds'] * 1e3:.1f} ms less {named * 1e3:.1f} ms " \
+                   "of named idle)" if named > 0 else ""
+            self._arm("slow", step, f"step {step} took {own * 1e3:.1f} ms{less}, {ratio:.1f}x the run's median "
                                     f"(threshold {threshold * 1e3:.1f} ms){pause_clause(record)}")
 
     def stalled(self, step: int, open_seconds: float) -> None:
@@ -353,7 +388,9 @@ class Capture:
 
     def request(self, reason: str = "requested") -> bool:
         """``steptrace.request_capture()`` and the HTTP trigger: whether it armed the next capture (False: one
-        already armed or running covers it)."""
+        already armed or running covers it). Lock-free (see :meth:`_arm`): safe in a signal handler at any
+        instant, however often and however nested; the training thread acts on it at the next step
+        boundary."""
         return self._arm("request", None, reason)
 
     # -- the training thread, at a step boundary -------------------------------------------------
@@ -384,16 +421,17 @@ class Capture:
             log.debug("steptrace capture: the record could not be emitted", exc_info=True)
 
     def _skip(self, pending: tuple[str, int | None, str], step: int, why: str, kind: str | None = None) -> None:
-        """A trigger that takes no trace. Said in a ``skipped`` record, except where it would repeat: in
-        the cooldown (counted in the next record's ``triggers_skipped``) and for a budget already said
-        to be spent (``kind``: said once)."""
+        """A trigger that takes no trace, said in a ``skipped`` record naming the step it fired at and why.
+        An anomaly trigger (slow, spike, stall, straggler) is rare by construction and always said, in the
+        cooldown too: a slow step the cooldown refused must leave a trace of its own. A ``request`` refused
+        again for a reason already said (``kind``: the cooldown, a spent budget) is counted in the next
+        record's ``triggers_skipped`` instead: a signal per step would otherwise write a record per step."""
         trigger, fired, reason = pending
-        with self._lock:
-            self.pending = None
-        if kind == "cooldown" or (kind is not None and kind in self._said):
+        self.pending = None
+        if trigger == "request" and kind is not None and kind in self._said:
             self.triggers_skipped += 1
             return
-        if kind is not None:
+        if kind is not None and trigger == "request":
             self._said.add(kind)
         self._record(status="skipped", trigger=trigger, trigger_step=fired, reason=reason, skipped_because=why,
                      first_step=None, last_step=None, path=None, profiler=None, bytes=0,
@@ -415,7 +453,8 @@ class Capture:
         """Why a capture armed for ``step`` takes no trace (why, kind), or None: the cooldown, a budget
         (``step`` None: the budgets only)."""
         if step is not None and self._cooldown_until is not None and step < self._cooldown_until:
-            return "cooldown", "cooldown"
+            return (f"cooldown: no capture before step {self._cooldown_until} "
+                    f"(capture_cooldown_steps={self.cooldown_steps})"), "cooldown"
         if self.taken >= self.max_captures:
             return f"capture_max ({self.max_captures}) reached", "max"
         if self.bytes >= self.max_bytes:
@@ -449,19 +488,19 @@ class Capture:
             # A profiler that would not start is a failure (status "failed", counted like a failed stop), not
             # a skip: steptrace_captures_total{status="failed"} is then every failure.
             self.failures += 1
-            with self._lock:
-                self.pending = None
+            self.pending = None
             self._record(status="failed", trigger=pending[0], trigger_step=pending[1], reason=pending[2],
                          first_step=None, last_step=None, path=None, profiler=profiler.name, bytes=0,
                          start_time=time.time(), end_time=time.time(),
                          error=f"the profiler did not start: {type(exc).__name__}: {exc}")
             return
-        with self._lock:
-            self.pending = None
+        with self._lock:  # (the writer thread's bookkeeping; a trigger takes no lock, see _arm)
             self._ignored = (step, None)
+            # ``active`` before ``pending`` is cleared: a trigger in between (a signal) sees one running.
             self.active = {"trigger": pending[0], "trigger_step": pending[1], "reason": pending[2],
                            "first_step": step, "profiler": profiler, "start": time.time(),
                            "start_seconds": started_seconds}
+            self.pending = None
         self.taken += 1
 
     def _finish(self, active: dict[str, Any], last_step: int | None) -> None:

@@ -254,7 +254,12 @@ class Resolver:
         self._wake.set()
         if not tail.done.wait(max(0.0, deadline - time.monotonic())):
             return False
-        return all([worker.flush(deadline) for worker in self.sinks])
+        exported = [worker.exported(deadline) for worker in self.sinks]
+        # Every sink's own force_flush at once, each on a thread of its own: one that hangs (a tracker
+        # whose server is gone) costs the others none of their time, and the caller no more than timeout_s.
+        calls = [worker.begin_flush() if done else None for worker, done in zip(self.sinks, exported)]
+        return all([done and worker.end_flush(call, deadline)
+                    for worker, done, call in zip(self.sinks, exported, calls)])
 
     def shutdown(self, closed: list["ClosedSpan"], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -275,18 +280,29 @@ class Resolver:
         # the one record those counts cannot include (it is written after them).
         for worker in self.sinks:
             worker.begin_stop()
-        for worker in self.sinks:
-            complete = worker.stop(deadline) and complete
+        # What is left is shared by the phases: a sink stuck in its export must not use up the time of the
+        # others' last export and shutdown (a JSONL file's close would be called hung for want of a turn).
+        left = max(0.0, deadline - time.monotonic())
+        stop_deadline = deadline - 0.4 * left
+        deliver_deadline = deadline - 0.2 * left
+        flushes = [worker.stop_thread(stop_deadline) for worker in self.sinks]
+        for worker, call in zip(self.sinks, flushes):
+            worker.end_stop(call, stop_deadline)
+            complete = worker._stop_complete and complete
         run_record = self.records.run(steps=self.steps_resolved, dropped=self.dropped_snapshot(),
                                       background_cpu_seconds=self.background_cpu_seconds(),
                                       device_clock=self.clock_stats())
         if not self._thread.is_alive():  # give the anchors' markers back (the thread no longer uses them)
             for clock in self._clocks.values():
                 clock.close()
-        for worker in self.sinks:
-            worker.deliver_last([run_record])
-        for worker in self.sinks:
-            complete = worker.close(deadline) and complete
+        # The sinks' own last export and shutdown, each off this thread and bounded by the deadline: a
+        # tracker's shutdown that hangs leaves its unconfirmed records counted as dropped, and said.
+        delivered = [worker.begin_deliver([run_record]) for worker in self.sinks]
+        for worker, call in zip(self.sinks, delivered):
+            worker.end_deliver(call, 1, deliver_deadline)
+        closing = [worker.begin_close(deadline) for worker in self.sinks]
+        for worker, call in zip(self.sinks, closing):
+            complete = worker.end_close(call, deadline) and complete
         return complete and not unresolved
 
     def forked(self) -> None:

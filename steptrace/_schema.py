@@ -313,7 +313,7 @@ class CaptureRecord(_Common):
     bytes: int
     start_time: float
     end_time: float
-    triggers_skipped: int  # triggers since the previous capture record that took no trace and were not recorded
+    triggers_skipped: int  # requests since the previous capture record refused again for a reason already said
     start_seconds: NotRequired[float]  # the training thread's pause starting the profiler
     stop_seconds: NotRequired[float]  # the training thread's pause stopping it, stop to resume
     write_seconds: NotRequired[float]  # collecting and writing the trace, on the capture's writer thread

@@ -60,6 +60,7 @@ class JsonlSink:
     """
 
     name = "jsonl"
+    instant_flush = True  # unbuffered: force_flush only says so (SinkWorker calls it on the caller's thread)
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int = 0):
         self.path = os.fspath(path)
@@ -217,6 +218,50 @@ _BATCH_RECORDS = 1024
 _IDLE_WAIT_S = 1.0
 
 
+_DONE = threading.Event()
+_DONE.set()
+
+
+class SinkCall:
+    """One of a sink's own calls (``force_flush``, ``shutdown``, a last ``export``) on a thread of its own,
+    so the caller (``flush()``, ``shutdown()``, the atexit shutdown, on the training thread) waits for it
+    only until a deadline: a tracker's ``shutdown`` can block for minutes (MLflow's HTTP retries with its
+    server gone, W&B's ``finish()``, TensorBoard's ``close()`` behind a hung writer). A call that outlives
+    the deadline is left to finish (or not) on its daemon thread."""
+
+    def __init__(self, name: str, call: Callable[[], Any], inline: bool = False):
+        self._call = call
+        self.result: Any = None
+        self.error: BaseException | None = None
+        if inline:
+            # A call that cannot block (``instant_flush``): a thread of its own would cost more than it
+            # (~1 ms a flush() on the 2-vCPU VM), and so would an Event's locks (each release can hand the GIL
+            # to a sink thread): run here, already done.
+            self.done = _DONE
+            self._run()
+            return
+        self.done = threading.Event()
+        try:
+            threading.Thread(target=self._run, name=name, daemon=True).start()
+        except RuntimeError:  # no new thread (the interpreter is finalizing): run it here
+            self._run()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._call()
+        except BaseException as exc:  # the sink's own failure, reported by the caller
+            self.error = exc
+        finally:
+            if self.done is not _DONE:
+                self.done.set()
+
+    def wait(self, deadline: float) -> bool:
+        """Whether the call returned by ``deadline`` (``time.monotonic()``)."""
+        if self.done.is_set():  # no lock taken: an inline call's case, every flush() of JSONL and memory
+            return True
+        return self.done.wait(max(0.0, deadline - time.monotonic()))
+
+
 class SinkWorker:
     """A sink's bounded queue and background thread."""
 
@@ -244,6 +289,18 @@ class SinkWorker:
         self._urgent = 0  # flushes waiting: export at once
         self._urgent_lock = threading.Lock()  # flush() may run on several threads at once
         self._abandoned = False  # shutdown gave up on a hung export and counted its batch
+        # Records exported that the sink has not yet said are written: a successful force_flush() says so
+        # (for a sink whose ``flush_confirms`` is not False; W&B's run only holds them at finish()), and so
+        # does a shutdown() that returned. A flush or shutdown that outlives its deadline leaves them
+        # unfinished: counted as dropped then.
+        self._unconfirmed = 0
+        self._flush_confirms = getattr(sink, "flush_confirms", True) is not False
+        # A sink whose force_flush only returns a value (JSONL: unbuffered; Prometheus; the in-memory sink)
+        # says ``instant_flush = True``: it is called on the caller's thread, where a thread of its own would
+        # cost ~1 ms a flush() (thread start and GIL hand-offs, measured on the 2-vCPU VM) for nothing.
+        self._instant_flush = getattr(sink, "instant_flush", False) is True
+        self._hung: SinkCall | None = None  # a force_flush/shutdown/export of the sink's that has not returned
+        self._said_hung = False
         #: CPU seconds this sink's thread has used (it holds the GIL for nearly all of them).
         self.cpu_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name=f"steptrace-sink-{self.name}", daemon=True)
@@ -316,7 +373,7 @@ class SinkWorker:
             # A sink may say how many of the batch's records the failure lost (it skips some kinds).
             lost = getattr(exc, "dropped_records", None)
             self._failures += 1
-            if self._failures == 1:
+            if self._failures == 1 and not getattr(exc, "said", False):  # said: the sink told why already
                 log.exception("steptrace sink %s failed; its records are dropped and counted", self.name)
         finally:
             self._in_flight = 0
@@ -334,9 +391,69 @@ class SinkWorker:
                 lost = len(batch) - invalid
             if lost:
                 self._count_drop(sink_drop_reason(self.name), lost)
+            self._unconfirmed += len(batch) - invalid - lost
+        else:
+            self._unconfirmed += len(batch) - invalid
+
+    def _call(self, what: str, call: Callable[[], Any], inline: bool = False) -> SinkCall | None:
+        """Start one of the sink's own calls off the caller's thread (``inline``: on it); None while an
+        earlier one has not returned (the sink is stuck in it: another would only pile up threads)."""
+        hung = self._hung
+        if hung is not None and not hung.done.is_set():
+            return None
+        self._hung = None
+        return SinkCall(f"steptrace-sink-{self.name}-{what}", call, inline)
+
+    def _ended(self, what: str, call: SinkCall | None, deadline: float, final: bool) -> tuple[bool, Any]:
+        """Wait for ``call`` until ``deadline``: ``(returned, result)``. With ``final`` (shutdown), a call
+        that did not return leaves the records the sink had not confirmed written unfinished: they are
+        counted as dropped, and said."""
+        if call is not None and call.wait(deadline):
+            if call.error is not None:
+                log.error("steptrace sink %s failed to %s: %s: %s", self.name, what, type(call.error).__name__,
+                          call.error)
+                return True, None
+            return True, call.result
+        if call is not None:
+            self._hung = call
+        if final:
+            lost, self._unconfirmed = self._unconfirmed, 0
+            if lost:
+                self._count_drop(sink_drop_reason(self.name), lost)
+            if not self._said_hung:
+                self._said_hung = True
+                log.warning("steptrace sink %s: its %s did not return within the shutdown timeout; left "
+                            "running on a daemon thread%s", self.name, what,
+                            f", and the {lost} records it had not confirmed written are counted as dropped "
+                            f"(sink:{self.name})" if lost else "")
+        return False, None
+
+    def _flushed(self, call: SinkCall | None, deadline: float, final: bool) -> bool:
+        returned, result = self._ended("force_flush", call, deadline, final)
+        if returned and result and self._flush_confirms:
+            self._unconfirmed = 0
+        return returned and bool(result)
 
     def flush(self, deadline: float) -> bool:
-        """Wait until everything offered so far is exported, then flush the sink."""
+        """Wait until everything offered so far is exported, then flush the sink (its ``force_flush`` off
+        this thread, waited for until ``deadline``)."""
+        return self.exported(deadline) and self.end_flush(self.begin_flush(), deadline)
+
+    def begin_flush(self) -> SinkCall | None:
+        """Start the sink's ``force_flush`` (every sink's at once: one that hangs must not use up the
+        others' time); :meth:`end_flush` waits for it."""
+        return self._call("force_flush",
+                          lambda: self.sink.force_flush(max(0.0, self._flush_deadline - time.monotonic())),
+                          self._instant_flush)
+
+    def end_flush(self, call: SinkCall | None, deadline: float) -> bool:
+        return self._flushed(call, deadline, final=False)
+
+    _flush_deadline = 0.0  # what begin_flush() tells the sink it has: set by the caller before it
+
+    def exported(self, deadline: float) -> bool:
+        """Wait until everything offered so far is exported (not yet flushed by the sink)."""
+        self._flush_deadline = deadline
         target = self._offered
         with self._urgent_lock:
             self._urgent += 1
@@ -349,11 +466,7 @@ class SinkWorker:
         finally:
             with self._urgent_lock:
                 self._urgent -= 1
-        try:
-            return bool(self.sink.force_flush(max(0.0, deadline - time.monotonic())))
-        except Exception:
-            log.exception("steptrace sink %s failed to flush", self.name)
-            return False
+        return True
 
     def forked(self) -> None:
         """In a forked child: offer nothing more and drop the copied queue (the parent exports it)."""
@@ -371,15 +484,29 @@ class SinkWorker:
         """Export what is queued (until ``deadline``), stop the thread, and count as dropped whatever
         did not get out: records still queued and a batch stuck in an export that never returned.
         After this the drop counts for this sink are final. True when nothing was left."""
+        self.end_stop(self.stop_thread(deadline), deadline)
+        return self._stop_complete
+
+    def stop_thread(self, deadline: float) -> SinkCall | None:
+        """:meth:`stop`'s first half: the thread exports what is queued and ends (until ``deadline``);
+        then the sink's ``force_flush`` starts, off this thread (None: none, the thread is still in an
+        export, or the sink is still in an earlier call)."""
         self.begin_stop()
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            return None
+        self._flush_deadline = deadline
+        return self.begin_flush()
+
+    def end_stop(self, call: SinkCall | None, deadline: float) -> None:
+        """:meth:`stop`'s second half: wait for the flush until ``deadline`` and count what is lost."""
         flushed = True
+        hung_flush = False
         if not self._thread.is_alive():
-            try:
-                flushed = bool(self.sink.force_flush(max(0.0, deadline - time.monotonic())))
-            except Exception:
-                log.exception("steptrace sink %s failed to flush", self.name)
-                flushed = False
+            flushed = self._flushed(call, deadline, final=False)
+            hung_flush = call is None or not call.done.is_set()
+            if hung_flush:
+                self._ended("force_flush", None, deadline, final=True)  # counts the unconfirmed records
         left = len(self._queue)
         if left:
             # The thread may still be alive (a hung export): make sure it stops here
@@ -390,24 +517,50 @@ class SinkWorker:
         if in_flight:
             self._abandoned = True
             self._count_drop(sink_drop_reason(self.name), in_flight)
-        self._stopped_cleanly = not self._thread.is_alive()
-        return flushed and not left and not in_flight
+        # A sink stuck in its flush gets nothing more (the run record would wait behind it).
+        self._stopped_cleanly = not self._thread.is_alive() and not hung_flush
+        self._stop_complete = flushed and not left and not in_flight
 
-    def deliver_last(self, records: Sequence[Mapping[str, Any]]) -> None:
-        """Export the run's last records (the run record, with the final counts) on this thread,
-        after :meth:`stop`; a sink whose export hung gets nothing more (and counts it)."""
+    _stop_complete = False
+
+    def deliver_last(self, records: Sequence[Mapping[str, Any]], deadline: float | None = None) -> None:
+        """Export the run's last records (the run record, with the final counts) after :meth:`stop`, off
+        this thread, until ``deadline``; a sink whose export or flush hung gets nothing more (and counts
+        it), and so does one whose export of these does not return in time."""
+        self.end_deliver(self.begin_deliver(records), len(records), 1e18 if deadline is None else deadline)
+
+    def begin_deliver(self, records: Sequence[Mapping[str, Any]]) -> SinkCall | None:
+        """Start :meth:`deliver_last`'s export (every sink's at once); None: not started, counted dropped."""
         if not getattr(self, "_stopped_cleanly", False):
             self._count_drop(sink_drop_reason(self.name), len(records))
-            return
-        self._export(list(records))
+            return None
+        batch = list(records)
+        call = self._call("export", lambda: self._export(batch))
+        if call is None:
+            self._count_drop(sink_drop_reason(self.name), len(batch))
+        return call
+
+    def end_deliver(self, call: SinkCall | None, count: int, deadline: float) -> None:
+        if call is not None and not call.wait(deadline):
+            self._hung = call
+            self._abandoned = True  # the export, if it ever returns, counts nothing more
+            self._count_drop(sink_drop_reason(self.name), count)
+
+    def begin_close(self, deadline: float) -> SinkCall | None:
+        """Start the sink's ``shutdown`` off this thread (every sink's at once); :meth:`end_close` waits."""
+        return self._call("shutdown", lambda: self.sink.shutdown(max(0.0, deadline - time.monotonic())))
+
+    def end_close(self, call: SinkCall | None, deadline: float) -> bool:
+        """Whether the sink's shutdown returned by ``deadline`` without raising; if it did not return,
+        what it had not confirmed written is counted as dropped (and said)."""
+        returned, _ = self._ended("shutdown", call, deadline, final=True)
+        if returned and call is not None and call.error is None:
+            self._unconfirmed = 0
+            return True
+        return False
 
     def close(self, deadline: float) -> bool:
-        try:
-            self.sink.shutdown(max(0.0, deadline - time.monotonic()))
-        except Exception:
-            log.exception("steptrace sink %s failed to shut down", self.name)
-            return False
-        return True
+        return self.end_close(self.begin_close(deadline), deadline)
 
     def shutdown(self, deadline: float) -> bool:
         """stop() then close(): for sinks used on their own."""

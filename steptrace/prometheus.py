@@ -181,6 +181,7 @@ class PrometheusSink:
     """
 
     name = "prometheus"
+    instant_flush = True  # metrics are updated in export(): force_flush only says so
 
     def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", local_rank: int = 0, run_id: str,
                  rank: int = 0, goodput_window_steps: int = 100, peak_tflops: float | None = None,

@@ -40,6 +40,7 @@ class MemorySink:
     """Keeps every exported record in memory (``records``), with filters by type."""
 
     name = "memory"
+    instant_flush = True  # force_flush only says so: called on the caller's thread (steptrace._sinks)
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []

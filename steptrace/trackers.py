@@ -18,7 +18,8 @@ written, under the namespace ``steptrace/`` (:func:`tracker_points`):
   (pauses=True), ``tokens_per_second``, ``samples_per_second``, ``tflops_per_second``,
   ``mfu``, ``hfu``, ``device_memory_in_use_bytes``, ``device_memory_peak_bytes`` (where known),
   ``before_step_seconds`` (the first step), ``goodput`` (this process's, as docs/goodput.md defines
-  it: own compute over the wall from the process start, up to the step);
+  it: own compute over the wall from the process start, up to the step), and ``scalars/<name>`` for
+  each finite number the user logged with ``s.log(name=...)`` (the step record's ``scalars``);
 * per checkpoint: ``checkpoint/blocking_seconds``, ``checkpoint/host_seconds``,
   ``checkpoint/async_seconds``, at the checkpoint's step;
 * per stall: ``stall/open_seconds`` when the stall watch saw it, ``stall/lasted_seconds`` when the
@@ -39,8 +40,8 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 from steptrace._attribution import GoodputTotals, split_step
 from steptrace._config import TRACKERS
 
-__all__ = ["MlflowSink", "TRACKERS", "TensorBoardSink", "TrackerPoint", "WandbSink", "cluster_tracker_points",
-           "tracker_points", "tracker_sink"]
+__all__ = ["MlflowSink", "TRACKERS", "TensorBoardSink", "TrackerPoint", "TrackerUnavailable", "WandbSink",
+           "cluster_tracker_points", "tracker_points", "tracker_sink"]
 
 log = logging.getLogger("steptrace")
 
@@ -133,6 +134,13 @@ class _Points:
             value = _number(r.get(field))
             if value is not None:
                 values[field] = value
+        scalars = r.get("scalars")
+        if isinstance(scalars, Mapping):
+            # What the user logged with s.log(loss=...): its finite numbers, at the step's own step.
+            for name, value in scalars.items():
+                number = _number(value)
+                if number is not None:
+                    values[f"scalars/{_key_part(str(name))}"] = number
         memory = r.get("device_memory")
         if isinstance(memory, Mapping):
             for field in ("in_use_bytes", "peak_bytes"):
@@ -257,6 +265,19 @@ def _missing(tracker: str, module: str, exc: ImportError) -> ValueError:
                       f"pip install 'steptrace[{TRACKERS[tracker]}]'")
 
 
+class TrackerUnavailable(RuntimeError):
+    """A tracker that could not open its store at ``init()``: its records are dropped and counted. Said
+    once, in one line, when it failed to open (``said``: the sink worker does not repeat it)."""
+
+    said = True
+
+
+#: The fix an MLflow store that does not open is told, in one line.
+MLFLOW_FIX = ("set MLFLOW_TRACKING_URI to your tracking server (http://host:5000), or use the default local "
+              "store sqlite:///mlflow.db, which with mlflow-skinny needs sqlalchemy and alembic: "
+              "pip install 'steptrace[mlflow]'")
+
+
 class _TrackerSink:
     """What the three sinks share: the record-to-point mapping, the key namespace, the rank."""
 
@@ -293,9 +314,15 @@ class _TrackerSink:
                                          else (shared_run and self.world_size > 1))
         self._prefix = f"{NAMESPACE}rank_{self.rank}/" if in_key else NAMESPACE
 
+    #: Why the tracker could not be opened at ``init()`` (its store unusable, its server unreachable), or
+    #: None. The training job goes on: every record given to the sink is then dropped and counted.
+    unavailable: str | None = None
+
     def export(self, records: Sequence[Mapping[str, Any]]) -> None:
         if not self._bound:
             raise RuntimeError(f"steptrace {self.name} sink used before steptrace.init() bound it")
+        if self.unavailable is not None:
+            raise TrackerUnavailable(self.unavailable)
         points = self._points(records)
         if self.step_offset:
             points = [point._replace(step=point.step + self.step_offset) for point in points]
@@ -402,10 +429,10 @@ class MlflowSink(_TrackerSink):
         except ImportError as exc:
             raise _missing("mlflow", "mlflow", exc) from exc
         self._metric = Metric
+        run_id = self.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        shared = run_id is not None
         try:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            run_id = self.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID") or None
-            shared = run_id is not None
             if run_id is None and not self.aggregate:
                 active = mlflow.active_run()
                 if active is not None and (self.tracking_uri is None
@@ -424,7 +451,20 @@ class MlflowSink(_TrackerSink):
         except Exception as exc:
             if isinstance(exc, ValueError):
                 raise
-            raise ValueError(f"trackers: mlflow cannot open its run ({type(exc).__name__}: {exc})") from exc
+            named = shared and getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
+            if self.aggregate or named:
+                # A run you named that does not exist is a setting to fix, said at init(); the collector
+                # counts a tracker that did not open (open_failed) itself.
+                raise ValueError(f"trackers: mlflow cannot open its run ({type(exc).__name__}: {exc})") from exc
+            # The store itself did not open (MLflow 3's default sqlite store without sqlalchemy, a server
+            # gone): the training job goes on without this tracker, told once, in one line, how to fix it.
+            uri = getattr(self._client, "tracking_uri", None) or self.tracking_uri or mlflow.get_tracking_uri()
+            first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+            self.unavailable = (f"trackers: mlflow cannot open its store {uri} ({type(exc).__name__}: {first_line}); "
+                                f"{MLFLOW_FIX}")
+            log.error("steptrace %s. Training goes on; its records are dropped and counted (sink:mlflow)",
+                      self.unavailable)
+            return
         self.mlflow_run_id = run_id
         self._keys(shared_run=shared)
 
@@ -459,6 +499,9 @@ class WandbSink(_TrackerSink):
     ``offline``); ``dir``: where the run's files go."""
 
     name = "wandb"
+    #: W&B's run holds what log() was given until finish(): a force_flush confirms nothing written, so a
+    #: finish() that outlives the shutdown timeout leaves every record counted as dropped (steptrace._sinks).
+    flush_confirms = False
 
     def __init__(self, *, project: str | None = None, entity: str | None = None, mode: str | None = None,
                  dir: str | os.PathLike[str] | None = None, group: str | None = None, aggregate: bool = False):

@@ -66,7 +66,7 @@ def test_a_failing_restore_propagates_unchanged_and_is_still_timed():
         with pytest.raises(OSError, match="no such checkpoint"):
             timed_restore(lambda: (_ for _ in ()).throw(OSError("no such checkpoint")), lambda r: 3)
     (span,) = [s for s in sink.spans() if s["name"] == "restore"]
-    assert span["attrs"] == {}
+    assert span["attrs"] == {"restored": False, "error": "OSError: no such checkpoint"}  # issue 48: not a restore
 
 
 def _step(attempt, n, start, interval, compute, **extra):
@@ -181,3 +181,34 @@ def test_the_otlp_step_span_of_the_first_step_after_a_restore_says_so():
         spans = {s.attributes["train.step"]: s.attributes for s in receiver.spans() if s.name == "train.step"}
     assert spans[4]["train.first_after_restore"] is True
     assert "train.first_after_restore" not in spans[5]
+
+
+def test_a_restore_that_raised_is_a_span_with_its_error_and_marks_no_step():
+    """Issue 48: a restore block that raised restored nothing. Its span is written (the time was spent) with
+    the error and ``restored: false``; the next step is not ``first_after_restore``, and the accounting gives
+    it no restore's one-off cost. The exception reaches the caller unchanged."""
+    with capture() as sink:
+        with steptrace.step(0):
+            pass
+        with pytest.raises(FileNotFoundError, match="no checkpoint at /ckpt/7"):
+            with steptrace.restore(7):
+                raise FileNotFoundError("no checkpoint at /ckpt/7")
+        for n in (1, 2):
+            with steptrace.step(n):
+                pass
+        with pytest.raises(OSError):
+            timed_restore(lambda: (_ for _ in ()).throw(OSError("disk gone")), lambda result: 3)
+        with steptrace.step(3):
+            pass
+        with steptrace.restore(3):  # one that worked still marks the next step
+            pass
+        with steptrace.step(4):
+            pass
+    marked = {s["step"]: s.get("first_after_restore") for s in sink.steps()}
+    assert marked == {0: None, 1: None, 2: None, 3: None, 4: True}
+    spans = [s for s in sink.spans() if s["name"] == "restore"]
+    assert [s["attrs"] for s in spans] == [
+        {"restored_step": 7, "restored": False, "error": "FileNotFoundError: no checkpoint at /ckpt/7"},
+        {"restored": False, "error": "OSError: disk gone"},
+        {"restored_step": 3}]
+    assert all(s["seconds"] >= 0 for s in spans)

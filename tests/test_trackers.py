@@ -69,6 +69,13 @@ def _expected(records: list[dict]) -> dict[str, dict[int, float]]:
     return out
 
 
+def _logged_loss(records: list[dict]) -> dict[int, float]:
+    """step -> the loss _train logged with s.log, from the JSONL records (issue 48: it reaches the trackers)."""
+    loss = {r["step"]: r["scalars"]["loss"] for r in records if r.get("type") == "step"}
+    assert loss == pytest.approx({n: 1.0 / (n + 1) for n in range(8)})
+    return loss
+
+
 def test_the_points_are_the_records_own_numbers_at_their_own_steps():
     records = [
         {"type": "attempt", "start_time": 100.0},
@@ -112,6 +119,8 @@ def test_tensorboard_reads_back_every_value_at_its_step_in_a_directory_per_rank(
     for tag, by_step in expected.items():
         got = {e.step: e.value for e in reader.Scalars(tag)}
         assert got == pytest.approx(by_step, rel=1e-6), tag  # TensorBoard scalars are 32-bit floats
+    assert {e.step: e.value for e in reader.Scalars("steptrace/scalars/loss")} == \
+        pytest.approx(_logged_loss(records), rel=1e-6)
     steps = {r["step"]: r for r in records if r.get("type") == "step"}
     assert {e.step: e.value for e in reader.Scalars("steptrace/interval_seconds")} == \
         pytest.approx({n: r["interval_seconds"] for n, r in steps.items()}, rel=1e-6)
@@ -171,6 +180,8 @@ def test_mlflow_reads_back_every_value_in_the_ranks_own_run(tmp_path, monkeypatc
     for key, by_step in expected.items():
         assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} == \
             pytest.approx(by_step, rel=1e-12), key
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "steptrace/scalars/loss")} == \
+        pytest.approx(_logged_loss(records), rel=1e-12)
 
 
 def test_mlflow_writes_beside_the_users_metrics_in_the_run_they_opened(tmp_path, monkeypatch):
@@ -212,6 +223,7 @@ def test_wandb_offline_run_holds_every_value_on_the_steptrace_step_axis(tmp_path
     assert set(got) == set(expected)
     for key, by_step in expected.items():
         assert got[key] == pytest.approx(by_step, rel=1e-12), key
+    assert got["steptrace/scalars/loss"] == pytest.approx(_logged_loss(records), rel=1e-12)
 
 
 def test_wandb_writes_late_values_at_their_own_step(tmp_path, monkeypatch):
@@ -618,3 +630,234 @@ def test_two_gloo_ranks_under_torchrun_in_aggregate_mode_show_the_job_and_its_st
     assert sum(named.get(step) == 1.0 for step in steady) >= 0.9 * len(steady), named
     costs = [e.value for e in reader.Scalars("steptrace/cluster/straggler_cost_seconds")]
     assert statistics.median(costs) == pytest.approx(0.07, rel=0.4)  # 60 ms more, and 10 ms less of rank 0's own
+
+
+class _HangsAtFlushAndShutdown(TensorBoardSink):
+    """A tracker whose own force_flush and shutdown never return, as MLflow's do with its server gone after
+    init() (its HTTP client retries for minutes), W&B's finish() with its service stuck, TensorBoard's close()
+    behind a stuck writer. Its exports work; nothing it was given is ever confirmed written."""
+
+    def __init__(self, hang: threading.Event):
+        super().__init__()
+        self.hang = hang
+        self.entered: list[str] = []
+
+    def force_flush(self, timeout_s):
+        self.entered.append("force_flush")
+        self.hang.wait()
+        return True
+
+    def shutdown(self, timeout_s):
+        self.entered.append("shutdown")
+        self.hang.wait()
+
+
+def test_flush_and_shutdown_return_within_their_timeout_whatever_a_tracker_does(tmp_path):
+    """Issue 48: each sink's own force_flush/shutdown runs off the caller's thread with a bound. flush(1.0)
+    and shutdown(2.0) return (False: not everything finished) though the tracker never does, and what the
+    tracker had not confirmed written is counted as dropped under sink:tensorboard, in the run record too."""
+    hang = threading.Event()
+    hung = _HangsAtFlushAndShutdown(hang)
+    steptrace.init(run_dir=str(tmp_path), run_id="hangs", backend="host", sinks=[hung])
+    try:
+        for n in range(5):
+            with steptrace.step(n):
+                pass
+        started = time.monotonic()
+        flushed = steptrace.flush(timeout_s=1.0)
+        flush_s = time.monotonic() - started
+        started = time.monotonic()
+        complete = steptrace.shutdown(timeout_s=2.0)
+        shutdown_s = time.monotonic() - started
+        dropped = steptrace.stats()["dropped"] if steptrace.enabled() else None
+    finally:
+        hang.set()
+    assert flushed is False and complete is False
+    # Bounded: without the bound either call waits forever (the hang is released only after both returned).
+    assert flush_s < 60 and shutdown_s < 60, (flush_s, shutdown_s)
+    assert dropped is None  # shut down
+    records = _records(tmp_path, "hangs")
+    (run,) = [r for r in records if r["type"] == "run"]
+    given = len(records) - 1  # every record but the run record reached the tracker's export ...
+    assert run["dropped"]["sink:tensorboard"] == given  # ... and none was confirmed written: counted
+    assert hung.entered == ["force_flush"]  # stuck in its flush: no second call piled on it
+
+
+_ATEXIT_SCRIPT = r"""
+import sys, threading
+import steptrace
+from steptrace.trackers import TensorBoardSink
+
+class Hangs(TensorBoardSink):
+    def shutdown(self, timeout_s):
+        threading.Event().wait()  # never returns, like MLflow's set_terminated with the server gone
+
+steptrace.init(run_dir=sys.argv[1], run_id="atexit", backend="host", sinks=[Hangs()], shutdown_timeout_s=2.0)
+for n in range(3):
+    with steptrace.step(n):
+        pass
+print("loop done", flush=True)
+# no shutdown(): the atexit one runs
+"""
+
+
+def test_the_atexit_shutdown_is_bounded_too(tmp_path):
+    script = tmp_path / "atexit_hang.py"
+    script.write_text(_ATEXIT_SCRIPT)
+    try:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: the atexit shutdown waited on the tracker's shutdown()")
+    assert done.returncode == 0 and "loop done" in done.stdout, done.stderr[-2000:]
+    assert "steptrace sink tensorboard: its shutdown did not return within the shutdown timeout" in done.stderr
+    records = _records(tmp_path, "atexit")
+    assert [r["step"] for r in records if r["type"] == "step"] == [0, 1, 2]
+    assert any(r["type"] == "run" for r in records)  # the JSONL sink finished beside the hung one
+
+
+def test_mlflow_with_default_settings_works_as_the_extra_installs_it(tmp_path, monkeypatch):
+    """Issue 48: with no MLflow setting at all, MLflow 3's default store is sqlite:///mlflow.db in the working
+    directory. mlflow-skinny registers that SQL store only where sqlalchemy imports (and creates its tables with
+    alembic: mlflow/tracking/_tracking_service/utils.py, _register_tracking_stores); without them init() raised
+    MLflow's own UnsupportedModelRegistryStoreURIException. The [mlflow] extra installs both: the default works,
+    and the logged loss is read back from the database."""
+    import tomllib
+
+    from mlflow.tracking import MlflowClient
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {req.split(">")[0].split("=")[0] for req in extras["mlflow"]} >= {"mlflow-skinny", "sqlalchemy", "alembic"}
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    records = _train(tmp_path, "default", trackers="mlflow")
+    (run_record,) = [r for r in records if r["type"] == "run"]
+    assert not run_record.get("dropped"), run_record["dropped"]
+    assert (tmp_path / "mlflow.db").is_file()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs(experiment_ids=["0"])
+    assert run.info.run_name == "default/rank-0" and run.info.status == "FINISHED"
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "steptrace/scalars/loss")} == \
+        pytest.approx(_logged_loss(records), rel=1e-12)
+
+
+def test_an_mlflow_store_that_does_not_open_fails_soft_in_one_line_naming_the_fix(tmp_path, monkeypatch, caplog):
+    """A store MLflow itself refuses (here MLflow 3's file store without MLFLOW_ALLOW_FILE_STORE, its real
+    MlflowException) fails neither init() nor a step: the job trains, the JSONL has every record, the tracker's
+    records are dropped and counted, and one log line says why and names the fix."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    with caplog.at_level("WARNING", logger="steptrace"):
+        records = _train(tmp_path, "refused", trackers="mlflow")
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(8))
+    (run_record,) = [r for r in records if r["type"] == "run"]
+    assert run_record["dropped"]["sink:mlflow"] == len(records) - 1  # all it was given before the run record
+    said = [r.getMessage() for r in caplog.records if "mlflow" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith(f"steptrace trackers: mlflow cannot open its store {(tmp_path / 'mlruns').as_uri()} "
+                              "(MlflowException: ")
+    assert "set MLFLOW_TRACKING_URI to your tracking server" in said[0] and "steptrace[mlflow]" in said[0]
+    assert "Training goes on; its records are dropped and counted (sink:mlflow)" in said[0]
+
+
+class _FinishHangs(_HangsAtFlushAndShutdown):
+    """As W&B's run: force_flush returns at once (W&B's service holds what log() was given), finish() hangs."""
+
+    flush_confirms = False
+
+    def force_flush(self, timeout_s):
+        return True
+
+
+def test_a_tracker_whose_records_are_written_only_at_its_shutdown_counts_them_all_when_it_hangs(tmp_path):
+    from steptrace._sinks import SinkWorker
+
+    hang = threading.Event()
+    sink = _bound(_FinishHangs(hang), tmp_path)
+    drops: dict[str, int] = {}
+    worker = SinkWorker(sink, 1000, lambda reason, n=1: drops.__setitem__(reason, drops.get(reason, 0) + n))
+    try:
+        worker.offer(_late_records())
+        assert worker.flush(time.monotonic() + 30)  # its flush returned: nothing is confirmed by it
+        assert worker.stop(time.monotonic() + 30) and drops == {}
+        worker.deliver_last([{"type": "run"}], time.monotonic() + 30)
+        assert not worker.close(time.monotonic() + 0.5)
+    finally:
+        hang.set()
+    assert drops == {"sink:tensorboard": len(_late_records()) + 1}  # every record, the last one too
+
+
+# MLflow's REST client against a tracking server that answers init() and then goes away (the issue's case). What
+# MLflow does then, relied on here (mlflow/utils/rest_utils.py, http_request): each request is retried on a refused
+# connection with exponential backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES, 7; backoff factor 2; up to 120 s a
+# request), so its log_batch and set_terminated hold their caller for minutes. The server answers runs/create as
+# MLflow's REST API does ({"run": {"info": ...}}), and every other call with {}.
+_MLFLOW_GONE_SCRIPT = r"""
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+paths = []
+
+class Server(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        paths.append(self.path)
+        out = {}
+        if self.path.endswith("/runs/create"):
+            out = {"run": {"info": {"run_id": "r1", "run_uuid": "r1", "experiment_id": "0", "user_id": "u",
+                                    "status": "RUNNING", "start_time": 1, "artifact_uri": "",
+                                    "lifecycle_stage": "active", "run_name": "gone/rank-0"}, "data": {}}}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+os.environ["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{server.server_address[1]}"
+import steptrace
+
+steptrace.init(run_dir=sys.argv[1], run_id="gone", backend="host", trackers="mlflow")
+for n in range(3):
+    with steptrace.step(n) as s:
+        s.log(loss=1.0)
+steptrace.flush(30)
+server.shutdown()
+server.server_close()  # the server is gone: MLflow's requests are refused and retried
+for n in range(3, 6):
+    with steptrace.step(n):
+        pass
+started = time.monotonic()
+complete = steptrace.shutdown(2.0)
+print(json.dumps({"paths": paths, "complete": complete, "shutdown_s": time.monotonic() - started}), flush=True)
+os._exit(0)  # MLflow's retries go on in daemon threads: nothing to wait for
+"""
+
+
+def test_mlflow_with_its_server_gone_after_init_holds_neither_the_loop_nor_shutdown(tmp_path):
+    script = tmp_path / "mlflow_gone.py"
+    script.write_text(_MLFLOW_GONE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    try:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                              timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("shutdown(2.0) waited on MLflow's retries to a server that is gone")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["paths"][:2] == ["/api/2.0/mlflow/runs/create", "/api/2.0/mlflow/runs/log-batch"]
+    assert result["complete"] is False and result["shutdown_s"] < 60  # 2 s asked; never minutes
+    assert "steptrace sink mlflow: its shutdown did not return within the shutdown timeout" in done.stderr
+    records = _records(tmp_path, "gone")
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(6))  # the JSONL has every step
+    (run,) = [r for r in records if r["type"] == "run"]
+    assert run["dropped"].get("sink:mlflow", 0) >= 1 and "sink:jsonl" not in run["dropped"]  # the stuck batch

@@ -8,6 +8,7 @@
 ``timeline``       ``steptrace timeline``: the Chrome/Perfetto trace of all ranks
 ``plotting``       the PNG pictures (the report's plot, the timeline lanes)
 ``palette``        one colour per idle reason, everywhere
+``wandb_log``      reading a W&B offline run's logged rows back (docs/trackers.md)
 =================  ==================================================================
 
 Nothing here is imported by the training-time code; ``steptrace.report`` and

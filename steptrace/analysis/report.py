@@ -447,8 +447,39 @@ def capture_lines(run: Any) -> list[dict]:
                 sentence = f"rank {rank}: {reason}: the trace failed ({record.get('error')})"
             out.append({"rank": rank, **{k: record.get(k) for k in (
                 "status", "trigger", "trigger_step", "first_step", "last_step", "path", "profiler", "bytes",
-                "start_time", "start_seconds", "stop_seconds", "write_seconds")}, "sentence": sentence})
+                "start_time", "start_seconds", "stop_seconds", "write_seconds", "skipped_because")},
+                "sentence": sentence})
     out.sort(key=lambda c: (c["start_time"] or 0.0, c["rank"]))
+    return out
+
+
+def capture_sentences(lines: list[dict]) -> list[str]:
+    """The report's capture lines, a rank's run of refusals by the cooldown of one trigger in one line: every
+    refused anomaly trigger is a record of its own (a slow stretch refuses one a step until the rule's window
+    takes the new pace), which as many lines would bury the traces taken. ``report --json`` keeps each."""
+    out: list[str] = []
+    run: list[dict] = []
+
+    def close() -> None:
+        if len(run) == 1:
+            out.append(run[0]["sentence"])
+        elif run:
+            first, last = run[0], run[-1]
+            out.append(f"rank {first['rank']}: {len(run)} {first['trigger']} triggers refused by the cooldown, "
+                       f"steps {first['trigger_step']}–{last['trigger_step']} (the first: {first['sentence']})")
+        run.clear()
+
+    for line in lines:
+        refused = line.get("status") == "skipped" and str(line.get("skipped_because") or "").startswith("cooldown")
+        if refused and run and (run[0]["rank"], run[0]["trigger"]) == (line["rank"], line["trigger"]):
+            run.append(line)
+            continue
+        close()
+        if refused:
+            run.append(line)
+        else:
+            out.append(line["sentence"])
+    close()
     return out
 
 
@@ -701,8 +732,8 @@ def render_report(
         compiles = compile_by_function(run.records("span", rank))
         if compiles:
             console.print(f"[bold]Compile by function[/] (rank {rank}): {escape(compile_sentence(compiles))}")
-        for line in capture_lines(run):
-            console.print(f"[bold]Capture[/] {markup(line['sentence'])}")
+        for sentence in capture_sentences(capture_lines(run)):
+            console.print(f"[bold]Capture[/] {markup(sentence)}")
     elif rank is not None:
         run.resolve_rank(rank)  # no rank files: asking for one is an error
     cluster_steps = run.cluster_steps()
