@@ -41,11 +41,14 @@ import steptrace
 steptrace.init(run_dir=run_dir, run_id="job", rank=rank, world_size=2)
 ckpt = os.path.join(run_dir, f"ckpt-{rank}.json")
 first = 0
+restored = 0.0
 if os.path.exists(ckpt):
     with steptrace.restore(json.load(open(ckpt))["step"]):
-        time.sleep(restore_s)
+        t = time.time()
+        time.sleep(restore_s)  # wakes late on a loaded machine: what it really took is the truth
         first = json.load(open(ckpt))["step"] + 1
-marks = {"started": started, "first_entry": None}
+        restored = time.time() - t
+marks = {"started": started, "first_entry": None, "restored": restored}
 for n in range(first, last_step + 1):
     t0 = time.time()
     with steptrace.step(n):
@@ -149,8 +152,8 @@ def test_a_job_killed_after_a_checkpoint_and_resumed_is_accounted_by_attempt(tmp
         l1, l2 = launched_1[rank], launched_2[rank]
         # Start-up: process start -> the first step's entry, less the restore (its own bucket).
         assert _close(first["badput"]["startup"], m1["first_entry"] - l1), first
-        assert _close(second["badput"]["startup"], m2["first_entry"] - l2 - RESTORE_S), second
-        assert _close(second["badput"]["restore"], RESTORE_S)
+        assert _close(second["badput"]["startup"], m2["first_entry"] - l2 - m2["restored"]), second
+        assert m2["restored"] >= RESTORE_S and _close(second["badput"]["restore"], m2["restored"])
         assert first["badput"]["restore"] == 0.0
         # Downtime: the crashed attempt's last record (step 12's end) -> the relaunch's process start;
         # its flush and the kill fall in between.
