@@ -3,6 +3,8 @@
 #
 #   make demo        the JAX demo: naive timing vs steptrace, then the steptrace report
 #   make test        lint, then pytest (extra arguments: make test PYTEST_ARGS='-k report -x')
+#   make test-stress the same suite with STRESS_LOOPS (2) busy processes beside it, stopped afterwards:
+#                    timing tests must hold on a busy CI machine (docs/testing.md)
 #   make lint        ruff on everything, mypy on the core (part of make test)
 #   make bench       every bench/bench_*.py, then bench/collector_scale.py and bench/scale.py --quick
 #   make clean       run directories, caches, build outputs
@@ -20,6 +22,7 @@ EXTRAS ?= demo,torch,test
 # (it compiles the one it uses, with g++ and ninja, on first use).
 export DS_BUILD_OPS ?= 0
 PYTEST_ARGS ?=
+STRESS_LOOPS ?= 2
 DEMO_ARGS ?=
 
 VENV_PYTHON := $(VENV)/bin/python
@@ -28,7 +31,7 @@ VENV_PYTHON := $(VENV)/bin/python
 PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])" 2>/dev/null || cksum < pyproject.toml | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 
-.PHONY: demo test lint bench install clean distclean help maxtext-env axlearn-env
+.PHONY: demo test test-stress lint bench install clean distclean help maxtext-env axlearn-env
 .DEFAULT_GOAL := help
 
 help:
@@ -60,6 +63,14 @@ lint: $(STAMP) $(HOTPATH_STAMP)
 
 test: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env lint
 	@$(VENV_PYTHON) -c "import steptrace._handles as h; print('steptrace: the per-step calls run', 'compiled (steptrace/_hotpath.c)' if h._hotpath else 'in Python (the C extension is not built here)')"
+	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+
+# The busy loops are started here and stopped by their own pids when pytest ends (or fails, or is
+# interrupted); the suite's exit status is make's.
+test-stress: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env lint
+	@pids=""; trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
+	for i in $$(seq $(STRESS_LOOPS)); do $(PYTHON) -c 'while 1: pass' & pids="$$pids $$!"; done; \
+	echo "steptrace: $(STRESS_LOOPS) busy loops beside the suite (pids$$pids)"; \
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) $(HOTPATH_STAMP)

@@ -97,7 +97,7 @@ REJECTION_REASONS = ("malformed", "too_large", "too_many_spans", "unsupported_me
                      "unauthorized", "forbidden", "not_found", "method_not_allowed", "length_required",
                      "uri_too_long", "headers_too_large", "unsupported_version", "tls", "timeout", "overloaded",
                      "peer_overloaded", "shutting_down", "internal", "journal_failed", "journal_full",
-                     "memory_limited", "evicted")
+                     "memory_limited", "evicted", "bad_duration")
 
 #: Why a ``train.step`` span was skipped (``steptrace_collector_invalid_spans_total{reason}``).
 INVALID_SPAN_REASONS = ("missing_attribute", "bad_value", "bad_run_id", "rank_out_of_range", "step_out_of_range",
@@ -115,6 +115,13 @@ _MAX_STAGES = 256
 MAX_RANK = 1 << 20
 #: The largest ``train.attempt`` taken.
 MAX_ATTEMPT = 1 << 20
+#: The longest duration a span may claim, in seconds (~116 days: longer than any step or collective
+#: can take). A value outside ``[0, MAX_DURATION_SECONDS]`` (negative, NaN, infinite, or finite but
+#: huge, 1e308) cannot be a duration: the export is refused with a 400 (``bad_duration``). The bound
+#: keeps the join's arithmetic finite: its largest sum, over MAX_RANK ranks of OTLP_MAX_COLLECTIVES
+#: collectives each, is ~7e14 s, where one rank's 1e308 once overflowed ``math.fsum`` and cost the
+#: other ranks their step.
+MAX_DURATION_SECONDS = 1e7
 
 _SIGNALS = {
     "traces": (ExportTraceServiceRequest, ExportTraceServiceResponse),
@@ -441,6 +448,18 @@ class _Invalid(Exception):
         self.reason = reason
 
 
+class _NotADuration(Exception):
+    """A number where a duration goes that cannot be one: the export is refused (400), not the span skipped."""
+
+    def __init__(self, key: str, value: float):
+        self.key = key
+        self.value = value
+
+
+def _is_duration(value: float) -> bool:
+    return 0.0 <= value <= MAX_DURATION_SECONDS  # False for NaN too
+
+
 def safe_run_id(run_id: Any) -> bool:
     """Whether ``run_id`` can name a directory under the run dir (no path tricks, printable)."""
     return run_id_problem(run_id) is None
@@ -480,7 +499,9 @@ def _collectives(span: Any) -> tuple[tuple[str, int, float | None], ...] | None:
         return None
     found = []
     for group, seq, value in zip(groups, seqs, seconds):
-        if not 0 < len(group) <= _MAX_LABEL or seq < 1 or not (value == -1.0 or 0.0 <= value < math.inf):
+        if value != -1.0 and not _is_duration(value):
+            raise _NotADuration(ATTR_COLLECTIVES_DEVICE_SECONDS, value)
+        if not 0 < len(group) <= _MAX_LABEL or seq < 1:
             return None
         found.append((group, seq, None if value == -1.0 else float(value)))
     return tuple(found)
@@ -500,10 +521,12 @@ def _int(attrs: dict[str, Any], key: str, *, minimum: int, required: bool = True
 
 def _seconds(attrs: dict[str, Any], key: str, *, required: bool = True) -> float | None:
     value = attrs.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         if not required:
             return None
         raise _Invalid("missing_attribute" if value is None else "bad_value")
+    if not _is_duration(value):
+        raise _NotADuration(key, value)
     return float(value)
 
 
@@ -627,8 +650,10 @@ def _step_span(span: Any, world_size: int | None, max_world_size: int = DEFAULT_
     for key, value in attrs.items():
         if key.startswith(_BUBBLE_PREFIX) and len(bubble) < _MAX_STAGES:
             stage = key[len(_BUBBLE_PREFIX):]
+            # A ratio (1 - compute / window) is in [0, 1]: anything else is left out, so the
+            # join's mean over the ranks stays a ratio (two ranks' 1e308 once summed to inf).
             if (0 < len(stage) <= _MAX_LABEL and not isinstance(value, bool) and isinstance(value, (int, float))
-                    and math.isfinite(value)):
+                    and 0.0 <= value <= 1.0):
                 bubble[stage] = float(value)
     trace = bytes(span.trace_id)
     end_ns = span.end_time_unix_nano
@@ -668,7 +693,9 @@ def _stall_span(span: Any, rank_limit: int, max_step: int) -> dict[str, Any] | N
     for line in (text[-_MAX_STACK_CHARS:] if isinstance(text, str) else "").splitlines()[-_MAX_STACK_FRAMES:]:
         where, _, function = line.rpartition(" in ")
         path, _, lineno = where.rpartition(":")
-        frames.append([path, int(lineno) if lineno.isdigit() else 0, function])
+        # str.isdigit() takes "²" (int() refuses it) and Arabic-Indic digits: ASCII digits only.
+        frames.append([path, int(lineno) if lineno.isascii() and lineno.isdigit() and len(lineno) <= 9 else 0,
+                       function])
     span_name = attrs.get("train.stall.span")
     return {"type": "stall" if span.name == "train.stall" else "stall_end", "run_id": run_id, "rank": rank,
             "attempt": _int(attrs, ATTR_ATTEMPT, minimum=0, required=False) or 0, "step": step,
@@ -754,6 +781,14 @@ def extract_steps(request: ExportTraceServiceRequest, world_size: int | None = N
                     out.steps.append(_step_span(span, world_size, max_world_size, max_step, ends))
                 except _Invalid as bad:
                     out.invalid[bad.reason] = out.invalid.get(bad.reason, 0) + 1
+                except _NotADuration as bad:
+                    # The sender's durations cannot be trusted: the whole export is refused, nothing
+                    # of it journaled or joined, and every other rank's step is untouched.
+                    attrs = {kv.key: _scalar(kv.value) for kv in span.attributes if kv.key in (ATTR_RANK, ATTR_STEP)}
+                    raise Rejected(400, "bad_duration",
+                                   f"train.step span of rank {str(attrs.get(ATTR_RANK))[:20]}, step "
+                                   f"{str(attrs.get(ATTR_STEP))[:20]}: {bad.key} = {bad.value!r} cannot be a "
+                                   f"duration (seconds from 0 to {MAX_DURATION_SECONDS:g})") from None
         if count:
             if run is None:
                 run = _resource_run_id(resource_spans.scope_spans)

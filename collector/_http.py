@@ -587,11 +587,20 @@ class _Handler(DeadlineHandler):
         grant = authorized_grant(server.tokens, self.headers.get("Authorization"))
         if grant is None:
             raise Rejected(401, "unauthorized", "missing or wrong bearer token")
-        query = parse_qs(urlsplit(self.path).query, max_num_fields=4)
+        try:
+            query = parse_qs(urlsplit(self.path).query, max_num_fields=4)
+        except ValueError:  # parse_qs's answer to a fifth field
+            raise Rejected(400, "malformed", f"{CAPTURE_PATH} takes at most 4 query fields: "
+                                             "run_id=<run>&rank=<integer>") from None
         run_id = (query.get("run_id") or [""])[0]
         rank_text = (query.get("rank") or [""])[0]
-        if not run_id or len(run_id) > 256 or not rank_text.isdigit() or len(rank_text) > 9:
+        if not run_id or len(run_id) > 256:
             raise Rejected(400, "malformed", f"{CAPTURE_PATH} needs run_id=<run> and rank=<integer>")
+        # str.isdigit() takes Arabic-Indic digits (which int() reads) and "²" (which int() refuses):
+        # a rank is ASCII digits, as every sender writes it.
+        if not (rank_text.isascii() and rank_text.isdigit()) or len(rank_text) > 9:
+            raise Rejected(400, "malformed", f"{CAPTURE_PATH}: rank must be ASCII digits 0-9 (at most 9), "
+                                             f"got {rank_text[:20]!r}")
         if not grant.allows(run_id):
             raise Rejected(403, "forbidden", "this token may not read that run")
         self._hold()  # answered from here: the connection is not taken back between the take and the reply

@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from steptrace.collector._decode import StepSpan, safe_run_id, span_fingerprint
+from steptrace.collector._decode import MAX_DURATION_SECONDS, StepSpan, safe_run_id, span_fingerprint
 
 __all__ = ["CLUSTER_FILE", "CONFLICTS_FILE", "JOURNAL_FILE", "ClusterLog", "JournalError"]
 
@@ -385,6 +385,12 @@ def _number(value: Any, optional: bool = False) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _duration(value: Any, optional: bool = False) -> bool:
+    """What the decoder takes as a duration (``MAX_DURATION_SECONDS``): a journal line is replayed into
+    the same bounded join."""
+    return _number(value, optional) and (value is None or 0 <= value <= MAX_DURATION_SECONDS)
+
+
 def _span_from_values(values: Any) -> StepSpan | None:
     """A journal line's span, or None when any field is not what the decoder would have produced."""
     # Journals written before spans had an attempt, the collective wait and time on its own, or the
@@ -411,11 +417,11 @@ def _span_from_values(values: Any) -> StepSpan | None:
     if collectives is not None:
         if not (isinstance(collectives, list) and all(
                 isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and _is_int(c[1])
-                and _number(c[2], True) for c in collectives)):
+                and _duration(c[2], True) for c in collectives)):
             return None
         span["collectives"] = tuple((c[0], c[1], None if c[2] is None else float(c[2])) for c in collectives)
     span.setdefault("attempt", 0)
-    if not all(_number(span.get(field), True) for field in ("collective_wait_seconds", "own_seconds",
+    if not all(_duration(span.get(field), True) for field in ("collective_wait_seconds", "own_seconds",
                                                               "own_compute_seconds", "exposed_communication_seconds")):
         return None
     health = span.get("health")
@@ -430,8 +436,8 @@ def _span_from_values(values: Any) -> StepSpan | None:
     bubble = span["bubble"]
     if not (safe_run_id(span["run_id"]) and integer(span["step"], 0) and integer(span["rank"], 0)
             and (span["world_size"] is None or integer(span["world_size"], 1)) and isinstance(span["trace_id"], str)
-            and _number(span["compute_seconds"]) and _number(span["interval_seconds"])
-            and _number(span["idle_seconds"], True) and isinstance(span["status"], str)
+            and _duration(span["compute_seconds"]) and _duration(span["interval_seconds"])
+            and _duration(span["idle_seconds"], True) and isinstance(span["status"], str)
             and _number(span["end_time"], True) and isinstance(bubble, dict)
             and all(isinstance(k, str) and _number(v) for k, v in bubble.items()) and integer(span["attempt"], 0)):
         return None

@@ -907,7 +907,7 @@ class MetricsServer:
             return self._refuse_unread(conn, deadline, _json_reply(
                 411, {"error": "chunked bodies are not accepted: send Content-Length"}))
         declared = headers.get("content-length", "0").strip()
-        if not declared.isdigit() or len(declared) > 12:
+        if not (declared.isascii() and declared.isdigit()) or len(declared) > 12:  # "²".isdigit(): int() refuses it
             return self._refuse_unread(conn, deadline, _json_reply(
                 400, {"error": "Content-Length must be a number of bytes"}))
         length = int(declared)

@@ -569,6 +569,11 @@ def test_the_http_trigger_refuses_what_it_should_and_arms_nothing(tmp_path):
             conn.sendall(f"POST /v1/steptrace/capture HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                          "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n".encode())
             assert conn.makefile("rb").readline().startswith(b"HTTP/1.0 411")
+        # A length of "²" (latin-1 0xb2): str.isdigit() takes it, int() refuses it; once an uncaught error.
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(f"POST /v1/steptrace/capture HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                         "Content-Length: ".encode() + b"\xb2\r\n\r\n{}")
+            assert conn.makefile("rb").readline().startswith(b"HTTP/1.0 400")
         # /metrics itself is unchanged: GET of any other path, and POST elsewhere is still 405.
         import urllib.error
         import urllib.request

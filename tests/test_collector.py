@@ -215,7 +215,8 @@ def test_decompress_gzip_deflate_and_refuse_bombs():
 def test_unusable_step_spans_are_skipped_and_counted_by_reason():
     data = body(step_span(rank=0),
                 step_span(rank=1, drop=("train.compute_seconds",)),
-                step_span(rank=2, compute=-1.0),
+                step_span(rank=2, **{"train.compute_seconds": "0.1"}),  # a string: bad_value (a number that
+                # cannot be a duration refuses the whole export: test_collector_hostile)
                 step_span(run_id="../../etc", rank=0),
                 step_span(rank=5),
                 step_span(rank=1, **{"train.step": "seven"}))

@@ -737,7 +737,6 @@ def test_a_killed_collector_loses_no_span_it_acknowledged(tmp_path):
     ((("0",) * 65, tuple(range(1, 66)), (0.01,) * 65), None),  # past the bound a span may bring
     ((("0", "0"), (1,), (0.01, 0.02)), None),  # not one length
     ((("0",), (0,), (0.01,)), None),  # a sequence number starts at 1
-    ((("0",), (1,), (-0.5,)), None),  # negative, and not the -1 of "not measured"
     ((("",), (1,), (0.01,)), None),  # an empty group name
     ((("0",), ("1",), (0.01,)), None),  # a string where a number goes
 ])
@@ -753,3 +752,126 @@ def test_a_span_s_collectives_are_taken_only_as_the_exporter_sends_them(arrays, 
                                       "train.collectives.device_seconds": seconds})
     (decoded,) = extract_steps(request(span)).steps
     assert decoded.collectives == expected
+
+
+@pytest.mark.parametrize("seconds", [-0.5, 1e308, float("inf"), float("nan")])
+def test_collective_seconds_that_cannot_be_a_duration_refuse_the_export(seconds):
+    """Negative (but the -1 of "not measured"), huge, infinite or NaN device seconds are no duration: the
+    decoder refuses the export (400, bad_duration) rather than let the join sum them."""
+    from collector_helpers import request, step_span
+
+    from steptrace.collector._decode import Rejected, extract_steps
+
+    span = step_span(world_size=2, **{"train.collectives.group": ("0", "0"), "train.collectives.seq": (1, 2),
+                                      "train.collectives.device_seconds": (0.01, seconds)})
+    with pytest.raises(Rejected) as refused:
+        extract_steps(request(span))
+    assert (refused.value.status, refused.value.reason) == (400, "bad_duration")
+    assert "train.collectives.device_seconds" in str(refused.value) and "rank 0, step 0" in str(refused.value)
+
+
+# -- values that cannot be durations, queries that cannot be parsed (issue 48) -------------------------------
+
+
+def _collectives(seconds):
+    return {"train.collectives.group": ("0",) * len(seconds),
+            "train.collectives.seq": tuple(range(1, len(seconds) + 1)),
+            "train.collectives.device_seconds": tuple(seconds)}
+
+
+def test_one_rank_s_huge_durations_are_refused_and_every_other_rank_keeps_its_step(make_collector, caplog):
+    """Finite but huge collective device seconds (1e308) from one rank once overflowed the join's sum
+    (math.fsum): the honest rank that completed the step got a 500 and the step was missing from
+    cluster.jsonl for every rank. The decoder now refuses that export (400, bad_duration) and the honest
+    ranks' step is joined and written (rank 1 missing), with finite figures."""
+    c = make_collector(world_size=3)
+    caplog.set_level(logging.DEBUG)
+    honest = _collectives((0.010, 0.020))
+    assert send(c, step_span(rank=1, world_size=3, **_collectives((1e308, 1e308)))) == 400
+    assert send(c, step_span(rank=0, world_size=3, **honest)) == 200
+    assert send(c, step_span(rank=2, world_size=3, **honest)) == 200
+    assert rejected(c, "bad_duration") == 1
+    assert rejected(c, "internal") in (None, 0)
+    c.close()
+    [record] = [r for r in read_records(cluster(c)) if r["type"] == "cluster_step"]
+    assert (record["step"], record["ranks_reporting"], record["missing_ranks"]) == (0, 2, [1])
+    assert record["compute_sum_seconds"] == pytest.approx(0.2)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+@pytest.mark.parametrize("attribute, number", [
+    ("train.compute_seconds", 1e308), ("train.interval_seconds", -0.5), ("train.compute_seconds", float("nan")),
+    ("train.collective_wait_seconds", float("inf")), ("train.exposed_communication_seconds", 2e7),
+    ("train.own_compute_seconds", -1.0)])
+def test_a_value_that_cannot_be_a_duration_refuses_the_export_naming_it(make_collector, attribute, number):
+    c = make_collector(world_size=1)
+    extra = {"train.collective_wait_seconds": 0.0} if attribute == "train.own_compute_seconds" else {}
+    status, _, answer = post(c.port, TRACES, body(step_span(world_size=1, **{**extra, attribute: number})))
+    assert status == 400 and attribute.encode() in answer
+    assert send(c, step_span(step=1, world_size=1, compute=1e7, interval=1e7)) == 200  # the bound itself is a duration
+    c.close()
+    assert [r["step"] for r in read_records(cluster(c)) if r["type"] == "cluster_step"] == [1]
+
+
+def test_the_join_s_sums_stay_finite_for_the_largest_durations_the_decoder_takes():
+    """Bounded arithmetic: at the decoder's bound on every duration, the join's sums over the most ranks
+    and collectives a step may have are finite (and fsum exact), far from overflow."""
+    from steptrace.collector._decode import MAX_DURATION_SECONDS, OTLP_MAX_COLLECTIVES
+    from steptrace.collector._join import cluster_record
+
+    import dataclasses
+
+    ranks = 64
+    collectives = tuple(("0", n, MAX_DURATION_SECONDS) for n in range(1, OTLP_MAX_COLLECTIVES + 1))
+    spans = [dataclasses.replace(span(rank=r, world_size=ranks, compute=MAX_DURATION_SECONDS,
+                                      interval=MAX_DURATION_SECONDS),
+                                 collectives=collectives if r else tuple((g, s, 0.0) for g, s, _ in collectives))
+             for r in range(ranks)]
+    record = cluster_record("run", 0, "", ranks, spans, reason="complete", first_seen_time=0.0, joined_time=0.0,
+                            join_seconds=0.0)
+    assert record["compute_sum_seconds"] == ranks * MAX_DURATION_SECONDS
+    assert record["collective_wait_max_seconds"] == MAX_DURATION_SECONDS  # capped at the step's compute
+
+
+@pytest.mark.parametrize("query, why", [
+    ("run_id=run&rank=1&a=1&b=2&c=3", b"at most 4"),
+    ("run_id=run&rank=\u0661", b"ASCII"),  # Arabic-Indic one: str.isdigit() and int() take it
+    ("run_id=run&rank=%D9%A1%D9%A2", b"ASCII"),
+    ("run_id=run&rank=\u00b2", b"ASCII"),  # superscript two: isdigit() True, int() raises
+])
+def test_capture_queries_that_cannot_be_parsed_answer_400_without_a_traceback(make_collector, caplog, query, why):
+    import http.client
+    import urllib.parse
+
+    c = make_collector()
+    caplog.set_level(logging.DEBUG)
+    c.captures.verdict("run", culprit=1, reference=0, step=9, detail="")
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=10)
+    conn.request("GET", "/v1/steptrace/capture?" + urllib.parse.quote(query, safe="=&%"))
+    response = conn.getresponse()
+    answer = response.read()
+    conn.close()
+    assert response.status == 400 and why in answer
+    assert rejected(c, "malformed") == 1 and rejected(c, "internal") in (None, 0)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+def test_a_stall_span_s_line_numbers_are_read_as_ascii_digits_only():
+    """A stall span's stack line ``f.py:²³ in g`` passed str.isdigit() and failed int(): the whole
+    export answered 500. Now a line number that is not ASCII digits reads as 0."""
+    stack = "train.py:\u00b2\u00b3 in step\ntrain.py:" + "9" * 5000 + " in loop\ntrain.py:12 in main"
+    stall = step_span(name="train.stall", world_size=1, **{"train.stall.stack": stack})
+    (decoded,) = extract_steps(request(stall)).stalls
+    assert [f[1] for f in decoded["threads"][0]["frames"]] == [0, 0, 12]
+
+
+def test_a_bubble_ratio_outside_0_1_is_left_out_so_the_ranks_mean_stays_a_ratio():
+    """Two ranks' finite 1e308 bubble ratios once summed to inf in the join's mean over ranks."""
+    from steptrace.collector._join import cluster_record
+
+    spans = extract_steps(request(*[step_span(rank=r, world_size=2, bubble={"0": 1e308, "1": 0.25 * (r + 1)})
+                                    for r in range(2)])).steps
+    assert [s.bubble for s in spans] == [{"1": 0.25}, {"1": 0.5}]
+    record = cluster_record("run", 0, "", 2, spans, reason="complete", first_seen_time=0.0, joined_time=0.0,
+                            join_seconds=0.0)
+    assert record["pipeline_bubble_ratio"] == {"1": 0.375}

@@ -566,3 +566,28 @@ def test_without_a_usable_control_the_verdict_says_a_machine_change_reads_as_a_c
     assert any("ran too few times (at least 3 a run)" in n for n in result["verdict"]["notes"])
     # A span named as the control: any name; none at all with no controls.
     assert "control_eval" not in _rows(compare_runs(load_run(a), load_run(b), controls=()))
+
+
+@pytest.mark.parametrize("median, mean, expected", [
+    ("noise", "regression", "a few slow steps (a tail) moved the average (the mean), not the typical step"),
+    ("regression", "noise", "the typical step (the median) moved and the average (the mean) did not"),
+    ("improvement", "regression", "moved in opposite directions"),
+])
+@pytest.mark.parametrize("printed", ["interval_median", "interval_mean"])
+def test_the_sibling_note_says_what_moved_whichever_row_is_printed(printed, median, mean, expected):
+    """Once chosen by the printed metric's name: with the median moved and the mean not, it said "a few
+    slow steps (a tail) moved, not the typical step", the opposite of what the rows said."""
+    from steptrace.analysis.compare import Row, headline
+
+    def row(metric, verdict, effect):
+        return Row(metric=metric, label=metric.replace("_", ", "), a=0.1, b=0.1 * (1 + effect), unit="s",
+                   p_value=0.001 if verdict != "noise" else 0.4, verdict=verdict, ci_low=effect - 0.01,
+                   ci_high=effect + 0.01)
+
+    effects = {"noise": 0.001, "regression": 0.1, "improvement": -0.1}
+    rows = [row("interval_median", median, effects[median]), row("interval_mean", mean, effects[mean])]
+    notes = headline({"rows": rows, "alpha": 0.01, "test": "welch"}, printed)["notes"]
+    (note,) = [n for n in notes if " row says " in n]
+    assert expected in note
+    if median == "regression" and mean == "noise":
+        assert "tail" not in note

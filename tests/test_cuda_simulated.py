@@ -106,27 +106,53 @@ def test_each_microbatch_has_its_own_markers_and_the_bubble_is_true(monkeypatch)
     fake = FakeCuda(monkeypatch)
     plan = [2 * MS, 7 * MS, 3 * MS, 5 * MS]
     launched = {}
+    # When the host entered and left each microbatch (and step): a marker recorded on an idle device
+    # completes when it is recorded, so a host preempted inside a microbatch (a loaded CI machine: 9 ms
+    # seen) rightly widens its window. Exactness is asserted where the host kept ahead of the device.
+    entered, left = {}, {}
     with capture() as sink:
         for n in range(4):
+            entered[n] = time.perf_counter()
             with steptrace.step(n):
                 for i, seconds in enumerate(plan):
+                    entered[n, i] = time.perf_counter()
                     with steptrace.microbatch(i, stage=0, kind="forward"):
                         launched[n, i] = fake.run(seconds)
+                    left[n, i] = time.perf_counter()
                     if i < 3:
                         time.sleep(4 * MS)  # host work between microbatches: the device waits
+            left[n] = time.perf_counter()
             if n == 1:
                 hold_gil(0.03)
+
+    def kept_ahead(n, i):  # the end marker was recorded before the kernel ended, the start one just before it
+        return left[n, i] < launched[n, i].end_time and launched[n, i].start_time - entered[n, i] < TOL / 2
+
     mbs = sink.microbatches()
     assert len(mbs) == 16
+    exact = 0
     for m in mbs:
+        n, i = m["step"], m["microbatch"]
         assert m["end_source"] == "device_clock"
-        assert m["compute_seconds"] == pytest.approx(plan[m["microbatch"]], abs=TOL), m
+        # Never collapsed (they once read ~0.02 ms): at least the kernel, at most what the host spanned.
+        widest = max(launched[n, i].end_time, left[n, i]) - min(launched[n, i].start_time, entered[n, i])
+        assert plan[i] - TOL <= m["compute_seconds"] <= widest + TOL, m
+        if kept_ahead(n, i):
+            exact += 1
+            assert m["compute_seconds"] == pytest.approx(plan[i], abs=TOL), m
+    assert exact >= 1  # the exact case was checked at least once (on a quiet machine: all 16)
     for r in sink.steps():
         n = r["step"]
-        true_compute = launched[n, 3].end_time - launched[n, 0].start_time
-        true_bubble = 1 - sum(plan) / true_compute
-        assert r["compute_seconds"] == pytest.approx(true_compute, abs=TOL)
-        assert r["pipeline_bubble_ratio"]["0"] == pytest.approx(true_bubble, abs=0.02)
+        if all(kept_ahead(n, i) for i in range(4)) and left[n] < launched[n, 3].end_time:
+            true_compute = launched[n, 3].end_time - launched[n, 0].start_time
+            assert r["compute_seconds"] == pytest.approx(true_compute, abs=TOL)
+            assert r["pipeline_bubble_ratio"]["0"] == pytest.approx(1 - sum(plan) / true_compute, abs=0.02)
+        # Whatever the host did, the bubble is the step's stage window less its microbatches' compute
+        # (the records' times are placed on the host clock: to its placement, microseconds).
+        own = [m for m in mbs if m["step"] == n]
+        window = max(m["end_time"] for m in own) - r["start_time"]
+        assert r["pipeline_bubble_ratio"]["0"] == pytest.approx(
+            1 - sum(m["compute_seconds"] for m in own) / window, abs=1e-3)
 
 
 def test_cuda_steps_need_no_wait_for_and_cuda_tensors_keep_event_timing(monkeypatch):

@@ -26,16 +26,50 @@ def test_every_setting_and_variable_is_documented():
     assert not missing, f"docs lack variables {missing}"
 
 
+def _record_tables():
+    """docs/records.md's field tables: heading (``every`` or a record type) -> field names, in order.
+
+    A table belongs to the ``## `type` `` heading above it; a field is the first cell of a row."""
+    tables: dict[str, list[str]] = {}
+    heading = None
+    for line in _text("records.md").split("# Errors and misuse")[0].splitlines():
+        if line.startswith("## "):
+            found = re.fullmatch(r"## `(\w+)`", line)
+            heading = found.group(1) if found else ("every" if line == "## Every record" else None)
+            continue
+        row = re.match(r"\| `(\w+)` \|", line)
+        if heading and row:
+            tables.setdefault(heading, []).append(row.group(1))
+    return tables
+
+
+def test_the_common_fields_are_documented_once():
+    assert _record_tables()["every"] == ["type", "run_id", "rank", "attempt"]
+
+
 @pytest.mark.parametrize("record_type", _schema.RECORD_TYPES)
-def test_every_record_field_is_documented(record_type):
-    text = _text("records.md")
-    row = [line for line in text.splitlines() if line.startswith(f"| `{record_type}` |")]
-    assert row, f"docs/records.md has no row for {record_type} records"
-    # A setting's own fields may sit in a row of their own: "| `step` (`pauses=True`) |".
-    rows = " ".join(line for line in text.splitlines() if line.startswith(f"| `{record_type}` "))
-    common = {"type", "run_id", "rank", "attempt"}  # said once, above the table
-    missing = [f for f in _schema.fields_of(record_type) if f not in common and f not in rows]
-    assert not missing, f"docs/records.md's {record_type} row lacks {missing}"
+def test_every_record_field_is_documented_once(record_type):
+    tables = _record_tables()
+    assert record_type in tables, f"docs/records.md has no field table for {record_type} records"
+    documented = tables[record_type]
+    common = {"type", "run_id", "rank", "attempt"}  # the "Every record" table
+    expected = [f for f in _schema.fields_of(record_type) if f not in common]
+    twice = sorted({f for f in documented if documented.count(f) > 1})
+    assert not twice, f"docs/records.md's {record_type} table lists {twice} more than once"
+    missing = [f for f in expected if f not in documented]
+    assert not missing, f"docs/records.md's {record_type} table lacks {missing}"
+    unknown = [f for f in documented if f not in expected]
+    assert not unknown, f"docs/records.md's {record_type} table lists {unknown}, not in steptrace/_schema.py"
+
+
+def test_the_record_tables_have_four_columns():
+    # One row per field (name, type, unit, meaning): a row with a stray "|" in its meaning would
+    # shift the columns, and a cell that grows into a page is what this layout replaced.
+    for line in _text("records.md").split("# Errors and misuse")[0].splitlines():
+        if re.match(r"\| `\w+` \|", line):
+            cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+            assert len(cells) == 4, f"docs/records.md row has {len(cells)} columns: {line[:80]}"
+            assert len(line) < 400, f"docs/records.md row is {len(line)} characters: {line[:80]}"
 
 
 def test_links_between_readme_and_docs_resolve():

@@ -492,8 +492,10 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
 
         # The gauge names the straggler of one step, the last complete one. On two shared cores a fast rank
         # is now and then descheduled for longer than rank 2's extra work (a few percent of the steps
-        # here, more on a loaded machine), so a single step can name another rank: look for up to 15 s
-        # for an evaluation at which it names rank 2. The counters below must say rank 2 at once.
+        # here, more on a loaded machine: rank 2 cleared the noise in 22 of 60 steps), so a single step
+        # can name another rank or none: look for up to 15 s for an evaluation at which it names rank 2.
+        # The gauge is a step's fact, checked against that step's record in cluster.jsonl below; the
+        # verdict, rank 2, is the counters' and the top-stragglers panel's, which must say it at once.
         deadline = time.monotonic() + 15
         while True:
             at = time.time()  # one evaluation time: the gauges and counters come from the same scrape
@@ -504,7 +506,7 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
                 break
             ranks.check_alive()
             time.sleep(0.5)
-        assert straggler == panel_straggler == SLOW_RANK, (straggler, panel_straggler, last_complete)
+        assert straggler == panel_straggler, (straggler, panel_straggler, last_complete)
         counts = {m["rank"]: v for m, v in instant(
             f"steptrace_cluster_straggler_steps_total{{{RANK_SELECTOR}}}", at)}
         assert max(counts, key=counts.get) == str(SLOW_RANK), counts
@@ -558,9 +560,10 @@ def test_every_dashboard_query_returns_data_from_a_real_jax_run_and_the_slow_ran
     assert all(r["type"] == "cluster_step" and r["complete"] for r in records), [
         (r["type"], r["step"], r.get("reason")) for r in records if r["type"] != "cluster_step" or not r["complete"]]
     straggler_of = {r["step"]: str(r["straggler_rank"]) for r in records}
-    # The step the gauge described names rank 2 in the log too, and the counter Prometheus scraped is the
-    # log's count over the steps up to that one.
-    assert straggler_of[int(last_complete)] == str(SLOW_RANK), records[int(last_complete)]
+    # The step the gauge described names the same rank in the log (-1 on the gauge: none stood out), and
+    # the counter Prometheus scraped is the log's count over the steps up to that one.
+    assert straggler_of[int(last_complete)] == ("None" if straggler == -1 else str(int(straggler))), \
+        (straggler, records[int(last_complete)])
     # A step where no rank stood out names none ("None"), and counts for no rank.
     upto = collections.Counter(rank for step, rank in straggler_of.items()
                                if step <= last_complete and rank != "None")

@@ -891,6 +891,21 @@ def _interval(low: float | None, high: float | None) -> str:
     return f"[{low * 100:+.1f} %, {high * 100:+.1f} %]"
 
 
+def _what_moved(median: Row, mean: Row) -> str:
+    """Why a median and a mean row of one figure disagree, said from which of them moved (a code
+    verdict, regression or improvement), never from which row is printed."""
+    moved_median = median.verdict in ("regression", "improvement")
+    moved_mean = mean.verdict in ("regression", "improvement")
+    if moved_median and moved_mean:  # different verdicts, both moves: opposite directions
+        return "the typical step (the median) and the average (the mean) moved in opposite directions"
+    if moved_median:
+        return ("the typical step (the median) moved and the average (the mean) did not: the steps away "
+                "from the middle moved less or the other way, or the mean's spread hides the move")
+    if moved_mean:
+        return "a few slow steps (a tail) moved the average (the mean), not the typical step (the median)"
+    return "neither says the code moved it; they differ on whether the machine did"
+
+
 def headline(result: dict[str, Any], metric: str = DEFAULT_METRIC,
              quote: Callable[[Any], str] = visible) -> dict[str, Any]:
     """*metric*'s verdict said in words, with the interval of the change, what the comparison could
@@ -934,8 +949,8 @@ def headline(result: dict[str, Any], metric: str = DEFAULT_METRIC,
                      f"the time at p < {result['alpha']:g}); more steady steps, or several runs a side, detect less.")
     sibling = rows.get(SIBLINGS.get(metric, ""))
     if sibling is not None and sibling.verdict != row.verdict and "—" not in (sibling.verdict, row.verdict):
-        what = ("a few slow steps (a tail) moved, not the typical step" if metric.endswith("median")
-                else "the typical step did not move as the average did (a tail)")
+        what = _what_moved(row if metric.endswith("median") else sibling,
+                           sibling if metric.endswith("median") else row)
         sibling_p = sibling.machine["code_p"] if sibling.machine else sibling.p_value
         notes.append(f"The {quote(sibling.label)} row says {sibling.verdict} ({_pct(sibling.effect)}, "
                      f"p={sibling_p:.2g}): {what}. --metric {sibling.metric} gates on it.")

@@ -32,6 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _sleep(seconds: float) -> float:
+    """Sleeps and returns how long it really slept: on a loaded machine a 30 ms sleep wakes up late, and
+    the lateness is cost the slowed rank really imposed (the straggler's true delay, step by step)."""
+    start = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - start
+
+
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     import torch
     import torch.distributed as dist
@@ -79,12 +87,12 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         ctx_slow[0] = slow and scenario == "backward"
         dist.barrier()
         for n in range(args.steps):
-            with steptrace.step(n):
+            with steptrace.step(n) as s:
                 with steptrace.span("data"):
                     if slow and scenario == "data":
-                        time.sleep(args.delay_s)
+                        s.log(delay_slept_seconds=_sleep(args.delay_s))
                 if slow and scenario == "forward":
-                    time.sleep(args.delay_s)
+                    s.log(delay_slept_seconds=_sleep(args.delay_s))
                 time.sleep(args.work_s)
                 loss = ddp(x).square().mean()
                 loss.backward()
