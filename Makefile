@@ -100,7 +100,8 @@ distclean: clean
 # requirements-maxtext.txt and pyproject.toml.
 PYTHON312 ?= $(shell for c in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do $$c -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$c; break; }; done)
 MAXTEXT_VENV ?= .venv-maxtext
-MAXTEXT_HASH := $(shell cat requirements-maxtext.txt pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
+# (_hotpath.c too: the env builds its own copy of the C extension, for its Python 3.12, into the source tree.)
+MAXTEXT_HASH := $(shell cat requirements-maxtext.txt pyproject.toml steptrace/_hotpath.c 2>/dev/null | cksum | cut -d' ' -f1)
 MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_HASH)
 
 # Without a Python 3.12 the env is not built and the MaxText tests skip, saying why; an

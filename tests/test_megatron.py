@@ -683,10 +683,14 @@ def test_an_even_megatron_pipeline_names_no_stage(tmp_path):
     if not _gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available")
     from steptrace.analysis.runs import load_run
-    from steptrace.analysis.stragglers import straggler_steps
+    from steptrace.analysis.stragglers import straggler_steps, summarize_stragglers
 
     _run_worker(tmp_path, pp=NPROC, vp=None, microbatches=4, forward_s=0.01, hooks=True, steps=8)
     joined = [s for s in straggler_steps(load_run(tmp_path / "runs" / "megatron").records_by_rank, NPROC)
               if s["step"] >= 1]
     named = [s["straggler_rank"] for s in joined if s["straggler_rank"] is not None]
-    assert len(joined) == 7 and len(named) <= 0.05 * len(joined), named
+    # The verdict names no stage (it needs persistence: DESIGN.md, "Verdicts carry their evidence"). A step
+    # is a fact: one that the machine's scheduling held up (4 ranks on 2 busy cores) may name a rank, as it
+    # did in 1 of 7 steps now and then on the code before issue 48 too; the run's verdict does not follow it.
+    assert len(joined) == 7 and len(named) <= 2, named
+    assert summarize_stragglers(joined)["top"] is None, named

@@ -101,9 +101,11 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             cpu = cpus[rank % len(cpus)]
             os.sched_setaffinity(0, {cpu})
             if slow:
-                os.nice(args.slow_nice)
+                # The spinner first: a child inherits its parent's nice value, and a spinner at the rank's own
+                # nice would take only half the CPU from it.
                 busy = subprocess.Popen([sys.executable, "-c",
                                          f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+                os.nice(args.slow_nice)
                 time.sleep(0.3)
         sched = None
         if scenario == "gc-every":
