@@ -682,20 +682,13 @@ class TorchCudaGpu:
             _off_thread(self._torch, self.index)
 
     def query(self, marker: Any) -> bool:
-        state = _OFF_THREAD
-        if state.device != self.index or state.capture_safe is None:
-            _off_thread(self._torch, self.index)
-        handle = marker.cuda_event if state.driver else 0
-        if handle:
-            return _DRIVER.event_query(handle)
-        return bool(marker.query())
+        self._off_thread()
+        return _event_done(marker)
 
     def elapsed(self, start: Any, end: Any) -> float:
         """Seconds from ``start`` to ``end`` on this GPU's clock (``cudaEventElapsedTime``: float32 ms)."""
-        state = _OFF_THREAD
-        if state.device != self.index or state.capture_safe is None:
-            _off_thread(self._torch, self.index)
-        if state.driver:
+        self._off_thread()
+        if _OFF_THREAD.driver:
             a, b = start.cuda_event, end.cuda_event
             if a and b:
                 return _DRIVER.event_elapsed_ms(a, b) / 1000.0
