@@ -126,7 +126,12 @@ def test_checkpoint_wait_is_not_next_steps_compute(runs):
         idle = after["idle_breakdown"]
         assert 0 < idle["checkpoint"] <= save["blocking_seconds"] + 1e-6
         assert idle["checkpoint"] + idle.get("compile", 0.0) >= save["blocking_seconds"] - 1e-6
-        assert after["compute_seconds"] < 1.5 * _steady_compute(steps)
+        # Compute did not absorb the save. Its bound allows the noise of 2 shared cores (where the CPU
+        # device's compute itself varies by half) or most of a save, whichever is more: a step that
+        # had absorbed the save would carry all of it.
+        steady = _steady_compute(steps)
+        assert after["compute_seconds"] < max(1.5 * steady, steady + 0.75 * save["blocking_seconds"]), \
+            (after["compute_seconds"], steady, save["blocking_seconds"])
         # ...where MaxText's own log puts the whole save into step n+1.
         naive = hooked["maxtext"][n + 1][0]
         assert naive > after["compute_seconds"] + 0.5 * save["blocking_seconds"]
