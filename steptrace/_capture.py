@@ -8,7 +8,8 @@ start of the next step, never inside one) and stops it at the boundary ``capture
   span names, an eval, a data wait, a checkpoint, a capture) is above both ``capture_slow_factor`` ×
   the run's median and the median + ``capture_slow_mad`` robust standard deviations (1.4826 × MAD)
   over the last ``capture_window_steps`` steps (ml-goodput-measurement's ideal step time uses
-  median + 3·MAD; a capture wants fewer false alarms). A step that held an eval or waited on its data
+  median + 3·MAD; a capture wants fewer false alarms), and above :data:`TAIL_MARGIN` × the window's
+  second-slowest step (a busy machine's noise tail). A step that held an eval or waited on its data
   is not slow: its trace would show the eval, not the step. Judged on the resolver thread as steps
   are finalized; needs ``MIN_STEPS`` steps first (the first ones compile).
 * ``stall``: the stall watch saw the rank stop moving. A profiler cannot start inside a hang (the
@@ -45,6 +46,7 @@ A leaf-level module: the runtime hands it what it needs as callables.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import os
@@ -89,13 +91,25 @@ def own_seconds(record: dict[str, Any]) -> tuple[float, float]:
     return max(0.0, interval - named), named
 
 
-class SlowStepRule:
-    """Is a finalized step's interval anomalous against the run's own recent steps?"""
+#: A slow step must also be this many times the second-slowest step of the window. A busy machine's
+#: noise is heavy-tailed: a few steps in a hundred at 2-3x the median, with a small MAD between them
+#: (the newcomer trial at load 10: 2.2x and 3.3x noise steps among 11 ms ones). Each would pass the
+#: median bars and spend the capture budget on noise; a real slow step (a collection, a stall, a
+#: preemption) stands above the run's own tail. On a quiet run the tail is near the median and the
+#: factor bar decides. A recurring slow step stops triggering once two of it are in the window.
+TAIL_MARGIN = 1.5
 
-    def __init__(self, window_steps: int, factor: float, mad_k: float, min_steps: int = MIN_STEPS):
+
+class SlowStepRule:
+    """Is a finalized step's interval anomalous against the run's own recent steps? ``tail_margin``
+    (None: off) also asks for that multiple of the window's second-largest value (:data:`TAIL_MARGIN`)."""
+
+    def __init__(self, window_steps: int, factor: float, mad_k: float, min_steps: int = MIN_STEPS,
+                 tail_margin: float | None = None):
         self._window: collections.deque[float] = collections.deque(maxlen=window_steps)
         self.factor = factor
         self.mad_k = mad_k
+        self.tail_margin = tail_margin
         self.min_steps = min_steps
         self._median = 0.0
         self._threshold: float | None = None
@@ -106,7 +120,10 @@ class SlowStepRule:
         median = statistics.median(values)
         spread = MAD_TO_SIGMA * statistics.median([abs(v - median) for v in values])
         self._median = median
-        self._threshold = max(self.factor * median, median + self.mad_k * spread) if median > 0 else None
+        threshold = max(self.factor * median, median + self.mad_k * spread)
+        if self.tail_margin is not None:
+            threshold = max(threshold, self.tail_margin * heapq.nlargest(2, values)[-1])
+        self._threshold = threshold if median > 0 else None
         self._since = 0
 
     def judge(self, interval: float) -> tuple[float, float] | None:
@@ -274,7 +291,8 @@ class Capture:
         self._emit = emit
         self._build = build
         self._span = span
-        self._rule = SlowStepRule(window_steps, slow_factor, slow_mad) if "slow" in triggers else None
+        self._rule = SlowStepRule(window_steps, slow_factor, slow_mad, tail_margin=TAIL_MARGIN) \
+            if "slow" in triggers else None
         #: The scalar (``s.log(name=...)``) whose spikes trigger ``spike``: above the median + ``slow_mad``
         #: robust sigmas of its last values, or not finite.
         self.spike_scalar = spike_scalar
