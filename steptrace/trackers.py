@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -421,6 +422,12 @@ class MlflowSink(_TrackerSink):
         self._client: Any = None
         self._owns_run = False
 
+    #: How long ``init()`` waits for MLflow to open its run. MLflow retries a request to a server that
+    #: does not answer for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, backoff factor 2, 120 s a request:
+    #: mlflow/utils/rest_utils.py); past this the job starts without the tracker, whose records are
+    #: dropped and counted until the run opens (if it ever does), and then written.
+    open_timeout_s = 15.0
+
     def _open(self, config: Any) -> None:
         try:
             import mlflow
@@ -429,15 +436,45 @@ class MlflowSink(_TrackerSink):
         except ImportError as exc:
             raise _missing("mlflow", "mlflow", exc) from exc
         self._metric = Metric
+        raised: list[BaseException] = []
+        # MLflow keeps the active run per thread: the user's is looked up here, on init()'s thread.
+        active = None if self.aggregate else mlflow.active_run()
+        active_run_id = active.info.run_id if active is not None and (
+            self.tracking_uri is None or self.tracking_uri == mlflow.get_tracking_uri()) else None
+
+        def open_store() -> None:
+            try:
+                self._open_store(config, mlflow, MlflowClient, active_run_id)
+            except BaseException as exc:  # a setting to fix: raised by init() if it is still waiting
+                raised.append(exc)
+                if opening.is_set():
+                    log.error("steptrace trackers: mlflow, opened late: %s", exc)
+
+        opening = threading.Event()  # set once init() stopped waiting
+        opener = threading.Thread(target=open_store, name="steptrace-mlflow-open", daemon=True)
+        opener.start()
+        opener.join(self.open_timeout_s)
+        if opener.is_alive():
+            uri = self.tracking_uri or mlflow.get_tracking_uri()
+            self.unavailable = (f"trackers: mlflow did not open its run at {uri} within {self.open_timeout_s:g} s "
+                                "(a tracking server that does not answer); its records are dropped and counted "
+                                "until it does")
+            opening.set()
+            log.error("steptrace %s. Training goes on (sink:mlflow)", self.unavailable)
+            return
+        if raised:
+            raise raised[0]
+
+    def _open_store(self, config: Any, mlflow: Any, MlflowClient: Any,  # noqa: N803 (a class)
+                    active_run_id: str | None) -> None:
+        """Open (or find) the run; on the opener thread. A late success clears ``unavailable`` last, so
+        the sink worker sees a run id and keys before it writes."""
         run_id = self.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID") or None
         shared = run_id is not None
         try:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            if run_id is None and not self.aggregate:
-                active = mlflow.active_run()
-                if active is not None and (self.tracking_uri is None
-                                           or self.tracking_uri == mlflow.get_tracking_uri()):
-                    run_id = active.info.run_id
+            if run_id is None:
+                run_id = active_run_id
             if run_id is None:
                 experiment = mlflow.tracking.fluent._get_experiment_id()
                 who = {"steptrace.role": "cluster"} if self.aggregate else {"steptrace.rank": str(config.rank)}
@@ -467,6 +504,10 @@ class MlflowSink(_TrackerSink):
             return
         self.mlflow_run_id = run_id
         self._keys(shared_run=shared)
+        if self.unavailable is not None:  # init() stopped waiting: from now on the records are written
+            log.warning("steptrace trackers: mlflow opened its run %s late; the records before it were dropped "
+                        "and counted (sink:mlflow)", run_id)
+            self.unavailable = None
 
     def _write(self, points: list[TrackerPoint]) -> None:
         Metric = self._metric

@@ -861,3 +861,83 @@ def test_mlflow_with_its_server_gone_after_init_holds_neither_the_loop_nor_shutd
     assert [r["step"] for r in records if r["type"] == "step"] == list(range(6))  # the JSONL has every step
     (run,) = [r for r in records if r["type"] == "run"]
     assert run["dropped"].get("sink:mlflow", 0) >= 1 and "sink:jsonl" not in run["dropped"]  # the stuck batch
+
+
+# A tracking server that takes the connection and does not answer runs/create (hung, or far away): MLflow waits
+# 120 s a request and retries (mlflow/utils/rest_utils.py), so init() once held the job that long. "late" answers
+# after 4 s, past the 1 s the script gives init(); "never" never answers.
+_MLFLOW_SLOW_OPEN_SCRIPT = r"""
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+mode, paths = sys.argv[2], []
+
+class Server(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        paths.append(self.path)
+        out = {}
+        if self.path.endswith("/runs/create"):
+            time.sleep(4.0 if mode == "late" else 3600)
+            out = {"run": {"info": {"run_id": "r1", "run_uuid": "r1", "experiment_id": "0", "user_id": "u",
+                                    "status": "RUNNING", "start_time": 1, "artifact_uri": "",
+                                    "lifecycle_stage": "active", "run_name": "slow/rank-0"}, "data": {}}}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+server.daemon_threads = True
+threading.Thread(target=server.serve_forever, daemon=True).start()
+os.environ["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{server.server_address[1]}"
+import steptrace, steptrace.trackers
+
+steptrace.trackers.MlflowSink.open_timeout_s = 1.0
+started = time.monotonic()
+steptrace.init(run_dir=sys.argv[1], run_id="slow", backend="host", trackers="mlflow")
+init_s = time.monotonic() - started
+for n in range(3):
+    with steptrace.step(n) as s:
+        s.log(loss=1.0)
+steptrace.flush(30)
+time.sleep(6.0 if mode == "late" else 0.0)  # "late": the run has opened by now
+for n in range(3, 6):
+    with steptrace.step(n) as s:
+        s.log(loss=2.0)
+steptrace.shutdown(10.0)
+print(json.dumps({"paths": paths, "init_s": init_s}), flush=True)
+os._exit(0)  # "never": the opener thread still waits on the server
+"""
+
+
+@pytest.mark.parametrize("mode", ["never", "late"])
+def test_an_mlflow_server_that_does_not_answer_holds_init_only_for_the_open_timeout(tmp_path, mode):
+    """Issue 48 (round-4 probe): a tracking server that takes the connection but does not answer held init()
+    for MLflow's 120 s a request and its retries. init() now waits open_timeout_s; the job trains; the
+    tracker's records are dropped and counted until its run opens, and written once it has ("late")."""
+    script = tmp_path / "mlflow_slow.py"
+    script.write_text(_MLFLOW_SLOW_OPEN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0.9 < result["init_s"] < 30  # waited the open timeout (1 s), not MLflow's minutes
+    assert "mlflow did not open its run at http://127.0.0.1:" in done.stderr and "within 1 s" in done.stderr
+    records = _records(tmp_path, "slow")
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(6))  # the job trained
+    (run,) = [r for r in records if r["type"] == "run"]
+    batches = [p for p in result["paths"] if p.endswith("/runs/log-batch")]
+    if mode == "never":
+        assert batches == [] and run["dropped"]["sink:mlflow"] == len(records) - 1  # all it was given
+    else:
+        assert "mlflow opened its run r1 late" in done.stderr
+        assert batches and 0 < run["dropped"]["sink:mlflow"] < len(records) - 1  # the early ones only
