@@ -422,10 +422,12 @@ class MlflowSink(_TrackerSink):
         self._client: Any = None
         self._owns_run = False
 
-    #: How long ``init()`` waits for MLflow to open its run. MLflow retries a request to a server that
-    #: does not answer for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, backoff factor 2, 120 s a request:
-    #: mlflow/utils/rest_utils.py); past this the job starts without the tracker, whose records are
-    #: dropped and counted until the run opens (if it ever does), and then written.
+    #: How long ``init()`` waits for a tracking *server* (an http(s) or databricks URI) to open the run.
+    #: MLflow retries a request to a server that does not answer for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES
+    #: 7, backoff factor 2, 120 s a request: mlflow/utils/rest_utils.py); past this the job starts without
+    #: the tracker, whose records are dropped and counted until the run opens (if it ever does), and then
+    #: written. A local store (the default sqlite:///mlflow.db) is waited for: creating its tables the
+    #: first time took 16-36 s on a loaded 2-core VM, and it ends.
     open_timeout_s = 15.0
 
     def _open(self, config: Any) -> None:
@@ -453,9 +455,10 @@ class MlflowSink(_TrackerSink):
         opening = threading.Event()  # set once init() stopped waiting
         opener = threading.Thread(target=open_store, name="steptrace-mlflow-open", daemon=True)
         opener.start()
-        opener.join(self.open_timeout_s)
+        uri = str(self.tracking_uri or mlflow.get_tracking_uri())
+        remote = uri.startswith(("http://", "https://", "databricks"))
+        opener.join(self.open_timeout_s if remote else None)
         if opener.is_alive():
-            uri = self.tracking_uri or mlflow.get_tracking_uri()
             self.unavailable = (f"trackers: mlflow did not open its run at {uri} within {self.open_timeout_s:g} s "
                                 "(a tracking server that does not answer); its records are dropped and counted "
                                 "until it does")
