@@ -607,3 +607,41 @@ def test_checkpoint_blocking_and_idle_checkpoint_that_differ_say_why(tmp_path):
     assert "idle: checkpoint" in text and "0.700 s" in text
     assert report_view.checkpoint_gap_note(0.7672, 0.7674) == ""  # the same to the millisecond: no note
     assert report_view.checkpoint_gap_note(0.768, 0.7673).startswith("; idle: checkpoint -0.7 ms: such as a span")
+
+
+def test_compile_by_function_tells_new_signatures_from_recompiles_and_folds_where():
+    """issue 49: the demo's ``jit(broadcast_in_dim)``, compiled for 5 shapes outside a step, read
+    "compiled 5×: outside a step, outside a step, ...; recompiled". A compile for a new signature is
+    another program (``attrs.program`` differs), not a recompile; each place is named once with its count.
+    Records without fingerprints (older steptrace) say only how many times, and claim no recompile."""
+    from steptrace.analysis.summary import compile_by_function, compile_sentence
+
+    def compile_span(function, step, program=None, seconds=0.01, event="backend_compile_duration"):
+        attrs = {"event": event, "function": function}
+        if program is not None:
+            attrs["program"] = program
+        return {"type": "span", "name": "compile", "step": step, "seconds": seconds, "attrs": attrs}
+
+    spans = [compile_span("jit(broadcast_in_dim)", None, f"{i:016x}") for i in range(5)]
+    spans += [compile_span("jit(broadcast_in_dim)", None, seconds=0.5, event="jaxpr_trace_duration")]
+    spans += [compile_span("jit(step)", 0, "a" * 16, 2.0), compile_span("jit(step)", 4, "a" * 16, 2.0),
+              compile_span("jit(step)", 6, "a" * 16, 2.0)]
+    spans += [compile_span("jit(old)", None, seconds=0.2), compile_span("jit(old)", None, seconds=0.2),
+              compile_span("jit(old)", 4, seconds=0.2)]
+    spans += [compile_span("jit(mixed)", 1, "b" * 16, 0.05), compile_span("jit(mixed)", 2, None, 0.05)]
+    by_function = compile_by_function(spans)
+    assert list(by_function) == ["jit(step)", "jit(old)", "jit(broadcast_in_dim)", "jit(mixed)"]
+    assert by_function["jit(broadcast_in_dim)"] == {
+        "seconds": pytest.approx(0.55), "compiles": 5, "steps": [None] * 5, "programs": 5, "recompiles": 0,
+        "recompile_steps": []}
+    assert by_function["jit(step)"]["programs"] == 1 and by_function["jit(step)"]["recompiles"] == 2
+    assert by_function["jit(step)"]["recompile_steps"] == [4, 6]
+    for unknown in ("jit(old)", "jit(mixed)"):
+        assert by_function[unknown]["programs"] is None and by_function[unknown]["recompiles"] is None
+    assert compile_sentence(by_function) == (
+        "jit(step) 6.000 s (the same program recompiled 2×: step 4, step 6); "
+        "jit(old) 0.600 s (compiled 3×: outside a step (2×), step 4); "
+        "jit(broadcast_in_dim) 0.550 s (compiled for 5 signatures: outside a step (5×)); "
+        "jit(mixed) 0.100 s (compiled 2×: step 1, step 2)")
+    assert compile_sentence(by_function, limit=1) == (
+        "jit(step) 6.000 s (the same program recompiled 2×: step 4, step 6); 3 more")

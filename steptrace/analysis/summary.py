@@ -285,35 +285,79 @@ BACKEND_COMPILE_EVENT = "backend_compile_duration"
 
 def compile_by_function(spans: Iterable[dict]) -> dict[str, dict]:
     """Compile time by the jitted function compiled (the ``compile`` spans' ``attrs.function``,
-    adapters/jax.py), largest first: ``{function: {"seconds", "compiles", "steps"}}``. ``seconds``: the
-    host time the training thread spent tracing, lowering and compiling it; ``compiles``: its XLA
-    compilations (backend compile events); ``steps``: the step each compilation happened in (null: outside
-    every step, before the first or between two). A function compiled more than once was recompiled (new
-    shapes, dtypes or static arguments). Compile spans without a function (older JAX) are ``unnamed``."""
+    adapters/jax.py), largest first: ``{function: {"seconds", "compiles", "steps", "programs",
+    "recompiles", "recompile_steps"}}``. ``seconds``: the host time the training thread spent tracing,
+    lowering and compiling it; ``compiles``: its XLA compilations (backend compile events); ``steps``:
+    the step each compilation happened in (null: outside every step, before the first or between two).
+
+    A function is compiled once per signature (input shapes, dtypes, shardings, static arguments), each
+    a different program: compiling it for a new one is not a recompile. The backend compile's
+    ``attrs.program`` (a hash of the lowered program) tells them apart: ``programs`` counts the distinct
+    programs, ``recompiles`` the compilations of a program already compiled (a cache miss: ``jax.jit``
+    of a new function object each step, ``jax.clear_caches()``), at ``recompile_steps``. Where a
+    compile has no fingerprint (records from older steptrace), the records cannot tell the two apart:
+    ``programs`` and ``recompiles`` are null. Compile spans without a function (older JAX) are
+    ``unnamed``."""
     out: dict[str, dict] = {}
+    seen: dict[str, set] = {}
     for span in spans:
         if span.get("name") != "compile":
             continue
         attrs = span.get("attrs") if isinstance(span.get("attrs"), dict) else {}
         function = attrs.get("function")
-        entry = out.setdefault(str(function) if isinstance(function, str) and function else "unnamed",
-                               {"seconds": 0.0, "compiles": 0, "steps": []})
+        name = str(function) if isinstance(function, str) and function else "unnamed"
+        entry = out.setdefault(name, {"seconds": 0.0, "compiles": 0, "steps": [], "programs": 0,
+                                      "recompiles": 0, "recompile_steps": []})
         entry["seconds"] += as_number(span.get("seconds")) or 0.0
-        if attrs.get("event") == BACKEND_COMPILE_EVENT:
-            entry["compiles"] += 1
-            step = span.get("step")
-            entry["steps"].append(step if isinstance(step, int) and not isinstance(step, bool) else None)
+        if attrs.get("event") != BACKEND_COMPILE_EVENT:
+            continue
+        step = span.get("step")
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        entry["compiles"] += 1
+        entry["steps"].append(step)
+        program = attrs.get("program")
+        if not isinstance(program, str) or entry["programs"] is None:
+            entry["programs"] = entry["recompiles"] = None
+            entry["recompile_steps"] = []
+            continue
+        programs = seen.setdefault(name, set())
+        if program in programs:
+            entry["recompiles"] += 1
+            entry["recompile_steps"].append(step)
+        else:
+            programs.add(program)
+            entry["programs"] += 1
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
 
 
+def where_compiled(steps: list) -> str:
+    """The steps compilations happened in, each place once with its count, in order of first
+    appearance: ``outside a step (5×), step 0, step 7``."""
+    counts: dict[int | None, int] = {}
+    for step in steps:
+        counts[step] = counts.get(step, 0) + 1
+    return ", ".join(("outside a step" if step is None else f"step {step}") + (f" ({n}×)" if n > 1 else "")
+                     for step, n in counts.items())
+
+
 def compile_sentence(by_function: dict[str, dict], limit: int = 8) -> str:
-    """One line naming each function's compile time, and where one was recompiled."""
+    """One line naming each function's compile time; a function compiled more than once says for how
+    many programs (signatures) and where, and names true recompiles (the same program compiled again)
+    apart. Without program fingerprints it says only how many times."""
     parts = []
     for function, entry in list(by_function.items())[:limit]:
         text = f"{function} {entry['seconds']:.3f} s"
-        if entry["compiles"] > 1:
-            where = ", ".join("outside a step" if s is None else f"step {s}" for s in entry["steps"])
-            text += f" (compiled {entry['compiles']}×: {where}; recompiled)"
+        compiles, programs = entry["compiles"], entry.get("programs")
+        if compiles > 1 and programs is None:
+            text += f" (compiled {compiles}×: {where_compiled(entry['steps'])})"
+        elif compiles > 1:
+            notes = []
+            if programs > 1:
+                notes.append(f"compiled for {programs} signatures: {where_compiled(entry['steps'])}")
+            if entry["recompiles"]:
+                notes.append(f"the same program recompiled {entry['recompiles']}×: "
+                             f"{where_compiled(entry['recompile_steps'])}")
+            text += f" ({'; '.join(notes)})"
         parts.append(text)
     more = len(by_function) - limit
     if more > 0:
