@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
@@ -29,8 +28,8 @@ from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run,
 from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
 from steptrace.analysis.pauses import gc_finding, gc_sentence
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
-from steptrace.analysis.summary import (as_number, compile_by_function, compile_sentence, percent_text, percentile,
-                                        step_split, summarize, summarize_cluster)
+from steptrace.analysis.summary import (as_number, compile_by_function, compile_sentence, flops_rate, percent_text,
+                                        percentile, step_split, summarize, summarize_cluster)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -135,26 +134,6 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "—" if number is None else format(number, spec)
 
 
-_FLOPS_UNITS = ((1e3, "PFLOP/s"), (1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s"), (1e-9, "kFLOP/s"))
-
-
-def flops_rate(tflops_per_second: Any) -> str:
-    """A FLOP rate given in TFLOP/s, in the unit that shows it with three significant figures
-    (``0.0312`` -> ``31.2 GFLOP/s``; two decimals of TFLOP/s showed 0.00-0.03 on a small device)."""
-    number = as_number(tflops_per_second)
-    if number is None:
-        return "—"
-    if number == 0:
-        return "0 TFLOP/s"
-    # The largest unit the rate is at least 1 of (the smallest for a rate below it).
-    scale, unit = next(((s, u) for s, u in _FLOPS_UNITS if abs(number) >= s), _FLOPS_UNITS[-1])
-    value = abs(number) / scale
-    text = f"{value:#.3g}".rstrip(".")
-    if ("e" in text or float(text) >= 1000) and scale < _FLOPS_UNITS[0][0]:
-        return flops_rate(math.copysign(1000 * scale, number))  # rounded up to the next unit (999.7 -> 1000)
-    if value >= 1000:  # above the largest unit: all the digits
-        text = f"{value:,.0f}"
-    return f"{'-' if number < 0 else ''}{text} {unit}"
 
 
 

@@ -16,6 +16,29 @@ def as_number(value: Any) -> float | None:
     return float(value)
 
 
+
+_FLOPS_UNITS = ((1e3, "PFLOP/s"), (1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s"), (1e-9, "kFLOP/s"))
+
+
+def flops_rate(tflops_per_second: Any) -> str:
+    """A FLOP rate given in TFLOP/s, in the unit that shows it with three significant figures
+    (``0.0312`` -> ``31.2 GFLOP/s``; two decimals of TFLOP/s showed 0.00-0.03 on a small device)."""
+    number = as_number(tflops_per_second)
+    if number is None:
+        return "—"
+    if number == 0:
+        return "0 TFLOP/s"
+    # The largest unit the rate is at least 1 of (the smallest for a rate below it).
+    scale, unit = next(((s, u) for s, u in _FLOPS_UNITS if abs(number) >= s), _FLOPS_UNITS[-1])
+    value = abs(number) / scale
+    text = f"{value:#.3g}".rstrip(".")
+    if ("e" in text or float(text) >= 1000) and scale < _FLOPS_UNITS[0][0]:
+        return flops_rate(math.copysign(1000 * scale, number))  # rounded up to the next unit (999.7 -> 1000)
+    if value >= 1000:  # above the largest unit: all the digits
+        text = f"{value:,.0f}"
+    return f"{'-' if number < 0 else ''}{text} {unit}"
+
+
 def percentile(values: Iterable[float], q: float) -> float | None:
     """The *q*-th percentile (0-100) with linear interpolation, like numpy's default."""
     ordered = sorted(values)
