@@ -302,6 +302,49 @@ def after_restore_costs(steps: Sequence[dict]) -> list[dict]:
     return costs
 
 
+def compute_beside_commits(steps: Sequence[dict], checkpoints: Sequence[dict]) -> list[dict]:
+    """The steps an asynchronous checkpoint commit ran beside, and their compute against the rank's
+    typical step's, one entry per async save (issue 49)::
+
+        {"step", "async_seconds", "steps": [n, ...], "compute_seconds": Σ their compute,
+         "typical_compute_seconds": the median compute of the ok steps beside no commit (first steps of
+         an attempt and after a restore left out), "ratio": Σ / (typical × len(steps))}
+
+    A commit window is ``[end_time, end_time + async_seconds]`` (the save's return to the commit's end);
+    a step is beside it where its device window ``[start_time, end_time]`` overlaps it. Measured on JAX
+    CPU against the XLA trace (docs/devices.md), a step beside orbax's commit really computes longer (the
+    device is the host's cores, which the commit's threads share), and its observed end can be late by a
+    garbage collection on the commit's thread. Saves without ``async_seconds``, and runs with no step
+    beside no commit, give nothing."""
+    windows = []
+    for ckpt in checkpoints:
+        commit, saved = as_number(ckpt.get("async_seconds")), as_number(ckpt.get("end_time"))
+        if commit and commit > 0 and saved is not None:
+            windows.append((ckpt, saved, saved + commit))
+    if not windows:
+        return []
+    firsts = _attempt_firsts(steps)
+
+    def beside(step: dict, start: float, end: float) -> bool:
+        begin, finish = as_number(step.get("start_time")), as_number(step.get("end_time"))
+        return begin is not None and finish is not None and begin < end and finish > start
+
+    ok = [s for s in steps if s.get("status", "ok") == "ok" and as_number(s.get("compute_seconds")) is not None]
+    typical = percentile([as_number(s.get("compute_seconds")) for s in ok  # type: ignore[misc]
+                          if id(s) not in firsts and not s.get("first_after_restore")
+                          and not any(beside(s, a, b) for _, a, b in windows)], 50)
+    out = []
+    for ckpt, start, end in windows:
+        near = [s for s in ok if beside(s, start, end) and id(s) not in firsts]
+        if not near or not typical:
+            continue
+        compute = sum(as_number(s.get("compute_seconds")) or 0.0 for s in near)
+        out.append({"step": ckpt.get("step"), "async_seconds": end - start, "steps": [s.get("step") for s in near],
+                    "compute_seconds": compute, "typical_compute_seconds": typical,
+                    "ratio": compute / (typical * len(near))})
+    return out
+
+
 #: The JAX compile event that is one XLA compilation (the other two, the trace and the lowering, precede it).
 BACKEND_COMPILE_EVENT = "backend_compile_duration"
 
