@@ -570,3 +570,24 @@ def test_the_timelines_device_lane_covers_the_time_before_the_first_step(calibra
     assert set(by_reason) == set(first["before_step_breakdown"]) >= {"startup", "compile", "eval"}
     for reason, seconds in first["before_step_breakdown"].items():
         assert by_reason[reason] == pytest.approx(seconds, abs=1e-6), reason
+
+
+def test_program_fingerprint_is_the_programs_text_and_never_raises():
+    """issue 49: the fingerprint that tells a new signature from a recompile is the same for the same
+    lowered program, different for another shape or a static argument, and None (never an exception in
+    the user's compile) for something that is not an MLIR module."""
+    from steptrace.adapters.jax import program_fingerprint
+
+    def double(y, twice):
+        return y * 2.0 if twice else y
+
+    jitted = jax.jit(double, static_argnums=1)
+
+    def module(*args):
+        return jitted.lower(*args).compiler_ir("stablehlo")
+
+    a, again = program_fingerprint(module(jnp.ones(3), True)), program_fingerprint(module(jnp.ones(3), True))
+    assert a is not None and len(a) == 16 and int(a, 16) >= 0 and a == again
+    assert program_fingerprint(module(jnp.ones(4), True)) != a  # another shape
+    assert program_fingerprint(module(jnp.ones(3), False)) != a  # another static argument
+    assert program_fingerprint(object()) is None and program_fingerprint(None) is None
