@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -32,11 +33,15 @@ log = logging.getLogger("steptrace")
 _perf = time.perf_counter
 
 _COMPILE_PREFIX = "/jax/core/compile/"
+_BACKEND_COMPILE = _COMPILE_PREFIX + "backend_compile_duration"
 _listener_target: Any = None  # the Runtime compile spans and dispatch marks go to; swapped on re-init
 _listener_installed = False
 _listener_lock = threading.Lock()
 _flops_target: Any = None  # the ProgramFlops compiled programs go to; swapped on re-init
 _compile_wrapped = False
+#: ``program``: the fingerprint of the program this thread is compiling, set by the wrapped
+#: ``compile_or_get_cached`` and taken by the backend-compile event that JAX records right after it.
+_compiling = threading.local()
 
 
 def require_jax() -> Any:
@@ -381,6 +386,11 @@ def _on_time_span(event: str, start_time: float, end_time: float, **_kwargs: Any
     function = compiled_function(event, _kwargs.get("fun_name"))
     if function is not None:
         attrs["function"] = function
+    if event == _BACKEND_COMPILE:
+        program = getattr(_compiling, "program", None)
+        _compiling.program = None
+        if program is not None:
+            attrs["program"] = program
     runtime.close_span("compile", start_time - offset, end_time - offset, attrs)
 
 
@@ -418,6 +428,7 @@ def install_compile_listener(runtime: Any) -> None:
         else:
             monitoring.register_event_duration_secs_listener(_on_duration)
         _listener_installed = True
+    _wrap_compile()
 
 
 def timed(fn: Any) -> Any:
@@ -518,10 +529,13 @@ class ProgramFlops:
     source = "xla_cost_analysis"
 
     def __init__(self, runtime: Any):
+        global _flops_target
         self._runtime = runtime
         self.programs: dict[str, float] = {}
         self.total: float | None = None
-        _wrap_compile(self)
+        with _listener_lock:
+            _flops_target = self
+        _wrap_compile()
 
     def compiled(self, name: str, executable: Any) -> None:
         rt = self._runtime
@@ -541,14 +555,39 @@ class ProgramFlops:
         return self.total if self.total else None
 
 
-def _wrap_compile(target: ProgramFlops) -> None:
-    """Route every XLA compilation to ``target`` (``jax._src.compiler.compile_or_get_cached``,
+def program_fingerprint(computation: Any) -> str | None:
+    """A 16-hex-digit hash of the lowered program's text (StableHLO, large constants elided), or None.
+
+    JAX's compile events name only the function (``fun_name``), and a function is compiled once per
+    input signature: the fingerprint tells a compile for new shapes, dtypes, shardings or static
+    arguments (another program) from a compile of a program already compiled (the same text: a
+    cache miss, e.g. ``jax.jit`` of a new lambda each step, or ``jax.clear_caches()``). Printing the
+    module (verified already: JAX verifies what it lowers) costs 0.1 % of a 4 s compile for a 23 KB
+    program, 2.6–3.9 % for bench_jax_trainer's 175 KB train step (38–55 ms of a 1.5–1.9 s compile),
+    on the training thread, once per compile. Its bytecode is cheaper but not the same for the same
+    program compiled twice."""
+    operation = getattr(computation, "operation", None)
+    try:
+        text = operation.get_asm(large_elements_limit=16, assume_verified=True)
+    except TypeError:  # older MLIR bindings
+        try:
+            text = operation.get_asm(large_elements_limit=16)
+        except Exception:
+            return None
+    except Exception:
+        return None
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _wrap_compile() -> None:
+    """Route every XLA compilation through steptrace (``jax._src.compiler.compile_or_get_cached``,
     which pjit calls by module attribute once per program it has not compiled in this process,
-    also when the persistent cache has it). Wrapped once per process; private API, so any
-    failure leaves JAX untouched and ``flops="auto"`` empty."""
-    global _flops_target, _compile_wrapped
+    also when the persistent cache has it, inside the backend-compile event): the program's
+    fingerprint for the compile listener, the executable for ``flops="auto"``. Wrapped once per
+    process; private API, so any failure leaves JAX untouched (compile spans without ``program``,
+    ``flops="auto"`` empty)."""
+    global _compile_wrapped
     with _listener_lock:
-        _flops_target = target
         if _compile_wrapped:
             return
         try:
@@ -559,6 +598,10 @@ def _wrap_compile(target: ProgramFlops) -> None:
 
         @functools.wraps(original)
         def compile_or_get_cached(*args: Any, **kwargs: Any) -> Any:
+            runtime = _listener_target
+            if runtime is not None:
+                computation = args[1] if len(args) > 1 else kwargs.get("computation")
+                _compiling.program = program_fingerprint(computation)
             executable = original(*args, **kwargs)
             counter = _flops_target
             if counter is not None:

@@ -288,6 +288,86 @@ class _count_once_per_process_items:
         self._owner._handle = self._original
 
 
+_SLEEPER = r"""
+import json, os, sys, time
+out = []
+while not os.path.exists(sys.argv[1] + ".stop"):
+    t = time.time(); time.sleep(0.0005); out.append((t, time.time() - t - 0.0005))
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def gil_run(reps: int, trace_dir: str) -> list[str]:
+    """Why a checkpoint step's compute is long with orbax's async commit (issue 49): one documented run
+    under the profiler, with every garbage collection on any thread (``gc.callbacks``), a sleeper thread in
+    this process (it wakes late by GIL waits and CPU scheduling) and one in a separate process (CPU
+    scheduling only). Per checkpoint step and per step whose end was seen > 20 ms late: its XLA execution
+    against the run's median (real compute), how late its end was seen, the collections > 10 ms inside
+    that lateness, and the two sleepers' worst wake-up lateness then."""
+    import gc
+    import subprocess
+    import threading
+
+    collections: list[tuple[float, float, int, str]] = []
+    started: dict[int, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[threading.get_ident()] = time.time()
+        elif (t0 := started.pop(threading.get_ident(), None)) is not None:
+            collections.append((t0, time.time(), info["generation"], threading.current_thread().name))
+
+    wakes: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def sleeper() -> None:
+        while not done.is_set():
+            t = time.time()
+            time.sleep(0.0005)
+            late = time.time() - t - 0.0005
+            if late > 0.002:  # only these: a tuple per wake-up would change when the collector runs
+                wakes.append((t, late))
+
+    samples = os.path.join(trace_dir, "process-sleeper.json")
+    process = subprocess.Popen([sys.executable, "-c", _SLEEPER, samples])
+    thread = threading.Thread(target=sleeper, name="gil-probe", daemon=True)
+    thread.start()
+    gc.callbacks.append(on_gc)
+    try:
+        steps, _ = run_loop("documented", reps, os.path.join(trace_dir, "trace"), orbax=True)
+    finally:
+        gc.callbacks.remove(on_gc)
+        done.set()
+        thread.join()
+        Path(samples + ".stop").touch()
+        process.wait()
+    other = [tuple(x) for x in json.loads(Path(samples).read_text())]
+    windows, annotations = device_windows(os.path.join(trace_dir, "trace"))
+    by_step = sorted(steps, key=lambda r: r["step"])
+    offset = statistics.median(r["host_start_time"] - annotations[r["step"]] for r in by_step
+                               if r["step"] in annotations)
+    median = statistics.median(e - s for s, e in windows[SKIP:])
+    lines = [f"median XLA execution {1e3 * median:.1f} ms"]
+    for n in range(SKIP, len(by_step)):
+        record, (start, end) = by_step[n], windows[n]
+        end_unix, seen = end + offset, record["end_time"]
+        late = seen - end_unix
+        if n % CKPT_EVERY and late <= 0.02:
+            continue
+        held = [c for c in collections if c[1] - c[0] > 0.01 and c[0] < seen and c[1] > end_unix]
+
+        def worst(samples: list, seen: float = seen, end_unix: float = end_unix) -> float:
+            return max((w for t, w in samples if t < seen and t + w + 0.0005 > end_unix), default=0.0)
+
+        lines.append(
+            f"step {n}{' (checkpoint)' if n % CKPT_EVERY == 0 else ''}: execution {1e3 * (end - start):.1f} ms "
+            f"({(end - start) / median:.2f}x the median), compute {1e3 * record['compute_seconds']:.1f} ms, end seen "
+            f"{1e3 * late:+.1f} ms late; collections then: "
+            + (", ".join(f"gen {c[2]} {1e3 * (c[1] - c[0]):.0f} ms on {c[3]}" for c in held) or "none")
+            + f"; worst wake-up: thread {1e3 * worst(wakes):.1f} ms, other process {1e3 * worst(other):.1f} ms")
+    return lines
+
+
 def capture_run(reps: int, inline: bool) -> dict[str, Any]:
     """The loop with ``init(capture="slow")`` and one slow step (a 1 s data stall at step 30; no in-run
     trace: one trace at a time): the capture record, the training thread's longest time from one step's
@@ -625,8 +705,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capture", action="store_true",
                         help="only the capture check: capture=\"slow\" on the loop with a slow step, the trace "
                              "written off the training thread and on it (as before issue 49)")
+    parser.add_argument("--gil", type=int, metavar="RUNS", default=0,
+                        help="only the checkpoint-step check: RUNS runs with orbax's async save, each checkpoint "
+                             "step's execution against the median, its end's lateness and the garbage collections "
+                             "and GIL waits inside it")
     args = parser.parse_args(argv)
     reps = calibrate(args.step_s)
+    if args.gil:
+        for k in range(args.gil):
+            with tempfile.TemporaryDirectory() as trace_dir:
+                print(f"run {k}: " + "\n  ".join(gil_run(reps, trace_dir)))
+        return 0
     if args.capture:
         results = {}
         for label, inline in (("writer thread", False), ("on the training thread (before 49)", True)):

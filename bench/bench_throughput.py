@@ -101,6 +101,102 @@ def run_block(variant: str, fn, x, w, r, n0: int, steps: int, data_s: float):
 CODE = {"U": "uninstrumented", "S": "steptrace", "Y": "sync every step"}
 
 
+class Loader:
+    """A data loader on a Python thread (as a thread-pool loader decoding in Python): each batch costs
+    ``ms`` of bytecode, two are kept ready. ``get()`` is the training thread's wait for the next."""
+
+    def __init__(self, ms: float):
+        import queue
+        import threading
+
+        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        # Bytecode of about ``ms`` (calibrated here): a loop that CPython can switch out of anywhere.
+        t0, n = perf(), 0
+        while perf() - t0 < 0.05:
+            n += self._decode(1000)
+        self._trips = max(1, round(n * ms / 50.0))
+        self._thread = threading.Thread(target=self._run, name="loader", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _decode(trips: int) -> int:
+        total = 0
+        for i in range(trips):
+            total += i % 7
+        return trips
+
+    def _run(self) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            self._decode(self._trips)
+            while not self._stop.is_set():
+                try:
+                    self.queue.put(object(), timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def get(self) -> object:
+        return self.queue.get()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_switch_block(fn, x, w, r, n0: int, steps: int, loader: Loader):
+    """One steptrace block whose data comes from ``loader``: (seconds, last x)."""
+    prev = None
+    t0 = perf()
+    for n in range(n0, n0 + steps):
+        with steptrace.step(n) as s:
+            with steptrace.span("data"):
+                loader.get()
+            x, loss = fn(x, w, r)
+            s.wait_for(x, loss)
+        if prev is not None:
+            float(prev)
+        prev = loss
+    jax.block_until_ready(x)
+    return perf() - t0, x
+
+
+def switch_compare(args, fn, x, w, r, B: int, groups: int) -> int:
+    """steptrace's default against ``init(jax_switch_interval_s=...)`` on the same loop with a GIL-bound
+    loader thread (issue 49: can init() choose the accurate setting by default?): blocks ``D W D W ... D``,
+    each W bracketed by the D blocks around it; each block runs under its own init() (outside its time)."""
+    loader = Loader(args.loader_ms)
+    tmp = tempfile.mkdtemp(prefix="steptrace-bench-switch-")
+    seq = list("DW" * groups) + ["D"]
+    secs: list[float] = []
+    n0 = 0
+    try:
+        for i, v in enumerate(seq):
+            steptrace.init(run_dir=tmp, run_id=f"switch-{i}", strict=False, backend="jax",
+                           jax_switch_interval_s=args.switch_s if v == "W" else None)
+            run_switch_block(fn, x, w, r, n0, 2, loader)  # the resolver started, off the clock
+            t, x = run_switch_block(fn, x, w, r, n0 + 2, B, loader)
+            steptrace.shutdown()
+            secs.append(t)
+    finally:
+        loader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    ratios = [B / secs[i] / ((B / secs[i - 1] + B / secs[i + 1]) / 2) for i, v in enumerate(seq) if v == "W"]
+    med = wl.median(ratios)
+    print(f"steps/s with init(jax_switch_interval_s={args.switch_s}) / steptrace's default, JAX CPU loop, device "
+          f"step ~{args.step_ms:.0f} ms, a loader thread of {args.loader_ms:.0f} ms of bytecode a batch, {groups} "
+          f"bracketed pairs of {B}-step blocks: median {med:.3f} (p25..p75 {wl.percentile(ratios, 25):.3f}.."
+          f"{wl.percentile(ratios, 75):.3f}); default {wl.median([B / t for v, t in zip(seq, secs) if v == 'D']):.2f} "
+          f"steps/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "throughput-switch", "switch_s": args.switch_s, "loader_ms": args.loader_ms,
+                       "sequence": "".join(seq), "block_seconds": secs, "ratios": ratios, "median_ratio": med}, f)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 groups")
@@ -109,6 +205,10 @@ def main(argv=None) -> int:
     ap.add_argument("--step-ms", type=float, default=25.0, help="target device time of a step")
     ap.add_argument("--data-ms", type=float, default=5.0, help="host data-loading time per step")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--switch-s", type=float, default=None,
+                    help="instead: steptrace's default against init(jax_switch_interval_s=SWITCH_S), with the data "
+                         "from a loader thread that runs Python (--loader-ms of bytecode a batch)")
+    ap.add_argument("--loader-ms", type=float, default=10.0, help="with --switch-s: the loader's bytecode per batch")
     args = ap.parse_args(argv)
     groups = args.groups or (10 if args.quick else 30)
     B = args.block
@@ -118,6 +218,8 @@ def main(argv=None) -> int:
     fn = wl.make_step_fn()
     reps, per_rep = wl.calibrate(fn, x, w, args.step_ms / 1000.0)
     r = wl.reps_arg(reps)
+    if args.switch_s is not None:
+        return switch_compare(args, fn, x, w, r, B, groups)
     tmp = tempfile.mkdtemp(prefix="steptrace-bench-tp-")
     data_s = args.data_ms / 1000.0
     seq = list("USUY" * groups) + ["U"]

@@ -591,3 +591,29 @@ def test_the_sibling_note_says_what_moved_whichever_row_is_printed(printed, medi
     assert expected in note
     if median == "regression" and mean == "noise":
         assert "tail" not in note
+
+
+def test_flop_rates_are_shown_in_the_reports_three_significant_figure_units(tmp_path, capsys):
+    """issue 49: ``compare`` printed every FLOP rate as TFLOP/s with ``.4g`` (0.03125 on a CPU) while the
+    report printed 31.2 GFLOP/s; the row now uses the report's units (values and B − A), and its JSON
+    keeps the number in TFLOP/s, saying so."""
+    def add_rate(path, tflops):
+        lines = [json.loads(line) for line in (path / "rank-0.jsonl").read_text().splitlines()]
+        for r in lines:
+            if r["type"] == "step":
+                r["tflops_per_second"] = tflops
+        (path / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return path
+
+    rng = random.Random(4)
+    a = add_rate(_write_run(tmp_path / "a", [1.0] + _jitter(rng, 0.1, 20)), 0.03125)
+    b = add_rate(_write_run(tmp_path / "b", [1.0] + _jitter(rng, 0.1, 20)), 0.0252)
+    row = _rows(compare_runs(load_run(a), load_run(b)))["tflops_per_second"]
+    assert (row.a, row.b, row.unit) == (0.03125, 0.0252, "TFLOP/s")
+    assert main([str(a), str(b), "--markdown"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| FLOP/s (compute time)")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:4] == ["31.2 GFLOP/s", "25.2 GFLOP/s", "-6.05 GFLOP/s"]
+    assert main([str(a), str(b), "--json"]) == 0
+    (data,) = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["metric"] == "tflops_per_second"]
+    assert (data["a"], data["unit"]) == (0.03125, "TFLOP/s")

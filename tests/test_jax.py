@@ -452,7 +452,9 @@ def test_compile_time_is_named_by_jitted_function_in_records_report_json_timelin
     """issue 49: ``before_step_breakdown {'compile': 12.955}`` did not say that 8.1 s of it was ``jit(init)``.
     JAX passes each compile event's ``fun_name`` to jax.monitoring listeners (jax/_src/dispatch.py,
     ``log_elapsed_time``): the trace with the Python name, the lowering and the backend compile with
-    ``jit(<name>)``. A function compiled twice (new shapes) is named as recompiled, at the steps it was."""
+    ``jit(<name>)``. A function compiled for new shapes is compiled for another signature, not recompiled;
+    only a compile of a program already compiled (here after ``jax.clear_caches()``) is a recompile: the
+    backend compile's ``attrs.program`` (a hash of the lowered program) tells them apart."""
     import sys
     from pathlib import Path
 
@@ -481,6 +483,8 @@ def test_compile_time_is_named_by_jitted_function_in_records_report_json_timelin
             with steptrace.span("eval"):
                 float(grow(state[:64]).sum())  # device work before step 0 (and a compile)
             for n in range(4):
+                if n == 3:
+                    jax.clear_caches()  # step 3 compiles step 2's program again: a true recompile
                 with steptrace.step(n) as s:
                     y = grow(state if n < 2 else state[:128])
                     s.wait_for(y)
@@ -496,7 +500,12 @@ def test_compile_time_is_named_by_jitted_function_in_records_report_json_timelin
     assert ("jaxpr_trace_duration", "jit(grow)") in named  # the trace's "grow", named as the other two
     by_function = compile_by_function(spans)
     assert by_function["jit(init_params)"]["compiles"] == 1 and by_function["jit(init_params)"]["steps"] == [None]
-    assert by_function["jit(grow)"]["compiles"] == 3 and by_function["jit(grow)"]["steps"] == [None, 0, 2]
+    grow_entry = by_function["jit(grow)"]
+    assert grow_entry["compiles"] == 4 and grow_entry["steps"] == [None, 0, 2, 3]
+    assert grow_entry["programs"] == 3 and grow_entry["recompiles"] == 1 and grow_entry["recompile_steps"] == [3]
+    programs = [s["attrs"]["program"] for s in spans if s["name"] == "compile"
+                and s["attrs"]["event"] == "backend_compile_duration" and s["attrs"].get("function") == "jit(grow)"]
+    assert len(set(programs)) == 3 and programs[2] == programs[3] and all(len(p) == 16 for p in programs)
     for function, entry in by_function.items():
         assert entry["seconds"] == pytest.approx(sum(
             s["seconds"] for s in spans if s["name"] == "compile" and s["attrs"].get("function") == function))
@@ -509,10 +518,12 @@ def test_compile_time_is_named_by_jitted_function_in_records_report_json_timelin
     assert _cli.main(["report", str(tmp_path / "names"), "--width", "400"]) == 0
     text = capsys.readouterr().out
     assert "Compile by function" in text and "jit(init_params)" in text
-    assert "jit(grow)" in text and "compiled 3×: outside a step, step 0, step 2; recompiled" in text
+    assert ("jit(grow)" in text and "(compiled for 3 signatures: outside a step, step 0, step 2, step 3; "
+                                    "the same program recompiled 1×: step 3)" in text)
     assert _cli.main(["report", str(tmp_path / "names"), "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
-    assert payload["compile_by_function"]["jit(grow)"]["steps"] == [None, 0, 2]
+    expected = {**grow_entry, "seconds": pytest.approx(grow_entry["seconds"])}
+    assert payload["compile_by_function"]["jit(grow)"] == expected
 
     trace = build_trace(run)
     labels = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compile"}
@@ -559,3 +570,24 @@ def test_the_timelines_device_lane_covers_the_time_before_the_first_step(calibra
     assert set(by_reason) == set(first["before_step_breakdown"]) >= {"startup", "compile", "eval"}
     for reason, seconds in first["before_step_breakdown"].items():
         assert by_reason[reason] == pytest.approx(seconds, abs=1e-6), reason
+
+
+def test_program_fingerprint_is_the_programs_text_and_never_raises():
+    """issue 49: the fingerprint that tells a new signature from a recompile is the same for the same
+    lowered program, different for another shape or a static argument, and None (never an exception in
+    the user's compile) for something that is not an MLIR module."""
+    from steptrace.adapters.jax import program_fingerprint
+
+    def double(y, twice):
+        return y * 2.0 if twice else y
+
+    jitted = jax.jit(double, static_argnums=1)
+
+    def module(*args):
+        return jitted.lower(*args).compiler_ir("stablehlo")
+
+    a, again = program_fingerprint(module(jnp.ones(3), True)), program_fingerprint(module(jnp.ones(3), True))
+    assert a is not None and len(a) == 16 and int(a, 16) >= 0 and a == again
+    assert program_fingerprint(module(jnp.ones(4), True)) != a  # another shape
+    assert program_fingerprint(module(jnp.ones(3), False)) != a  # another static argument
+    assert program_fingerprint(object()) is None and program_fingerprint(None) is None

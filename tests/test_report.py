@@ -607,3 +607,83 @@ def test_checkpoint_blocking_and_idle_checkpoint_that_differ_say_why(tmp_path):
     assert "idle: checkpoint" in text and "0.700 s" in text
     assert report_view.checkpoint_gap_note(0.7672, 0.7674) == ""  # the same to the millisecond: no note
     assert report_view.checkpoint_gap_note(0.768, 0.7673).startswith("; idle: checkpoint -0.7 ms: such as a span")
+
+
+def test_compile_by_function_tells_new_signatures_from_recompiles_and_folds_where():
+    """issue 49: the demo's ``jit(broadcast_in_dim)``, compiled for 5 shapes outside a step, read
+    "compiled 5×: outside a step, outside a step, ...; recompiled". A compile for a new signature is
+    another program (``attrs.program`` differs), not a recompile; each place is named once with its count.
+    Records without fingerprints (older steptrace) say only how many times, and claim no recompile."""
+    from steptrace.analysis.summary import compile_by_function, compile_sentence
+
+    def compile_span(function, step, program=None, seconds=0.01, event="backend_compile_duration"):
+        attrs = {"event": event, "function": function}
+        if program is not None:
+            attrs["program"] = program
+        return {"type": "span", "name": "compile", "step": step, "seconds": seconds, "attrs": attrs}
+
+    spans = [compile_span("jit(broadcast_in_dim)", None, f"{i:016x}") for i in range(5)]
+    spans += [compile_span("jit(broadcast_in_dim)", None, seconds=0.5, event="jaxpr_trace_duration")]
+    spans += [compile_span("jit(step)", 0, "a" * 16, 2.0), compile_span("jit(step)", 4, "a" * 16, 2.0),
+              compile_span("jit(step)", 6, "a" * 16, 2.0)]
+    spans += [compile_span("jit(old)", None, seconds=0.2), compile_span("jit(old)", None, seconds=0.2),
+              compile_span("jit(old)", 4, seconds=0.2)]
+    spans += [compile_span("jit(mixed)", 1, "b" * 16, 0.05), compile_span("jit(mixed)", 2, None, 0.05)]
+    by_function = compile_by_function(spans)
+    assert list(by_function) == ["jit(step)", "jit(old)", "jit(broadcast_in_dim)", "jit(mixed)"]
+    assert by_function["jit(broadcast_in_dim)"] == {
+        "seconds": pytest.approx(0.55), "compiles": 5, "steps": [None] * 5, "programs": 5, "recompiles": 0,
+        "recompile_steps": []}
+    assert by_function["jit(step)"]["programs"] == 1 and by_function["jit(step)"]["recompiles"] == 2
+    assert by_function["jit(step)"]["recompile_steps"] == [4, 6]
+    for unknown in ("jit(old)", "jit(mixed)"):
+        assert by_function[unknown]["programs"] is None and by_function[unknown]["recompiles"] is None
+    assert compile_sentence(by_function) == (
+        "jit(step) 6.000 s (the same program recompiled 2×: step 4, step 6); "
+        "jit(old) 0.600 s (compiled 3×: outside a step (2×), step 4); "
+        "jit(broadcast_in_dim) 0.550 s (compiled for 5 signatures: outside a step (5×)); "
+        "jit(mixed) 0.100 s (compiled 2×: step 1, step 2)")
+    assert compile_sentence(by_function, limit=1) == (
+        "jit(step) 6.000 s (the same program recompiled 2×: step 4, step 6); 3 more")
+
+
+def test_steps_beside_an_async_commit_are_named_with_their_compute_against_the_typical_step(tmp_path, capsys):
+    """issue 49: on JAX CPU, a step beside orbax's async commit computes longer (measured against the XLA
+    trace: the commit's threads share the cores) and its observed end can be late (a collection on the
+    commit's thread holds the GIL). The report names those steps and their compute against the typical
+    step's, says why, and --json carries it; a commit beside steps of typical compute is not named."""
+    from steptrace import _cli
+
+    origin = 1_700_000_000.0
+    steps = [step_record(n, 0.1, 0.19 if n in (5, 6, 7) else 0.1, start=n * 1.0, end_source="observed")
+             for n in range(12)]
+    # Saved after step 4 (host end 4.2 s), committed for 3.3 s: beside steps 5, 6 and 7 (5.0-7.1 s).
+    slow = {**checkpoint_record(4, 0.1, async_seconds=3.3), "start_time": origin + 4.1, "end_time": origin + 4.2}
+    # Saved after step 8, committed beside steps 9 and 10, whose compute is typical.
+    quiet = {**checkpoint_record(8, 0.1, async_seconds=2.0), "start_time": origin + 8.1, "end_time": origin + 8.2}
+    sync = {**checkpoint_record(10, 0.1), "start_time": origin + 10.1, "end_time": origin + 10.2}
+    write_rank(tmp_path / "r1", 0, steps + [slow, quiet, sync])
+    run = load_run(tmp_path / "r1")
+    from steptrace.analysis.summary import compute_beside_commits
+
+    entries = compute_beside_commits(run.steps(0), run.checkpoints(0))
+    assert [(e["step"], e["steps"]) for e in entries] == [(4, [5, 6, 7]), (8, [9, 10])]
+    assert entries[0]["compute_seconds"] == pytest.approx(0.57)
+    assert entries[0]["typical_compute_seconds"] == pytest.approx(0.1)
+    assert entries[0]["ratio"] == pytest.approx(1.9) and entries[1]["ratio"] == pytest.approx(1.0)
+    assert entries[0]["async_seconds"] == pytest.approx(3.3)
+
+    assert _cli.main(["report", str(tmp_path / "r1"), "--width", "400"]) == 0
+    text = capsys.readouterr().out
+    (line,) = [x for x in text.splitlines() if x.startswith("Compute beside async commits")]
+    assert ("checkpoint 4's commit (3.300 s) ran beside steps 5–7: compute 1.90× the typical step's (0.570 s; "
+            "typical 0.100 s). Why: JAX, no device clock: on CPU the commit's threads share the cores") in line
+    assert "checkpoint 8" not in line and "garbage collection on the commit's thread holds the GIL" in line
+    assert _cli.main(["report", str(tmp_path / "r1"), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert [e["steps"] for e in payload["compute_beside_commits"]] == [[5, 6, 7], [9, 10]]
+
+    # Without an async commit (or with steps of typical compute only) there is no line.
+    write_rank(tmp_path / "r2", 0, steps[:5] + [sync])
+    assert _cli.main(["report", str(tmp_path / "r2"), "--width", "400"]) == 0
+    assert "Compute beside async commits" not in capsys.readouterr().out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
@@ -29,8 +28,9 @@ from steptrace.analysis.runs import Run, RunDirError, ranks_reporting, find_run,
 from steptrace.analysis.health import health_lines, rank_windows, straggler_cause, summarize_health
 from steptrace.analysis.pauses import gc_finding, gc_sentence
 from steptrace.analysis.stragglers import straggler_sentence, straggler_steps, summarize_stragglers
-from steptrace.analysis.summary import (as_number, compile_by_function, compile_sentence, percent_text, percentile,
-                                        step_split, summarize, summarize_cluster)
+from steptrace.analysis.summary import (as_number, compile_by_function, compile_sentence, compute_beside_commits,
+                                        flops_rate, percent_text, percentile, step_split, summarize,
+                                        summarize_cluster)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
@@ -135,26 +135,6 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "—" if number is None else format(number, spec)
 
 
-_FLOPS_UNITS = ((1e3, "PFLOP/s"), (1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s"), (1e-9, "kFLOP/s"))
-
-
-def flops_rate(tflops_per_second: Any) -> str:
-    """A FLOP rate given in TFLOP/s, in the unit that shows it with three significant figures
-    (``0.0312`` -> ``31.2 GFLOP/s``; two decimals of TFLOP/s showed 0.00-0.03 on a small device)."""
-    number = as_number(tflops_per_second)
-    if number is None:
-        return "—"
-    if number == 0:
-        return "0 TFLOP/s"
-    # The largest unit the rate is at least 1 of (the smallest for a rate below it).
-    scale, unit = next(((s, u) for s, u in _FLOPS_UNITS if abs(number) >= s), _FLOPS_UNITS[-1])
-    value = abs(number) / scale
-    text = f"{value:#.3g}".rstrip(".")
-    if ("e" in text or float(text) >= 1000) and scale < _FLOPS_UNITS[0][0]:
-        return flops_rate(math.copysign(1000 * scale, number))  # rounded up to the next unit (999.7 -> 1000)
-    if value >= 1000:  # above the largest unit: all the digits
-        text = f"{value:,.0f}"
-    return f"{'-' if number < 0 else ''}{text} {unit}"
 
 
 
@@ -352,6 +332,35 @@ def checkpoint_gap_note(blocking_seconds: float, idle_seconds: float) -> str:
            "close) are idle, not a save's blocking" if difference > 0 else
            "such as a span inside a save (a compile): its blocking, but idle under its own name")
     return f"; idle: checkpoint {'+' if difference > 0 else '-'}{abs(difference) * 1e3:.1f} ms: {why}"
+
+
+#: An async commit's steps are named in the report from this much compute over the typical step's.
+COMMIT_COMPUTE_RATIO_SHOWN = 1.1
+
+
+def commit_sentence(entries: list[dict], steps: list[dict]) -> str:
+    """One line on the steps async checkpoint commits ran beside, where their compute exceeds the typical
+    step's by 10 % or more (:func:`compute_beside_commits`), and why it does: "" when none does."""
+    shown = [e for e in entries if e["ratio"] >= COMMIT_COMPUTE_RATIO_SHOWN]
+    if not shown:
+        return ""
+    parts = []
+    for entry in shown[:4]:
+        numbers = entry["steps"]
+        consecutive = len(numbers) > 2 and all(isinstance(n, int) for n in numbers) and \
+            numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        where = f"{numbers[0]}–{numbers[-1]}" if consecutive else ", ".join(str(n) for n in numbers)
+        parts.append(f"checkpoint {entry['step']}'s commit ({entry['async_seconds']:.3f} s) ran beside step"
+                     f"{'s' if len(entry['steps']) > 1 else ''} {where}: compute {entry['ratio']:.2f}× the typical "
+                     f"step's ({entry['compute_seconds']:.3f} s; typical {entry['typical_compute_seconds']:.3f} s)")
+    if len(shown) > 4:
+        parts.append(f"{len(shown) - 4} more")
+    beside = {n for e in shown for n in e["steps"]}
+    observed = any(s.get("end_source") == "observed" for s in steps if s.get("step") in beside)
+    why = ("JAX, no device clock: on CPU the commit's threads share the cores XLA computes on (real compute: the "
+           "XLA trace shows it), and an end can be seen late while a garbage collection on the commit's thread holds "
+           "the GIL (docs/devices.md)" if observed else "the device's own time: the commit slowed the device's work")
+    return "; ".join(parts) + f". Why: {why}"
 
 
 def goodput_line(job: dict) -> str:
@@ -714,6 +723,9 @@ def render_report(
             console.print(f"[yellow]no step records for rank {rank}[/]")
         if checkpoints:
             console.print(_checkpoint_table(checkpoints, rank))
+            beside = commit_sentence(compute_beside_commits(steps, checkpoints), steps)
+            if beside:
+                console.print(f"[bold]Compute beside async commits[/] (rank {rank}): {escape(beside)}")
         console.print(_summary_panel(summary, mine, f"Summary (rank {rank})"))
         if len(mine["attempts"]) > 1:
             console.print(_attempts_table(mine, rank))
@@ -872,6 +884,9 @@ def run_report(args: argparse.Namespace) -> int:
             "stalls": job_view(run) if run.ranks else None,
             # the shown rank's compile time by jitted function, largest first, with its compilations' steps
             "compile_by_function": compile_by_function(run.records("span", rank)) if rank is not None else {},
+            # the steps each async checkpoint commit ran beside, their compute against the typical step's
+            "compute_beside_commits": (compute_beside_commits(run.steps(rank), run.checkpoints(rank))
+                                       if rank is not None else []),
             # deep captures (docs/capture.md): the profiler traces taken, or why not
             "captures": capture_lines(run) if run.ranks else [],
             # every second of the job across attempts and ranks (docs/goodput.md), with the shown

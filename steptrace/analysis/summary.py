@@ -16,6 +16,29 @@ def as_number(value: Any) -> float | None:
     return float(value)
 
 
+
+_FLOPS_UNITS = ((1e3, "PFLOP/s"), (1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s"), (1e-9, "kFLOP/s"))
+
+
+def flops_rate(tflops_per_second: Any) -> str:
+    """A FLOP rate given in TFLOP/s, in the unit that shows it with three significant figures
+    (``0.0312`` -> ``31.2 GFLOP/s``; two decimals of TFLOP/s showed 0.00-0.03 on a small device)."""
+    number = as_number(tflops_per_second)
+    if number is None:
+        return "—"
+    if number == 0:
+        return "0 TFLOP/s"
+    # The largest unit the rate is at least 1 of (the smallest for a rate below it).
+    scale, unit = next(((s, u) for s, u in _FLOPS_UNITS if abs(number) >= s), _FLOPS_UNITS[-1])
+    value = abs(number) / scale
+    text = f"{value:#.3g}".rstrip(".")
+    if ("e" in text or float(text) >= 1000) and scale < _FLOPS_UNITS[0][0]:
+        return flops_rate(math.copysign(1000 * scale, number))  # rounded up to the next unit (999.7 -> 1000)
+    if value >= 1000:  # above the largest unit: all the digits
+        text = f"{value:,.0f}"
+    return f"{'-' if number < 0 else ''}{text} {unit}"
+
+
 def percentile(values: Iterable[float], q: float) -> float | None:
     """The *q*-th percentile (0-100) with linear interpolation, like numpy's default."""
     ordered = sorted(values)
@@ -279,41 +302,128 @@ def after_restore_costs(steps: Sequence[dict]) -> list[dict]:
     return costs
 
 
+def compute_beside_commits(steps: Sequence[dict], checkpoints: Sequence[dict]) -> list[dict]:
+    """The steps an asynchronous checkpoint commit ran beside, and their compute against the rank's
+    typical step's, one entry per async save (issue 49)::
+
+        {"step", "async_seconds", "steps": [n, ...], "compute_seconds": Σ their compute,
+         "typical_compute_seconds": the median compute of the ok steps beside no commit (first steps of
+         an attempt and after a restore left out), "ratio": Σ / (typical × len(steps))}
+
+    A commit window is ``[end_time, end_time + async_seconds]`` (the save's return to the commit's end);
+    a step is beside it where its device window ``[start_time, end_time]`` overlaps it. Measured on JAX
+    CPU against the XLA trace (docs/devices.md), a step beside orbax's commit really computes longer (the
+    device is the host's cores, which the commit's threads share), and its observed end can be late by a
+    garbage collection on the commit's thread. Saves without ``async_seconds``, and runs with no step
+    beside no commit, give nothing."""
+    windows = []
+    for ckpt in checkpoints:
+        commit, saved = as_number(ckpt.get("async_seconds")), as_number(ckpt.get("end_time"))
+        if commit and commit > 0 and saved is not None:
+            windows.append((ckpt, saved, saved + commit))
+    if not windows:
+        return []
+    firsts = _attempt_firsts(steps)
+
+    def beside(step: dict, start: float, end: float) -> bool:
+        begin, finish = as_number(step.get("start_time")), as_number(step.get("end_time"))
+        return begin is not None and finish is not None and begin < end and finish > start
+
+    ok = [s for s in steps if s.get("status", "ok") == "ok" and as_number(s.get("compute_seconds")) is not None]
+    typical = percentile([as_number(s.get("compute_seconds")) for s in ok  # type: ignore[misc]
+                          if id(s) not in firsts and not s.get("first_after_restore")
+                          and not any(beside(s, a, b) for _, a, b in windows)], 50)
+    out = []
+    for ckpt, start, end in windows:
+        near = [s for s in ok if beside(s, start, end) and id(s) not in firsts]
+        if not near or not typical:
+            continue
+        compute = sum(as_number(s.get("compute_seconds")) or 0.0 for s in near)
+        out.append({"step": ckpt.get("step"), "async_seconds": end - start, "steps": [s.get("step") for s in near],
+                    "compute_seconds": compute, "typical_compute_seconds": typical,
+                    "ratio": compute / (typical * len(near))})
+    return out
+
+
 #: The JAX compile event that is one XLA compilation (the other two, the trace and the lowering, precede it).
 BACKEND_COMPILE_EVENT = "backend_compile_duration"
 
 
 def compile_by_function(spans: Iterable[dict]) -> dict[str, dict]:
     """Compile time by the jitted function compiled (the ``compile`` spans' ``attrs.function``,
-    adapters/jax.py), largest first: ``{function: {"seconds", "compiles", "steps"}}``. ``seconds``: the
-    host time the training thread spent tracing, lowering and compiling it; ``compiles``: its XLA
-    compilations (backend compile events); ``steps``: the step each compilation happened in (null: outside
-    every step, before the first or between two). A function compiled more than once was recompiled (new
-    shapes, dtypes or static arguments). Compile spans without a function (older JAX) are ``unnamed``."""
+    adapters/jax.py), largest first: ``{function: {"seconds", "compiles", "steps", "programs",
+    "recompiles", "recompile_steps"}}``. ``seconds``: the host time the training thread spent tracing,
+    lowering and compiling it; ``compiles``: its XLA compilations (backend compile events); ``steps``:
+    the step each compilation happened in (null: outside every step, before the first or between two).
+
+    A function is compiled once per signature (input shapes, dtypes, shardings, static arguments), each
+    a different program: compiling it for a new one is not a recompile. The backend compile's
+    ``attrs.program`` (a hash of the lowered program) tells them apart: ``programs`` counts the distinct
+    programs, ``recompiles`` the compilations of a program already compiled (a cache miss: ``jax.jit``
+    of a new function object each step, ``jax.clear_caches()``), at ``recompile_steps``. Where a
+    compile has no fingerprint (records from older steptrace), the records cannot tell the two apart:
+    ``programs`` and ``recompiles`` are null. Compile spans without a function (older JAX) are
+    ``unnamed``."""
     out: dict[str, dict] = {}
+    seen: dict[str, set] = {}
     for span in spans:
         if span.get("name") != "compile":
             continue
         attrs = span.get("attrs") if isinstance(span.get("attrs"), dict) else {}
         function = attrs.get("function")
-        entry = out.setdefault(str(function) if isinstance(function, str) and function else "unnamed",
-                               {"seconds": 0.0, "compiles": 0, "steps": []})
+        name = str(function) if isinstance(function, str) and function else "unnamed"
+        entry = out.setdefault(name, {"seconds": 0.0, "compiles": 0, "steps": [], "programs": 0,
+                                      "recompiles": 0, "recompile_steps": []})
         entry["seconds"] += as_number(span.get("seconds")) or 0.0
-        if attrs.get("event") == BACKEND_COMPILE_EVENT:
-            entry["compiles"] += 1
-            step = span.get("step")
-            entry["steps"].append(step if isinstance(step, int) and not isinstance(step, bool) else None)
+        if attrs.get("event") != BACKEND_COMPILE_EVENT:
+            continue
+        step = span.get("step")
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        entry["compiles"] += 1
+        entry["steps"].append(step)
+        program = attrs.get("program")
+        if not isinstance(program, str) or entry["programs"] is None:
+            entry["programs"] = entry["recompiles"] = None
+            entry["recompile_steps"] = []
+            continue
+        programs = seen.setdefault(name, set())
+        if program in programs:
+            entry["recompiles"] += 1
+            entry["recompile_steps"].append(step)
+        else:
+            programs.add(program)
+            entry["programs"] += 1
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
 
 
+def where_compiled(steps: list) -> str:
+    """The steps compilations happened in, each place once with its count, in order of first
+    appearance: ``outside a step (5×), step 0, step 7``."""
+    counts: dict[int | None, int] = {}
+    for step in steps:
+        counts[step] = counts.get(step, 0) + 1
+    return ", ".join(("outside a step" if step is None else f"step {step}") + (f" ({n}×)" if n > 1 else "")
+                     for step, n in counts.items())
+
+
 def compile_sentence(by_function: dict[str, dict], limit: int = 8) -> str:
-    """One line naming each function's compile time, and where one was recompiled."""
+    """One line naming each function's compile time; a function compiled more than once says for how
+    many programs (signatures) and where, and names true recompiles (the same program compiled again)
+    apart. Without program fingerprints it says only how many times."""
     parts = []
     for function, entry in list(by_function.items())[:limit]:
         text = f"{function} {entry['seconds']:.3f} s"
-        if entry["compiles"] > 1:
-            where = ", ".join("outside a step" if s is None else f"step {s}" for s in entry["steps"])
-            text += f" (compiled {entry['compiles']}×: {where}; recompiled)"
+        compiles, programs = entry["compiles"], entry.get("programs")
+        if compiles > 1 and programs is None:
+            text += f" (compiled {compiles}×: {where_compiled(entry['steps'])})"
+        elif compiles > 1:
+            notes = []
+            if programs > 1:
+                notes.append(f"compiled for {programs} signatures: {where_compiled(entry['steps'])}")
+            if entry["recompiles"]:
+                notes.append(f"the same program recompiled {entry['recompiles']}×: "
+                             f"{where_compiled(entry['recompile_steps'])}")
+            text += f" ({'; '.join(notes)})"
         parts.append(text)
     more = len(by_function) - limit
     if more > 0:
