@@ -38,16 +38,24 @@ SEQ_LEN, BATCH = 128, 2
 TOKENS = SEQ_LEN * BATCH  # label tokens per step on the one rank
 
 
-def _run(work: Path, run_id: str, steps: int, port: int) -> dict:
+def _run(work: Path, run_id: str, steps: int, port: int, *, batch: int = BATCH, pp: int = 1) -> dict:
     out = work / f"out-{run_id}"
-    cmd = [sys.executable, str(WORKER), "--work", str(work), "--run-dir", str(work / "runs"), "--run-id", run_id,
-           "--out", str(out), "--steps", str(steps), "--seq-len", str(SEQ_LEN), "--batch", str(BATCH)]
+    args = [str(WORKER), "--work", str(work), "--run-dir", str(work / "runs"), "--run-id", run_id, "--out", str(out),
+            "--steps", str(steps), "--seq-len", str(SEQ_LEN), "--batch", str(batch), "--pp", str(pp)]
+    if pp > 1:  # one process per pipeline stage, on gloo
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", *args]
+    else:
+        cmd = [sys.executable, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
     env.pop("STEPTRACE_DISABLED", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = [json.loads(line) for line in (work / "runs" / run_id / "rank-0.jsonl").read_text().splitlines()]
-    return {"records": records, **json.loads((out / "torchtitan.json").read_text())}
+    result = {"records": records, **json.loads((out / "torchtitan.json").read_text())}
+    result["ranks"] = [records] + [
+        [json.loads(line) for line in (work / "runs" / run_id / f"rank-{r}.jsonl").read_text().splitlines()]
+        for r in range(1, pp)]
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,13 @@ def test_every_hook_installs_on_torchtitan_030(runs):
         "torchtitan.components.checkpointer.dcp.CheckpointManager._maybe_wait_for_staging",
         "torchtitan.components.checkpointer.dcp.CheckpointManager._load",
         "torchtitan.components.validate.Validator.validate"]
-    assert fresh["shims"] == ["device_type", "memory_monitor", "flex_attention_backward", "set_pg_timeouts"]
+    # only the worker's named shims, and on CPU all four of the accelerator ones
+    cpu_shims = ["device_type", "memory_monitor", "flex_attention_backward", "set_pg_timeouts"]
+    assert set(fresh["shims"]) <= {*cpu_shims, "pipeline_step_microbatches"}
+    import torch
+
+    if not torch.cuda.is_available():
+        assert fresh["shims"][:4] == cpu_shims
 
 
 def test_steps_are_torchtitans_with_its_tokens_and_model_flops(runs):
@@ -139,3 +153,44 @@ def test_torchtitans_tps_and_tflops_side_by_side(runs):
     # after the resume, torchtitan's first window holds the restore steptrace names separately
     (restore,) = _restores(resume)
     assert resume["metrics"]["4"]["time_metrics/end_to_end(s)"] > restore["seconds"]
+
+
+PP_MICROBATCHES = 4  # batch 4, microbatch size 1
+# torch 2.13's Schedule1F1B._step_microbatches: stage s runs min(M, stages - s) warm-up forwards, then
+# alternates one backward and one forward, then the remaining backwards.
+ONE_F_ONE_B = {
+    0: [("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2), ("backward", 1), ("forward", 3),
+        ("backward", 2), ("backward", 3)],
+    1: [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1), ("forward", 2), ("backward", 2),
+        ("forward", 3), ("backward", 3)],
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("torchtitan-pp"), "pp", 2, 29613, batch=PP_MICROBATCHES, pp=2)
+
+
+def test_pipeline_parallel_microbatches_inside_torchtitans_steps(pipeline_run):
+    """parallelism.pipeline_parallel_degree=2 with 1F1B on 2 gloo ranks: each rank's trainer step holds
+    its stage's microbatches in the schedule's order; tokens and FLOPs are the rank's share."""
+    flops_per_token = pipeline_run["num_flops_per_token"]
+    assert pipeline_run["non_data_parallel_size"] == 2
+    fetched = PP_MICROBATCHES * SEQ_LEN  # every stage fetches the batch; torchtitan counts it per rank
+    for rank, records in enumerate(pipeline_run["ranks"]):
+        steps = {s["step"]: s for s in records if s["type"] == "step"}
+        assert sorted(steps) == [1, 2]
+        for n, step in steps.items():
+            assert step["tokens"] == fetched // 2 and step["flops"] == pytest.approx(fetched // 2 * flops_per_token)
+            mbs = [m for m in records if m["type"] == "microbatch" and m["step"] == n]
+            assert [(m["kind"], m["microbatch"]) for m in mbs] == ONE_F_ONE_B[rank]
+            assert {m["stage"] for m in mbs} == {rank} and {m["chunk"] for m in mbs} == {None}
+            for m in mbs:
+                assert step["start_time"] - 1e-6 <= m["start_time"] <= m["end_time"] <= step["end_time"] + 1e-6
+            # the bubble reported = the one from the same step's microbatch spans
+            window = max(m["end_time"] for m in mbs) - step["start_time"]
+            from_spans = 1 - sum(m["compute_seconds"] for m in mbs) / window
+            got = step["pipeline_bubble_ratio"][str(rank)]
+            assert abs(got - from_spans) <= 0.1 * from_spans + 1e-9
+    # torchtitan's own token count is per rank, the whole batch: steptrace's shares sum to it
+    assert pipeline_run["metrics"]["2"]["n_tokens_seen"] == 2 * fetched

@@ -31,6 +31,15 @@ replaces exactly those, on CPU only, each with the reason (on a CUDA machine not
    process groups' timeout once start-up is over; in one process nothing waits on it. The shim
    makes it a no-op.
 
+One more, for pipeline parallelism and not about CPU (``pipeline_step_microbatches``): torchtitan
+0.3.0's ``pp_forward_backward_step`` calls ``schedule.step(arg_mbs=..., kwarg_mbs=...,
+target_mbs=..., losses=..., loss_kwargs=..., return_outputs=False)`` with its batch already split
+into microbatches, an API of a torch newer than 2.13, whose ``step(*args, target=...)`` splits a
+whole batch itself (``torch/distributed/pipelining/schedules.py``). Where ``step`` has no
+``arg_mbs``, the shim hands those lists to the schedule's own ``_step_microbatches`` after the
+per-iteration reset ``step`` does (``has_backward``, ``clear_runtime_states``); the schedule, its
+stages and their ``forward_one_chunk``/``backward_one_chunk`` are torch's.
+
 Writes ``<out>/torchtitan.json``: torchtitan's own logged metrics per step (the dict its
 ``MetricsProcessor`` hands its metric logger) and ``num_flops_per_token``.
 """
@@ -43,6 +52,7 @@ import os
 import random
 import sys
 import types
+from typing import Callable
 
 
 def cpu_shim() -> list[str]:
@@ -85,6 +95,34 @@ def cpu_shim() -> list[str]:
     return ["device_type", "memory_monitor", "flex_attention_backward", "set_pg_timeouts"]
 
 
+def pipeline_shim() -> list[str]:
+    """Apply the ``pipeline_step_microbatches`` shim (see the module docstring) where torch needs it."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    if "arg_mbs" in inspect.signature(schedules.PipelineScheduleSingle.step).parameters:
+        return []
+
+    def make(original):
+        def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                 loss_kwargs=None, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return original(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                                **kwargs)
+            for stage in getattr(self, "_stages", None) or [self._stage]:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            return None
+
+        return step
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        cls.step = make(cls.step)
+    return ["pipeline_step_microbatches"]
+
+
 def write_assets(work: str) -> tuple[str, str]:
     """A byte-level BPE tokenizer (vocabulary under the debug model's 2048) and a JSON text dataset in
     the ``c4_test`` layout (one ``{"text": ...}`` per line), made here: the repository's test assets
@@ -103,12 +141,23 @@ def write_assets(work: str) -> tuple[str, str]:
     bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
     tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=300, special_tokens=[bos, eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer.save(os.path.join(tokenizer_dir, "tokenizer.json"))
-    with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": bos, "eos_token": eos}, f)
-    with open(os.path.join(dataset_dir, "data.json"), "w") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text}) + "\n")
+    # Every rank writes the same files: each to its own name, then renamed over (atomic), so no rank
+    # reads another's half-written file.
+    def publish(path: str, write: Callable[[str], None]) -> None:
+        mine = f"{path}.{os.getpid()}.tmp"
+        write(mine)
+        os.replace(mine, path)
+
+    def write_text(text: str) -> Callable[[str], None]:
+        def write(path: str) -> None:
+            with open(path, "w") as f:
+                f.write(text)
+        return write
+
+    publish(os.path.join(tokenizer_dir, "tokenizer.json"), tokenizer.save)
+    publish(os.path.join(tokenizer_dir, "tokenizer_config.json"),
+            write_text(json.dumps({"bos_token": bos, "eos_token": eos})))
+    publish(os.path.join(dataset_dir, "data.json"), write_text("".join(json.dumps({"text": t}) + "\n" for t in texts)))
     return tokenizer_dir, dataset_dir
 
 
@@ -123,6 +172,8 @@ def main() -> int:
     parser.add_argument("--async-mode", default="async", help="checkpoint.async_mode")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1, help="parallelism.pipeline_parallel_degree (one rank each)")
+    parser.add_argument("--pp-schedule", default="1F1B")
     args = parser.parse_args()
 
     os.environ.setdefault("RANK", "0")
@@ -131,7 +182,7 @@ def main() -> int:
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    shims = cpu_shim()
+    shims = cpu_shim() + pipeline_shim()
 
     import torch
     import torch.distributed
@@ -152,6 +203,11 @@ def main() -> int:
     config.checkpoint.interval = args.interval
     config.checkpoint.async_mode = args.async_mode
     config.validator.enable = False
+    if args.pp > 1:  # one microbatch per sample: batch / 1 microbatches a step
+        config.parallelism.pipeline_parallel_degree = args.pp
+        config.parallelism.pipeline_parallel_schedule = args.pp_schedule
+        config.parallelism.pipeline_parallel_microbatch_size = 1
+        config.training.disable_cuda_graphs = True  # torchtitan 0.3.0 refuses CUDA graphs with PP
 
     hooks = steptrace.adapters.torchtitan.install(run_dir=args.run_dir, run_id=args.run_id)
     trainer = config.build()
@@ -173,7 +229,8 @@ def main() -> int:
             torch.distributed.destroy_process_group()
     steptrace.shutdown()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "torchtitan.json"), "w") as f:
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(args.out, "torchtitan.json" if rank == 0 else f"torchtitan-rank{rank}.json"), "w") as f:
         json.dump({"metrics": logged, "num_flops_per_token": trainer.metrics_processor.num_flops_per_token,
                    "non_data_parallel_size": trainer.parallel_dims.non_data_parallel_size,
                    "hooks": hooks, "shims": shims}, f)
