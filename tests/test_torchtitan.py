@@ -51,7 +51,7 @@ def _run(work: Path, run_id: str, steps: int, port: int, *, batch: int = BATCH, 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = [json.loads(line) for line in (work / "runs" / run_id / "rank-0.jsonl").read_text().splitlines()]
-    result = {"records": records, **json.loads((out / "torchtitan.json").read_text())}
+    result = {"records": records, "work": work, **json.loads((out / "torchtitan.json").read_text())}
     result["ranks"] = [records] + [
         [json.loads(line) for line in (work / "runs" / run_id / f"rank-{r}.jsonl").read_text().splitlines()]
         for r in range(1, pp)]
@@ -117,6 +117,11 @@ def test_async_save_is_timed_to_its_commit_and_the_last_save_is_blocking(runs):
     assert ckpts[2]["after_step"] == 2 and ckpts[2]["blocking_seconds"] > 0
     assert ckpts[2]["async_seconds"] is not None and ckpts[2]["async_seconds"] > 0  # the dcp.async_save commit
     assert ckpts[3]["async_seconds"] is None and ckpts[3]["blocking_seconds"] > 0  # last step: dcp.save
+    # The commit ends no earlier than DCP's last write: the checkpoint's .metadata, written by the
+    # async save's finish step (torch.distributed.checkpoint's StorageWriter.finish) before the future
+    # completes. Both are wall-clock times; 5 ms covers steptrace's clock calibration.
+    written = (fresh["work"] / "dump" / "checkpoint" / "step-2" / ".metadata").stat().st_mtime
+    assert ckpts[2]["end_time"] + ckpts[2]["async_seconds"] >= written - 0.005
     step3 = next(s for s in _of(fresh, "step") if s["step"] == 3)
     # the save after step 2 is step 3's idle time, never its compute
     assert step3["idle_breakdown"]["checkpoint"] == pytest.approx(ckpts[2]["blocking_seconds"], rel=1e-6)
