@@ -11,6 +11,7 @@
 #   make distclean   clean + the virtualenv
 #   make maxtext-env the Python 3.12 env (.venv-maxtext) the MaxText hook tests run in
 #   make axlearn-env the Python 3.11 env (.venv-axlearn, ~1.8 GB) the AXLearn hook tests run in
+#   make torchtitan-env  torchtitan 0.3.0 and its pinned dependencies in .venv (--no-deps), for its hook tests
 #
 # PYTHON picks the interpreter the virtualenv is made from (3.11 or newer).
 
@@ -31,7 +32,7 @@ VENV_PYTHON := $(VENV)/bin/python
 PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])" 2>/dev/null || cksum < pyproject.toml | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 
-.PHONY: demo test test-stress lint bench install clean distclean help maxtext-env axlearn-env
+.PHONY: demo test test-stress lint bench install clean distclean help maxtext-env axlearn-env torchtitan-env
 .DEFAULT_GOAL := help
 
 help:
@@ -61,13 +62,13 @@ lint: $(STAMP) $(HOTPATH_STAMP)
 	$(VENV_PYTHON) -m ruff check .
 	$(VENV_PYTHON) -m mypy
 
-test: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env lint
+test: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env torchtitan-env lint
 	@$(VENV_PYTHON) -c "import steptrace._handles as h; print('steptrace: the per-step calls run', 'compiled (steptrace/_hotpath.c)' if h._hotpath else 'in Python (the C extension is not built here)')"
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 # The busy loops are started here and stopped by their own pids when pytest ends (or fails, or is
 # interrupted); the suite's exit status is make's.
-test-stress: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env lint
+test-stress: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env torchtitan-env lint
 	@pids=""; trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
 	for i in $$(seq $(STRESS_LOOPS)); do $(PYTHON) -c 'while 1: pass' & pids="$$pids $$!"; done; \
 	echo "steptrace: $(STRESS_LOOPS) busy loops beside the suite (pids$$pids)"; \
@@ -147,3 +148,17 @@ $(AXLEARN_STAMP):
 	touch $@
 
 axlearn-env: $(AXLEARN_STAMP)
+
+# --- torchtitan (tests/test_torchtitan.py) ---------------------------------------------
+# torchtitan's own requirements do not name torch, but its dependencies may pull another torch, so
+# the pinned set in requirements-torchtitan.txt goes into the main venv with --no-deps (torch stays
+# $(TORCH_VERSION)). The stamp carries the file's hash; editing it reinstalls.
+TORCHTITAN_HASH := $(shell cat requirements-torchtitan.txt 2>/dev/null | cksum | cut -d' ' -f1)
+TORCHTITAN_STAMP := $(VENV)/.torchtitan-$(TORCHTITAN_HASH)
+
+$(TORCHTITAN_STAMP): requirements-torchtitan.txt | $(STAMP)
+	$(VENV_PYTHON) -m pip install -q --no-deps -r requirements-torchtitan.txt
+	rm -f $(VENV)/.torchtitan-*
+	touch $@
+
+torchtitan-env: $(TORCHTITAN_STAMP)
