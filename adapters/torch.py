@@ -433,6 +433,47 @@ class TorchCudaDevice:
         self.checked = placement
         return placement
 
+    def start_unit(self, unit: Any, rt: Any) -> None:
+        """A step's start marker in one call (training thread; the compiled entry calls it): what
+        ``Runtime.start_markers`` does through :meth:`current_stream` and ``TorchCudaGpu.record``, inline
+        for the steady state (the GPU chosen, its stream seen before, its allocator not due, an event in
+        the pool, the driver's record); anything else goes the general way, before any side effect."""
+        try:
+            if self._capturing():
+                return  # a graph capture is in progress: no marker may go on this stream
+            current = self._get_device()
+            index = self.tensor_device
+            if index is None:
+                index = self._timed.get(current)
+                if index is None or index < 0 or self._checks_left:
+                    rt.start_markers(unit, self)  # the GPU is still being chosen (or none is timed)
+                    return
+            raw = self._raw_stream
+            placement = self._placements.get((index, raw(index))) if raw is not None else None
+            if placement is None or current != index:
+                rt.start_markers(unit, self)  # a stream not seen yet, or torch's record (it sets the device)
+                return
+            gpu = placement.steptrace_device
+            free, record_raw = gpu._free, gpu._record_raw
+            if not free or record_raw is None or _perf() >= gpu.memory_due:
+                rt.start_markers(unit, self)  # the pool's first events, no driver, or the allocator's sample
+                return
+            marker = free.pop()
+            stream = placement.handle
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:
+                free.append(marker)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:  # a broken backend must not kill training
+            rt.device_failed(exc)
+            return
+        gpu._last = marker
+        gpu._last_stream_handle = stream
+        unit.start_event = marker
+        unit.device = gpu
+        unit.stream = placement
+        unit.start_recorded_after = unit.host_start
+
     def timed_index(self) -> int | None:
         """The GPU a unit starting now would be timed on (training thread), or None when none is known."""
         if self.tensor_device is not None:
@@ -660,6 +701,67 @@ class TorchCudaGpu:
         self._last_stream_handle = stream.handle
         return marker
 
+    def start_unit(self, unit: Any, rt: Any) -> None:
+        """A microbatch's start marker in one call (training thread; its step is timed on this GPU): what
+        ``Runtime.start_markers`` does through :meth:`current_stream` and :meth:`record`, inline for the
+        steady state; anything else goes the general way, before any side effect."""
+        owner = self._owner
+        try:
+            if owner._capturing():
+                return
+            index, raw, free, record_raw = self.index, owner._raw_stream, self._free, self._record_raw
+            placement = owner._placements.get((index, raw(index))) if raw is not None else None
+            if placement is None or not free or record_raw is None or owner._get_device() != index:
+                rt.start_markers(unit, self)
+                return
+            marker = free.pop()
+            stream = placement.handle
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:
+                free.append(marker)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:
+            rt.device_failed(exc)
+            return
+        self._last = marker
+        self._last_stream_handle = stream
+        unit.start_event = marker
+        unit.device = self
+        unit.stream = placement
+        unit.start_recorded_after = unit.host_start
+
+    def end_unit(self, unit: Any, rt: Any) -> None:
+        """A step's or microbatch's end marker in one call (training thread; the compiled exits call it):
+        what ``Runtime.end_marker`` does through :meth:`record`, inline for the steady state (its stream
+        known, not being captured, an event in the pool, the driver's record); else the general way."""
+        owner = self._owner
+        placement, free, record_raw = unit.stream, self._free, self._record_raw
+        try:
+            if placement is None or not free or record_raw is None or owner._get_device() != self.index:
+                rt.end_marker(unit)
+                return
+            if owner._capturing():
+                rt.end_marker(unit)  # it checks again and falls back to host timing
+                return
+            owner.checked = None
+            marker = free.pop()
+            stream = placement.handle
+            unit.end_recorded_after = _perf()
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:
+                free.append(marker)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:
+            from steptrace._devices import HOST
+
+            rt.device_failed(exc)  # as Runtime.end_marker: the unit falls back to host timing
+            rt.drop_markers(unit)
+            unit.device = HOST
+            return
+        self._last = marker
+        self._last_stream_handle = stream
+        unit.end_event = marker
+
     def sample_memory(self) -> None:
         """This GPU's allocator, read here where this thread cannot be inside an allocator call."""
         cuda = self._torch.cuda
@@ -769,8 +871,12 @@ class TorchCudaGpu:
         event's first record is never read)."""
         marker = self._Event(enable_timing=True)
         marker.steptrace_gpu = self
+        marker.steptrace_handle = 0
         if self._record_raw is not None:
             marker.record(stream)
+            # The cudaEvent_t, fixed from its first record to its destruction: read once here, not
+            # through the property at every marker.
+            marker.steptrace_handle = int(marker.cuda_event)
         self.events_created += 1
         return marker
 

@@ -51,7 +51,7 @@ static PyObject *ZERO;           /* 0.0, the default host times */
 static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_span_marker, *s_close_span,
     *s__crossed_into, *s_start_event, *s_microbatches, *s_backends, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
-    *s_append, *s_end_marker;
+    *s_append, *s_end_marker, *s_start_unit, *s_end_unit, *s_auto;
 
 /* -- the two types ------------------------------------------------------------------------------------------ */
 
@@ -423,33 +423,103 @@ runtime_step(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObj
 }
 
 /* Backends.stream_for_unit() (a new reference: the stream device, or None), answered without the call in
- * the common CPU case: no stream device forced or known, and torch not even imported. */
+ * the common cases: a stream device forced; CUDA in use (every step of a CUDA loop); no stream device forced
+ * or known and torch not even imported (a CPU loop). */
 static PyObject *
 stream_for_unit(PyObject *backends)
 {
-    int none = attr_is_none(backends, s_forced_stream);
-    if (none == 1) {
-        none = attr_is_none(backends, s__cuda);
-    }
-    if (none == 1) {
-        int imported = PyDict_Contains(PyImport_GetModuleDict(), s_torch);
-        none = imported < 0 ? -1 : !imported;
-    }
-    if (none < 0) {
+    PyObject *forced = PyObject_GetAttr(backends, s_forced_stream);
+    if (forced == NULL) {
         return NULL;
     }
-    if (none) {
+    if (forced != Py_None) {
+        return forced;
+    }
+    Py_DECREF(forced);
+    PyObject *cuda = PyObject_GetAttr(backends, s__cuda);
+    if (cuda == NULL) {
+        return NULL;
+    }
+    if (cuda != Py_None) {
+        /* `if not self.auto or self.timed_by_values: return None`, then the known CUDA device. */
+        int r = attr_is_true(backends, s_auto);
+        if (r == 1) {
+            r = attr_is_true(backends, s_timed_by_values);
+            r = r < 0 ? -1 : !r;
+        }
+        if (r == 1) {
+            return cuda;
+        }
+        Py_DECREF(cuda);
+        if (r < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(cuda);
+    int imported = PyDict_Contains(PyImport_GetModuleDict(), s_torch);
+    if (imported < 0) {
+        return NULL;
+    }
+    if (!imported) {
         Py_RETURN_NONE;
     }
     return PyObject_CallMethodNoArgs(backends, s_stream_for_unit);
 }
 
-/* rt.start_markers(unit, device) where device is a stream device (not None); 0 or -1. */
+/* `type(device).<name>` where the stream device's class defines it as a plain function (a new reference), or
+ * NULL without an error: the device's one-call marker entries (start_unit, end_unit; see
+ * steptrace._devices.StreamDevice), looked up in the type's method cache, no bound method made. */
+static PyObject *
+unit_entry(PyObject *device, PyObject *name)
+{
+    PyObject *entry = _PyType_Lookup(Py_TYPE(device), name); /* borrowed; never sets an error */
+    return entry != NULL && PyFunction_Check(entry) ? Py_NewRef(entry) : NULL;
+}
+
+/* A unit's start marker on stream device `device` (not None): `device.start_unit(unit, rt)` where it has
+ * one, else `rt.start_markers(unit, device)`; 0 or -1. */
 static int
 start_markers(PyObject *rt, PyObject *unit, PyObject *device)
 {
-    PyObject *call[3] = {rt, unit, device};
-    PyObject *out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+    PyObject *out, *entry = unit_entry(device, s_start_unit);
+    if (entry != NULL) {
+        PyObject *call[3] = {device, unit, rt};
+        out = PyObject_Vectorcall(entry, call, 3, NULL);
+        Py_DECREF(entry);
+    }
+    else {
+        PyObject *call[3] = {rt, unit, device};
+        out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+    }
+    if (out == NULL) {
+        return -1;
+    }
+    Py_DECREF(out);
+    return 0;
+}
+
+/* A unit's end marker, as the Python exits do first: `unit.device.end_unit(unit, rt)` where the device has
+ * one, else `rt.end_marker(unit)` (the end marker on the unit's stream or, where none can be recorded, the
+ * unit falls back to host timing there); 0 or -1. */
+static int
+end_marker(PyObject *rt, PyObject *unit, PyObject *device)
+{
+    PyObject *out;
+    Py_INCREF(rt);
+    Py_INCREF(device);
+    PyObject *entry = unit_entry(device, s_end_unit);
+    if (entry != NULL) {
+        PyObject *call[3] = {device, unit, rt};
+        out = PyObject_Vectorcall(entry, call, 3, NULL);
+        Py_DECREF(entry);
+    }
+    else {
+        PyObject *call[2] = {rt, unit};
+        out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
+    }
+    Py_DECREF(device);
+    Py_DECREF(rt);
     if (out == NULL) {
         return -1;
     }
@@ -784,17 +854,8 @@ step_exit(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(EXIT_SLOW, full, 4, NULL);
     }
-    if (plain == 2) {
-        /* rt.end_marker(self), as the Python method does first: the step's end marker on its stream (or,
-         * where none can be recorded, the step falls back to host timing there). */
-        PyObject *call[2] = {(PyObject *)rt, (PyObject *)self};
-        Py_INCREF(rt);
-        PyObject *out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
-        Py_DECREF(rt);
-        if (out == NULL) {
-            return NULL;
-        }
-        Py_DECREF(out);
+    if (plain == 2 && end_marker((PyObject *)rt, (PyObject *)self, self->device) < 0) {
+        return NULL; /* the step's end marker first, as the Python method records it */
     }
     PyObject *end = read_clock();
     if (end == NULL) {
@@ -1132,16 +1193,8 @@ microbatch_exit(MicrobatchObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(MB_EXIT_SLOW, full, 4, NULL);
     }
-    if (r == 1) {
-        /* rt.end_marker(self), as the Python method does first (a pipeline rank's hundreds a step). */
-        PyObject *rt = Py_NewRef(self->rt);
-        PyObject *call[2] = {rt, (PyObject *)self};
-        PyObject *out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
-        Py_DECREF(rt);
-        if (out == NULL) {
-            return NULL;
-        }
-        Py_DECREF(out);
+    if (r == 1 && end_marker(self->rt, (PyObject *)self, self->device) < 0) {
+        return NULL; /* the end marker first, as the Python method (a pipeline rank's hundreds a step) */
     }
     PyObject *end = read_clock();
     if (end == NULL) {
@@ -1704,6 +1757,9 @@ PyInit__hotpath(void)
     INTERN(s_stream_for_unit, "stream_for_unit");
     INTERN(s_start_markers, "start_markers");
     INTERN(s_end_marker, "end_marker");
+    INTERN(s_start_unit, "start_unit");
+    INTERN(s_end_unit, "end_unit");
+    INTERN(s_auto, "auto");
     INTERN(s__cuda, "_cuda");
     INTERN(s_span_marker, "span_marker");
     INTERN(s_close_span, "close_span");
