@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -762,6 +763,33 @@ class TorchCudaGpu:
         self._last_stream_handle = stream
         unit.end_event = marker
 
+    def span_marker(self, step: Any, rt: Any) -> Any:
+        """A marker on ``step``'s stream as a host span inside it begins or ends, in one call (training
+        thread; the compiled span calls it): what ``Runtime.span_marker`` does through :meth:`record`,
+        inline for the steady state. ``(self, marker, host time read before recording)``, or None (a graph
+        capture is in progress, or the record failed: counted)."""
+        owner = self._owner
+        placement, free, record_raw = step.stream, self._free, self._record_raw
+        if placement is None or not free or record_raw is None or owner._get_device() != self.index:
+            return rt.span_marker(step)
+        recorded_after = _perf()
+        try:
+            if owner._capturing():
+                return None  # the marker could be captured too
+            owner.checked = None
+            marker = free.pop()
+            stream = placement.handle
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:
+                free.append(marker)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:
+            rt.device_failed(exc)
+            return None
+        self._last = marker
+        self._last_stream_handle = stream
+        return (self, marker, recorded_after)
+
     def sample_memory(self) -> None:
         """This GPU's allocator, read here where this thread cannot be inside an allocator call."""
         cuda = self._torch.cuda
@@ -783,15 +811,24 @@ class TorchCudaGpu:
         if state.device != self.index or state.capture_safe is None:  # else set up already (one check)
             _off_thread(self._torch, self.index)
 
+    # (query and elapsed run a few times a step on the resolver: the thread's set-up check is inline, and
+    # a pooled event's raw handle is the one read at its creation.)
     def query(self, marker: Any) -> bool:
-        self._off_thread()
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:
+            _off_thread(self._torch, self.index)
+        handle = marker.steptrace_handle if state.driver else 0
+        if handle:
+            return _DRIVER.event_query(handle)
         return _event_done(marker)
 
     def elapsed(self, start: Any, end: Any) -> float:
         """Seconds from ``start`` to ``end`` on this GPU's clock (``cudaEventElapsedTime``: float32 ms)."""
-        self._off_thread()
-        if _OFF_THREAD.driver:
-            a, b = start.cuda_event, end.cuda_event
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:
+            _off_thread(self._torch, self.index)
+        if state.driver:
+            a, b = start.steptrace_handle, end.steptrace_handle
             if a and b:
                 return _DRIVER.event_elapsed_ms(a, b) / 1000.0
         return start.elapsed_time(end) / 1000.0
@@ -1013,24 +1050,29 @@ def scalar_reader(value: Any) -> Any:
             return None
         if not value.is_cuda:
             return float(value.detach().reshape(()))
-        torch = require_torch()
+        torch = sys.modules.get("torch") or require_torch()  # (imported: the value is a torch tensor)
         index = int(value.get_device())
+        scalars = _SCALARS
         raw = torch._C._cuda_getCurrentRawStream(index)
-        stream = _SCALARS.streams.get((index, raw))
+        stream = scalars.streams.get((index, raw))
         if stream is None:
-            stream = _SCALARS.streams[index, raw] = torch.cuda.current_stream(index)
-        if index == torch._C._cuda_getDevice() and torch._C._cuda_isCurrentStreamCapturing():
+            stream = scalars.streams[index, raw] = torch.cuda.current_stream(index)
+        on_current = index == torch._C._cuda_getDevice()
+        if on_current and torch._C._cuda_isCurrentStreamCapturing():
             return _CapturedScalar()
         scalar = value.detach().reshape(())
         key = (index, scalar.dtype)
         try:
-            host, event = _SCALARS.free[key].pop()
+            host, event = scalars.free[key].pop()
             host.copy_(scalar, non_blocking=True)
         except (KeyError, IndexError):
             host = scalar.to("cpu", non_blocking=True)  # pinned: torch pins a non_blocking copy's output
             event = torch.cuda.Event()  # created at its first record, on the stream's (the tensor's) GPU
         handle = event.cuda_event
-        if handle and _SCALARS.driver_record and index == torch._C._cuda_getDevice():
+        driver_record = scalars._driver_record
+        if driver_record is None:
+            driver_record = scalars.driver_record
+        if handle and driver_record and on_current:
             # A pooled event (created by its first record): recorded through the driver keeping the GIL, as
             # markers are, where torch's record would give the GIL away on the training thread.
             rc = _DRIVER.record_keeping_gil(handle, raw)

@@ -51,7 +51,7 @@ static PyObject *ZERO;           /* 0.0, the default host times */
 static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_span_marker, *s_close_span,
     *s__crossed_into, *s_start_event, *s_microbatches, *s_backends, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
-    *s_append, *s_end_marker, *s_start_unit, *s_end_unit, *s_auto;
+    *s_append, *s_end_marker, *s_start_unit, *s_end_unit, *s_auto, *s_device;
 
 /* -- the two types ------------------------------------------------------------------------------------------ */
 
@@ -527,6 +527,34 @@ end_marker(PyObject *rt, PyObject *unit, PyObject *device)
     return 0;
 }
 
+/* A marker on `step`'s stream as a host span inside it begins or ends (a new reference: (device, marker, host
+ * time), or None): `step.device.span_marker(step, rt)` where the device has one, else `rt.span_marker(step)`. */
+static PyObject *
+span_marker(PyObject *rt, PyObject *step)
+{
+    PyObject *device = PyObject_TypeCheck(step, &StepBaseType) ? Py_XNewRef(((StepObject *)step)->device)
+                                                                : PyObject_GetAttr(step, s_device);
+    if (device == NULL) {
+        return NULL;
+    }
+    Py_INCREF(rt);
+    Py_INCREF(step);
+    PyObject *out, *entry = unit_entry(device, s_span_marker);
+    if (entry != NULL) {
+        PyObject *call[3] = {device, step, rt};
+        out = PyObject_Vectorcall(entry, call, 3, NULL);
+        Py_DECREF(entry);
+    }
+    else {
+        PyObject *call[2] = {rt, step};
+        out = PyObject_VectorcallMethod(s_span_marker, call, 2, NULL);
+    }
+    Py_DECREF(step);
+    Py_DECREF(rt);
+    Py_DECREF(device);
+    return out;
+}
+
 /* -- StepHandle.__enter__ ----------------------------------------------------------------------------------- */
 
 /* 1: the step opens here (no open step, no profiler to start or stop, no FLOP counters), 0: the Python
@@ -966,8 +994,7 @@ span_enter(SpanObject *self, PyObject *unused)
         int timed = start_event != Py_None;
         Py_DECREF(start_event);
         if (timed) {
-            PyObject *call[2] = {(PyObject *)rt, current}; /* rt.span_marker(current) */
-            PyObject *marker = PyObject_VectorcallMethod(s_span_marker, call, 2, NULL);
+            PyObject *marker = span_marker((PyObject *)rt, current);
             if (marker == NULL) {
                 Py_DECREF(current);
                 return NULL;
@@ -982,9 +1009,10 @@ span_enter(SpanObject *self, PyObject *unused)
     return Py_NewRef((PyObject *)self);
 }
 
-/* The innermost open span closing with no device marker (a host span; spans end in the reverse order
- * they began): closed here, through Runtime.close_span (the one place that records a span); anything
- * else by the Python method. */
+/* The innermost open span closing (spans end in the reverse order they began): closed here, through
+ * Runtime.close_span (the one place that records a span), with its device markers where it has one (begun
+ * inside an event-timed step: the end marker goes on the same step's stream, as the Python method records
+ * it); anything else by the Python method. */
 static PyObject *
 span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -994,9 +1022,11 @@ span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     RuntimeObject *rt = span_runtime(self);
     PyObject *open_spans = rt == NULL ? NULL : rt->open_spans;
+    PyObject *marker = self->marker;
     if (open_spans == NULL || !PyList_CheckExact(open_spans) || PyList_GET_SIZE(open_spans) == 0 ||
             PyList_GET_ITEM(open_spans, PyList_GET_SIZE(open_spans) - 1) != (PyObject *)self ||
-            self->marker != Py_None || self->start == NULL || self->name == NULL || self->attrs == NULL) {
+            marker == NULL || (marker != Py_None && !(PyTuple_CheckExact(marker) && PyTuple_GET_SIZE(marker) == 3)) ||
+            self->start == NULL || self->name == NULL || self->attrs == NULL) {
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(SPAN_EXIT_SLOW, full, 4, NULL);
     }
@@ -1004,13 +1034,35 @@ span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (end == NULL) {
         return NULL;
     }
+    PyObject *end_marker = Py_NewRef(Py_None);
+    marker = Py_NewRef(marker);
     Py_INCREF(rt);
     if (PyList_SetSlice(open_spans, PyList_GET_SIZE(open_spans) - 1, PyList_GET_SIZE(open_spans), NULL) < 0) {
         goto error;
     }
+    if (marker != Py_None) {
+        Py_SETREF(self->marker, Py_NewRef(Py_None)); /* handed over (see SpanHandle.take_marker) */
+        PyObject *current = Py_NewRef(rt->current);
+        PyObject *device = current == Py_None ? Py_NewRef(Py_None)
+            : PyObject_TypeCheck(current, &StepBaseType) ? Py_XNewRef(((StepObject *)current)->device)
+            : PyObject_GetAttr(current, s_device);
+        int same = device != NULL && current != Py_None && device == PyTuple_GET_ITEM(marker, 0);
+        Py_XDECREF(device);
+        if (device == NULL) {
+            Py_DECREF(current);
+            goto error;
+        }
+        if (same) {
+            Py_SETREF(end_marker, span_marker((PyObject *)rt, current));
+        }
+        Py_DECREF(current);
+        if (end_marker == NULL) {
+            goto error;
+        }
+    }
     {
-        /* rt.close_span(name, start, end, attrs, True, None, None) */
-        PyObject *call[8] = {(PyObject *)rt, self->name, self->start, end, self->attrs, Py_True, Py_None, Py_None};
+        /* rt.close_span(name, start, end, attrs, True, marker, end_marker) */
+        PyObject *call[8] = {(PyObject *)rt, self->name, self->start, end, self->attrs, Py_True, marker, end_marker};
         PyObject *out = PyObject_VectorcallMethod(s_close_span, call, 8, NULL);
         if (out == NULL) {
             goto error;
@@ -1033,10 +1085,14 @@ span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(end);
+    Py_DECREF(marker);
+    Py_DECREF(end_marker);
     Py_DECREF(rt);
     Py_RETURN_FALSE;
 error:
     Py_DECREF(end);
+    Py_DECREF(marker);
+    Py_XDECREF(end_marker);
     Py_DECREF(rt);
     return NULL;
 }
@@ -1760,6 +1816,7 @@ PyInit__hotpath(void)
     INTERN(s_start_unit, "start_unit");
     INTERN(s_end_unit, "end_unit");
     INTERN(s_auto, "auto");
+    INTERN(s_device, "device");
     INTERN(s__cuda, "_cuda");
     INTERN(s_span_marker, "span_marker");
     INTERN(s_close_span, "close_span");
