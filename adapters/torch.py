@@ -462,8 +462,7 @@ class TorchCudaDevice:
             marker = free.pop()
             stream = placement.handle
             rc = record_raw(marker.steptrace_handle, stream)
-            if rc:
-                free.append(marker)
+            if rc:  # (the event is not given back: it may be the one that is broken)
                 raise OSError(f"cuEventRecord failed (CUresult {rc})")
         except Exception as exc:  # a broken backend must not kill training
             rt.device_failed(exc)
@@ -718,8 +717,7 @@ class TorchCudaGpu:
             marker = free.pop()
             stream = placement.handle
             rc = record_raw(marker.steptrace_handle, stream)
-            if rc:
-                free.append(marker)
+            if rc:  # (the event is not given back: it may be the one that is broken)
                 raise OSError(f"cuEventRecord failed (CUresult {rc})")
         except Exception as exc:
             rt.device_failed(exc)
@@ -749,8 +747,7 @@ class TorchCudaGpu:
             stream = placement.handle
             unit.end_recorded_after = _perf()
             rc = record_raw(marker.steptrace_handle, stream)
-            if rc:
-                free.append(marker)
+            if rc:  # (the event is not given back: it may be the one that is broken)
                 raise OSError(f"cuEventRecord failed (CUresult {rc})")
         except Exception as exc:
             from steptrace._devices import HOST
@@ -780,8 +777,7 @@ class TorchCudaGpu:
             marker = free.pop()
             stream = placement.handle
             rc = record_raw(marker.steptrace_handle, stream)
-            if rc:
-                free.append(marker)
+            if rc:  # (the event is not given back: it may be the one that is broken)
                 raise OSError(f"cuEventRecord failed (CUresult {rc})")
         except Exception as exc:
             rt.device_failed(exc)

@@ -32,6 +32,7 @@ import pytest
 
 import steptrace
 from steptrace import _handles
+from steptrace._errors import SteptraceWarning
 from steptrace.testing import capture
 
 torch = pytest.importorskip("torch", reason="the CUDA path is torch's: pip install steptrace[torch]")
@@ -214,5 +215,64 @@ def test_a_cuda_step_closed_by_the_compiled_exit_keeps_its_record(monkeypatch):
             time.sleep(1e-3)
     steps = {r["step"]: r for r in sink.steps()}
     for n in range(1, 6):
+        assert steps[n]["end_source"] == "device_clock" and steps[n]["backend"] == "torch-cuda"
+        assert steps[n]["compute_seconds"] == pytest.approx(2e-3, abs=0.5e-3)
+
+
+@pytest.mark.parametrize("where", ["step start", "step end", "microbatch start", "microbatch end", "span start",
+                                   "span end"])
+def test_a_marker_the_driver_refuses_is_counted_and_only_its_unit_loses_the_device_clock(monkeypatch, where):
+    """The one-call marker entries (start_unit, end_unit, span_marker) keep the general path's failure rule:
+    ``cuEventRecord`` on an event that no longer exists returns CUDA_ERROR_INVALID_HANDLE (cuda.h; the fake's
+    driver returns it for a handle it does not know), the marker is dropped and counted once
+    (``device_marker_error``), that unit alone is timed otherwise (a step or microbatch by the host clock, a
+    span without its device markers), and the units after it are device-timed again (the broken event is not
+    put back in the pool, where the next marker would take it again)."""
+    fake = FakeCuda(monkeypatch)
+    # Markers taken from the pool (a LIFO list) in this order inside a step: the step's start, then the
+    # microbatch's or span's start and end (where the step has one), then the step's end.
+    order = {"step start": 1, "step end": 2, "microbatch start": 2, "span start": 2, "microbatch end": 3,
+             "span end": 3}
+    kernels = {}
+
+    def body(n: int) -> None:
+        if where.startswith("microbatch"):
+            with steptrace.microbatch(0, stage=0):
+                kernels[n] = fake.run(2e-3)
+        elif where.startswith("span"):
+            kernels[n] = fake.run(2e-3)
+            with steptrace.span("data"):  # the device busy with the kernel before it: not idle
+                pass
+        else:
+            kernels[n] = fake.run(2e-3)
+
+    with capture(backend="torch") as sink:
+        for n in range(3):
+            with steptrace.step(n):
+                body(n)
+        steptrace.flush()
+        gpu = steptrace._active.backends._cuda.gpu(0)
+        broken = gpu._free[-order[where]]
+        del fake._handles[broken.steptrace_handle]  # destroyed: the driver no longer knows its handle
+        with pytest.warns(SteptraceWarning, match="could not record a device marker") as warned:
+            for n in range(3, 6):
+                with steptrace.step(n):
+                    body(n)
+        steptrace.flush()
+        drops = steptrace.stats()["dropped"]
+    assert len(warned) == 1
+    assert broken not in gpu._free
+    assert drops.get("device_marker_error") == 1, drops
+    steps = {r["step"]: r for r in sink.steps()}
+    failed = steps[3]
+    if where.startswith("step"):
+        assert failed["end_source"] == "host" and failed["backend"] == "host"
+    elif where.startswith("microbatch"):
+        assert failed["end_source"] == "device_clock"
+        microbatches = [r for r in sink.records if r.get("type") == "microbatch" and r["step"] == 3]
+        assert [r["end_source"] for r in microbatches] == ["host"], microbatches
+    else:
+        assert failed["end_source"] == "device_clock"
+    for n in (4, 5):
         assert steps[n]["end_source"] == "device_clock" and steps[n]["backend"] == "torch-cuda"
         assert steps[n]["compute_seconds"] == pytest.approx(2e-3, abs=0.5e-3)
