@@ -369,6 +369,11 @@ class TorchCudaDevice:
 
     name = "torch-cuda"
     uses_events = True
+    #: The compiled hot path (steptrace/_hotpath.c) records this device's start markers itself in the steady
+    #: state :meth:`start_unit` describes, reading the same fields (``_capturing``, ``_get_device``,
+    #: ``tensor_device``, ``_timed``, ``_checks_left``, ``_raw_stream``, ``_placements``); everything else
+    #: goes to :meth:`start_unit`. Keep the two in step (tests/test_cuda_cost.py compares them).
+    compiled_markers = "device"
 
     def __init__(self) -> None:
         torch = self._torch = require_torch()
@@ -633,6 +638,10 @@ class TorchCudaGpu:
 
     name = "torch-cuda"
     uses_events = True
+    #: As TorchCudaDevice's: the compiled hot path records the steady state of :meth:`start_unit`,
+    #: :meth:`end_unit` and :meth:`span_marker` itself, reading ``_owner``, ``index``, ``_free``,
+    #: ``_record_raw`` and the placement's ``handle``, and setting ``_last`` and ``_last_stream_handle``.
+    compiled_markers = "gpu"
 
     def __init__(self, owner: TorchCudaDevice, index: int):
         self._owner = owner

@@ -276,3 +276,58 @@ def test_a_marker_the_driver_refuses_is_counted_and_only_its_unit_loses_the_devi
     for n in (4, 5):
         assert steps[n]["end_source"] == "device_clock" and steps[n]["backend"] == "torch-cuda"
         assert steps[n]["compute_seconds"] == pytest.approx(2e-3, abs=0.5e-3)
+
+
+@needs_compiled
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_compiled_markers_and_the_python_entries_time_the_same_units(monkeypatch, compiled):
+    """The compiled hot path records a TorchCudaDevice's and a TorchCudaGpu's markers itself in the steady state
+    (their ``compiled_markers``); without it the Python entries (``start_unit``, ``end_unit``, ``span_marker``)
+    do. Both give every step, microbatch and span its device-clock times through the driver's record keeping the
+    GIL; once the pool, the stream and the allocator's first sample are there, the compiled path calls none of
+    the Python entries."""
+    fake = FakeCuda(monkeypatch)
+    entries: collections.Counter[str] = collections.Counter()
+    def spying(cls: Any, name: str) -> Callable[..., Any]:
+        original = getattr(cls, name)
+
+        def spy(self: Any, *args: Any) -> Any:
+            entries[f"{cls.__name__}.{name}"] += 1
+            return original(self, *args)
+        return spy
+
+    for cls, name in ((torch_adapter.TorchCudaDevice, "start_unit"), (torch_adapter.TorchCudaGpu, "start_unit"),
+                      (torch_adapter.TorchCudaGpu, "end_unit"), (torch_adapter.TorchCudaGpu, "span_marker")):
+        monkeypatch.setattr(cls, name, spying(cls, name))
+    if not compiled:
+        monkeypatch.delattr(torch_adapter.TorchCudaDevice, "compiled_markers")
+        monkeypatch.delattr(torch_adapter.TorchCudaGpu, "compiled_markers")
+    microbatch_kernels = {}
+    with capture(backend="torch") as sink:
+        for n in range(8):
+            if n == 3:
+                entries.clear()
+                routes = len(fake.driver.record_routes)
+            with steptrace.step(n):
+                fake.run(1e-3)
+                with steptrace.microbatch(0, stage=0):
+                    microbatch_kernels[n] = fake.run(2e-3)
+                with steptrace.span("data"):  # the device busy with the microbatch: not idle
+                    pass
+                fake.run(1e-3)
+            time.sleep(1e-3)
+        steptrace.flush()
+    if compiled:
+        assert entries == {}
+    else:
+        assert entries == {"TorchCudaDevice.start_unit": 5, "TorchCudaGpu.start_unit": 5,
+                           "TorchCudaGpu.end_unit": 10, "TorchCudaGpu.span_marker": 10}
+    training = [route for route in fake.driver.record_routes[routes:] if route[0] == "MainThread"]
+    assert len(training) == 5 * 6 and {route[1] for route in training} == {"PyDLL"}  # 6 markers a step
+    steps = {r["step"]: r for r in sink.steps()}
+    microbatches = {r["step"]: r for r in sink.records if r.get("type") == "microbatch"}
+    for n in range(3, 8):
+        assert steps[n]["end_source"] == "device_clock" and steps[n]["backend"] == "torch-cuda"
+        assert steps[n]["compute_seconds"] >= 4e-3 - 5e-6
+        assert steps[n]["idle_breakdown"].get("data", 0.0) == pytest.approx(0.0, abs=5e-6)
+        assert microbatches[n]["compute_seconds"] == pytest.approx(2e-3, abs=0.5e-3)
