@@ -20,6 +20,11 @@
  * Where this module is not built (no C compiler at install) or STEPTRACE_PURE_PYTHON=1, the Python
  * classes have no C base and their own methods run, with the same behaviour.
  *
+ * A CUDA unit's markers (issue 47) follow the same rule one level down: the torch adapter's devices say
+ * `compiled_markers`, and the entries and exits here record a marker themselves in the steady state their
+ * Python entries (start_unit, end_unit, span_marker) describe, handing everything else to those entries; the
+ * training thread then runs no Python frame of steptrace's for a CUDA step or microbatch.
+ *
  * Host times come from the handles module's own `_perf` (read from its globals at each call, so a
  * test that replaces it is honoured), as in Python.
  */
