@@ -245,8 +245,9 @@ def test_a_cuda_step_closed_by_the_compiled_exit_keeps_its_record(monkeypatch):
                                    "span end"])
 def test_a_marker_the_driver_refuses_is_counted_and_only_its_unit_loses_the_device_clock(monkeypatch, where):
     """The one-call marker entries (start_unit, end_unit, span_marker) keep the general path's failure rule:
-    ``cuEventRecord`` on an event that no longer exists returns CUDA_ERROR_INVALID_HANDLE (cuda.h; the fake's
-    driver returns it for a handle it does not know), the marker is dropped and counted once
+    ``cuEventRecord`` on an event that no longer exists returns CUDA_ERROR_INVALID_HANDLE (CUDA Driver API,
+    cuEventRecord's return values; the fake's driver returns it for a handle it does not know), the marker is
+    dropped and counted once
     (``device_marker_error``), that unit alone is timed otherwise (a step or microbatch by the host clock, a
     span without its device markers), and the units after it are device-timed again (the broken event is not
     put back in the pool, where the next marker would take it again)."""
