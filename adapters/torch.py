@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -368,6 +369,11 @@ class TorchCudaDevice:
 
     name = "torch-cuda"
     uses_events = True
+    #: The compiled hot path (steptrace/_hotpath.c) records this device's start markers itself in the steady
+    #: state :meth:`start_unit` describes, reading the same fields (``_capturing``, ``_get_device``,
+    #: ``tensor_device``, ``_timed``, ``_checks_left``, ``_raw_stream``, ``_placements``); everything else
+    #: goes to :meth:`start_unit`. Keep the two in step (tests/test_cuda_cost.py compares them).
+    compiled_markers = "device"
 
     def __init__(self) -> None:
         torch = self._torch = require_torch()
@@ -432,6 +438,46 @@ class TorchCudaDevice:
             gpu.sample_memory()
         self.checked = placement
         return placement
+
+    def start_unit(self, unit: Any, rt: Any) -> None:
+        """A step's start marker in one call (training thread; the compiled entry calls it): what
+        ``Runtime.start_markers`` does through :meth:`current_stream` and ``TorchCudaGpu.record``, inline
+        for the steady state (the GPU chosen, its stream seen before, its allocator not due, an event in
+        the pool, the driver's record); anything else goes the general way, before any side effect."""
+        try:
+            if self._capturing():
+                return  # a graph capture is in progress: no marker may go on this stream
+            current = self._get_device()
+            index = self.tensor_device
+            if index is None:
+                index = self._timed.get(current)
+                if index is None or index < 0 or self._checks_left:
+                    rt.start_markers(unit, self)  # the GPU is still being chosen (or none is timed)
+                    return
+            raw = self._raw_stream
+            placement = self._placements.get((index, raw(index))) if raw is not None else None
+            if placement is None or current != index:
+                rt.start_markers(unit, self)  # a stream not seen yet, or torch's record (it sets the device)
+                return
+            gpu = placement.steptrace_device
+            free, record_raw = gpu._free, gpu._record_raw
+            if not free or record_raw is None or _perf() >= gpu.memory_due:
+                rt.start_markers(unit, self)  # the pool's first events, no driver, or the allocator's sample
+                return
+            marker = free.pop()
+            stream = placement.handle
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:  # (the event is not given back: it may be the one that is broken)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:  # a broken backend must not kill training
+            rt.device_failed(exc)
+            return
+        gpu._last = marker
+        gpu._last_stream_handle = stream
+        unit.start_event = marker
+        unit.device = gpu
+        unit.stream = placement
+        unit.start_recorded_after = unit.host_start
 
     def timed_index(self) -> int | None:
         """The GPU a unit starting now would be timed on (training thread), or None when none is known."""
@@ -592,6 +638,10 @@ class TorchCudaGpu:
 
     name = "torch-cuda"
     uses_events = True
+    #: As TorchCudaDevice's: the compiled hot path records the steady state of :meth:`start_unit`,
+    #: :meth:`end_unit` and :meth:`span_marker` itself, reading ``_owner``, ``index``, ``_free``,
+    #: ``_record_raw`` and the placement's ``handle``, and setting ``_last`` and ``_last_stream_handle``.
+    compiled_markers = "gpu"
 
     def __init__(self, owner: TorchCudaDevice, index: int):
         self._owner = owner
@@ -660,6 +710,91 @@ class TorchCudaGpu:
         self._last_stream_handle = stream.handle
         return marker
 
+    def start_unit(self, unit: Any, rt: Any) -> None:
+        """A microbatch's start marker in one call (training thread; its step is timed on this GPU): what
+        ``Runtime.start_markers`` does through :meth:`current_stream` and :meth:`record`, inline for the
+        steady state; anything else goes the general way, before any side effect."""
+        owner = self._owner
+        try:
+            if owner._capturing():
+                return
+            index, raw, free, record_raw = self.index, owner._raw_stream, self._free, self._record_raw
+            placement = owner._placements.get((index, raw(index))) if raw is not None else None
+            if placement is None or not free or record_raw is None or owner._get_device() != index:
+                rt.start_markers(unit, self)
+                return
+            marker = free.pop()
+            stream = placement.handle
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:  # (the event is not given back: it may be the one that is broken)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:
+            rt.device_failed(exc)
+            return
+        self._last = marker
+        self._last_stream_handle = stream
+        unit.start_event = marker
+        unit.device = self
+        unit.stream = placement
+        unit.start_recorded_after = unit.host_start
+
+    def end_unit(self, unit: Any, rt: Any) -> None:
+        """A step's or microbatch's end marker in one call (training thread; the compiled exits call it):
+        what ``Runtime.end_marker`` does through :meth:`record`, inline for the steady state (its stream
+        known, not being captured, an event in the pool, the driver's record); else the general way."""
+        owner = self._owner
+        placement, free, record_raw = unit.stream, self._free, self._record_raw
+        try:
+            if placement is None or not free or record_raw is None or owner._get_device() != self.index:
+                rt.end_marker(unit)
+                return
+            if owner._capturing():
+                rt.end_marker(unit)  # it checks again and falls back to host timing
+                return
+            owner.checked = None
+            marker = free.pop()
+            stream = placement.handle
+            unit.end_recorded_after = _perf()
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:  # (the event is not given back: it may be the one that is broken)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:
+            from steptrace._devices import HOST
+
+            rt.device_failed(exc)  # as Runtime.end_marker: the unit falls back to host timing
+            rt.drop_markers(unit)
+            unit.device = HOST
+            return
+        self._last = marker
+        self._last_stream_handle = stream
+        unit.end_event = marker
+
+    def span_marker(self, step: Any, rt: Any) -> Any:
+        """A marker on ``step``'s stream as a host span inside it begins or ends, in one call (training
+        thread; the compiled span calls it): what ``Runtime.span_marker`` does through :meth:`record`,
+        inline for the steady state. ``(self, marker, host time read before recording)``, or None (a graph
+        capture is in progress, or the record failed: counted)."""
+        owner = self._owner
+        placement, free, record_raw = step.stream, self._free, self._record_raw
+        if placement is None or not free or record_raw is None or owner._get_device() != self.index:
+            return rt.span_marker(step)
+        recorded_after = _perf()
+        try:
+            if owner._capturing():
+                return None  # the marker could be captured too
+            owner.checked = None
+            marker = free.pop()
+            stream = placement.handle
+            rc = record_raw(marker.steptrace_handle, stream)
+            if rc:  # (the event is not given back: it may be the one that is broken)
+                raise OSError(f"cuEventRecord failed (CUresult {rc})")
+        except Exception as exc:
+            rt.device_failed(exc)
+            return None
+        self._last = marker
+        self._last_stream_handle = stream
+        return (self, marker, recorded_after)
+
     def sample_memory(self) -> None:
         """This GPU's allocator, read here where this thread cannot be inside an allocator call."""
         cuda = self._torch.cuda
@@ -681,15 +816,24 @@ class TorchCudaGpu:
         if state.device != self.index or state.capture_safe is None:  # else set up already (one check)
             _off_thread(self._torch, self.index)
 
+    # (query and elapsed run a few times a step on the resolver: the thread's set-up check is inline, and
+    # a pooled event's raw handle is the one read at its creation.)
     def query(self, marker: Any) -> bool:
-        self._off_thread()
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:
+            _off_thread(self._torch, self.index)
+        handle = marker.steptrace_handle if state.driver else 0
+        if handle:
+            return _DRIVER.event_query(handle)
         return _event_done(marker)
 
     def elapsed(self, start: Any, end: Any) -> float:
         """Seconds from ``start`` to ``end`` on this GPU's clock (``cudaEventElapsedTime``: float32 ms)."""
-        self._off_thread()
-        if _OFF_THREAD.driver:
-            a, b = start.cuda_event, end.cuda_event
+        state = _OFF_THREAD
+        if state.device != self.index or state.capture_safe is None:
+            _off_thread(self._torch, self.index)
+        if state.driver:
+            a, b = start.steptrace_handle, end.steptrace_handle
             if a and b:
                 return _DRIVER.event_elapsed_ms(a, b) / 1000.0
         return start.elapsed_time(end) / 1000.0
@@ -769,8 +913,12 @@ class TorchCudaGpu:
         event's first record is never read)."""
         marker = self._Event(enable_timing=True)
         marker.steptrace_gpu = self
+        marker.steptrace_handle = 0
         if self._record_raw is not None:
             marker.record(stream)
+            # The cudaEvent_t, fixed from its first record to its destruction: read once here, not
+            # through the property at every marker.
+            marker.steptrace_handle = int(marker.cuda_event)
         self.events_created += 1
         return marker
 
@@ -907,24 +1055,29 @@ def scalar_reader(value: Any) -> Any:
             return None
         if not value.is_cuda:
             return float(value.detach().reshape(()))
-        torch = require_torch()
+        torch = sys.modules.get("torch") or require_torch()  # (imported: the value is a torch tensor)
         index = int(value.get_device())
+        scalars = _SCALARS
         raw = torch._C._cuda_getCurrentRawStream(index)
-        stream = _SCALARS.streams.get((index, raw))
+        stream = scalars.streams.get((index, raw))
         if stream is None:
-            stream = _SCALARS.streams[index, raw] = torch.cuda.current_stream(index)
-        if index == torch._C._cuda_getDevice() and torch._C._cuda_isCurrentStreamCapturing():
+            stream = scalars.streams[index, raw] = torch.cuda.current_stream(index)
+        on_current = index == torch._C._cuda_getDevice()
+        if on_current and torch._C._cuda_isCurrentStreamCapturing():
             return _CapturedScalar()
         scalar = value.detach().reshape(())
         key = (index, scalar.dtype)
         try:
-            host, event = _SCALARS.free[key].pop()
+            host, event = scalars.free[key].pop()
             host.copy_(scalar, non_blocking=True)
         except (KeyError, IndexError):
             host = scalar.to("cpu", non_blocking=True)  # pinned: torch pins a non_blocking copy's output
             event = torch.cuda.Event()  # created at its first record, on the stream's (the tensor's) GPU
         handle = event.cuda_event
-        if handle and _SCALARS.driver_record and index == torch._C._cuda_getDevice():
+        driver_record = scalars._driver_record
+        if driver_record is None:
+            driver_record = scalars.driver_record
+        if handle and driver_record and on_current:
             # A pooled event (created by its first record): recorded through the driver keeping the GIL, as
             # markers are, where torch's record would give the GIL away on the training thread.
             rc = _DRIVER.record_keeping_gil(handle, raw)

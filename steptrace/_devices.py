@@ -70,7 +70,11 @@ class StreamDevice(Device, Protocol):
         Optional: ``drained()`` (resolver thread, never blocks) says whether the newest marker the
         training thread recorded has completed, when an anchor is tight even with one hardware
         queue; a stream object with a ``steptrace_device`` attribute times the unit on that device
-        (a backend of several GPUs)."""
+        (a backend of several GPUs); ``start_unit(unit, rt)``, ``end_unit(unit, rt)`` and
+        ``span_marker(step, rt)`` (training thread) record a unit's start or end marker, or a span's
+        inside ``step``, in one call, doing exactly what ``Runtime.start_markers``, ``end_marker`` and
+        ``span_marker`` do through ``current_stream`` and ``record`` (the compiled hot path calls them
+        where the device's class has them: a marker then costs one Python frame, not two or three)."""
 
 
 class HostDevice:

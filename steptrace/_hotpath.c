@@ -20,6 +20,11 @@
  * Where this module is not built (no C compiler at install) or STEPTRACE_PURE_PYTHON=1, the Python
  * classes have no C base and their own methods run, with the same behaviour.
  *
+ * A CUDA unit's markers (issue 47) follow the same rule one level down: the torch adapter's devices say
+ * `compiled_markers`, and the entries and exits here record a marker themselves in the steady state their
+ * Python entries (start_unit, end_unit, span_marker) describe, handing everything else to those entries; the
+ * training thread then runs no Python frame of steptrace's for a CUDA step or microbatch.
+ *
  * Host times come from the handles module's own `_perf` (read from its globals at each call, so a
  * test that replaces it is honoured), as in Python.
  */
@@ -51,7 +56,7 @@ static PyObject *ZERO;           /* 0.0, the default host times */
 static PyObject *s_pending, *s_active, *s_may_stream, *s_stream_for_unit, *s_start_markers, *s__cuda, *s_torch, *s_span_marker, *s_close_span,
     *s__crossed_into, *s_start_event, *s_microbatches, *s_backends, *s_forced_values, *s_by_type, *s_uses_events,
     *s_forced_stream, *s_timed_by_values, *s_submit, *s__perf, *s__stopping, *s__queue, *s__max_queue,
-    *s_append, *s_end_marker;
+    *s_append, *s_end_marker, *s_start_unit, *s_end_unit, *s_auto, *s_device;
 
 /* -- the two types ------------------------------------------------------------------------------------------ */
 
@@ -423,38 +428,581 @@ runtime_step(RuntimeObject *self, PyObject *const *args, Py_ssize_t nargs, PyObj
 }
 
 /* Backends.stream_for_unit() (a new reference: the stream device, or None), answered without the call in
- * the common CPU case: no stream device forced or known, and torch not even imported. */
+ * the common cases: a stream device forced; CUDA in use (every step of a CUDA loop); no stream device forced
+ * or known and torch not even imported (a CPU loop). */
 static PyObject *
 stream_for_unit(PyObject *backends)
 {
-    int none = attr_is_none(backends, s_forced_stream);
-    if (none == 1) {
-        none = attr_is_none(backends, s__cuda);
-    }
-    if (none == 1) {
-        int imported = PyDict_Contains(PyImport_GetModuleDict(), s_torch);
-        none = imported < 0 ? -1 : !imported;
-    }
-    if (none < 0) {
+    PyObject *forced = PyObject_GetAttr(backends, s_forced_stream);
+    if (forced == NULL) {
         return NULL;
     }
-    if (none) {
+    if (forced != Py_None) {
+        return forced;
+    }
+    Py_DECREF(forced);
+    PyObject *cuda = PyObject_GetAttr(backends, s__cuda);
+    if (cuda == NULL) {
+        return NULL;
+    }
+    if (cuda != Py_None) {
+        /* `if not self.auto or self.timed_by_values: return None`, then the known CUDA device. */
+        int r = attr_is_true(backends, s_auto);
+        if (r == 1) {
+            r = attr_is_true(backends, s_timed_by_values);
+            r = r < 0 ? -1 : !r;
+        }
+        if (r == 1) {
+            return cuda;
+        }
+        Py_DECREF(cuda);
+        if (r < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(cuda);
+    int imported = PyDict_Contains(PyImport_GetModuleDict(), s_torch);
+    if (imported < 0) {
+        return NULL;
+    }
+    if (!imported) {
         Py_RETURN_NONE;
     }
     return PyObject_CallMethodNoArgs(backends, s_stream_for_unit);
 }
 
-/* rt.start_markers(unit, device) where device is a stream device (not None); 0 or -1. */
-static int
-start_markers(PyObject *rt, PyObject *unit, PyObject *device)
+/* `type(device).<name>` where the stream device's class defines it as a plain function (a new reference), or
+ * NULL without an error: the device's one-call marker entries (start_unit, end_unit; see
+ * steptrace._devices.StreamDevice), looked up in the type's method cache, no bound method made. */
+static PyObject *
+unit_entry(PyObject *device, PyObject *name)
 {
-    PyObject *call[3] = {rt, unit, device};
-    PyObject *out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+    PyObject *entry = _PyType_Lookup(Py_TYPE(device), name); /* borrowed; never sets an error */
+    return entry != NULL && PyFunction_Check(entry) ? Py_NewRef(entry) : NULL;
+}
+
+/* -- CUDA markers in C: the steady state of the torch adapter's one-call entries (issue 47) ---------------------
+ *
+ * A stream device class that sets `compiled_markers` ("device": steptrace.adapters.torch.TorchCudaDevice, "gpu":
+ * TorchCudaGpu) lets the calls below record its markers without a Python frame, reading the fields its own
+ * start_unit / end_unit / span_marker read (their Python definitions are the full ones: everything but the steady
+ * state, and every failure before a side effect, goes to them, which meet it again and handle it). Each returns
+ * 1: done here, 0: the Python entry must do it (nothing was changed), -1: an error to propagate. */
+static PyObject *s_compiled_markers, *s__capturing, *s__get_device, *s_tensor_device, *s__timed, *s__checks_left,
+    *s__raw_stream, *s__placements, *s_steptrace_device, *s__free, *s__record_raw, *s_memory_due,
+    *s_steptrace_handle, *s_handle, *s__last, *s__last_stream_handle, *s_stream, *s_start_recorded_after,
+    *s_end_recorded_after, *s_host_start, *s_device_failed, *s_drop_markers, *s__owner, *s_index, *s_checked,
+    *s_end_event;
+
+static double perf_seconds(void); /* time.perf_counter's clock (below, with GcWatch) */
+
+/* The class's `compiled_markers` (borrowed), or NULL. */
+static PyObject *
+compiled_kind(PyObject *device)
+{
+    PyObject *kind = _PyType_Lookup(Py_TYPE(device), s_compiled_markers);
+    return kind != NULL && PyUnicode_CheckExact(kind) ? kind : NULL;
+}
+
+/* An exception met before any side effect: an Exception is the Python entry's to meet again (0), anything
+ * else (KeyboardInterrupt) propagates (-1). */
+static int
+not_here(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* 1: a call of `obj.name()` is true, 0: false, -1: error. */
+static int
+call_attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *out = PyObject_CallMethodNoArgs(obj, name);
+    if (out == NULL) {
+        return -1;
+    }
+    int r = truth(out);
+    Py_DECREF(out);
+    return r;
+}
+
+/* The GPU's pool and driver record when both are usable (new references), else 0 (or -1). */
+static int
+pool_ready(PyObject *gpu, PyObject **free, PyObject **record)
+{
+    *free = PyObject_GetAttr(gpu, s__free);
+    if (*free == NULL) {
+        return -1;
+    }
+    if (!PyList_CheckExact(*free) || PyList_GET_SIZE(*free) == 0) {
+        Py_CLEAR(*free);
+        return 0;
+    }
+    *record = PyObject_GetAttr(gpu, s__record_raw);
+    if (*record == NULL || *record == Py_None) {
+        Py_CLEAR(*free);
+        Py_CLEAR(*record);
+        return *record == NULL && PyErr_Occurred() ? -1 : 0;
+    }
+    return 1;
+}
+
+/* rt.device_failed(exc) for the exception set now (an Exception; anything else propagates): 0 or -1. */
+static int
+count_failure(PyObject *rt)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) {
+        PyException_SetTraceback(value, tb);
+    }
+    PyObject *out = value == NULL ? NULL : PyObject_CallMethodOneArg(rt, s_device_failed, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
     if (out == NULL) {
         return -1;
     }
     Py_DECREF(out);
     return 0;
+}
+
+/* Take the newest event of `free` and record it on the raw stream `stream` through `record` (the driver's
+ * cuEventRecord keeping the GIL), as the Python entries do: 1 recorded (*marker: a new reference), 2 refused
+ * or failed (counted through rt.device_failed; the event is not given back, it may be the broken one), -1. */
+static int
+record_pooled(PyObject *rt, PyObject *free, PyObject *record, PyObject *stream, PyObject **marker)
+{
+    Py_ssize_t last = PyList_GET_SIZE(free) - 1;
+    PyObject *event = Py_NewRef(PyList_GET_ITEM(free, last));
+    if (PyList_SetSlice(free, last, last + 1, NULL) < 0) {
+        Py_DECREF(event);
+        return -1;
+    }
+    PyObject *rc = NULL, *handle = PyObject_GetAttr(event, s_steptrace_handle);
+    if (handle != NULL) {
+        PyObject *call[2] = {handle, stream};
+        rc = PyObject_Vectorcall(record, call, 2, NULL);
+        Py_DECREF(handle);
+    }
+    int failed = rc == NULL ? 1 : truth(rc);
+    if (failed == 1 && rc != NULL) {
+        /* A CUresult other than CUDA_SUCCESS: the Python entries' OSError. */
+        PyErr_Format(PyExc_OSError, "cuEventRecord failed (CUresult %S)", rc);
+    }
+    Py_XDECREF(rc);
+    if (failed) {
+        Py_DECREF(event);
+        return count_failure(rt) < 0 ? -1 : 2;
+    }
+    *marker = event;
+    return 1;
+}
+
+/* Set each (name, value) pair on obj: 0 or -1. */
+static int
+set_attrs(PyObject *obj, int count, PyObject **names, PyObject **values)
+{
+    for (int i = 0; i < count; i++) {
+        if (PyObject_SetAttr(obj, names[i], values[i]) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* TorchCudaDevice.start_unit's steady state: the GPU chosen, its stream seen before and the thread's current
+ * device, the allocator's sample not due, an event in the pool, the driver's record. */
+static int
+cuda_start_device(PyObject *rt, PyObject *unit, PyObject *device)
+{
+    PyObject *current = NULL, *index = NULL, *raw = NULL, *stream_id = NULL, *key = NULL, *placements = NULL,
+        *placement = NULL, *gpu = NULL, *free = NULL, *record = NULL, *due = NULL, *stream = NULL, *marker = NULL,
+        *host_start = NULL;
+    int r = call_attr_true(device, s__capturing);
+    if (r != 0) {
+        return r < 0 ? not_here() : 1; /* a graph capture is in progress: no marker (as the Python entry) */
+    }
+    current = PyObject_CallMethodNoArgs(device, s__get_device);
+    index = current == NULL ? NULL : PyObject_GetAttr(device, s_tensor_device);
+    if (index == NULL) {
+        goto not_here;
+    }
+    if (index == Py_None) {
+        PyObject *timed = PyObject_GetAttr(device, s__timed);
+        if (timed == NULL) {
+            goto not_here;
+        }
+        PyObject *found = PyDict_CheckExact(timed) ? PyDict_GetItemWithError(timed, current) : NULL;
+        Py_XSETREF(index, Py_XNewRef(found));
+        Py_DECREF(timed);
+        if (index == NULL) {
+            goto not_here; /* the GPU is still to be chosen (or an error) */
+        }
+        r = attr_is_true(device, s__checks_left);
+        if (r != 0 || !PyLong_CheckExact(index) || PyLong_AsLong(index) < 0) {
+            goto not_here; /* the choice is still being checked, or no GPU is timed */
+        }
+    }
+    r = PyObject_RichCompareBool(current, index, Py_EQ);
+    raw = r == 1 ? PyObject_GetAttr(device, s__raw_stream) : NULL;
+    if (raw == NULL || raw == Py_None) {
+        goto not_here; /* torch's record sets the device first; or no raw stream to look the stream up by */
+    }
+    stream_id = PyObject_CallOneArg(raw, index);
+    key = stream_id == NULL ? NULL : PyTuple_Pack(2, index, stream_id);
+    placements = key == NULL ? NULL : PyObject_GetAttr(device, s__placements);
+    if (placements == NULL || !PyDict_CheckExact(placements)) {
+        goto not_here;
+    }
+    placement = Py_XNewRef(PyDict_GetItemWithError(placements, key));
+    gpu = placement == NULL ? NULL : PyObject_GetAttr(placement, s_steptrace_device);
+    r = gpu == NULL ? 0 : pool_ready(gpu, &free, &record);
+    if (r != 1) {
+        goto not_here;
+    }
+    due = PyObject_GetAttr(gpu, s_memory_due);
+    double due_s = due == NULL ? -1.0 : PyFloat_AsDouble(due);
+    if (PyErr_Occurred() || perf_seconds() >= due_s) {
+        goto not_here; /* the allocator is sampled there, once a second */
+    }
+    stream = PyObject_GetAttr(placement, s_handle);
+    host_start = stream == NULL ? NULL : PyObject_GetAttr(unit, s_host_start);
+    if (host_start == NULL) {
+        goto not_here;
+    }
+    /* Side effects from here: the event leaves the pool. */
+    r = record_pooled(rt, free, record, stream, &marker);
+    if (r == 1) {
+        PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {marker, stream};
+        PyObject *unit_names[4] = {s_start_event, s_device, s_stream, s_start_recorded_after};
+        PyObject *unit_values[4] = {marker, gpu, placement, host_start};
+        r = set_attrs(gpu, 2, gpu_names, gpu_values) < 0 || set_attrs(unit, 4, unit_names, unit_values) < 0 ? -1 : 1;
+    }
+    else {
+        r = r < 0 ? -1 : 1;
+    }
+    goto done;
+not_here:
+    r = PyErr_Occurred() ? not_here() : 0;
+done:
+    Py_XDECREF(current);
+    Py_XDECREF(index);
+    Py_XDECREF(raw);
+    Py_XDECREF(stream_id);
+    Py_XDECREF(key);
+    Py_XDECREF(placements);
+    Py_XDECREF(placement);
+    Py_XDECREF(gpu);
+    Py_XDECREF(free);
+    Py_XDECREF(record);
+    Py_XDECREF(due);
+    Py_XDECREF(stream);
+    Py_XDECREF(marker);
+    Py_XDECREF(host_start);
+    return r;
+}
+
+/* What every entry of a GPU (TorchCudaGpu) checks first: its owner, the pool and driver record usable, and the
+ * thread's current device this GPU (new references in the out-pointers): 1, 0 (the Python entry), -1. */
+static int
+gpu_ready(PyObject *gpu, PyObject **owner, PyObject **free, PyObject **record)
+{
+    *owner = PyObject_GetAttr(gpu, s__owner);
+    int r = *owner == NULL ? -1 : pool_ready(gpu, free, record);
+    if (r == 1) {
+        PyObject *current = PyObject_CallMethodNoArgs(*owner, s__get_device);
+        PyObject *index = current == NULL ? NULL : PyObject_GetAttr(gpu, s_index);
+        r = index == NULL ? -1 : PyObject_RichCompareBool(current, index, Py_EQ);
+        Py_XDECREF(current);
+        Py_XDECREF(index);
+        if (r != 1) {
+            Py_CLEAR(*free);
+            Py_CLEAR(*record);
+        }
+    }
+    if (r != 1) {
+        Py_CLEAR(*owner);
+    }
+    return r < 0 ? not_here() : r;
+}
+
+/* TorchCudaGpu.start_unit's steady state (a microbatch of a step timed on this GPU). */
+static int
+cuda_start_gpu(PyObject *rt, PyObject *unit, PyObject *gpu)
+{
+    PyObject *owner = NULL, *free = NULL, *record = NULL, *index = NULL, *raw = NULL, *stream_id = NULL, *key = NULL,
+        *placements = NULL, *placement = NULL, *stream = NULL, *host_start = NULL, *marker = NULL;
+    int r = gpu_ready(gpu, &owner, &free, &record);
+    if (r != 1) {
+        return r;
+    }
+    r = call_attr_true(owner, s__capturing);
+    if (r != 0) {
+        r = r < 0 ? not_here() : 1; /* a graph capture is in progress: no marker */
+        goto done;
+    }
+    index = PyObject_GetAttr(gpu, s_index);
+    raw = index == NULL ? NULL : PyObject_GetAttr(owner, s__raw_stream);
+    if (raw == NULL || raw == Py_None) {
+        goto not_here;
+    }
+    stream_id = PyObject_CallOneArg(raw, index);
+    key = stream_id == NULL ? NULL : PyTuple_Pack(2, index, stream_id);
+    placements = key == NULL ? NULL : PyObject_GetAttr(owner, s__placements);
+    if (placements == NULL || !PyDict_CheckExact(placements)) {
+        goto not_here;
+    }
+    placement = Py_XNewRef(PyDict_GetItemWithError(placements, key));
+    stream = placement == NULL ? NULL : PyObject_GetAttr(placement, s_handle);
+    host_start = stream == NULL ? NULL : PyObject_GetAttr(unit, s_host_start);
+    if (host_start == NULL) {
+        goto not_here;
+    }
+    r = record_pooled(rt, free, record, stream, &marker);
+    if (r == 1) {
+        PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {marker, stream};
+        PyObject *unit_names[4] = {s_start_event, s_device, s_stream, s_start_recorded_after};
+        PyObject *unit_values[4] = {marker, gpu, placement, host_start};
+        r = set_attrs(gpu, 2, gpu_names, gpu_values) < 0 || set_attrs(unit, 4, unit_names, unit_values) < 0 ? -1 : 1;
+    }
+    else {
+        r = r < 0 ? -1 : 1;
+    }
+    goto done;
+not_here:
+    r = PyErr_Occurred() ? not_here() : 0;
+done:
+    Py_XDECREF(owner);
+    Py_XDECREF(free);
+    Py_XDECREF(record);
+    Py_XDECREF(index);
+    Py_XDECREF(raw);
+    Py_XDECREF(stream_id);
+    Py_XDECREF(key);
+    Py_XDECREF(placements);
+    Py_XDECREF(placement);
+    Py_XDECREF(stream);
+    Py_XDECREF(host_start);
+    Py_XDECREF(marker);
+    return r;
+}
+
+/* TorchCudaGpu.end_unit's steady state: the unit's stream known and not being captured. */
+static int
+cuda_end_gpu(PyObject *rt, PyObject *unit, PyObject *gpu)
+{
+    PyObject *owner = NULL, *free = NULL, *record = NULL, *placement = NULL, *stream = NULL, *now = NULL,
+        *marker = NULL;
+    placement = PyObject_GetAttr(unit, s_stream);
+    if (placement == NULL || placement == Py_None) {
+        Py_XDECREF(placement);
+        return PyErr_Occurred() ? not_here() : 0;
+    }
+    int r = gpu_ready(gpu, &owner, &free, &record);
+    if (r != 1) {
+        Py_DECREF(placement);
+        return r;
+    }
+    r = call_attr_true(owner, s__capturing);
+    stream = r == 0 ? PyObject_GetAttr(placement, s_handle) : NULL;
+    if (stream == NULL) {
+        r = r == 1 ? 0 : not_here(); /* being captured: the Python entry falls back to host timing */
+        goto done;
+    }
+    if (PyObject_SetAttr(owner, s_checked, Py_None) < 0) {
+        r = not_here();
+        goto done;
+    }
+    now = PyFloat_FromDouble(perf_seconds());
+    if (now == NULL || PyObject_SetAttr(unit, s_end_recorded_after, now) < 0) {
+        r = -1;
+        goto done;
+    }
+    r = record_pooled(rt, free, record, stream, &marker);
+    if (r == 1) {
+        PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {marker, stream};
+        r = set_attrs(gpu, 2, gpu_names, gpu_values) < 0 || PyObject_SetAttr(unit, s_end_event, marker) < 0 ? -1 : 1;
+    }
+    else if (r == 2) {
+        /* As Runtime.end_marker: the unit falls back to host timing. */
+        PyObject *out = PyObject_CallMethodOneArg(rt, s_drop_markers, unit);
+        r = out == NULL || PyObject_SetAttr(unit, s_device, HOST) < 0 ? -1 : 1;
+        Py_XDECREF(out);
+    }
+done:
+    Py_XDECREF(owner);
+    Py_XDECREF(free);
+    Py_XDECREF(record);
+    Py_XDECREF(placement);
+    Py_XDECREF(stream);
+    Py_XDECREF(now);
+    Py_XDECREF(marker);
+    return r;
+}
+
+/* TorchCudaGpu.span_marker's steady state: a new reference ((gpu, marker, host time) or None), or NULL: with an
+ * error set, or without one where the Python entry must do it. */
+static PyObject *
+cuda_span_gpu(PyObject *rt, PyObject *step, PyObject *gpu)
+{
+    PyObject *owner = NULL, *free = NULL, *record = NULL, *placement = NULL, *stream = NULL, *now = NULL,
+        *marker = NULL, *result = NULL;
+    placement = PyObject_GetAttr(step, s_stream);
+    if (placement == NULL || placement == Py_None) {
+        Py_XDECREF(placement);
+        if (PyErr_Occurred()) {
+            (void)not_here(); /* an Exception is cleared (the Python entry meets it), anything else stays set */
+        }
+        return NULL;
+    }
+    int r = gpu_ready(gpu, &owner, &free, &record);
+    if (r != 1) {
+        Py_DECREF(placement);
+        return NULL; /* an error set by gpu_ready propagates; else the Python entry */
+    }
+    now = PyFloat_FromDouble(perf_seconds());
+    r = now == NULL ? -1 : call_attr_true(owner, s__capturing);
+    if (r != 0) {
+        if (r == 1) {
+            result = Py_NewRef(Py_None); /* the marker could be captured too */
+        }
+        else if (now != NULL) {
+            not_here();
+        }
+        goto done;
+    }
+    stream = PyObject_GetAttr(placement, s_handle);
+    if (stream == NULL || PyObject_SetAttr(owner, s_checked, Py_None) < 0) {
+        not_here();
+        goto done;
+    }
+    r = record_pooled(rt, free, record, stream, &marker);
+    if (r == 1) {
+        PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {marker, stream};
+        result = set_attrs(gpu, 2, gpu_names, gpu_values) < 0 ? NULL : PyTuple_Pack(3, gpu, marker, now);
+    }
+    else if (r == 2) {
+        result = Py_NewRef(Py_None);
+    }
+done:
+    Py_XDECREF(owner);
+    Py_XDECREF(free);
+    Py_XDECREF(record);
+    Py_XDECREF(placement);
+    Py_XDECREF(stream);
+    Py_XDECREF(now);
+    Py_XDECREF(marker);
+    return result;
+}
+
+/* A unit's start marker on stream device `device` (not None): `device.start_unit(unit, rt)` where it has
+ * one, else `rt.start_markers(unit, device)`; 0 or -1. */
+static int
+start_markers(PyObject *rt, PyObject *unit, PyObject *device)
+{
+    PyObject *kind = compiled_kind(device);
+    if (kind != NULL) {
+        int r = PyUnicode_CompareWithASCIIString(kind, "device") == 0 ? cuda_start_device(rt, unit, device)
+            : PyUnicode_CompareWithASCIIString(kind, "gpu") == 0 ? cuda_start_gpu(rt, unit, device) : 0;
+        if (r != 0) {
+            return r < 0 ? -1 : 0;
+        }
+    }
+    PyObject *out, *entry = unit_entry(device, s_start_unit);
+    if (entry != NULL) {
+        PyObject *call[3] = {device, unit, rt};
+        out = PyObject_Vectorcall(entry, call, 3, NULL);
+        Py_DECREF(entry);
+    }
+    else {
+        PyObject *call[3] = {rt, unit, device};
+        out = PyObject_VectorcallMethod(s_start_markers, call, 3, NULL);
+    }
+    if (out == NULL) {
+        return -1;
+    }
+    Py_DECREF(out);
+    return 0;
+}
+
+/* A unit's end marker, as the Python exits do first: `unit.device.end_unit(unit, rt)` where the device has
+ * one, else `rt.end_marker(unit)` (the end marker on the unit's stream or, where none can be recorded, the
+ * unit falls back to host timing there); 0 or -1. */
+static int
+end_marker(PyObject *rt, PyObject *unit, PyObject *device)
+{
+    PyObject *out;
+    Py_INCREF(rt);
+    Py_INCREF(device);
+    PyObject *kind = compiled_kind(device);
+    if (kind != NULL && PyUnicode_CompareWithASCIIString(kind, "gpu") == 0) {
+        int r = cuda_end_gpu(rt, unit, device);
+        if (r != 0) {
+            Py_DECREF(device);
+            Py_DECREF(rt);
+            return r < 0 ? -1 : 0;
+        }
+    }
+    PyObject *entry = unit_entry(device, s_end_unit);
+    if (entry != NULL) {
+        PyObject *call[3] = {device, unit, rt};
+        out = PyObject_Vectorcall(entry, call, 3, NULL);
+        Py_DECREF(entry);
+    }
+    else {
+        PyObject *call[2] = {rt, unit};
+        out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
+    }
+    Py_DECREF(device);
+    Py_DECREF(rt);
+    if (out == NULL) {
+        return -1;
+    }
+    Py_DECREF(out);
+    return 0;
+}
+
+/* A marker on `step`'s stream as a host span inside it begins or ends (a new reference: (device, marker, host
+ * time), or None): `step.device.span_marker(step, rt)` where the device has one, else `rt.span_marker(step)`. */
+static PyObject *
+span_marker(PyObject *rt, PyObject *step)
+{
+    PyObject *device = PyObject_TypeCheck(step, &StepBaseType) ? Py_XNewRef(((StepObject *)step)->device)
+                                                                : PyObject_GetAttr(step, s_device);
+    if (device == NULL) {
+        return NULL;
+    }
+    Py_INCREF(rt);
+    Py_INCREF(step);
+    PyObject *out = NULL, *entry = NULL, *kind = compiled_kind(device);
+    if (kind != NULL && PyUnicode_CompareWithASCIIString(kind, "gpu") == 0) {
+        out = cuda_span_gpu(rt, step, device);
+    }
+    if (out != NULL || PyErr_Occurred()) {
+        /* done in C, or an error */
+    }
+    else if ((entry = unit_entry(device, s_span_marker)) != NULL) {
+        PyObject *call[3] = {device, step, rt};
+        out = PyObject_Vectorcall(entry, call, 3, NULL);
+        Py_DECREF(entry);
+    }
+    else {
+        PyObject *call[2] = {rt, step};
+        out = PyObject_VectorcallMethod(s_span_marker, call, 2, NULL);
+    }
+    Py_DECREF(step);
+    Py_DECREF(rt);
+    Py_DECREF(device);
+    return out;
 }
 
 /* -- StepHandle.__enter__ ----------------------------------------------------------------------------------- */
@@ -784,17 +1332,8 @@ step_exit(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(EXIT_SLOW, full, 4, NULL);
     }
-    if (plain == 2) {
-        /* rt.end_marker(self), as the Python method does first: the step's end marker on its stream (or,
-         * where none can be recorded, the step falls back to host timing there). */
-        PyObject *call[2] = {(PyObject *)rt, (PyObject *)self};
-        Py_INCREF(rt);
-        PyObject *out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
-        Py_DECREF(rt);
-        if (out == NULL) {
-            return NULL;
-        }
-        Py_DECREF(out);
+    if (plain == 2 && end_marker((PyObject *)rt, (PyObject *)self, self->device) < 0) {
+        return NULL; /* the step's end marker first, as the Python method records it */
     }
     PyObject *end = read_clock();
     if (end == NULL) {
@@ -905,8 +1444,7 @@ span_enter(SpanObject *self, PyObject *unused)
         int timed = start_event != Py_None;
         Py_DECREF(start_event);
         if (timed) {
-            PyObject *call[2] = {(PyObject *)rt, current}; /* rt.span_marker(current) */
-            PyObject *marker = PyObject_VectorcallMethod(s_span_marker, call, 2, NULL);
+            PyObject *marker = span_marker((PyObject *)rt, current);
             if (marker == NULL) {
                 Py_DECREF(current);
                 return NULL;
@@ -921,9 +1459,10 @@ span_enter(SpanObject *self, PyObject *unused)
     return Py_NewRef((PyObject *)self);
 }
 
-/* The innermost open span closing with no device marker (a host span; spans end in the reverse order
- * they began): closed here, through Runtime.close_span (the one place that records a span); anything
- * else by the Python method. */
+/* The innermost open span closing (spans end in the reverse order they began): closed here, through
+ * Runtime.close_span (the one place that records a span), with its device markers where it has one (begun
+ * inside an event-timed step: the end marker goes on the same step's stream, as the Python method records
+ * it); anything else by the Python method. */
 static PyObject *
 span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -933,9 +1472,11 @@ span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     RuntimeObject *rt = span_runtime(self);
     PyObject *open_spans = rt == NULL ? NULL : rt->open_spans;
+    PyObject *marker = self->marker;
     if (open_spans == NULL || !PyList_CheckExact(open_spans) || PyList_GET_SIZE(open_spans) == 0 ||
             PyList_GET_ITEM(open_spans, PyList_GET_SIZE(open_spans) - 1) != (PyObject *)self ||
-            self->marker != Py_None || self->start == NULL || self->name == NULL || self->attrs == NULL) {
+            marker == NULL || (marker != Py_None && !(PyTuple_CheckExact(marker) && PyTuple_GET_SIZE(marker) == 3)) ||
+            self->start == NULL || self->name == NULL || self->attrs == NULL) {
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(SPAN_EXIT_SLOW, full, 4, NULL);
     }
@@ -943,13 +1484,35 @@ span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (end == NULL) {
         return NULL;
     }
+    PyObject *end_marker = Py_NewRef(Py_None);
+    marker = Py_NewRef(marker);
     Py_INCREF(rt);
     if (PyList_SetSlice(open_spans, PyList_GET_SIZE(open_spans) - 1, PyList_GET_SIZE(open_spans), NULL) < 0) {
         goto error;
     }
+    if (marker != Py_None) {
+        Py_SETREF(self->marker, Py_NewRef(Py_None)); /* handed over (see SpanHandle.take_marker) */
+        PyObject *current = Py_NewRef(rt->current);
+        PyObject *device = current == Py_None ? Py_NewRef(Py_None)
+            : PyObject_TypeCheck(current, &StepBaseType) ? Py_XNewRef(((StepObject *)current)->device)
+            : PyObject_GetAttr(current, s_device);
+        int same = device != NULL && current != Py_None && device == PyTuple_GET_ITEM(marker, 0);
+        Py_XDECREF(device);
+        if (device == NULL) {
+            Py_DECREF(current);
+            goto error;
+        }
+        if (same) {
+            Py_SETREF(end_marker, span_marker((PyObject *)rt, current));
+        }
+        Py_DECREF(current);
+        if (end_marker == NULL) {
+            goto error;
+        }
+    }
     {
-        /* rt.close_span(name, start, end, attrs, True, None, None) */
-        PyObject *call[8] = {(PyObject *)rt, self->name, self->start, end, self->attrs, Py_True, Py_None, Py_None};
+        /* rt.close_span(name, start, end, attrs, True, marker, end_marker) */
+        PyObject *call[8] = {(PyObject *)rt, self->name, self->start, end, self->attrs, Py_True, marker, end_marker};
         PyObject *out = PyObject_VectorcallMethod(s_close_span, call, 8, NULL);
         if (out == NULL) {
             goto error;
@@ -972,10 +1535,14 @@ span_exit(SpanObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(end);
+    Py_DECREF(marker);
+    Py_DECREF(end_marker);
     Py_DECREF(rt);
     Py_RETURN_FALSE;
 error:
     Py_DECREF(end);
+    Py_DECREF(marker);
+    Py_XDECREF(end_marker);
     Py_DECREF(rt);
     return NULL;
 }
@@ -1132,16 +1699,8 @@ microbatch_exit(MicrobatchObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *full[4] = {(PyObject *)self, args[0], args[1], args[2]};
         return PyObject_Vectorcall(MB_EXIT_SLOW, full, 4, NULL);
     }
-    if (r == 1) {
-        /* rt.end_marker(self), as the Python method does first (a pipeline rank's hundreds a step). */
-        PyObject *rt = Py_NewRef(self->rt);
-        PyObject *call[2] = {rt, (PyObject *)self};
-        PyObject *out = PyObject_VectorcallMethod(s_end_marker, call, 2, NULL);
-        Py_DECREF(rt);
-        if (out == NULL) {
-            return NULL;
-        }
-        Py_DECREF(out);
+    if (r == 1 && end_marker(self->rt, (PyObject *)self, self->device) < 0) {
+        return NULL; /* the end marker first, as the Python method (a pipeline rank's hundreds a step) */
     }
     PyObject *end = read_clock();
     if (end == NULL) {
@@ -1704,6 +2263,36 @@ PyInit__hotpath(void)
     INTERN(s_stream_for_unit, "stream_for_unit");
     INTERN(s_start_markers, "start_markers");
     INTERN(s_end_marker, "end_marker");
+    INTERN(s_start_unit, "start_unit");
+    INTERN(s_end_unit, "end_unit");
+    INTERN(s_auto, "auto");
+    INTERN(s_device, "device");
+    INTERN(s_compiled_markers, "compiled_markers");
+    INTERN(s__capturing, "_capturing");
+    INTERN(s__get_device, "_get_device");
+    INTERN(s_tensor_device, "tensor_device");
+    INTERN(s__timed, "_timed");
+    INTERN(s__checks_left, "_checks_left");
+    INTERN(s__raw_stream, "_raw_stream");
+    INTERN(s__placements, "_placements");
+    INTERN(s_steptrace_device, "steptrace_device");
+    INTERN(s__free, "_free");
+    INTERN(s__record_raw, "_record_raw");
+    INTERN(s_memory_due, "memory_due");
+    INTERN(s_steptrace_handle, "steptrace_handle");
+    INTERN(s_handle, "handle");
+    INTERN(s__last, "_last");
+    INTERN(s__last_stream_handle, "_last_stream_handle");
+    INTERN(s_stream, "stream");
+    INTERN(s_start_recorded_after, "start_recorded_after");
+    INTERN(s_end_recorded_after, "end_recorded_after");
+    INTERN(s_host_start, "host_start");
+    INTERN(s_device_failed, "device_failed");
+    INTERN(s_drop_markers, "drop_markers");
+    INTERN(s__owner, "_owner");
+    INTERN(s_index, "index");
+    INTERN(s_checked, "checked");
+    INTERN(s_end_event, "end_event");
     INTERN(s__cuda, "_cuda");
     INTERN(s_span_marker, "span_marker");
     INTERN(s_close_span, "close_span");
