@@ -122,45 +122,80 @@ def _poll_stretches(monkeypatch):
     return longest
 
 
+def _end_marker_stamps(monkeypatch, fake):
+    """The device time (host seconds) each marker the training thread records is reached at, in record
+    order: ``stamps[-1]`` right after a step's exit is that step's end marker, whose completion is the
+    step's end (DESIGN.md §2: "the time ... the event recorded at the step's end completed"). The
+    simulated stream reaches a marker once the work queued before it has run, or at its record when
+    the queue has drained by then (a CUDA event completes when the stream reaches it: CUDA Runtime API,
+    ``cudaEventRecord``), so a host held up between the last launch and the step's exit moves the step's
+    end past its last kernel."""
+    stamps: list[float] = []
+    device, stamp = fake.device, fake.device.stamp
+    training_thread = threading.get_ident()
+
+    def recorded(marker, *, side=False, stream=None):
+        stamp(marker, side=side, stream=stream)
+        if threading.get_ident() == training_thread:
+            stamps.append(marker.done_at)
+
+    monkeypatch.setattr(device, "stamp", recorded)
+    return stamps
+
+
 def test_one_hardware_queue_never_drained_finalizes_every_step_while_training_with_exact_durations(monkeypatch):
     """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron): every stream, the calibration stream too, runs in
-    submission order. 200 steps x 32 microbatches, the host one step ahead, so the device never
+    submission order. 200 steps x 32 microbatches, the host two steps ahead, so the device never
     drains: steps are finalized while training runs, durations are the device's to 1 µs, and the
     resolver never waits on the device."""
     fake = FakeCuda(monkeypatch, one_queue=True, drift_ppm=20.0)
     longest_poll = _poll_stretches(monkeypatch)
+    stamps = _end_marker_stamps(monkeypatch, fake)
     sink = ArrivalSink()
     kernels: dict[int, list] = {}
+    step_end: dict[int, float] = {}  # the device time each step's end marker was reached at
+    entered: dict[int, float] = {}  # host time the loop entered each step
     steptrace.init(sinks=[sink], jsonl=False, strict=True, run_id="test", backend="torch")
     try:
         for n in range(200):
+            entered[n] = time.perf_counter()
             with steptrace.step(n):
                 kernels[n] = []
                 for i in range(32):
                     with steptrace.microbatch(i, stage=0, kind="forward"):
                         kernels[n].append(fake.run(0.4 * MS))
-            if n:
-                kernels[n - 1][-1].block_until_ready()  # the host runs one step ahead
-        loop_end = time.perf_counter()
+            step_end[n] = stamps[-1]
+            if n >= 2:
+                # The host runs two steps (25.6 ms of work) ahead: a host held up for less than that (two
+                # busy processes on 2 cores preempt it for ~10 ms at a time) leaves the queue full.
+                kernels[n - 2][-1].block_until_ready()
     finally:
         steptrace.shutdown()
     steps = {r["step"]: r for r in sink.steps()}
     assert sorted(steps) == list(range(200))
-    late = [n for n in range(195) if sink.arrived[n] > loop_end]
-    assert not late, f"{len(late)} steps were finalized only after training ended"
-    lags = [sink.arrived[n] - kernels[n][-1].end_time for n in range(195)]
-    assert max(lags) <= 1.0, max(lags)
+    # Finalized while training ran, not once the device drained at the end (it never drains before,
+    # so that would keep every step until after the last): step n was out before the loop entered step
+    # n + 50 (0.64 s of device work; 6-20 steps measured with 2 to 8 busy processes beside it). Counted
+    # in the loop's own steps, not seconds: a full collection pauses the whole process, the loop with
+    # the resolver (294 ms seen here unloaded, 1.18 s loaded; the first version's 1 s lag bound failed).
+    late = [n for n in range(150) if sink.arrived[n] > entered[n + 50]]
+    assert not late, f"steps {late} were finalized more than 50 steps after they ended"
     back_to_back = 0
     for n in range(1, 200):
         r, k = steps[n], kernels[n]
         assert r["end_source"] == "device_clock"
-        true_interval = k[-1].end_time - kernels[n - 1][-1].end_time
+        # The interval is the difference of the two steps' end markers on the device clock, exact
+        # whatever the calibration learned in between (step 1's included). It is the last kernels'
+        # difference where both markers were reached as those kernels ended; a host held up before a
+        # step's exit (loaded machine: 3-10 ms seen for steps 0-2, 479 ms once) records the end marker
+        # on a drained queue, and that step ends then (its interval longer, the next one's shorter).
+        true_interval = step_end[n] - step_end[n - 1]
         assert r["interval_seconds"] == pytest.approx(true_interval, abs=US + RATE * true_interval), n
         # The step's window opens at its start marker: at the previous step's end unless the device
         # drained in between (the host held up, e.g. waiting for the GIL), when it opens a launch early.
-        if k[0].start_time == kernels[n - 1][-1].end_time:
+        if k[0].start_time == step_end[n - 1]:
             back_to_back += 1
-            true_compute = k[-1].end_time - k[0].start_time
+            true_compute = step_end[n] - k[0].start_time
             assert r["compute_seconds"] == pytest.approx(true_compute, abs=US + RATE * true_compute), n
         else:
             assert r["compute_seconds"] >= k[-1].end_time - k[0].start_time - US, n
