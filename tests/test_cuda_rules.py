@@ -434,20 +434,21 @@ def test_logged_cuda_scalars_reuse_their_pinned_buffers_and_events(monkeypatch):
     thread (the caching host allocator's blocks are not free to take either): both are pooled now."""
     fake = FakeCuda(monkeypatch)
     with capture(backend="torch") as sink:
-        for n in range(60):
+        for n in range(120):
+            if n == 60:
+                events_after_warmup = fake.events_created_on_training_thread
             with steptrace.step(n) as s:
                 s.log(loss=fake.scalar(float(n), 0.2 * MS))
             time.sleep(0.5 * MS)
-        events_after_warmup = fake.events_created_on_training_thread
-        for n in range(60, 120):
-            with steptrace.step(n) as s:
-                s.log(loss=fake.scalar(float(n), 0.2 * MS))
-            time.sleep(0.5 * MS)
+            if n % 10 == 9:
+                # At most 10 scalars in flight whatever the resolver's pace: a pool holds as many as are in
+                # flight at once, and a loaded machine let the resolver fall 46 steps behind (46 made).
+                steptrace.flush()
     steps = sorted(sink.steps(), key=lambda r: r["step"])
     assert [r["scalars"]["loss"] for r in steps] == [float(n) for n in range(120)]
-    # About one poll's worth of steps (20 ms) is in flight at a time; 120 steps without a pool: 120.
-    assert fake.pinned_created < 40, fake.pinned_created
-    assert fake.events_created_on_training_thread - events_after_warmup < 40
+    # 120 steps without a pool: 120 of each.
+    assert fake.pinned_created <= 10, fake.pinned_created
+    assert fake.events_created_on_training_thread - events_after_warmup <= 0
 
 
 def _heartbeat():
