@@ -48,33 +48,66 @@ def isolated_seconds(x, reps, repeat=3):
     return statistics.median(times)
 
 
-def test_heavy_step_is_attributed_to_itself_and_the_host_never_waits(calibrated):
+def _executions(trace_dir, module: str = "jit_work") -> list[float]:
+    """Seconds of each execution of ``module`` on XLA's CPU client, in order, from the in-run
+    ``jax.profiler`` trace (the device's own timeline: an execution's ops carry its ``run_id``)."""
+    import glob
+    import gzip
+    import os
+
+    (path,) = glob.glob(os.path.join(str(trace_dir), "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    runs: dict = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and args.get("hlo_module") == module and "run_id" in args:
+            start, end = float(e["ts"]) / 1e6, (float(e["ts"]) + float(e.get("dur", 0.0))) / 1e6
+            window = runs.setdefault(args["run_id"], [start, end])
+            window[0], window[1] = min(window[0], start), max(window[1], end)
+    return [end - start for start, end in sorted(runs.values())]
+
+
+def test_heavy_step_is_attributed_to_itself_and_the_host_never_waits(calibrated, tmp_path):
+    """Checked against the device's own timeline of the same run (the XLA executions in a jax.profiler
+    trace), not against timings taken before it: on a loaded machine the same work took 18.6 ms and
+    67.8 ms seconds apart, so "3x the work reads 3x" measured the machine (issue 48)."""
     x, reps = calibrated
     plan = [reps, reps, 3 * reps, reps, reps]
-    truth = [isolated_seconds(x, r) for r in plan]
     host_loop = []
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # the executions only
     with capture() as sink:
-        y = x
-        for n, r in enumerate(plan):
-            t0 = time.perf_counter()
-            with steptrace.step(n) as s:
-                y = work(y, r)
-                s.wait_for(y)
-            host_loop.append(time.perf_counter() - t0)
+        jax.profiler.start_trace(str(tmp_path), profiler_options=options)
+        try:
+            y = x
+            for n, r in enumerate(plan):
+                t0 = time.perf_counter()
+                with steptrace.step(n) as s:
+                    y = work(y, r)
+                    s.wait_for(y)
+                host_loop.append(time.perf_counter() - t0)
+            y.block_until_ready()
+        finally:
+            jax.profiler.stop_trace()
+    device = _executions(tmp_path)
+    assert len(device) == len(plan), device
     steps = {r["step"]: r for r in sink.steps()}
     assert all(r["backend"] == "jax" for r in steps.values())
     # The training thread only dispatched: far less than the device work.
-    assert sum(host_loop) < 0.5 * sum(truth)
-    heavy, light = steps[2]["compute_seconds"], statistics.median(steps[n]["compute_seconds"] for n in (1, 3, 4))
-    # 3x the work reads as about 3x the compute (naive host timing reads ~1x: dispatch only).
-    assert 2.0 < heavy / light < 6.0
-    # The heavy step's time does not leak into its neighbours (a late observation of one
-    # step's end shifts time to the next one; intervals still tile)...
-    for n in (1, 3, 4):
-        assert steps[n]["compute_seconds"] < heavy, n
-    # ...and all together they account for the device work (loose: the cores are shared).
-    measured = sum(steps[n]["compute_seconds"] for n in range(1, 5))
-    assert 0.5 < measured / sum(truth[1:]) < 2.0
+    assert sum(host_loop) < 0.5 * sum(device)
+    compute = [steps[n]["compute_seconds"] for n in range(len(plan))]
+    # The heavy step's time is its own: the step the device ran longest reads longest (naive host timing
+    # reads every step ~equal: dispatch only), where the timeline has one clearly longest step (3x the
+    # work; a preemption can make a light step as long).
+    longest = max(range(1, 5), key=device.__getitem__)
+    runner_up = max(device[n] for n in range(1, 5) if n != longest)
+    if device[longest] > 1.5 * runner_up:
+        assert max(range(1, 5), key=compute.__getitem__) == longest, (compute, device)
+        assert compute[longest] > 0.5 * device[longest], (compute, device)
+    # ...and together the steps account for the device's work (an end seen late moves time between
+    # neighbours, never out of the run; loose: the cores are shared).
+    assert 0.5 < sum(compute[1:]) / sum(device[1:]) < 2.0, (compute, device)
 
 
 def test_checkpoint_stall_goes_to_the_checkpoint_and_intervals_sum_to_wall_time(calibrated):
