@@ -759,11 +759,8 @@ class TorchCudaGpu:
             if rc:  # (the event is not given back: it may be the one that is broken)
                 raise OSError(f"cuEventRecord failed (CUresult {rc})")
         except Exception as exc:
-            from steptrace._devices import HOST
-
             rt.device_failed(exc)  # as Runtime.end_marker: the unit falls back to host timing
-            rt.drop_markers(unit)
-            unit.device = HOST
+            rt.host_timed(unit)
             return
         self._last = marker
         self._last_stream_handle = stream

@@ -184,8 +184,12 @@ class Runtime(_RuntimeBase):
         except Exception as exc:
             self.device_failed(exc)
         if unit.end_event is None:
-            self.drop_markers(unit)
-            unit.device = HOST
+            self.host_timed(unit)
+
+    def host_timed(self, unit: TimedUnit) -> None:
+        """``unit`` lost its end marker: it gives back its markers and is timed by the host clock."""
+        self.drop_markers(unit)
+        unit.device = HOST
 
     def drop_markers(self, unit: TimedUnit) -> None:
         """Give back markers a unit will not be timed by (its values decided another device)."""
