@@ -108,8 +108,10 @@ def test_on_cuda_a_span_after_the_forward_is_queued_is_idle_only_once_the_device
         assert data_idle == pytest.approx(waited_in_span, abs=TOL), n
         if expect_hidden:
             assert data_idle < TOL, n
-        else:  # the span outlasted the 4 ms forward by ~6 ms (more on a loaded machine)
-            assert data_idle == pytest.approx(span_end - span_start - 4 * MS, abs=TOL), n
+        else:  # the span outlasted the 4 ms forward by ~6 ms: idle, by exactly what the device waited
+            # (checked above against its timeline; "span less 4 ms" assumed the forward began as the span
+            # did, and under load the host was held up between the launch and the span: 6.63 vs 6.11 ms)
+            assert data_idle > 2 * MS, n
         assert r["idle_seconds"] == pytest.approx(r["interval_seconds"] - r["compute_seconds"], abs=1e-9)
 
 
