@@ -619,6 +619,23 @@ set_attrs(PyObject *obj, int count, PyObject **names, PyObject **values)
     return 0;
 }
 
+/* A start marker from the pool on ``stream``, then what the Python entries set after it: the GPU's last
+ * marker and stream, the unit's start event, device, placement and host time. 1, or -1 with an error set
+ * (the general path is not taken once an event has left the pool). ``*marker``: a new reference or NULL. */
+static int
+record_start(PyObject *rt, PyObject *free, PyObject *record, PyObject *stream, PyObject *gpu, PyObject *unit,
+             PyObject *placement, PyObject *host_start, PyObject **marker)
+{
+    int r = record_pooled(rt, free, record, stream, marker);
+    if (r != 1) {
+        return r < 0 ? -1 : 1;
+    }
+    PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {*marker, stream};
+    PyObject *unit_names[4] = {s_start_event, s_device, s_stream, s_start_recorded_after};
+    PyObject *unit_values[4] = {*marker, gpu, placement, host_start};
+    return set_attrs(gpu, 2, gpu_names, gpu_values) < 0 || set_attrs(unit, 4, unit_names, unit_values) < 0 ? -1 : 1;
+}
+
 /* TorchCudaDevice.start_unit's steady state: the GPU chosen, its stream seen before and the thread's current
  * device, the allocator's sample not due, an event in the pool, the driver's record. */
 static int
@@ -680,16 +697,7 @@ cuda_start_device(PyObject *rt, PyObject *unit, PyObject *device)
         goto not_here;
     }
     /* Side effects from here: the event leaves the pool. */
-    r = record_pooled(rt, free, record, stream, &marker);
-    if (r == 1) {
-        PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {marker, stream};
-        PyObject *unit_names[4] = {s_start_event, s_device, s_stream, s_start_recorded_after};
-        PyObject *unit_values[4] = {marker, gpu, placement, host_start};
-        r = set_attrs(gpu, 2, gpu_names, gpu_values) < 0 || set_attrs(unit, 4, unit_names, unit_values) < 0 ? -1 : 1;
-    }
-    else {
-        r = r < 0 ? -1 : 1;
-    }
+    r = record_start(rt, free, record, stream, gpu, unit, placement, host_start, &marker);
     goto done;
 not_here:
     r = PyErr_Occurred() ? not_here() : 0;
@@ -767,16 +775,7 @@ cuda_start_gpu(PyObject *rt, PyObject *unit, PyObject *gpu)
     if (host_start == NULL) {
         goto not_here;
     }
-    r = record_pooled(rt, free, record, stream, &marker);
-    if (r == 1) {
-        PyObject *gpu_names[2] = {s__last, s__last_stream_handle}, *gpu_values[2] = {marker, stream};
-        PyObject *unit_names[4] = {s_start_event, s_device, s_stream, s_start_recorded_after};
-        PyObject *unit_values[4] = {marker, gpu, placement, host_start};
-        r = set_attrs(gpu, 2, gpu_names, gpu_values) < 0 || set_attrs(unit, 4, unit_names, unit_values) < 0 ? -1 : 1;
-    }
-    else {
-        r = r < 0 ? -1 : 1;
-    }
+    r = record_start(rt, free, record, stream, gpu, unit, placement, host_start, &marker);
     goto done;
 not_here:
     r = PyErr_Occurred() ? not_here() : 0;
