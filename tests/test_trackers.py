@@ -34,6 +34,8 @@ import steptrace
 from steptrace import trackers
 from steptrace.trackers import MlflowSink, TensorBoardSink, WandbSink, tracker_points
 
+
+TESTS_DIR = str(Path(__file__).parent)  # child scripts import fake_mlflow_server from here
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -792,38 +794,13 @@ def test_a_tracker_whose_records_are_written_only_at_its_shutdown_counts_them_al
 # MLflow's REST client against a tracking server that answers init() and then goes away (the issue's case). What
 # MLflow does then, relied on here (mlflow/utils/rest_utils.py, http_request): each request is retried on a refused
 # connection with exponential backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES, 7; backoff factor 2; up to 120 s a
-# request), so its log_batch and set_terminated hold their caller for minutes. The server answers runs/create as
-# MLflow's REST API does ({"run": {"info": ...}}), and every other call with {}.
+# request), so its log_batch and set_terminated hold their caller for minutes.
 _MLFLOW_GONE_SCRIPT = r"""
-import json, os, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import json, os, sys, time
+sys.path.insert(0, sys.argv[2])
+from fake_mlflow_server import serve
 
-paths = []
-
-class Server(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        paths.append(self.path)
-        out = {}
-        if self.path.endswith("/runs/create"):
-            out = {"run": {"info": {"run_id": "r1", "run_uuid": "r1", "experiment_id": "0", "user_id": "u",
-                                    "status": "RUNNING", "start_time": 1, "artifact_uri": "",
-                                    "lifecycle_stage": "active", "run_name": "gone/rank-0"}, "data": {}}}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    do_GET = do_POST
-
-server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-os.environ["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{server.server_address[1]}"
+server, paths, os.environ["MLFLOW_TRACKING_URI"] = serve("gone/rank-0")
 import steptrace
 
 steptrace.init(run_dir=sys.argv[1], run_id="gone", backend="host", trackers="mlflow")
@@ -848,8 +825,8 @@ def test_mlflow_with_its_server_gone_after_init_holds_neither_the_loop_nor_shutd
     script.write_text(_MLFLOW_GONE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     try:
-        done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                              timeout=120, env=env)
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), TESTS_DIR], capture_output=True,
+                              text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail("shutdown(2.0) waited on MLflow's retries to a server that is gone")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -867,37 +844,12 @@ def test_mlflow_with_its_server_gone_after_init_holds_neither_the_loop_nor_shutd
 # 120 s a request and retries (mlflow/utils/rest_utils.py), so init() once held the job that long. "late" answers
 # after 4 s, past the 1 s the script gives init(); "never" never answers.
 _MLFLOW_SLOW_OPEN_SCRIPT = r"""
-import json, os, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import json, os, sys, time
+sys.path.insert(0, sys.argv[3])
+from fake_mlflow_server import serve
 
-mode, paths = sys.argv[2], []
-
-class Server(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        paths.append(self.path)
-        out = {}
-        if self.path.endswith("/runs/create"):
-            time.sleep(4.0 if mode == "late" else 3600)
-            out = {"run": {"info": {"run_id": "r1", "run_uuid": "r1", "experiment_id": "0", "user_id": "u",
-                                    "status": "RUNNING", "start_time": 1, "artifact_uri": "",
-                                    "lifecycle_stage": "active", "run_name": "slow/rank-0"}, "data": {}}}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    do_GET = do_POST
-
-server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
-server.daemon_threads = True
-threading.Thread(target=server.serve_forever, daemon=True).start()
-os.environ["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{server.server_address[1]}"
+mode = sys.argv[2]
+server, paths, os.environ["MLFLOW_TRACKING_URI"] = serve("slow/rank-0", 4.0 if mode == "late" else 3600)
 import steptrace, steptrace.trackers
 
 steptrace.trackers.MlflowSink.open_timeout_s = 1.0
@@ -926,8 +878,8 @@ def test_an_mlflow_server_that_does_not_answer_holds_init_only_for_the_open_time
     script = tmp_path / "mlflow_slow.py"
     script.write_text(_MLFLOW_SLOW_OPEN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), mode, TESTS_DIR], capture_output=True,
+                          text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert 0.9 < result["init_s"] < 30  # waited the open timeout (1 s), not MLflow's minutes
