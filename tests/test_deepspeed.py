@@ -117,10 +117,20 @@ def test_save_checkpoint_is_tied_to_the_last_step_and_load_checkpoint_is_a_resto
 
 @pytest.fixture(scope="module")
 def decoupled_run(tmp_path_factory):
+    # ZeRO stage 0: with stage 2 on CPU, DeepSpeed 0.19.8's decoupled save itself raises
+    # ("Cowardly refusing to serialize non-leaf tensor which requires_grad": _save_zero_checkpoint puts
+    # the optimizer's partitions on the writer's multiprocessing queue).
     run_dir, out = _run(tmp_path_factory.mktemp("ds-decoupled"), "decoupled", 1, "--write-s", str(WRITE_S),
-                        worker=DECOUPLED_WORKER)
+                        "--zero", "0", worker=DECOUPLED_WORKER)
     records = _records(run_dir, 0)
-    return records, json.loads((out / "decoupled.json").read_text())
+    result = json.loads((out / "decoupled.json").read_text())
+    assert set(result["files"]["a"]) == set(result["files"]["b"]) == {"mp_rank_00_model_states.pt"}, result["files"]
+    return records, result
+
+
+def _written(out: dict, tag: str) -> float:
+    """When the writer finished save ``tag``: its last file's mtime."""
+    return max(out["files"][tag].values())
 
 
 def _checkpoints(records: list[dict]) -> dict[int, dict]:
@@ -147,7 +157,7 @@ def test_decoupled_save_is_async_and_its_async_part_ends_when_the_commit_complet
     (commit,) = [c for c in out["commits"] if c["tag"] == "a"]
     assert commit["global_steps"] == 2  # committed by step 2's boundary step(), not by the save
     assert save["status"] == "ok" and save["after_step"] == 1
-    mtime = out["file_mtimes"]["a"]
+    mtime = _written(out, "a")
     commit_end = save["end_time"] + save["async_seconds"]
     assert save["end_time"] < mtime  # the save returned before the writer wrote the file...
     assert commit_end >= mtime - CLOCKS_S  # ...and the commit ended after it had
@@ -186,7 +196,7 @@ def test_a_commit_by_destroy_is_timed_outside_the_steps(decoupled_run):
     save = _checkpoints(records)[3]
     (commit,) = [c for c in out["commits"] if c["tag"] == "b"]
     assert save["status"] == "ok"
-    mtime = out["file_mtimes"]["b"]
+    mtime = _written(out, "b")
     assert save["end_time"] < mtime <= save["end_time"] + save["async_seconds"] + CLOCKS_S
     span = _commit_spans(records)[3]
     measured_s = commit["end"] - commit["start"]
@@ -207,7 +217,7 @@ def test_a_commit_whose_writer_died_is_an_error_and_an_uncommitted_save_is_incom
     assert saves[4]["status"] == "error" and "checkpoint process is not running" in saves[4]["error"]
     steps = {r["step"]: r for r in records if r["type"] == "step"}
     assert steps[5]["status"] == "error" and "checkpoint process is not running" in steps[5]["error"]
-    assert out["file_mtimes"]["c"] is None and out["file_mtimes"]["d"] is None
+    assert out["files"]["c"] == {} and out["files"]["d"] == {}  # the writer wrote neither
     assert saves[5]["status"] == "incomplete" and saves[5]["async_seconds"] is None
     assert [r["step"] for r in records if r["type"] == "checkpoint"] == [1, 3, 4, 5]  # each save once
 
@@ -318,3 +328,48 @@ def test_install_without_deepspeed_names_the_install_line(ds_hooks, monkeypatch)
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ImportError, match=r"DS_BUILD_OPS=0 pip install 'steptrace\[deepspeed\]'"):
         ds_hooks.install()
+
+
+def test_a_decoupled_engine_with_its_own_commit_is_recorded_by_the_saves_blocking_part(ds_hooks):
+    """steptrace times the commit of DeepSpeed's DecoupledCheckpointEngine (its hooked `commit`). Another
+    engine that says is_decoupled() but commits its own way would never report to steptrace: its save
+    is recorded by its blocking part, complete, not left to be reported `incomplete` at shutdown."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    import steptrace.testing
+
+    class OwnCommit(CheckpointEngine):  # CheckpointEngine's abstract methods, and decoupled
+        def create(self, info):
+            self.info = info
+
+        def save(self, state_dict, path):
+            pass
+
+        def load(self, path, map_location=None):
+            return {}
+
+        def commit(self, info):
+            return True
+
+        def is_decoupled(self):
+            return True
+
+        def get_commit_info(self):
+            return self.info
+
+    engine = SimpleNamespace(checkpoint_engine=OwnCommit(), global_steps=1)
+
+    def deepspeeds_save(self, save_dir, tag=None):
+        self.checkpoint_engine.create(tag)  # pending, as DeepSpeed leaves a decoupled save
+        return True
+
+    with steptrace.testing.capture(backend="host") as sink:
+        ds_hooks.install()
+        with steptrace.step(0):
+            pass
+        assert ds_hooks._hook_save_checkpoint(deepspeeds_save)(engine, "ckpt", tag="t") is True
+    (save,) = sink.checkpoints()
+    assert save["step"] == 0 and save["status"] == "ok" and save["async_seconds"] is None
+    assert not [s for s in sink.spans() if s["name"] == "checkpoint"]

@@ -26,7 +26,7 @@ Sequence (gradient accumulation 2): steps 0, 1; save "a"; steps 2, 3 (step 2's b
 4; save "c"; the writer is killed; step 5 (its commit raises: "c" is an error); save "d" (DeepSpeed
 queues nothing: the writer is dead); ``steptrace.shutdown()`` ("d" never committed). Writes
 ``<out>/decoupled.json``: each commit's own timing (measured around ``checkpoint_engine.commit`` on
-the instance, outside steptrace's class-level hook), the checkpoint files' mtimes, the errors seen.
+the instance, outside steptrace's class-level hook), each tag's files and their mtimes, the errors seen.
 """
 
 import argparse
@@ -51,6 +51,7 @@ class SlowToUnpickle:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--write-s", type=float, default=1.0)
+    p.add_argument("--zero", type=int, default=0)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -69,7 +70,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     ckpt_dir = os.path.join(args.out, "ckpt")
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 0},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": args.zero},
+           "zero_allow_untested_optimizer": True,
            "steps_per_print": 10 ** 9,
            "checkpoint": {"writer": {"type": "python", "decoupled": True, "data_parallel": "replica"}}}
     commits = []  # each checkpoint_engine.commit call: the global step it ran in, its start and end
@@ -129,12 +131,13 @@ def main():
     save(engine, "d")  # DeepSpeed queues nothing for a dead writer
     steptrace.shutdown()  # "d" is still uncommitted
 
-    files = {}
+    files = {}  # tag -> the files the writer wrote (model states; with ZeRO 1+ also optimizer states)
     for tag in "abcd":
-        path = os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt")
-        files[tag] = os.stat(path).st_mtime if os.path.exists(path) else None
+        folder = os.path.join(ckpt_dir, tag)
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        files[tag] = {name: os.stat(os.path.join(folder, name)).st_mtime for name in names}
     with open(os.path.join(args.out, "decoupled.json"), "w") as f:
-        json.dump({"commits": commits, "errors": errors, "file_mtimes": files, "write_s": args.write_s}, f)
+        json.dump({"commits": commits, "errors": errors, "files": files, "write_s": args.write_s}, f)
     try:
         engine.destroy()  # its cleanup's commit of "d" fails (the writer is dead); DeepSpeed logs it
     except Exception:
