@@ -21,10 +21,11 @@ guard; the child imports it). What this relies on, DeepSpeed 0.19.8:
 The writer is slowed by WRITE_S, deterministically and only in the writer: the client state holds an
 object whose unpickling (in the writer process, when it takes the save off its queue) sleeps.
 
-Sequence (gradient accumulation 2): steps 0, 1; save "a"; steps 2, 3 (step 2's boundary commits
-"a"); save "b"; ``destroy()`` (commits "b", outside any step); a new engine loads "b" and runs step
-4; save "c"; the writer is killed; step 5 (its commit raises: "c" is an error); save "d" (DeepSpeed
-queues nothing: the writer is dead); ``steptrace.shutdown()`` ("d" never committed). Writes
+Sequence (gradient accumulation 2): steps 0, 1; saves "a" and "a2" (two saves before a commit);
+steps 2, 3 (step 2's boundary commits both at once); save "b"; ``destroy()`` (commits "b", outside
+any step); a new engine loads "b" and runs step 4; save "c"; the writer is killed; step 5 (its commit
+raises: "c" is an error); save "d" (DeepSpeed queues nothing: the writer is dead);
+``steptrace.shutdown()`` ("d" never committed). Writes
 ``<out>/decoupled.json``: each commit's own timing (measured around ``checkpoint_engine.commit`` on
 the instance, outside steptrace's class-level hook), each tag's files and their mtimes, the errors seen.
 """
@@ -112,7 +113,8 @@ def main():
     update(engine)
     update(engine)
     save(engine, "a")
-    update(engine)  # step 2: its boundary step() commits "a"
+    save(engine, "a2")  # queued behind "a": one commit (of "a2"'s info) waits for both
+    update(engine)  # step 2: its boundary step() commits them
     update(engine)
     save(engine, "b")
     engine.destroy()  # commits "b"
@@ -132,7 +134,7 @@ def main():
     steptrace.shutdown()  # "d" is still uncommitted
 
     files = {}  # tag -> the files the writer wrote (model states; with ZeRO 1+ also optimizer states)
-    for tag in "abcd":
+    for tag in ("a", "a2", "b", "c", "d"):
         folder = os.path.join(ckpt_dir, tag)
         names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         files[tag] = {name: os.stat(os.path.join(folder, name)).st_mtime for name in names}
