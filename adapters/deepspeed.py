@@ -45,7 +45,6 @@ DeepSpeed's version; the run continues without it.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import steptrace
@@ -73,12 +72,15 @@ class _State:
         self.micro_batches = 0
         self.forwards = 0  # pipeline: forwards / backwards run in this step, the next microbatch index
         self.backwards = 0
-        # decoupled checkpoint engine -> the checkpoint handles its next commit completes (DeepSpeed
-        # commits every save queued since the last commit at once: the writer's queue is FIFO)
-        self.committing: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 _state = _State()
+
+# On a decoupled checkpoint engine, the checkpoint handles its next commit completes (DeepSpeed commits
+# every save queued since the last commit at once: the writer's queue is FIFO). An attribute of the
+# engine, not a weak mapping: DeepSpeed commits a pending save from the engine's __del__ (cleanup), and a
+# collection of a reference cycle clears weak references before it calls __del__.
+_PENDING = "_steptrace_pending_commits"
 
 
 def _samples(engine: Any) -> Any:
@@ -193,7 +195,14 @@ def _hook_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
             result = original(self, *args, **kwargs)
         if decoupled:
             if _commit_pending(checkpoint_engine):  # the writer has it; a later commit completes it
-                _state.committing.setdefault(checkpoint_engine, []).append(ckpt)
+                try:
+                    pending = getattr(checkpoint_engine, _PENDING, None)
+                    if pending is None:
+                        pending = []
+                        setattr(checkpoint_engine, _PENDING, pending)
+                    pending.append(ckpt)
+                except Exception:  # an engine that takes no attribute: the commit cannot be tied to it
+                    ckpt.async_done()
             else:
                 ckpt.async_done()
         return result
@@ -220,7 +229,9 @@ def _commit_pending(checkpoint_engine: Any) -> bool:
 
 def _hook_commit(original: Callable[..., Any]) -> Callable[..., Any]:
     def commit(self: Any, info: Any) -> Any:
-        waiting = _state.committing.pop(self, None)
+        waiting = getattr(self, _PENDING, None)
+        if waiting:
+            setattr(self, _PENDING, None)
         if not waiting or not steptrace.enabled():
             return original(self, info)
         # The training thread waits here for the writer subprocess (save_event): checkpoint time,
