@@ -25,7 +25,16 @@ What is hooked (class attributes are replaced; no file is edited), checked again
 - ``PipelineEngine._exec_load_micro_batch`` (the first and last stages' ``next(data_iter)``): a
   ``data`` span.
 - ``DeepSpeedEngine.save_checkpoint``: a ``steptrace.checkpoint`` of the last step run (blocking
-  part: the save's time after that step's end). ``load_checkpoint``: a ``steptrace.restore()``
+  part: the save's time after that step's end). With a decoupled checkpoint engine
+  (``"checkpoint": {"writer": {"decoupled": true, ...}}``: ``save_checkpoint`` queues the state to a
+  writer subprocess and returns; a later ``engine.step()`` commits it) the save is asynchronous: its
+  ``async_seconds`` ends when ``DecoupledCheckpointEngine.commit`` returned, the writer done.
+- ``DecoupledCheckpointEngine.commit`` (from ``step()`` on the next accumulation boundary, or from
+  ``engine.destroy()``): the training thread waiting for the writer, a ``checkpoint`` span
+  (``attrs["waiting"] = "commit"``): inside a step, that step's idle ``checkpoint``. A commit that
+  raises (the writer died) marks the saves it was committing ``error``; a save still uncommitted at
+  ``steptrace.shutdown()`` is ``incomplete``.
+- ``DeepSpeedEngine.load_checkpoint``: a ``steptrace.restore()``
   with ``attrs["restored_step"]`` = the ``global_steps`` it loaded (``restored: false`` when it found
   no checkpoint: it returns ``(None, None)``); the next step is ``first_after_restore``.
 
@@ -66,6 +75,12 @@ class _State:
 
 
 _state = _State()
+
+# On a decoupled checkpoint engine, the checkpoint handles its next commit completes (DeepSpeed commits
+# every save queued since the last commit at once: the writer's queue is FIFO). An attribute of the
+# engine, not a weak mapping: DeepSpeed commits a pending save from the engine's __del__ (cleanup), and a
+# collection of a reference cycle clears weak references before it calls __del__.
+_PENDING = "_steptrace_pending_commits"
 
 
 def _samples(engine: Any) -> Any:
@@ -173,10 +188,70 @@ def _hook_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         if not steptrace.enabled():
             return original(self, *args, **kwargs)
         step = steptrace.last_step()
-        with steptrace.checkpoint(step if step is not None else max(int(self.global_steps) - 1, 0)):
-            return original(self, *args, **kwargs)
+        checkpoint_engine = getattr(self, "checkpoint_engine", None)
+        decoupled = _commit_is_timed(checkpoint_engine)
+        with steptrace.checkpoint(step if step is not None else max(int(self.global_steps) - 1, 0),
+                                  async_save=decoupled) as ckpt:
+            result = original(self, *args, **kwargs)
+        if decoupled:
+            if _commit_pending(checkpoint_engine):  # the writer has it; a later commit completes it
+                try:
+                    pending = getattr(checkpoint_engine, _PENDING, None)
+                    if pending is None:
+                        pending = []
+                        setattr(checkpoint_engine, _PENDING, pending)
+                    pending.append(ckpt)
+                except Exception:  # an engine that takes no attribute: the commit cannot be tied to it
+                    ckpt.async_done()
+            else:
+                ckpt.async_done()
+        return result
 
     return save_checkpoint
+
+
+def _commit_is_timed(checkpoint_engine: Any) -> bool:
+    """Whether ``checkpoint_engine`` is decoupled and its ``commit`` is the hooked one (DeepSpeed's
+    ``DecoupledCheckpointEngine`` or a subclass that keeps its commit)."""
+    try:
+        return bool(checkpoint_engine.is_decoupled()) and bool(
+            getattr(type(checkpoint_engine).commit, "__steptrace_hook__", False))
+    except Exception:  # not a CheckpointEngine: the save is recorded by its blocking part
+        return False
+
+
+def _commit_pending(checkpoint_engine: Any) -> bool:
+    try:
+        return checkpoint_engine.get_commit_info() is not None  # set by create(), cleared by commit()
+    except Exception:
+        return True
+
+
+def _hook_commit(original: Callable[..., Any]) -> Callable[..., Any]:
+    def commit(self: Any, info: Any) -> Any:
+        waiting = getattr(self, _PENDING, None)
+        if waiting:
+            setattr(self, _PENDING, None)
+        if not waiting or not steptrace.enabled():
+            return original(self, info)
+        # The training thread waits here for the writer subprocess (save_event): checkpoint time,
+        # and inside a step that step's idle `checkpoint`, as any host span.
+        with steptrace.span("checkpoint", waiting="commit", checkpoint_step=getattr(waiting[-1], "step", None)):
+            try:
+                result = original(self, info)
+            except BaseException as exc:
+                for ckpt in waiting:
+                    try:
+                        ckpt.status, ckpt.error = "error", f"{type(exc).__name__}: {exc}"
+                    except AttributeError:  # steptrace's no-op handle
+                        pass
+                    ckpt.async_done()
+                raise
+            for ckpt in waiting:
+                ckpt.async_done()
+        return result
+
+    return commit
 
 
 def _hook_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -204,6 +279,7 @@ def install(**init_settings: Any) -> list[str]:
     """
     require_deepspeed()
     from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.checkpoint_engine import decoupled_checkpoint_engine as decoupled_module
     from deepspeed.runtime.pipe import engine as pipe_module
 
     start_steptrace(init_settings)
@@ -217,6 +293,8 @@ def install(**init_settings: Any) -> list[str]:
     _hooks.patch(f"{base}.step", engine, "step", _hook_step, exact=("self", "lr_kwargs"))
     _hooks.patch(f"{base}.save_checkpoint", engine, "save_checkpoint", _hook_save_checkpoint,
                  requires=("self", "save_dir"))
+    _hooks.patch("deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine.DecoupledCheckpointEngine.commit",
+                 decoupled_module.DecoupledCheckpointEngine, "commit", _hook_commit, exact=("self", "info"))
     _hooks.patch(f"{base}.load_checkpoint", engine, "load_checkpoint", _hook_load_checkpoint,
                  requires=("self", "load_dir"))
     _hooks.patch(f"{pipe_name}.train_batch", pipe, "train_batch", _hook_train_batch, exact=("self", "data_iter"))
