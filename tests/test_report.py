@@ -604,6 +604,7 @@ def test_checkpoint_blocking_and_idle_checkpoint_that_differ_say_why(tmp_path):
     text = capture(load_run(run_dir))
     line = next(line for line in text.splitlines() if "checkpoint blocking" in line)
     assert "0.500 s" in line and "idle: checkpoint +200.0 ms: such as waits for an async commit" in line
+    assert "DeepSpeed's decoupled commit" in report_view.checkpoint_gap_note(0.5, 0.7)  # not orbax's names only
     assert "idle: checkpoint" in text and "0.700 s" in text
     assert report_view.checkpoint_gap_note(0.7672, 0.7674) == ""  # the same to the millisecond: no note
     assert report_view.checkpoint_gap_note(0.768, 0.7673).startswith("; idle: checkpoint -0.7 ms: such as a span")

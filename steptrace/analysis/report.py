@@ -328,8 +328,9 @@ def checkpoint_gap_note(blocking_seconds: float, idle_seconds: float) -> str:
     if f"{blocking_seconds:.3f}" == f"{idle_seconds:.3f}":
         return ""
     difference = idle_seconds - blocking_seconds
-    why = ("such as waits for an async commit outside a save (a `checkpoint` span: wait_until_finished, "
-           "close) are idle, not a save's blocking" if difference > 0 else
+    why = ("such as waits for an async commit outside a save (a `checkpoint` span: orbax's wait_until_finished "
+           "or close, DeepSpeed's decoupled commit in a later step) are idle, not a save's blocking"
+           if difference > 0 else
            "such as a span inside a save (a compile): its blocking, but idle under its own name")
     return f"; idle: checkpoint {'+' if difference > 0 else '-'}{abs(difference) * 1e3:.1f} ms: {why}"
 
