@@ -744,10 +744,15 @@ def rank_series(device, *, pipeline, **settings):
     return samples(text)
 
 
-@pytest.mark.parametrize("pipeline, budget", [(False, 41), (True, 60)], ids=["plain", "pipeline"])
+#: The idle reasons this run's host time can be charged to: its data span, its save, and time no span names.
+RANK_SERIES_IDLE_REASONS = {"data", "checkpoint", "other"}
+
+
+@pytest.mark.parametrize("pipeline, budget", [(False, 39), (True, 56)], ids=["plain", "pipeline"])
 def test_a_rank_serves_at_most_its_series_budget_by_default(device, pipeline, budget):
-    """<= 41 series on a plain rank, <= 60 on a pipeline rank: _sum/_count instead of ~20 buckets each.
-    (Goodput's two counters, productive and wall, replaced the old ratio gauge: one series more.)"""
+    """<= 39 series on a plain rank, <= 56 on a pipeline rank, plus one per idle reason its steps had:
+    _sum/_count instead of ~20 buckets each. Which idle reasons a step has depends on whether the device
+    went idle in it (on 2 loaded cores all three did: 42 series), so they are counted apart from the rest."""
     series = rank_series(device, pipeline=pipeline)
     assert not [s for s in series if s.name.endswith("_bucket")]
     names = {s.name for s in series}
@@ -756,7 +761,10 @@ def test_a_rank_serves_at_most_its_series_budget_by_default(device, pipeline, bu
     if pipeline:
         mb = [s for s in series if s.name == "steptrace_microbatch_seconds_count"]
         assert len(mb) == 8 and sum(s.value for s in mb) == 3 * 256
-    assert len(series) <= budget, f"{len(series)} series: {sorted(names)}"
+    idle = [s.labels["reason"] for s in series if s.name == "steptrace_step_idle_seconds_total"]
+    assert len(idle) == len(set(idle)) and set(idle) <= RANK_SERIES_IDLE_REASONS, idle
+    rest = [s for s in series if s.name != "steptrace_step_idle_seconds_total"]
+    assert len(rest) <= budget, f"{len(rest)} series besides idle: {sorted(names)}"
 
 
 def test_prometheus_histograms_brings_the_buckets_back(device, monkeypatch):
