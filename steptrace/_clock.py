@@ -201,6 +201,81 @@ class DeviceClock:
             self.newest_located = g
         return g
 
+    def locate_step(self, start: Any, start_after: float, end: Any, end_after: float,
+                    seen: float) -> tuple[float, float]:
+        """The resolver's CUDA fast path: a step's start and end markers (no other marker in the step)
+        located in one call, ``(start_g, end_g)``, leaving this clock as the general path's sequence
+        leaves it: ``locate(start)``, its sample, ``rebase(start)``, ``locate(end)`` from there, its
+        sample (lower bound ``end_after``), ``commit()`` (tests/test_cuda_fast_path.py compares them).
+
+        Both ``elapsed`` reads come first, in one device call where the device has one (``elapsed_pair``):
+        one that fails raises before anything here changed, and the caller takes the general path. The
+        caller takes the general path too where this clock has no base yet, ``start`` is its base already,
+        or it has no sample yet (the general path then commits the first at once): LookupError, before
+        anything changed."""
+        base = self._base
+        if base is None or base is start or not self._samples:
+            raise LookupError("not the fast path's case")
+        ref, ref_g, lineage = base, self._base_g, self._base_lineage
+        anchor = self._ref_anchor
+        if anchor is not None and start_after >= anchor[2] and anchor[1] > ref_g:
+            ref, ref_g, lineage = anchor[0], anchor[1], anchor[3]
+        device = self.device
+        pair = getattr(device, "elapsed_pair", None)
+        if pair is not None:
+            to_start, to_end = pair(ref, start, end)
+        else:
+            to_start, to_end = device.elapsed(ref, start), device.elapsed(start, end)
+        # locate(start) and its sample.
+        loss = float32_step_s(to_start)
+        if loss > _LINEAGE_LOSS_S:
+            lineage = self._new_lineage(lineage, loss)
+            loss = 0.0
+        kept = self._marker_lineage
+        key = id(start)
+        kept[key] = lineage
+        kept.move_to_end(key)
+        if len(kept) > 64:
+            kept.popitem(last=False)
+        start_g = ref_g + to_start
+        if start_g > self.newest_located:
+            self.newest_located = start_g
+        pending = self._pending
+        if not seen < start_after:
+            pending.append((start_g, start_after - loss, seen + loss, lineage))
+        # rebase(start): the old base back to the pool.
+        if lineage != self._base_lineage:
+            self._mapping = None
+        self._base, self._base_g, self._base_lineage = start, start_g, lineage
+        try:
+            device.release(base)  # (_give_back, inline; base is not start: checked above)
+        except Exception:
+            pass
+        # locate(end) from the start, and its sample.
+        end_lineage = lineage
+        loss = float32_step_s(to_end)
+        if loss > _LINEAGE_LOSS_S:
+            end_lineage = self._new_lineage(lineage, loss)
+            loss = 0.0
+        self.located_error = loss
+        self.located_lineage = end_lineage
+        key = id(end)
+        kept[key] = end_lineage
+        kept.move_to_end(key)
+        if len(kept) > 64:
+            kept.popitem(last=False)
+        end_g = start_g + to_end
+        if end_g > self.newest_located:
+            self.newest_located = end_g
+        if not seen < end_after:
+            pending.append((end_g, end_after - loss, seen + loss, end_lineage))
+        # commit()
+        if pending:
+            for sample in pending:
+                self._take(sample)
+            pending.clear()
+        return start_g, end_g
+
     # -- lineages ----------------------------------------------------------------------------
     def _new_lineage(self, parent: int, loss: float) -> int:
         lineage = self._next_lineage
@@ -345,19 +420,22 @@ class DeviceClock:
             window = _WINDOW_RATED_S
         else:
             drift, window = _DRIFT_UNRATED, _WINDOW_UNRATED_S
-        newest = max(sample[0] for sample in self._samples)
-        samples = sorted({*self._samples, *self._tight}, key=lambda sample: abs(newest - sample[0]))
+        newest = max([sample[0] for sample in self._samples])
+        # Sorted by age, ties in the set's order (a stable sort by that key: the index breaks ties, the
+        # samples themselves are never compared); no key function, abs() or lineage walk per sample where
+        # a comparison does (~130 Python calls a map, once every few steps on the resolver).
+        aged = sorted([(newest - sample[0] if newest >= sample[0] else sample[0] - newest, i, sample)
+                       for i, sample in enumerate({*self._samples, *self._tight})])
         lo, hi = -math.inf, math.inf
         target = self._base_lineage
         # Each sample bounds the offset as of its own time; an older one, as of now, only up to the
         # drift since; one of another lineage, only up to the float32 losses between the lineages.
         # Newest first; a sample that contradicts the newer ones (a rate error beyond the assumed
         # drift) ends the intersection there.
-        for g, lower, upper, lineage in samples:
-            age = abs(newest - g)
+        for age, _, (g, lower, upper, lineage) in aged:
             if age > window:
                 break
-            widen = age * drift + self.lineage_distance(lineage, target)
+            widen = age * drift + (0.0 if lineage == target else self.lineage_distance(lineage, target))
             new_lo, new_hi = max(lo, lower - g * rate - widen), min(hi, upper - g * rate + widen)
             if new_lo > new_hi:
                 break
