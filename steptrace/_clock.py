@@ -201,18 +201,20 @@ class DeviceClock:
             self.newest_located = g
         return g
 
-    def locate_step(self, start: Any, start_after: float, end: Any, end_after: float,
-                    seen: float) -> tuple[float, float]:
+    def place_step(self, start: Any, start_after: float, end: Any, end_after: float,
+                   seen: float) -> tuple[float, float, Mapping]:
         """The resolver's CUDA fast path: a step's start and end markers (no other marker in the step)
-        located in one call, ``(start_g, end_g)``, leaving this clock as the general path's sequence
-        leaves it: ``locate(start)``, its sample, ``rebase(start)``, ``locate(end)`` from there, its
-        sample (lower bound ``end_after``), ``commit()`` (tests/test_cuda_fast_path.py compares them).
+        located and their map taken in one call, ``(start_g, end_g, mapping)``, leaving this clock as the
+        general path's sequence leaves it: ``locate(start)``, its sample, ``rebase(start)``,
+        ``locate(end)`` from there, its sample (lower bound ``end_after``), ``commit()``, ``mapping()``,
+        then ``rebase(end)`` (the next step's base; the start back to the pool). The map returned is the
+        one before that last rebase, which the general path places the step with.
+        (tests/test_cuda_fast_path.py compares the records of the two paths.)
 
         Both ``elapsed`` reads come first, in one device call where the device has one (``elapsed_pair``):
-        one that fails raises before anything here changed, and the caller takes the general path. The
-        caller takes the general path too where this clock has no base yet, ``start`` is its base already,
-        or it has no sample yet (the general path then commits the first at once): LookupError, before
-        anything changed."""
+        one that fails raises before anything here changed, and the caller takes the general path. So does
+        a clock with no base yet, with ``start`` as its base, or with no sample yet (the general path
+        commits the first at once): LookupError, before anything changed."""
         base = self._base
         if base is None or base is start or not self._samples:
             raise LookupError("not the fast path's case")
@@ -226,8 +228,9 @@ class DeviceClock:
             to_start, to_end = pair(ref, start, end)
         else:
             to_start, to_end = device.elapsed(ref, start), device.elapsed(start, end)
-        # locate(start) and its sample.
-        loss = float32_step_s(to_start)
+        # locate(start) and its sample. (float32_step_s, inline.)
+        ms = (to_start if to_start >= 0.0 else -to_start) * 1000.0
+        loss = 0.0 if ms == 0.0 or ms - ms != 0.0 else 2.0 ** (math.frexp(ms)[1] - 24) / 1000.0
         if loss > _LINEAGE_LOSS_S:
             lineage = self._new_lineage(lineage, loss)
             loss = 0.0
@@ -253,7 +256,8 @@ class DeviceClock:
             pass
         # locate(end) from the start, and its sample.
         end_lineage = lineage
-        loss = float32_step_s(to_end)
+        ms = (to_end if to_end >= 0.0 else -to_end) * 1000.0
+        loss = 0.0 if ms == 0.0 or ms - ms != 0.0 else 2.0 ** (math.frexp(ms)[1] - 24) / 1000.0
         if loss > _LINEAGE_LOSS_S:
             end_lineage = self._new_lineage(lineage, loss)
             loss = 0.0
@@ -269,12 +273,42 @@ class DeviceClock:
             self.newest_located = end_g
         if not seen < end_after:
             pending.append((end_g, end_after - loss, seen + loss, end_lineage))
-        # commit()
+        # commit(), with _take's first test inline: a wide sample of the base's lineage inside the current
+        # offset interval changes nothing (most step markers once anchors are tight).
         if pending:
             for sample in pending:
+                g, lower, upper, sample_lineage = sample
+                mapping = self._mapping
+                if (mapping is not None and sample_lineage == lineage
+                        and not (upper - lower) / 2 <= MAX_UNCERTAINTY_S):
+                    at = g * mapping.rate
+                    if (lower - at <= mapping.offset - mapping.uncertainty
+                            and upper - at >= mapping.offset + mapping.uncertainty):
+                        continue
                 self._take(sample)
             pending.clear()
-        return start_g, end_g
+        mapping = self._mapping
+        if mapping is None:
+            mapping = self.mapping()  # samples exist: never None
+            assert mapping is not None
+        # rebase(end), after the step's map was taken.
+        if kept.get(id(end), lineage) != lineage:
+            self._mapping = None
+        self._base, self._base_g, self._base_lineage = end, end_g, end_lineage
+        try:
+            device.release(start)
+        except Exception:
+            pass
+        return start_g, end_g, mapping
+
+    def uncertainty_of(self, mapping: Mapping, g: float) -> float:
+        """``uncertainty(g)`` with the map given (the one a step was placed with): the placement uncertainty
+        of ``g`` on the base's lineage, kept as the worst used."""
+        ahead = g - mapping.newest
+        used = _RESOLUTION_S + mapping.uncertainty + (ahead if ahead > 0.0 else 0.0) * mapping.drift
+        if used > self.max_uncertainty_used:
+            self.max_uncertainty_used = used
+        return used
 
     # -- lineages ----------------------------------------------------------------------------
     def _new_lineage(self, parent: int, loss: float) -> int:

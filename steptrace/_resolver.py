@@ -354,7 +354,7 @@ class Resolver:
                 self._sleeping = False
                 continue
             item = queue[0]
-            if item.__class__ is StepHandle and self._device_end_due(item):
+            if item.__class__ is StepHandle and item.values is not None and self._device_end_due(item):
                 self._prepare_device_ends()
             try:
                 ready = self._ready(item)
@@ -918,7 +918,7 @@ class Resolver:
         """The CUDA fast path of :meth:`_resolve_step`: a stream-timed step (its start and end markers
         complete) after the first, with no microbatch, span (its own, open, or an earlier one that can still
         cover its idle time), value, device-clock end, collective, health window or host pauses, on the one
-        device clock of the run. Its two markers are located in one clock call (``locate_step``: the two
+        device clock of the run. Its two markers are located in one clock call (``place_step``: the two
         ``elapsed`` reads first, together), placed with the map inline, and the record built as on
         :meth:`_resolve_plain`: the record the general path gives (tests/test_cuda_fast_path.py compares
         them record for record), in ~1/3 of the calls. None, before anything changed, where the step is not
@@ -937,26 +937,20 @@ class Resolver:
         seen = step.seen_complete or _perf()
         end_after, incomplete = step.end_recorded_after, step.seen_incomplete
         try:
-            start_g, end_g = clock.locate_step(start, step.start_recorded_after, end,
-                                               incomplete if incomplete > end_after else end_after, seen)
+            start_g, end_g, mapping = clock.place_step(start, step.start_recorded_after, end,
+                                                       incomplete if incomplete > end_after else end_after, seen)
         except Exception:
             return None
         # From here, what _resolve_general, _unit_end, _place_markers, _remapped_prev_end, _prune_clocks and
-        # _finish_step do for such a step, in their order. The map is not None: the clock has samples.
+        # _finish_step do for such a step, in their order (place_step rebased the clock to its end marker).
         step.start_event = step.end_event = None
         step.start_g, step.end_g = start_g, end_g
-        mapping = clock.mapping()
-        assert mapping is not None
         offset, rate = mapping.offset, mapping.rate
         prev = self._prev_end_g
         if prev is not None and prev[2] == self.steps_resolved - 1 and prev[0] is clock:
             prev_end = offset + prev[1] * rate  # the previous end placed with this step's map
-        used = mapping.uncertainty_at(end_g)
-        if used > clock.max_uncertainty_used:
-            clock.max_uncertainty_used = used
-        step.placement_uncertainty = used
+        used = step.placement_uncertainty = clock.uncertainty_of(mapping, end_g)
         device_start, end_seen = offset + start_g * rate, offset + end_g * rate
-        clock.rebase(end, end_g)  # the next step's markers are measured from this end; its start back to the pool
         self._prev_end_g = (clock, end_g, self.steps_resolved)
         replenish = getattr(device, "replenish", None)
         if replenish is not None:
@@ -981,9 +975,13 @@ class Resolver:
         self.fast_cuda_steps += 1
         if not self._warned_no_peak and (step.flops is not None or step.hardware_flops is not None):
             self._warn_no_peak()
+        try:
+            memory = device.memory_stats()  # (_memory, inline)
+        except Exception:
+            memory = None  # as _memory: a device without it, or a read that failed
         record = self.records.step_of(
             step, device.name, END_DEVICE_CLOCK, step.host_end or step.host_start, timing, segments, idle, None, None,
-            self._read_scalars(step) if step.scalars else None, self._memory(device), used,
+            self._read_scalars(step) if step.scalars else None, memory, used,
             step.collective_source or self.collective_source, None, 0)
         if self.on_step_finalized is not None and step.status == "ok":
             try:

@@ -206,8 +206,8 @@ def test_the_cuda_fast_path_gives_the_general_paths_records(monkeypatch):
     for n in taken:
         record = steps_by_number[n]
         assert record["end_source"] == "device_clock" and record["backend"] == "torch-cuda"
-        if n in kernels:
-            assert record["compute_seconds"] == pytest.approx(kernels[n], abs=0.2e-3)
+        if n in kernels:  # its kernel's device time at least (more where the host was slow to launch it)
+            assert record["compute_seconds"] >= kernels[n] - 5e-6, (n, record["compute_seconds"])
         if n % 8 == 6:
             assert record["scalars"] == {"loss": float(n)}
 
@@ -237,4 +237,4 @@ def test_a_cuda_step_whose_end_has_not_completed_waits_on_the_fast_path_without_
         assert resolver.fast_cuda_steps == before + 1
     step = {r["step"]: r for r in sink.steps()}[4]
     assert step["end_source"] == "device_clock"
-    assert step["compute_seconds"] == pytest.approx(2.0, abs=1e-3)
+    assert step["compute_seconds"] >= 2.0 - 5e-6  # the kernel's device time (and any launch gap before it)
