@@ -842,7 +842,7 @@ class Resolver:
         while ``fast_path`` is off (tests compare the two), the general one."""
         device = step.device
         if step.microbatches or self._clocks or device.uses_events or not self.fast_path:
-            if device.uses_events and self.fast_path and not step.microbatches:
+            if device.uses_events and self.fast_path:
                 records = self._resolve_marked(step)
                 if records is not None:
                     return records
@@ -915,14 +915,15 @@ class Resolver:
         return [record]
 
     def _resolve_marked(self, step: "StepHandle") -> list[Mapping[str, Any]] | None:
-        """The CUDA fast path of :meth:`_resolve_step`: a stream-timed step (its start and end markers
-        complete) after the first, with no microbatch, span (its own, open, or an earlier one that can still
-        cover its idle time), value, device-clock end, collective, health window or host pauses, on the one
-        device clock of the run. Its two markers are located in one clock call (``place_step``: the two
-        ``elapsed`` reads first, together), placed with the map inline, and the record built as on
-        :meth:`_resolve_plain`: the record the general path gives (tests/test_cuda_fast_path.py compares
-        them record for record), in ~1/3 of the calls. None, before anything changed, where the step is not
-        such a step or a read fails (the general path then reads it again, and counts the failure)."""
+        """The CUDA fast path of :meth:`_resolve_step`: a stream-timed step (its markers complete) after the
+        first, with its start and end markers, its microbatches' (if any) on its own device, and no span (its
+        own, open, or an earlier one that can still cover its idle time), value, device-clock end, collective,
+        health window or host pauses, on the one device clock of the run. Its markers are located and the
+        map taken in one clock call (``place_step``: every ``elapsed`` read first, the step's two together),
+        placed with the map inline, and the step's record built as on :meth:`_resolve_plain`: the records the
+        general path gives (tests/test_cuda_fast_path.py compares them record for record), in ~3/5 of the
+        calls. None, before anything changed, where the step is not such a step or a read fails (the
+        general path then reads it again, and counts the failure)."""
         start, end, prev_end = step.start_event, step.end_event, self._prev_end
         clocks = self._clocks
         if (start is None or end is None or prev_end is None or len(clocks) != 1 or step.spans or step.open_spans
@@ -934,11 +935,22 @@ class Resolver:
         clock = clocks.get(id(device))
         if clock is None:
             return None
+        microbatches = step.microbatches
+        units: list[tuple[Any, float, Any, float]] | tuple = ()
+        if microbatches:
+            units = []
+            for mb in microbatches:
+                if (mb.device is not device or mb.start_event is None or mb.end_event is None
+                        or mb.values is not None or mb.device_end is not None):
+                    return None
+                end_after, incomplete = mb.end_recorded_after, mb.seen_incomplete
+                units.append((mb.start_event, mb.start_recorded_after, mb.end_event,
+                              incomplete if incomplete > end_after else end_after))
         seen = step.seen_complete or _perf()
         end_after, incomplete = step.end_recorded_after, step.seen_incomplete
         try:
-            start_g, end_g, mapping = clock.place_step(start, step.start_recorded_after, end,
-                                                       incomplete if incomplete > end_after else end_after, seen)
+            start_g, end_g, mapping, placed = clock.place_step(
+                start, step.start_recorded_after, end, incomplete if incomplete > end_after else end_after, seen, units)
         except Exception:
             return None
         # From here, what _resolve_general, _unit_end, _place_markers, _remapped_prev_end, _prune_clocks and
@@ -949,6 +961,13 @@ class Resolver:
         prev = self._prev_end_g
         if prev is not None and prev[2] == self.steps_resolved - 1 and prev[0] is clock:
             prev_end = offset + prev[1] * rate  # the previous end placed with this step's map
+        mb_results: list[tuple[float | None, float | None, str]] = []
+        if microbatches:
+            for mb, (mb_start_g, mb_end_g) in zip(microbatches, placed):
+                mb.start_event = mb.end_event = None
+                mb.start_g, mb.end_g = mb_start_g, mb_end_g
+                mb.placement_uncertainty = clock.uncertainty_of(mapping, mb_end_g)
+                mb_results.append((offset + mb_start_g * rate, offset + mb_end_g * rate, END_DEVICE_CLOCK))
         used = step.placement_uncertainty = clock.uncertainty_of(mapping, end_g)
         device_start, end_seen = offset + start_g * rate, offset + end_g * rate
         self._prev_end_g = (clock, end_g, self.steps_resolved)
@@ -975,20 +994,28 @@ class Resolver:
         self.fast_cuda_steps += 1
         if not self._warned_no_peak and (step.flops is not None or step.hardware_flops is not None):
             self._warn_no_peak()
+        records: list[Mapping[str, Any]] = []
+        bubble = optimizer = None
+        if microbatches:
+            records, mb_compute = self._microbatch_records(step, prev_end, mb_results, end_time)
+            if mb_compute:
+                bubble = attribution.bubble_ratios(timing.start, mb_compute)
+                optimizer = attribution.optimizer_seconds(timing.start, end_time, mb_compute)
         try:
             memory = device.memory_stats()  # (_memory, inline)
         except Exception:
             memory = None  # as _memory: a device without it, or a read that failed
         record = self.records.step_of(
-            step, device.name, END_DEVICE_CLOCK, step.host_end or step.host_start, timing, segments, idle, None, None,
-            self._read_scalars(step) if step.scalars else None, memory, used,
+            step, device.name, END_DEVICE_CLOCK, step.host_end or step.host_start, timing, segments, idle, bubble,
+            optimizer, self._read_scalars(step) if step.scalars else None, memory, used,
             step.collective_source or self.collective_source, None, 0)
+        records.append(record)
         if self.on_step_finalized is not None and step.status == "ok":
             try:
                 self.on_step_finalized(record)
             except Exception:
                 log.debug("steptrace: the capture trigger failed", exc_info=True)
-        return [record]
+        return records
 
     def _resolve_general(self, step: "StepHandle") -> list[Mapping[str, Any]]:
         prev_end = attribution.previous_end(self._prev_end, step.host_start)

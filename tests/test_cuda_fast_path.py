@@ -1,18 +1,20 @@
 """The resolver's CUDA fast path (``Resolver._resolve_marked``, issue 47) against its general path.
 
-A CUDA step with its two markers complete and nothing else to place (no microbatch, span, device-clock end,
-collective, health window or host pauses) is finalized in one clock call (``DeviceClock.locate_step``) and
-the record built as a host step's fast path builds it. These tests hold it to the general path's records,
-field for field, on the CUDA fake (tests/fake_cuda.py, which enforces the CUDA rules it names: among them
-``cuEventElapsedTime`` refusing an unknown handle with CUDA_ERROR_INVALID_HANDLE, cuda.h / CUDA Driver API,
-and an event recorded into a capturing stream never completing, CUDA Programming Guide "Stream Capture").
+A CUDA step with its markers complete (its own, its microbatches') and nothing else to place (no span,
+device-clock end, collective, health window or host pauses) is located and placed in one clock call
+(``DeviceClock.place_step``) and its record built as a host step's fast path builds it. These tests hold
+it to the general path's records, field for field, on the CUDA fake (tests/fake_cuda.py, which enforces
+the CUDA rules it names: among them ``cuEventElapsedTime`` refusing an unknown handle with
+CUDA_ERROR_INVALID_HANDLE, cuda.h / CUDA Driver API, and an event recorded into a capturing stream never
+completing, CUDA Programming Guide "Stream Capture").
 
 How they are compared: a CUDA placement depends on when the resolver looked (the upper bound of every
 sample) and on anchors recorded on the device as it runs, so two live runs never give the same floats.
-The workload runs once on the fake with the resolver's ``submit`` taken over (the handles are kept, not
+The workload runs once on the fake with the resolver's queue taken over (the handles are kept, not
 resolved); once the fake device has finished it, the same handles are finalized by two fresh resolvers,
-fast path on and off, with the resolver's clock read fixed (``_resolver._perf``) and no anchor taken
-(``DeviceClock.poll`` does nothing), every handle reset to what the training thread left between them.
+fast path on and off, with the resolver's clock read fixed (``_resolver._perf``), no anchor taken but the
+live run's own at fixed steps (``DeviceClock.poll`` does nothing), and every handle reset between them to
+what the training thread left.
 """
 
 from __future__ import annotations
@@ -76,16 +78,20 @@ def _recorded(fake: FakeCuda, workload: Any) -> list[Any]:
     return [item for item in items if isinstance(item, StepHandle)]
 
 
-def _finalized(monkeypatch: Any, steps: list[Any], fast: bool, seen: float) -> tuple[list[str], list[int], Any]:
-    """The records two fresh resolvers make of ``steps`` (JSON text), the steps the CUDA fast path took,
-    and the drops counted."""
+def _finalized(monkeypatch: Any, steps: list[Any], fast: bool, seen: float,
+               anchors: list[tuple[int, Any, float, float]]) -> tuple[list[str], list[int], Any]:
+    """The records a fresh resolver makes of ``steps`` (JSON text), the steps the CUDA fast path took, and the
+    drops counted. ``anchors``: ``(step, marker, host time before it was recorded, host time it was seen
+    complete)`` of calibration anchors the live run recorded, taken by the clock's own ``_query_anchor`` just
+    before that step is finalized (so both resolvers take them at the same point)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(resolver_module, "_perf", lambda: seen)
         patch.setattr(_clock.DeviceClock, "poll", lambda self, drained: None)
-        return _finalized_as_is(steps, fast)
+        return _finalized_as_is(steps, fast, anchors)
 
 
-def _finalized_as_is(steps: list[Any], fast: bool) -> tuple[list[str], list[int], Any]:
+def _finalized_as_is(steps: list[Any], fast: bool,
+                     anchors: list[tuple[int, Any, float, float]]) -> tuple[list[str], list[int], Any]:
     sink = MemorySink()
     steptrace.init(jsonl=False, sinks=[sink], run_id="fast-cuda", strict=False, stall_watch=False,
                    backend="torch", prometheus_port=None)
@@ -102,10 +108,23 @@ def _finalized_as_is(steps: list[Any], fast: bool) -> tuple[list[str], list[int]
         return records
 
     resolver._resolve_marked = counting
+    resolve = resolver._resolve_step
+
+    def anchored_first(step: Any) -> Any:
+        for number, marker, recorded_before, seen_complete in anchors:
+            if step.step == number:
+                (clock,) = resolver._clocks.values()
+                clock._clock = lambda seen=seen_complete: seen
+                clock._anchor = [marker, recorded_before, recorded_before]
+                clock._query_anchor()
+        return resolve(step)
+
+    resolver._resolve_step = anchored_first
     for step in steps:
         resolver.submit(step)
     steptrace.flush()
     fast_steps = resolver.fast_cuda_steps
+    assert [clock.anchors for clock in resolver._clocks.values()] == [len(anchors)]
     drops = steptrace.stats()["dropped"]
     steptrace.shutdown()
     records = [json.dumps(r, sort_keys=True) for r in sink.records if r["type"] in ("step", "span", "microbatch")]
@@ -113,12 +132,13 @@ def _finalized_as_is(steps: list[Any], fast: bool) -> tuple[list[str], list[int]
     return records, taken, drops
 
 
-def _compare(monkeypatch: Any, steps: list[Any]) -> tuple[list[dict[str, Any]], list[int], dict[str, int]]:
+def _compare(monkeypatch: Any, steps: list[Any],
+             anchors: list[tuple[int, Any, float, float]]) -> tuple[list[dict[str, Any]], list[int], dict[str, int]]:
     kept = _snapshot(steps)
     seen = time.perf_counter()  # after the device finished everything: every marker seen complete then
-    general, general_taken, general_drops = _finalized(monkeypatch, steps, False, seen)
+    general, general_taken, general_drops = _finalized(monkeypatch, steps, False, seen, anchors)
     _restore(kept)
-    fast, fast_taken, fast_drops = _finalized(monkeypatch, steps, True, seen)
+    fast, fast_taken, fast_drops = _finalized(monkeypatch, steps, True, seen, anchors)
     assert general_taken == []
     assert len(fast) == len(general)
     for got, want in zip(fast, general):
@@ -133,12 +153,22 @@ def _compare(monkeypatch: Any, steps: list[Any]) -> tuple[list[dict[str, Any]], 
 
 def test_the_cuda_fast_path_gives_the_general_paths_records(monkeypatch):
     """Steps, microbatches, spans inside steps, s.log of CUDA scalars, a step whose end a look found still
-    running, a step inside a graph capture and one whose end falls in one, a marker the driver refused and a
-    marker whose read fails on the resolver: the same records, float for float, with the fast path on and
-    off; and the fast path taken by the steps that are its case, and only by them."""
+    running, a step inside a graph capture and one whose end falls in one, a marker the driver refused, a
+    marker whose read fails on the resolver, and markers located from a calibration anchor: the same
+    records, float for float, with the fast path on and off; and the fast path taken by the steps that are
+    its case, and only by them."""
     fake = FakeCuda(monkeypatch)
     monkeypatch.setattr(torch_adapter._SCALARS, "free", {})  # the replays read each logged scalar twice
     kernels: dict[int, float] = {}
+    anchors: list[tuple[int, Any, float, float]] = []
+
+    def anchor(before_step: int) -> None:
+        """A calibration anchor recorded now on the training stream, seen complete 1 ms later."""
+        gpu = steptrace._active.backends._cuda.gpu(0)
+        recorded_before = time.perf_counter()
+        marker = gpu._new_event(torch.cuda.current_stream(0))
+        time.sleep(1e-3)
+        anchors.append((before_step, marker, recorded_before, time.perf_counter()))
 
     def workload() -> None:
         for n in range(40):
@@ -155,6 +185,10 @@ def test_the_cuda_fast_path_gives_the_general_paths_records(monkeypatch):
                         fake.run(0.1e-3)
             else:
                 with steptrace.step(n) as s:
+                    if n == 34:
+                        # Between the step's start marker and its microbatches': their starts are located from
+                        # it, the step's start and end from the step's start.
+                        anchor(n)
                     if kind == 2:
                         for j in range(3):
                             with steptrace.microbatch(j, stage=0):
@@ -170,6 +204,8 @@ def test_the_cuda_fast_path_gives_the_general_paths_records(monkeypatch):
                         kernels[n] = 0.3e-3
                         fake.run(0.3e-3)
             time.sleep(0.2e-3)
+            if n == 29:
+                anchor(30)  # after step 29's end: step 30's start is located from it
             if n == 26:
                 # The next marker taken from the pool (step 27's start) is an event the driver no longer knows.
                 gpu = steptrace._active.backends._cuda.gpu(0)
@@ -188,7 +224,7 @@ def test_the_cuda_fast_path_gives_the_general_paths_records(monkeypatch):
     # Step 35's end marker destroyed before the resolver reads it: its query and elapsed time fail.
     del fake._handles[by_number[35].end_event.steptrace_handle]
 
-    records, taken, drops = _compare(monkeypatch, steps)
+    records, taken, drops = _compare(monkeypatch, steps, anchors)
     steps_by_number = {r["step"]: r for r in records if r["type"] == "step"}
     assert sorted(steps_by_number) == list(range(40))
     assert [r["type"] for r in records].count("microbatch") == 5 * 3
@@ -196,13 +232,17 @@ def test_the_cuda_fast_path_gives_the_general_paths_records(monkeypatch):
     assert steps_by_number[35]["end_source"] == "observed"
     for n in (11, 19, 27):
         assert steps_by_number[n]["end_source"] == "host", n
-    # The fast path's case: a CUDA step after the first with no microbatch or span and both its markers
-    # read. Not step 0 (the first), microbatch (n % 8 == 2) or span (n % 8 == 4) steps, nor those whose
-    # markers are not both there or not readable (11, 19, 27, 35); a step right after a span may go the
-    # general way too (the span can still cover its idle time).
-    expected = {n for n in range(1, 40) if n % 8 not in (2, 4) and n not in (11, 19, 27, 35)}
+    # The fast path's case: a CUDA step after the first with no span and all its markers read. Not step 0 (the
+    # first) or span (n % 8 == 4) steps, nor those whose markers are not all there or not readable (11, 19,
+    # 27, 35); a step right after a span may go the general way too (the span can still cover its idle time).
+    expected = {n for n in range(1, 40) if n % 8 != 4 and n not in (11, 19, 27, 35)}
     assert set(taken) <= expected
     assert {1, 7, 8, 9, 14, 15, 16, 17, 22, 23, 24, 25, 38, 39} <= set(taken)  # plain and s.log steps
+    assert {2, 10, 18, 26, 34} <= set(taken)  # microbatch steps
+    microbatches = [r for r in records if r["type"] == "microbatch" and r["step"] in taken]
+    assert len(microbatches) == 5 * 3
+    for record in microbatches:
+        assert record["end_source"] == "device_clock" and record["compute_seconds"] >= 0.2e-3 - 5e-6, record
     for n in taken:
         record = steps_by_number[n]
         assert record["end_source"] == "device_clock" and record["backend"] == "torch-cuda"
