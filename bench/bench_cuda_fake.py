@@ -32,7 +32,8 @@ counts to budgets in ``make test``.
 
 The fake's ``Event.record``, stream lookups and driver calls are Python here (a few µs each; C calls on
 a GPU), so the timed figures are an upper bound on what the same code costs against real CUDA; the
-``the fake alone`` line times two of its driver records and two queries, its share of a step.
+``the fake alone`` lines time two of its driver records and two queries, its share of a step on the
+training thread, and one query and two elapsed-time reads, its share of the resolver's step.
 """
 
 from __future__ import annotations
@@ -224,6 +225,14 @@ def main() -> int:
             driver.query_keeping_gil(event_b.cuda_event)
             driver.query_keeping_gil(event_a.cuda_event)
         fake_share = (time.thread_time() - c0) / reps
+        # ...and on the resolver: a step's end queried, its two durations read (the CUDA fast path's calls).
+        time.sleep(0.01)  # both events completed
+        c0 = time.thread_time()
+        for _ in range(reps):
+            driver.event_query(event_b.cuda_event)
+            driver.event_elapsed_ms(event_a.cuda_event, event_b.cuda_event)
+            driver.event_elapsed_ms(event_a.cuda_event, event_b.cuda_event)
+        fake_resolver_share = (time.thread_time() - c0) / reps
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
         steptrace.shutdown()
@@ -245,6 +254,8 @@ def main() -> int:
     for label in ("resolver, 8 mb", "resolver, span", "resolver, s.log"):
         print(f"  {label + ' per step':<32}{'':>10} {med(paced[label]):8.2f}")
     print(f"  the fake alone (2 records + 2 queries): {fake_share * 1e6:.2f} µs (its part of a step above)")
+    print(f"  the fake alone on the resolver (1 query + 2 elapsed reads): {fake_resolver_share * 1e6:.2f} µs "
+          "(its part of the resolver's step)")
     print(f"{'counted, paced, per step':<34}{'step':>9}{'8 mb':>9}{'span':>9}{'s.log':>9}")
     for field, label in (("training", "Python calls, training thread"), ("resolver", "Python calls, resolver"),
                          ("gil_releases", "GIL hand-overs, training thread"),
@@ -255,7 +266,8 @@ def main() -> int:
     print(f"  background CPU (resolver + sinks), whole run: {total:.3f} s")
     results = {"rounds": rounds, "steps": steps, "paced_steps": paced_steps, "compiled": _handles._hotpath is not None,
                "tight_us": {k: med(v) for k, v in tight.items()}, "paced_us": {k: med(v) for k, v in paced.items()},
-               "counted_per_step": counted, "fake_share_us": fake_share * 1e6}
+               "counted_per_step": counted, "fake_share_us": fake_share * 1e6,
+               "fake_resolver_share_us": fake_resolver_share * 1e6}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -201,6 +201,142 @@ class DeviceClock:
             self.newest_located = g
         return g
 
+    def place_step(self, start: Any, start_after: float, end: Any, end_after: float, seen: float,
+                   units: "list[tuple[Any, float, Any, float]] | tuple" = ()
+                   ) -> tuple[float, float, Mapping, list[tuple[float, float]]]:
+        """The resolver's CUDA fast path: a step's start and end markers, and its microbatches' (``units``:
+        ``(start, start_after, end, end_after)`` each, on this device), located and their map taken in one
+        call, ``(start_g, end_g, mapping, [(unit start_g, unit end_g), ...])``, leaving this clock as the
+        general path's sequence leaves it (Resolver._locate_step_markers and _locate_markers):
+        ``locate(start)``, its sample, ``rebase(start)``; ``locate(end)`` from there, its sample (lower bound
+        ``end_after``); for each unit ``locate`` of its start (from the step's start, or the newest anchor
+        where the unit's start was recorded after it was seen) and of its end (from the step's start), the
+        end's sample, the start's (with the end's lineage, as ``add_sample`` takes it), both markers back to
+        the pool; ``commit()``, ``mapping()``, then ``rebase(end)`` (the next step's base; the start back to
+        the pool). The map returned is the one before that last rebase, which the general path places the
+        step with. (tests/test_cuda_fast_path.py compares the records of the two paths.)
+
+        Every ``elapsed`` read comes first (the step's two in one device call where the device has one,
+        ``elapsed_pair``): one that fails raises before anything here changed, and the caller takes the
+        general path. So does a clock with no base yet, with ``start`` as its base, or with no sample yet
+        (the general path commits the first at once): LookupError, before anything changed."""
+        base = self._base
+        if base is None or base is start or not self._samples:
+            raise LookupError("not the fast path's case")
+        ref, ref_g, lineage = base, self._base_g, self._base_lineage
+        anchor = self._ref_anchor
+        if anchor is not None and start_after >= anchor[2] and anchor[1] > ref_g:
+            ref, ref_g, lineage = anchor[0], anchor[1], anchor[3]
+        device = self.device
+        pair = getattr(device, "elapsed_pair", None)
+        if pair is not None:
+            to_start, to_end = pair(ref, start, end)
+        else:
+            to_start, to_end = device.elapsed(ref, start), device.elapsed(start, end)
+        start_g = ref_g + to_start
+        reads = []
+        if units:
+            elapsed = device.elapsed
+            for unit_start, unit_after, unit_end, _ in units:
+                # (locate's choice of reference, with the step's start as the base it will be.)
+                if anchor is not None and unit_after >= anchor[2] and anchor[1] > start_g:
+                    reads.append((anchor[1], anchor[3], elapsed(anchor[0], unit_start), elapsed(start, unit_end)))
+                else:
+                    reads.append((start_g, -1, elapsed(start, unit_start), elapsed(start, unit_end)))
+        kept = self._marker_lineage
+        pending = self._pending
+        # locate(start) and its sample; rebase(start): the old base back to the pool.
+        loss, lineage = self._located(start, start_g, to_start, lineage)
+        if not seen < start_after:
+            pending.append((start_g, start_after - loss, seen + loss, lineage))
+        if lineage != self._base_lineage:
+            self._mapping = None
+        self._base, self._base_g, self._base_lineage = start, start_g, lineage
+        try:
+            device.release(base)  # (_give_back, inline; base is not start: checked above)
+        except Exception:
+            pass
+        # locate(end) from the start, and its sample.
+        end_g = start_g + to_end
+        loss, end_lineage = self._located(end, end_g, to_end, lineage)
+        if not seen < end_after:
+            pending.append((end_g, end_after - loss, seen + loss, end_lineage))
+        placed = []
+        if units:
+            for (unit_start, unit_after, unit_end, unit_end_after), (ref_g, ref_lineage, to_unit_start, to_unit_end) \
+                    in zip(units, reads):
+                unit_start_g = ref_g + to_unit_start
+                start_loss, _ = self._located(unit_start, unit_start_g, to_unit_start,
+                                              lineage if ref_lineage < 0 else ref_lineage)
+                unit_end_g = start_g + to_unit_end
+                loss, unit_lineage = self._located(unit_end, unit_end_g, to_unit_end, lineage)
+                if not seen < unit_end_after:
+                    pending.append((unit_end_g, unit_end_after - loss, seen + loss, unit_lineage))
+                if not seen < unit_after:
+                    pending.append((unit_start_g, unit_after - start_loss, seen + start_loss, unit_lineage))
+                placed.append((unit_start_g, unit_end_g))
+                for marker in (unit_start, unit_end):
+                    try:
+                        device.release(marker)
+                    except Exception:
+                        pass
+        # commit(), with _take's first test inline: a wide sample of the base's lineage inside the current
+        # offset interval changes nothing (most step markers once anchors are tight).
+        if pending:
+            for sample in pending:
+                g, lower, upper, sample_lineage = sample
+                mapping = self._mapping
+                if (mapping is not None and sample_lineage == lineage
+                        and not (upper - lower) / 2 <= MAX_UNCERTAINTY_S):
+                    at = g * mapping.rate
+                    if (lower - at <= mapping.offset - mapping.uncertainty
+                            and upper - at >= mapping.offset + mapping.uncertainty):
+                        continue
+                self._take(sample)
+            pending.clear()
+        mapping = self._mapping
+        if mapping is None:
+            mapping = self.mapping()  # samples exist: never None
+            assert mapping is not None
+        # rebase(end), after the step's map was taken.
+        if kept.get(id(end), lineage) != lineage:
+            self._mapping = None
+        self._base, self._base_g, self._base_lineage = end, end_g, end_lineage
+        try:
+            device.release(start)
+        except Exception:
+            pass
+        return start_g, end_g, mapping, placed
+
+    def _located(self, marker: Any, g: float, elapsed_s: float, lineage: int) -> tuple[float, int]:
+        """What ``locate`` leaves behind for ``marker``, found at ``g`` by ``elapsed_s`` from a reference of
+        ``lineage``: ``(located_error, located_lineage)``, both also set here, the marker's lineage
+        remembered, the newest device time located kept."""
+        ms = (elapsed_s if elapsed_s >= 0.0 else -elapsed_s) * 1000.0  # (float32_step_s, inline)
+        loss = 0.0 if ms == 0.0 or ms - ms != 0.0 else 2.0 ** (math.frexp(ms)[1] - 24) / 1000.0
+        if loss > _LINEAGE_LOSS_S:
+            lineage = self._new_lineage(lineage, loss)
+            loss = 0.0
+        self.located_error = loss
+        self.located_lineage = lineage
+        kept, key = self._marker_lineage, id(marker)
+        kept[key] = lineage
+        kept.move_to_end(key)
+        if len(kept) > 64:
+            kept.popitem(last=False)
+        if g > self.newest_located:
+            self.newest_located = g
+        return loss, lineage
+
+    def uncertainty_of(self, mapping: Mapping, g: float) -> float:
+        """``uncertainty(g)`` with the map given (the one a step was placed with): the placement uncertainty
+        of ``g`` on the base's lineage, kept as the worst used."""
+        ahead = g - mapping.newest
+        used = _RESOLUTION_S + mapping.uncertainty + (ahead if ahead > 0.0 else 0.0) * mapping.drift
+        if used > self.max_uncertainty_used:
+            self.max_uncertainty_used = used
+        return used
+
     # -- lineages ----------------------------------------------------------------------------
     def _new_lineage(self, parent: int, loss: float) -> int:
         lineage = self._next_lineage
@@ -345,19 +481,22 @@ class DeviceClock:
             window = _WINDOW_RATED_S
         else:
             drift, window = _DRIFT_UNRATED, _WINDOW_UNRATED_S
-        newest = max(sample[0] for sample in self._samples)
-        samples = sorted({*self._samples, *self._tight}, key=lambda sample: abs(newest - sample[0]))
+        newest = max([sample[0] for sample in self._samples])
+        # Sorted by age, ties in the set's order (a stable sort by that key: the index breaks ties, the
+        # samples themselves are never compared); no key function, abs() or lineage walk per sample where
+        # a comparison does (~130 Python calls a map, once every few steps on the resolver).
+        aged = sorted([(newest - sample[0] if newest >= sample[0] else sample[0] - newest, i, sample)
+                       for i, sample in enumerate({*self._samples, *self._tight})])
         lo, hi = -math.inf, math.inf
         target = self._base_lineage
         # Each sample bounds the offset as of its own time; an older one, as of now, only up to the
         # drift since; one of another lineage, only up to the float32 losses between the lineages.
         # Newest first; a sample that contradicts the newer ones (a rate error beyond the assumed
         # drift) ends the intersection there.
-        for g, lower, upper, lineage in samples:
-            age = abs(newest - g)
+        for age, _, (g, lower, upper, lineage) in aged:
             if age > window:
                 break
-            widen = age * drift + self.lineage_distance(lineage, target)
+            widen = age * drift + (0.0 if lineage == target else self.lineage_distance(lineage, target))
             new_lo, new_hi = max(lo, lower - g * rate - widen), min(hi, upper - g * rate + widen)
             if new_lo > new_hi:
                 break

@@ -222,13 +222,14 @@ def test_cuda_scalars_and_device_memory_are_in_the_records():
 
 
 def _count_resolver_cuda_calls(monkeypatch):
-    """Every call the resolver thread makes into the GPU device (query, elapsed, drained, anchors), with its
-    host time: the global-capture test must show the resolver really touched CUDA during the capture."""
+    """Every call the resolver thread makes into the GPU device (query, elapsed, drained, anchors; a step's two
+    elapsed reads on the resolver's CUDA fast path are one elapsed_pair), with its host time: the
+    global-capture test must show the resolver really touched CUDA during the capture."""
     from steptrace.adapters.torch import TorchCudaGpu
 
     calls: list[tuple[str, float]] = []
     training = threading.get_ident()
-    for name in ("query", "elapsed", "drained", "clock_marker"):
+    for name in ("query", "elapsed", "elapsed_pair", "drained", "clock_marker"):
         original = getattr(TorchCudaGpu, name)
 
         def wrapped(self, *args, _original=original, _name=name):
