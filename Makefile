@@ -72,7 +72,7 @@ test-stress: $(STAMP) $(HOTPATH_STAMP) maxtext-env axlearn-env torchtitan-env li
 	@pids=""; trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
 	for i in $$(seq $(STRESS_LOOPS)); do $(PYTHON) -c 'while 1: pass' & pids="$$pids $$!"; done; \
 	echo "steptrace: $(STRESS_LOOPS) busy loops beside the suite (pids$$pids)"; \
-	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+	SUITE_BUSY_LOOPS=$(STRESS_LOOPS) $(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) $(HOTPATH_STAMP)
 	@set -e; found=0; \
