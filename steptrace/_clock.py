@@ -184,21 +184,8 @@ class DeviceClock:
         if anchor is not None and recorded_after is not None and recorded_after >= anchor[2] and anchor[1] > ref_g:
             ref, ref_g, lineage = anchor[0], anchor[1], anchor[3]
         elapsed = self.device.elapsed(ref, marker)
-        loss = float32_step_s(elapsed)
-        if loss > _LINEAGE_LOSS_S:
-            lineage = self._new_lineage(lineage, loss)
-        else:
-            self.located_error = loss
-        self.located_lineage = lineage
-        # (_remember_lineage, inline: twice a step.)
-        kept, key = self._marker_lineage, id(marker)
-        kept[key] = lineage
-        kept.move_to_end(key)
-        if len(kept) > 64:
-            kept.popitem(last=False)
         g = ref_g + elapsed
-        if g > self.newest_located:
-            self.newest_located = g
+        self._located(marker, g, elapsed, lineage)
         return g
 
     def place_step(self, start: Any, start_after: float, end: Any, end_after: float, seen: float,

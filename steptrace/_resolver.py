@@ -908,10 +908,7 @@ class Resolver:
             self._read_scalars(step) if step.scalars else None,
             None if not by_values else self._step_memory(step), None, None, None, 0)
         if self.on_step_finalized is not None and step.status == "ok":
-            try:
-                self.on_step_finalized(record)
-            except Exception:
-                log.debug("steptrace: the capture trigger failed", exc_info=True)
+            self._tell_finalized(record)
         return [record]
 
     def _resolve_marked(self, step: "StepHandle") -> list[Mapping[str, Any]] | None:
@@ -1011,10 +1008,7 @@ class Resolver:
             step.collective_source or self.collective_source, None, 0)
         records.append(record)
         if self.on_step_finalized is not None and step.status == "ok":
-            try:
-                self.on_step_finalized(record)
-            except Exception:
-                log.debug("steptrace: the capture trigger failed", exc_info=True)
+            self._tell_finalized(record)
         return records
 
     def _resolve_general(self, step: "StepHandle") -> list[Mapping[str, Any]]:
@@ -1125,11 +1119,16 @@ class Resolver:
                 record["health"] = window
         records.append(record)
         if self.on_step_finalized is not None and step.status == "ok":
-            try:
-                self.on_step_finalized(record)
-            except Exception:
-                log.debug("steptrace: the capture trigger failed", exc_info=True)
+            self._tell_finalized(record)
         return records
+
+    def _tell_finalized(self, record: Mapping[str, Any]) -> None:
+        """Hand an ok step's record to ``on_step_finalized`` (the capture's triggers); called only when it
+        is set. A trigger that fails never costs the record: it is logged at debug level and skipped."""
+        try:
+            self.on_step_finalized(record)
+        except Exception:
+            log.debug("steptrace: the capture trigger failed", exc_info=True)
 
     @staticmethod
     def _release_span_marker(span: "ClosedSpan") -> None:
